@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv once and installs taperfold into it with the local CPU build of torch.
+# Sourced by scripts/demo and scripts/test; re-runs the install only when pyproject.toml changes.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$root/.venv"
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+stamp="$venv/.taperfold-installed"
+want=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "setting up $venv (first run only) ..." >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    # Pin the CPU build first: an unpinned torch would pull several GB of CUDA wheels.
+    "$venv/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
+    "$venv/bin/python" -c "import torch" || { echo "torch install failed" >&2; exit 1; }
+  fi
+  "$venv/bin/python" -m pip install -q -e "$root[dev]" 2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -c "import taperfold, onnx, onnxruntime, onnx_ir" || { echo "install failed" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
