@@ -1,0 +1,201 @@
+"""TaperNorm, TaperLN, the global gate and the scale-anchoring loss, as the paper defines them.
+
+Kanavalau, Amo Alonso, Lall (2026), "Gated Removal of Normalization in Transformers" (../shared/papers):
+
+    TaperNorm(h; g) = g · h / r(h) · diag(γ) + (1 − g) · c · h · diag(γ̃)                      (eq. 3)
+    TaperLN(h; g)   = β + g · (h − μ_h) / σ_h · diag(γ) + (1 − g) · c · (h − μ_h) · diag(γ̃)     (eq. 6)
+
+A single gate g is shared by every tapered layer: 1 through warm-up (while EMAs of the numerator and
+denominator of the least-squares optimum c* accumulate, eq. 4 / eq. 7 with the bias correction of A.6),
+then at taper start c ← c* is frozen and γ̃ ← γ, then g is cosine-decayed to 0. At g = 0 the layer is
+the constant map c·h·diag(γ̃) (LN: affine), which `taperfold export` folds into the next projection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GateSchedule:
+    """g = 1 before `taper_start`, cosine 1 → 0 on [taper_start, taper_end], 0 from `taper_end` on."""
+
+    taper_start: int
+    taper_end: int
+
+    def __post_init__(self):
+        if not 0 <= self.taper_start < self.taper_end:
+            raise ValueError(f"need 0 <= taper_start < taper_end, got {self.taper_start}, {self.taper_end}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.taper_start:
+            return 1.0
+        if step >= self.taper_end:
+            return 0.0
+        progress = (step - self.taper_start) / (self.taper_end - self.taper_start)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TaperGate:
+    """The one gate all tapered layers of a model read. A plain Python float, so that at g = 0 the
+    forward pass (and the exported graph) holds no per-token statistics at all, not a branch times 0.
+
+    `calibrating` is true during warm-up: tapered layers then update their EMAs in training mode.
+    """
+
+    def __init__(self, value: float = 1.0, calibrating: bool = False):
+        self.value = float(value)
+        self.calibrating = calibrating
+
+    def __repr__(self) -> str:
+        return f"TaperGate(value={self.value:g}, calibrating={self.calibrating})"
+
+
+def bias_corrected(ema: torch.Tensor, count: torch.Tensor, momentum: float) -> torch.Tensor:
+    """EMA with zero start, corrected for the start as in the paper's A.6: s / (1 − (1 − μ)^n)."""
+    n = int(count.item())
+    if n == 0:
+        raise RuntimeError("no EMA samples yet: calibration needs at least one training step at g = 1")
+    return ema / (1.0 - (1.0 - momentum) ** n)
+
+
+class _Tapered(nn.Module):
+    """State shared by TaperNorm and TaperLN: γ, γ̃, the frozen scalar c and the calibration EMAs."""
+
+    def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float):
+        super().__init__()
+        self.dim, self.eps, self.momentum, self.delta = dim, eps, momentum, delta
+        # Not a submodule: every layer shares one gate object, and it is not part of the state dict.
+        self.gate = gate
+        self.weight = nn.Parameter(torch.ones(dim))  # γ
+        self.weight_tilde = nn.Parameter(torch.ones(dim))  # γ̃, set from γ at taper start
+        self.register_buffer("c", torch.tensor(1.0))
+        self.register_buffer("ema_num", torch.tensor(0.0, dtype=torch.float64))
+        self.register_buffer("ema_den", torch.tensor(0.0, dtype=torch.float64))
+        self.register_buffer("ema_count", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("calibrated", torch.tensor(False))
+
+    def _apply(self, fn, recurse=True):
+        # The EMAs stay float64 whatever dtype the model is cast to: they are statistics, not weights.
+        num, den = self.ema_num, self.ema_den
+        out = super()._apply(fn, recurse)
+        self.ema_num = num.to(device=self.c.device)
+        self.ema_den = den.to(device=self.c.device)
+        return out
+
+    @torch.no_grad()
+    def _track(self, centred: torch.Tensor, scale: torch.Tensor) -> None:
+        """Update EMAs of E[‖h̄γ‖²/s(h)] and E[‖h̄γ‖²] (eq. 4 with h̄ = h, s = r; eq. 7 with h̄ = h − μ, s = σ)."""
+        energy = (centred * self.weight.float()).pow(2).sum(-1)
+        num = (energy / scale.squeeze(-1)).mean().double()
+        den = energy.mean().double()
+        mu = self.momentum
+        self.ema_num.mul_(1 - mu).add_(mu * num)
+        self.ema_den.mul_(1 - mu).add_(mu * den)
+        self.ema_count += 1
+
+    @torch.no_grad()
+    def calibrate(self) -> float:
+        """Taper start: c ← ŝ_num / (ŝ_den + δ) (frozen from now on) and γ̃ ← γ. Returns c."""
+        num = bias_corrected(self.ema_num, self.ema_count, self.momentum)
+        den = bias_corrected(self.ema_den, self.ema_count, self.momentum)
+        self.c.fill_(float(num / (den + self.delta)))
+        self.weight_tilde.copy_(self.weight)
+        self.calibrated.fill_(True)
+        return float(self.c)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, gate={self.gate.value:g}"
+
+
+class TaperNorm(_Tapered):
+    """RMSNorm variant (eq. 3)."""
+
+    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-6, momentum: float = 0.01, delta: float = 1e-8):
+        super().__init__(dim, gate, eps, momentum, delta)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        g = self.gate.value
+        if g == 0.0:
+            return h * self.c * self.weight_tilde  # constant diagonal map: no per-token statistics
+        normed = F.rms_norm(h, (self.dim,), self.weight, self.eps)
+        if self.training and self.gate.calibrating:
+            x = h.float()
+            rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            self._track(x, rms)
+        if g == 1.0:
+            return normed
+        return g * normed + (1.0 - g) * (h * self.c * self.weight_tilde)
+
+
+class TaperLN(_Tapered):
+    """LayerNorm variant (eq. 6); β is shared by both branches."""
+
+    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-5, momentum: float = 0.01, delta: float = 1e-8):
+        super().__init__(dim, gate, eps, momentum, delta)
+        self.bias = nn.Parameter(torch.zeros(dim))  # β
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        g = self.gate.value
+        if g == 0.0:
+            centred = h - h.mean(-1, keepdim=True)
+            return centred * self.c * self.weight_tilde + self.bias
+        normed = F.layer_norm(h, (self.dim,), self.weight, self.bias, self.eps)
+        if self.training and self.gate.calibrating:
+            x = h.float()
+            centred = x - x.mean(-1, keepdim=True)
+            sigma = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+            self._track(centred, sigma)
+        if g == 1.0:
+            return normed
+        centred = h - h.mean(-1, keepdim=True)
+        return g * normed + (1.0 - g) * (centred * self.c * self.weight_tilde + self.bias)
+
+
+def token_scale(h: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """s(h) of eq. 5 per token: r(h) for RMS models, σ_h for LayerNorm models. Shape h.shape[:-1]."""
+    x = h.float()
+    if kind == "ln":
+        x = x - x.mean(-1, keepdim=True)
+    return torch.sqrt(x.pow(2).mean(-1) + eps)
+
+
+class ScaleAnchorLoss(nn.Module):
+    """Fixed-target scale anchoring (eq. 5): λ · E_{b,t}[(s(h_bt) − s_tgt)²] over non-padding tokens.
+
+    During warm-up it tracks an EMA of the batch-mean scale; `freeze()` (taper start) fixes s_tgt to the
+    bias-corrected EMA. The loss is zero until the target is frozen: before that there is no target.
+    """
+
+    def __init__(self, kind: str, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
+        super().__init__()
+        if kind not in ("rms", "ln"):
+            raise ValueError(f"kind must be 'rms' or 'ln', got {kind!r}")
+        self.kind, self.weight, self.eps, self.momentum = kind, weight, eps, momentum
+        self.register_buffer("ema", torch.tensor(0.0, dtype=torch.float64))
+        self.register_buffer("ema_count", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("target", torch.tensor(0.0))
+        self.register_buffer("frozen", torch.tensor(False))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None, track: bool = False) -> torch.Tensor:
+        s = token_scale(h, self.kind, self.eps)
+        keep = torch.ones_like(s, dtype=torch.bool) if mask is None else mask.bool()
+        if track and not bool(self.frozen):
+            with torch.no_grad():
+                batch_mean = s[keep].mean().double()
+                self.ema.mul_(1 - self.momentum).add_(self.momentum * batch_mean)
+                self.ema_count += 1
+        if not bool(self.frozen):
+            return h.new_zeros((), dtype=torch.float32)
+        return self.weight * (s[keep] - self.target).pow(2).mean()
+
+    @torch.no_grad()
+    def freeze(self) -> float:
+        self.target.fill_(float(bias_corrected(self.ema, self.ema_count, self.momentum)))
+        self.frozen.fill_(True)
+        return float(self.target)

@@ -1,0 +1,158 @@
+"""`taperfold train`: train a preset through the whole taper schedule and save a g = 0 checkpoint.
+
+The recipe is the paper's (Appendix C), shortened: AdamW β = (0.9, 0.95), no weight decay, gradient
+clipping at 1.0, linear LR warm-up then cosine decay to 0. The gate is 1 through warm-up (tapered
+layers accumulate their calibration EMAs), at taper start every layer freezes c and copies γ → γ̃,
+then the gate is cosine-decayed to 0 by `taper_end`, and the last steps train at g = 0 exactly.
+
+Data: byte-level tokens (vocab 256) of text files; with none given, the Python standard library's own
+source files, which every machine with Python has. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from taperfold.checkpoint import Checkpoint, checkpoint_from_model
+from taperfold.errors import TaperfoldError
+from taperfold.models import CausalLM, ModelConfig, build_model
+from taperfold.nn import GateSchedule
+
+
+@dataclass
+class TrainOptions:
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the model's context
+    lr: float = 2e-3
+    warmup_frac: float = 0.05  # LR warm-up; the gate is held at 1 at least this long
+    taper_start_frac: float = 0.1
+    taper_end_frac: float = 0.8  # then (1 - 0.8) of the steps train at g = 0 exactly
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_batches: int = 16
+    log_every: int = 50
+    max_corpus_bytes: int = 4_000_000
+
+
+@dataclass
+class TrainResult:
+    checkpoint: Checkpoint
+    val_loss: float
+    history: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's .py files, sorted so the corpus is the same on every run."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+
+
+def load_corpus(files: list[Path] | None, max_bytes: int) -> tuple[torch.Tensor, dict]:
+    """Concatenate files as bytes (token ids 0..255), up to `max_bytes`."""
+    files = list(files) if files else default_corpus_files()
+    chunks, total = [], 0
+    for f in files:
+        try:
+            data = Path(f).read_bytes()
+        except OSError as e:
+            raise TaperfoldError(f"{f}: cannot read training data ({e.strerror or e})") from None
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    corpus = b"".join(chunks)
+    if len(corpus) < 10_000:
+        raise TaperfoldError(f"training data too small: {len(corpus)} bytes (need at least 10000)")
+    tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+    source = "python-stdlib" if len(files) and files == default_corpus_files() else "files"
+    return tokens, {"source": source, "files": len(files), "bytes": len(corpus)}
+
+
+def split_corpus(tokens: torch.Tensor, val_frac: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = int(len(tokens) * (1 - val_frac))
+    return tokens[:cut], tokens[cut:]
+
+
+def random_windows(tokens: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=gen)
+    idx = starts[:, None] + torch.arange(seq + 1)[None, :]
+    window = tokens[idx]
+    return window[:, :-1], window[:, 1:]
+
+
+def lr_at(step: int, opts: TrainOptions) -> float:
+    warm = max(1, int(opts.steps * opts.warmup_frac))
+    if step < warm:
+        return opts.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, opts.steps - warm)
+    return opts.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def gate_schedule(opts: TrainOptions) -> GateSchedule:
+    start = max(1, int(opts.steps * opts.taper_start_frac), int(opts.steps * opts.warmup_frac))
+    end = max(start + 1, int(opts.steps * opts.taper_end_frac))
+    if end > opts.steps:
+        raise TaperfoldError(f"taper end ({end}) is after the last step ({opts.steps}): the gate would not reach 0")
+    return GateSchedule(start, end)
+
+
+@torch.no_grad()
+def evaluate(model: CausalLM, tokens: torch.Tensor, opts: TrainOptions, seq: int) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    losses = [model.loss(*random_windows(tokens, opts.batch_size, seq, gen))[0].item() for _ in range(opts.eval_batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = None,
+          on_step=None) -> TrainResult:
+    """Train `cfg` from scratch; `on_step(step, record)` is called after every step (for progress)."""
+    torch.manual_seed(opts.seed)
+    tokens, corpus_info = load_corpus(data_files, opts.max_corpus_bytes)
+    if int(tokens.max()) >= cfg.vocab_size:
+        raise TaperfoldError(f"token id {int(tokens.max())} does not fit vocab_size {cfg.vocab_size}")
+    train_tokens, val_tokens = split_corpus(tokens)
+    seq = opts.seq_len or cfg.max_seq_len
+    model = build_model(cfg).train()
+    tapered = cfg.taper != "none"
+    schedule = gate_schedule(opts) if tapered else None
+    optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(opts.seed)
+    history, t0 = [], time.perf_counter()
+    for step in range(opts.steps):
+        if tapered:
+            if step == schedule.taper_start:
+                model.start_taper()
+            model.set_gate(schedule(step), calibrating=step < schedule.taper_start)
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, opts)
+        x, y = random_windows(train_tokens, opts.batch_size, seq, gen)
+        ce, aux = model.loss(x, y)
+        optim.zero_grad(set_to_none=True)
+        (ce + aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
+        optim.step()
+        record = {"step": step + 1, "loss": ce.item(), "aux": float(aux.detach()), "gate": model.gate.value,
+                  "lr": optim.param_groups[0]["lr"]}
+        if (step + 1) % opts.log_every == 0 or step + 1 == opts.steps:
+            history.append(record)
+        if on_step:
+            on_step(step + 1, record)
+    if tapered:
+        model.set_gate(schedule(opts.steps))  # == 0: the schedule ended before the last step
+    val_loss = evaluate(model, val_tokens, opts, seq)
+    seconds = time.perf_counter() - t0
+    meta = {"val_loss": val_loss, "train_seconds": round(seconds, 1), "corpus": corpus_info,
+            "options": {k: v for k, v in vars(opts).items()}, "history": history,
+            "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if tapered else None}
+    ckpt = checkpoint_from_model(model.eval(), opts.steps, meta)
+    return TrainResult(ckpt, val_loss, history, seconds)
