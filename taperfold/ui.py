@@ -1,0 +1,79 @@
+"""Terminal output: progress on stderr (stdout stays clean for --json), tables for results."""
+
+from __future__ import annotations
+
+import contextlib
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def train_progress(total: int, quiet: bool = False):
+    """Yields on_step(step, record): a progress bar with loss and gate, and a loss log line every 50 steps."""
+    if quiet:
+        yield lambda step, record: None
+        return
+    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("train", total=total, info="")
+
+        def on_step(step: int, record: dict) -> None:
+            info = f"loss {record['loss']:.3f}  gate {record['gate']:.3f}"
+            progress.update(task, completed=step, info=info)
+            if step % 50 == 0 or step == total:
+                progress.console.print(f"step {step:5d}  loss {record['loss']:.4f}  aux {record['aux']:.4f}  "
+                                       f"gate {record['gate']:.4f}  lr {record['lr']:.2e}")
+
+        yield on_step
+
+
+@contextlib.contextmanager
+def stage_status(quiet: bool = False):
+    """Yields on_stage(name): a spinner naming the current long step."""
+    if quiet:
+        yield lambda name: None
+        return
+    with err.status("starting") as status:
+        yield lambda name: status.update(name + " ...")
+
+
+def _fmt(x, spec=".4g"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_inspect(info: dict) -> None:
+    out.print(f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, aux={info['aux']}, "
+              f"{info['parameters']:,} parameters, step {info['step']}, gate {info['gate']:g}"
+              + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else ""))
+    table = Table(show_lines=False)
+    for col in ("norm", "kind", "gate", "c", "γ̃ min", "γ̃ max", "folds into", "foldable"):
+        table.add_column(col)
+    for n in info["norms"]:
+        readers = ", ".join(r.rsplit(".", 1)[-1] for r in n["folds_into"]) or "-"
+        verdict = "[green]yes[/]" if n["foldable"] else f"[yellow]no[/]: {n['reason']}"
+        table.add_row(n["name"], n["kind"], _fmt(n["gate"], "g"), _fmt(n["c"]), _fmt(n["gamma_tilde_min"]),
+                      _fmt(n["gamma_tilde_max"]), readers, verdict)
+    out.print(table)
+    out.print(f"{info['foldable']} of {len(info['norms'])} norm layers can be folded")
+
+
+def print_export(manifest: dict, out_dir) -> None:
+    table = Table(title=f"exported to {out_dir}")
+    for col in ("variant", "file", "size (MB)"):
+        table.add_column(col)
+    for name, art in manifest["artifacts"].items():
+        size = (art["bytes"] + art["external_data_bytes"]) / 1e6
+        table.add_row(name, art["path"], f"{size:.2f}")
+    out.print(table)
+    report = manifest.get("fold_report") or {}
+    summary = report.get("summary", {})
+    if summary:
+        out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    t = manifest["timings"]
+    out.print(f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s")
