@@ -10,6 +10,8 @@ from rich.table import Table
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+if not out.is_terminal:  # piped or captured: don't squeeze tables into 80 columns
+    out.width = 160
 
 
 @contextlib.contextmanager

@@ -1,0 +1,114 @@
+"""Reference models: Hugging Face names, KV cache, the torch-level fold, and a short real training run."""
+
+import pytest
+import torch
+
+from taperfold.models import (baseline_of, build_model, consumers_of_norms, fold_model_in_torch, num_parameters,
+                              preset_config)
+from taperfold.nn import TaperLN, TaperNorm
+from taperfold.train import TrainOptions, train
+
+
+def random_tapered(arch, taper, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = build_model(preset_config("tiny", arch=arch, taper=taper, **kw)).eval()
+    with torch.no_grad():
+        for norm in model.tapered_norms().values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.2, 2.0)
+            if isinstance(norm, TaperLN):
+                norm.bias.uniform_(-0.2, 0.2)
+    model.set_gate(0.0)
+    return model
+
+
+def test_hugging_face_parameter_names_and_layouts():
+    llama = build_model(preset_config("tiny", arch="llama", taper="none")).state_dict()
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                "model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.gate_proj.weight",
+                "model.layers.0.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"):
+        assert key in llama
+    assert llama["model.layers.0.mlp.up_proj.weight"].shape == (512, 128)  # nn.Linear: [out, in]
+    gpt2 = build_model(preset_config("tiny", arch="gpt2", taper="none")).state_dict()
+    assert gpt2["transformer.h.0.attn.c_attn.weight"].shape == (128, 384)  # Conv1D: [in, out]
+    for key in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.bias",
+                "transformer.h.0.mlp.c_fc.bias", "transformer.ln_f.weight"):
+        assert key in gpt2
+    tapered = build_model(preset_config("tiny", arch="llama", taper="internal")).state_dict()
+    assert "model.layers.0.input_layernorm.weight_tilde" in tapered and "model.norm.weight_tilde" not in tapered
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("llama", {"n_kv_heads": 2}), ("gpt2", {})])
+def test_kv_cache_matches_full_forward(arch, kw):
+    model = random_tapered(arch, "internal", **kw)
+    ids = torch.randint(0, 256, (2, 12))
+    full = model(ids, logits="all")
+    logits, past = model(ids[:, :5], logits="all", use_cache=True)
+    steps = [logits]
+    for t in range(5, 12):
+        step_logits, past = model(ids[:, t:t + 1], logits="all", past_key_values=past, use_cache=True)
+        steps.append(step_logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(ids, logits="last"), full[:, -1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("taper", ["internal", "all"])
+def test_torch_fold_is_exact_and_leaves_embedding_alone(arch, taper):
+    model = random_tapered(arch, taper)
+    ids = torch.randint(0, 256, (2, 16))
+    folded = fold_model_in_torch(model)
+    torch.testing.assert_close(folded(ids, logits="all"), model(ids, logits="all"), rtol=1e-4, atol=1e-5)
+    assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in folded.modules())
+    embed = folded.model.embed_tokens if arch == "llama" else folded.transformer.wte
+    original = model.model.embed_tokens if arch == "llama" else model.transformer.wte
+    assert torch.equal(embed.weight, original.weight)  # the shared table is not scaled
+    assert (folded.lm_head.weight is embed.weight) == (taper == "internal")  # All-Taper unties the head
+
+
+def test_fold_refuses_nonzero_gate():
+    model = random_tapered("llama", "internal")
+    model.set_gate(0.5)
+    with pytest.raises(ValueError, match="not 0"):
+        fold_model_in_torch(model)
+
+
+def test_baseline_keeps_weights_with_plain_norms():
+    model = random_tapered("gpt2", "all")
+    base = baseline_of(model)
+    assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in base.modules())
+    assert torch.equal(base.transformer.h[1].ln_2.weight, model.transformer.h[1].ln_2.weight)
+    assert torch.equal(base.transformer.h[1].mlp.c_fc.weight, model.transformer.h[1].mlp.c_fc.weight)
+    assert num_parameters(base) < num_parameters(model)
+
+
+def test_consumers_cover_every_norm():
+    for arch in ("llama", "gpt2"):
+        model = random_tapered(arch, "all")
+        names = {n for n, m in model.named_modules() if isinstance(m, (TaperNorm, TaperLN))}
+        assert names == set(consumers_of_norms(model))
+
+
+def test_presets():
+    cfg = preset_config("paper-30m")
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.max_seq_len, cfg.d_ff) == \
+        (512, 8, 16, 10_000, 512, 2048)
+    with torch.device("meta"):
+        n = num_parameters(build_model(preset_config("gpt2-124m", arch="gpt2", taper="none")))
+    assert 120e6 < n < 130e6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_training_runs_the_whole_taper(arch):
+    cfg = preset_config("tiny", arch=arch, taper="all", max_seq_len=64, n_layers=2)
+    result = train(cfg, TrainOptions(steps=30, batch_size=4, eval_batches=2, log_every=10))
+    ckpt = result.checkpoint
+    assert ckpt.gate == 0.0 and ckpt.step == 30
+    assert result.val_loss < 5.0  # better than uniform over 256 bytes (5.55)
+    sd = ckpt.state_dict
+    norms = [k[: -len(".calibrated")] for k in sd if k.endswith(".calibrated")]
+    assert len(norms) == 2 * 2 + 1 and all(bool(sd[n + ".calibrated"]) for n in norms)
+    assert all(float(sd[n + ".c"]) != 1.0 for n in norms)  # c was set from the EMAs
+    assert bool(sd["scale_loss.frozen"]) and float(sd["scale_loss.target"]) > 0
+    gates = [r["gate"] for r in result.history]
+    assert gates[-1] == 0.0 and max(gates) <= 1.0

@@ -1,0 +1,322 @@
+"""TensorRT path: one clear line (exit 2, nothing written) without TensorRT, the optimization profile's
+checks, and build_engine's call sequence against fake `tensorrt` modules shaped like TensorRT 10 and 11
+(the real one cannot be installed here). The GPU test runs only where tensorrt and a CUDA GPU exist."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from taperfold import trt as tftrt
+from taperfold.checkpoint import Checkpoint, save_checkpoint
+from taperfold.errors import TaperfoldError
+from taperfold.models import build_model, preset_config
+
+has_tensorrt_and_gpu = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = preset_config("tiny", arch="llama", taper="internal", n_layers=2, max_seq_len=32)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for norm in model.tapered_norms().values():
+            norm.weight_tilde.uniform_(0.5, 1.5)  # random gains: tools that drop Mul(x, ones) would hide bugs
+            norm.c.uniform_(0.5, 1.5)
+    model.set_gate(0.0)
+    return save_checkpoint(Checkpoint(cfg, model.state_dict(), 0.0, 1, {}), tmp_path_factory.mktemp("ck") / "t.pt")
+
+
+# ---- without TensorRT --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # makes `import tensorrt` raise ImportError
+
+
+def test_export_trt_without_tensorrt_says_so_and_writes_nothing(tmp_path, ckpt_path):
+    # a `tensorrt` package that fails to import stands in for a machine without TensorRT, even on one with it
+    fake = tmp_path / "fake"
+    (fake / "tensorrt").mkdir(parents=True)
+    (fake / "tensorrt" / "__init__.py").write_text("raise ImportError('simulated: no TensorRT')\n")
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": f"{fake}:{REPO}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"taperfold: error: {tftrt.NOT_INSTALLED}"]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_runner_without_tensorrt_raises_the_same_line(no_tensorrt):
+    from taperfold.runners.trt import TrtRunner
+
+    with pytest.raises(TaperfoldError, match=r"^tensorrt is not installed: pip install 'taperfold\[trt\]'"):
+        TrtRunner("model.plan")
+
+
+def test_build_without_tensorrt_raises(no_tensorrt, tmp_path):
+    with pytest.raises(TaperfoldError, match="tensorrt is not installed"):
+        tftrt.build_engine_for_export(tmp_path)
+
+
+def test_tensorrt_without_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    monkeypatch.setattr(tftrt, "_gpu", lambda: None)
+    with pytest.raises(TaperfoldError, match="^no CUDA GPU found: TensorRT engines need an NVIDIA GPU$"):
+        tftrt.require_tensorrt()
+
+
+# ---- profile -----------------------------------------------------------------------------------------
+
+
+def test_profile_defaults_and_flags():
+    p = tftrt.make_profile(512)
+    assert p.batch == (1, 1, 8) and p.sequence == (1, 128, 512)
+    assert p.shapes() == ((1, 1), (1, 128), (8, 512))
+    assert tftrt.make_profile(32).sequence == (1, 32, 32)  # opt never above max_seq_len
+    q = tftrt.make_profile(512, batch="1/4/16", sequence="8,64,256")
+    assert q.batch == (1, 4, 16) and q.sequence == (8, 64, 256)
+    assert tftrt.Profile.from_dict(q.to_dict()) == q
+
+
+@pytest.mark.parametrize("batch, sequence, message", [
+    ((4, 2, 8), None, r"^batch: need 1 <= min <= opt <= max, got min 4, opt 2, max 8$"),
+    ((1, 9, 8), None, "batch: need 1 <= min <= opt <= max, got min 1, opt 9, max 8"),
+    ((0, 1, 8), None, "batch: need 1 <= min"),
+    ("1/8", None, r"batch: expected three integers min/opt/max, got '1/8'"),
+    ("a/b/c", None, "batch: expected three integers"),
+    (None, (1, 128, 1024), "sequence: max 1024 exceeds the model's max_seq_len 512"),
+    (None, (1, 600, 600), "sequence: max 600 exceeds"),
+])
+def test_profile_errors(batch, sequence, message):
+    with pytest.raises(TaperfoldError, match=message):
+        tftrt.make_profile(512, batch=batch, sequence=sequence)
+
+
+# ---- build_engine against fake TensorRT 10 and 11 -----------------------------------------------------
+
+
+def fake_tensorrt(version, strongly_typed_flag=True, parse_ok=True, plan=b"PLAN", cache_ok=True):
+    """A `tensorrt` module with just the calls build_engine makes, recording them in `mod.calls`."""
+    mod = types.ModuleType("tensorrt")
+    mod.__version__ = version
+    calls = mod.calls = []
+
+    class Flag:
+        pass
+
+    if strongly_typed_flag:
+        Flag.STRONGLY_TYPED = 1  # nvinfer1::NetworkDefinitionCreationFlag::kSTRONGLY_TYPED
+    mod.NetworkDefinitionCreationFlag = Flag
+
+    class Logger:
+        WARNING = "WARNING"
+
+        def __init__(self, severity):
+            calls.append(("Logger", severity))
+
+    class ParserError:
+        def desc(self):
+            return "Unsupported\n operator RMSNormalization"
+
+        def node(self):
+            return 7
+
+    class OnnxParser:
+        num_errors = 0 if parse_ok else 2
+
+        def __init__(self, network, logger):
+            calls.append(("OnnxParser",))
+
+        def parse_from_file(self, path):
+            calls.append(("parse_from_file", Path(path).name))
+            return parse_ok
+
+        def get_error(self, i):
+            return ParserError()
+
+    class TimingCache:
+        def __init__(self, blob):
+            self.blob = blob
+
+        def serialize(self):
+            return b"CACHE"
+
+    class Config:  # no set_flag: a call for FP16/BF16 builder flags (gone in TensorRT 11) would fail here
+        def add_optimization_profile(self, profile):
+            calls.append(("add_optimization_profile", profile.shapes))
+
+        def create_timing_cache(self, blob):
+            calls.append(("create_timing_cache", bytes(blob)))
+            return TimingCache(bytes(blob))
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            calls.append(("set_timing_cache", cache.blob, ignore_mismatch))
+            return cache_ok or cache.blob == b""
+
+    class OptimizationProfile:
+        def set_shape(self, name, lo, opt, hi):
+            self.shapes = (name, lo, opt, hi)
+
+    class Builder:
+        def __init__(self, logger):
+            calls.append(("Builder",))
+
+        def create_network(self, flags):
+            calls.append(("create_network", flags))
+            return object()
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return OptimizationProfile()
+
+        def build_serialized_network(self, network, config):
+            calls.append(("build_serialized_network",))
+            return plan
+
+    mod.Logger, mod.OnnxParser, mod.Builder = Logger, OnnxParser, Builder
+    return mod
+
+
+@pytest.fixture
+def export_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tftrt, "_gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
+    for name in ("model", "unfolded", "baseline"):
+        (tmp_path / f"{name}.onnx").write_bytes(b"onnx")
+    manifest = {"config": {"max_seq_len": 64}, "export": {"dtype": "fp16"},
+                "artifacts": {v: {"path": f"{f}.onnx", "bytes": 4, "external_data": None, "external_data_bytes": 0}
+                              for v, f in (("folded", "model"), ("unfolded", "unfolded"), ("baseline", "baseline"))}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    return tmp_path
+
+
+def use(monkeypatch, mod):
+    monkeypatch.setitem(sys.modules, "tensorrt", mod)
+    return mod
+
+
+@pytest.mark.parametrize("version, flags", [("10.13.3.9", 1 << 1), ("11.0.0.1", 0)])
+def test_build_call_sequence(monkeypatch, export_dir, version, flags):
+    trt = use(monkeypatch, fake_tensorrt(version))
+    manifest = tftrt.build_engine_for_export(export_dir, on_stage=lambda s: None)
+    names = [c[0] for c in trt.calls]
+    assert names == ["Logger", "Builder", "create_network", "OnnxParser", "parse_from_file",
+                     "add_optimization_profile", "create_timing_cache", "set_timing_cache",
+                     "build_serialized_network"]
+    assert ("create_network", flags) in trt.calls  # TRT 10 opts in to strong typing; TRT 11 always is
+    assert ("parse_from_file", "model.onnx") in trt.calls
+    assert ("add_optimization_profile", ("input_ids", (1, 1), (1, 64), (8, 64))) in trt.calls
+    assert (export_dir / "model.plan").read_bytes() == b"PLAN"
+    assert (export_dir / "trt.timing-cache").read_bytes() == b"CACHE"
+    engine = manifest["engines"]["folded"]
+    assert engine["tensorrt"] == version and engine["gpu"] == "Fake GPU" and engine["dtype"] == "fp16"
+    assert engine["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
+    assert manifest["artifacts"]["engine"]["path"] == "model.plan"
+    assert json.loads((export_dir / "manifest.json").read_text()) == manifest
+    assert tftrt.plan_path_for(export_dir) == export_dir / "model.plan"
+
+
+def test_tensorrt_11_without_the_deprecated_flag(monkeypatch, export_dir):
+    trt = use(monkeypatch, fake_tensorrt("11.4.1", strongly_typed_flag=False))
+    tftrt.build_engine_for_export(export_dir)
+    assert ("create_network", 0) in trt.calls
+
+
+def test_tensorrt_10_without_strong_typing_is_refused(monkeypatch, export_dir):
+    use(monkeypatch, fake_tensorrt("10.0.0", strongly_typed_flag=False))
+    with pytest.raises(TaperfoldError, match="TensorRT 10.0.0 is too old: taperfold needs TensorRT 10 or 11"):
+        tftrt.build_engine_for_export(export_dir)
+
+
+def test_timing_cache_reused_and_mismatch_replaced(monkeypatch, export_dir):
+    trt = use(monkeypatch, fake_tensorrt("10.13.3"))
+    (export_dir / "trt.timing-cache").write_bytes(b"OLD")
+    tftrt.build_engine_for_export(export_dir)
+    assert ("create_timing_cache", b"OLD") in trt.calls
+    trt = use(monkeypatch, fake_tensorrt("10.13.3", cache_ok=False))  # e.g. a cache from another GPU
+    tftrt.build_engine_for_export(export_dir)
+    assert [c for c in trt.calls if c[0] == "set_timing_cache"] == [("set_timing_cache", b"CACHE", False),
+                                                                    ("set_timing_cache", b"", False)]
+
+
+def test_parser_error_is_one_line_naming_the_file(monkeypatch, export_dir):
+    use(monkeypatch, fake_tensorrt("10.13.3", parse_ok=False))
+    with pytest.raises(TaperfoldError) as e:
+        tftrt.build_engine_for_export(export_dir)
+    assert str(e.value) == (f"{export_dir / 'model.onnx'}: TensorRT cannot parse it: node 7: "
+                            "Unsupported operator RMSNormalization (and 1 more)")
+    assert not (export_dir / "model.plan").exists()
+
+
+def test_failed_build_leaves_no_plan(monkeypatch, export_dir):
+    use(monkeypatch, fake_tensorrt("11.0.0", plan=None))
+    with pytest.raises(TaperfoldError, match="model.onnx: TensorRT could not build an engine"):
+        tftrt.build_engine_for_export(export_dir)
+    assert not (export_dir / "model.plan").exists()
+    assert "engines" not in json.loads((export_dir / "manifest.json").read_text())
+
+
+def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir):
+    use(monkeypatch, fake_tensorrt("10.13.3"))
+    tftrt.build_engine_for_export(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
+    trt = use(monkeypatch, fake_tensorrt("10.13.3"))
+    paths = tftrt.ensure_engines(export_dir, ["baseline", "unfolded", "folded"])
+    assert paths == {v: export_dir / tftrt.PLANS[v] for v in ("baseline", "unfolded", "folded")}
+    built = [c[1] for c in trt.calls if c[0] == "parse_from_file"]
+    assert built == ["baseline.onnx", "unfolded.onnx"]  # folded was fresh
+    engines = json.loads((export_dir / "manifest.json").read_text())["engines"]
+    assert {v: e["profile"]["batch"] for v, e in engines.items()} == {v: [1, 2, 4] for v in paths}
+    trt = use(monkeypatch, fake_tensorrt("10.14.1"))  # another TensorRT: every engine is stale
+    tftrt.ensure_engines(export_dir, ["folded"])
+    assert [c[1] for c in trt.calls if c[0] == "parse_from_file"] == ["model.onnx"]
+
+
+def test_unknown_variant_and_missing_engine(monkeypatch, export_dir):
+    use(monkeypatch, fake_tensorrt("10.13.3"))
+    with pytest.raises(TaperfoldError, match="no ONNX model for variant 'folded.decoder'"):
+        tftrt.build_engine_for_export(export_dir, variants=("folded.decoder",))
+    with pytest.raises(TaperfoldError, match="no TensorRT engine for 'baseline'; build it with"):
+        tftrt.plan_path_for(export_dir, "baseline")
+
+
+# ---- on a GPU with TensorRT -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not has_tensorrt_and_gpu, reason="needs tensorrt and an NVIDIA GPU (not installable here)")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_engine_matches_onnxruntime(tmp_path, ckpt_path, cuda_graph):
+    import onnxruntime as ort
+
+    from taperfold.runners.trt import TrtRunner
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out),
+                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["artifacts"]["engine"]["path"] == "model.plan"
+    ids = np.random.default_rng(0).integers(0, 256, size=(2, 16), dtype=np.int64)
+    ref = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids})[0]
+    with TrtRunner(out / "model.plan", cuda_graph=cuda_graph) as runner:
+        assert runner.input_names == ["input_ids"] and runner.output_names == ["logits"]
+        got = runner.infer({"input_ids": ids})["logits"]
+        prepared = runner.prepare({"input_ids": ids})
+        outputs, seconds = runner.timed_run(prepared)
+        assert seconds > 0 and np.array_equal(runner.to_numpy(outputs["logits"]), got)
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)  # TF32 is on by default in TensorRT
