@@ -32,6 +32,42 @@ def cli() -> None:
 # ---- commands are registered below, one section per command --------------------------------------
 
 
+# ---- fold -----------------------------------------------------------------------------------------
+@cli.command("fold")
+@click.argument("src", metavar="IN.onnx", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "dst", metavar="OUT.onnx", required=True, type=click.Path(dir_okay=False),
+              help="The folded model; its weights go to OUT.onnx.data.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of a table.")
+def fold_command(src: str, dst: str, report_path: str | None, as_json: bool) -> None:
+    """Fold g = 0 TaperNorm / TaperLN layers of IN.onnx into the linear layers that read them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from taperfold.passes import fold_onnx_file
+
+    report = fold_onnx_file(src, dst, report_path)
+    if as_json:
+        _print_json(report.to_dict())
+        return
+    table = Table(title=f"taperfold fold {src}")
+    for column in ("norm", "kind", "status", "consumers", "reason"):
+        table.add_column(column, overflow="fold")
+    for entry in report.norms:
+        table.add_row(entry.name, entry.kind, entry.status, ", ".join(entry.consumers), entry.reason)
+    console = Console()
+    console.print(table)
+    s = report.summary()
+    console.print(
+        f"{s['folded']} of {s['norms']} norms folded, {s['kept']} kept, {s['not_foldable']} not foldable; "
+        f"{s['bytes_rewritten'] / 2**20:.2f} MiB of weights rewritten, {s['initializers_copied']} copied; "
+        f"nodes {s['nodes_before']} -> {s['nodes_after']}; wrote {dst}",
+        highlight=False,
+    )
+    if s["check_output"] != "passed":
+        console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
+
+
 # ---- train -------------------------------------------------------------------------------------------
 
 
@@ -102,8 +138,12 @@ def inspect(checkpoint, as_json):
 @click.option("--opset", type=click.IntRange(18, 23), default=20, show_default=True)
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
+@click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
+@click.option("--trt-seq", metavar="MIN/OPT/MAX",
+              help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache, force_gate0, as_json):
+def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache, force_gate0, trt_batch, trt_seq,
+           as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json."""
     from taperfold.export import ExportOptions, export_checkpoint
     from taperfold.ui import print_export, stage_status
@@ -116,11 +156,150 @@ def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache,
     with stage_status(quiet=as_json) as on_stage:
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
         if to_trt:
-            from taperfold.trt import build_engine_for_export
+            from taperfold.trt import build_engine_for_export, make_profile
 
-            build_engine_for_export(result.out_dir, on_stage=on_stage)
+            profile = make_profile(result.manifest["config"]["max_seq_len"], batch=trt_batch, sequence=trt_seq)
+            result.manifest = build_engine_for_export(result.out_dir, profile=profile, on_stage=on_stage)
     _print_json(result.manifest) if as_json else print_export(result.manifest, result.out_dir)
 
+
+# ---- verify ------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("export_dir", metavar="[DIR]", required=False, default="taperfold-out", type=click.Path())
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where ONNX Runtime runs (the PyTorch reference always runs in fp32 on the CPU).")
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False),
+              help="Token ids: .npy integer array, or whitespace-separated ids, one sequence per line.")
+@click.option("--text", "text_file", type=click.Path(dir_okay=False),
+              help="A text file, encoded with the checkpoint's byte-level tokenizer.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random token batches.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="CPU threads for the torch reference and ONNX Runtime. Default: theirs.")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Bound on max |error| / max |reference|, every pair.")
+@click.option("--min-top1", type=click.FloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
+@click.option("--max-kl", type=click.FloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
+    """Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
+
+    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
+    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
+    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
+
+    \b
+    Default tolerances (export dtype, pair):
+      fp32, vs checkpoint      rtol 1e-4   min-top1 0.999  max-kl 1e-6
+      fp32, unfolded -> folded rtol 1e-5   min-top1 0.999  max-kl 1e-8
+      fp16, every pair         rtol 2e-2   min-top1 0.99   max-kl 5e-3
+      bf16, every pair         rtol 5e-2   min-top1 0.98   max-kl 3e-2
+
+    A --force-gate0 export is held to the checkpoint at g = 0; the checkpoint at its real gate vs
+    model.onnx is reported as the cost of forcing g = 0 and never fails. Exit 0: all pairs pass;
+    1: a pair is out of tolerance; 2: bad input.
+    """
+    from taperfold.fsutil import write_json_atomic
+    from taperfold.ui import print_verify, step_progress
+    from taperfold.verify import REPORT, tokens_from_file, tokens_from_text, verify_export
+
+    if tokens_file and text_file:
+        raise click.UsageError("pass --tokens or --text, not both")
+    inputs = tokens_from_file(tokens_file) if tokens_file else tokens_from_text(text_file) if text_file else None
+    overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl}
+    with step_progress("verifying", quiet=as_json) as on_step:
+        report = verify_export(export_dir, inputs=inputs, device=device, tolerances=overrides, seed=seed,
+                               threads=threads, on_progress=on_step)
+    result = report.to_dict()
+    write_json_atomic(Path(export_dir) / REPORT, result)
+    _print_json(result) if as_json else print_verify(result)
+    if not report.passed:
+        raise NumericMismatch(report.failure_message())
+
+
+# ---- bench -------------------------------------------------------------------------------------------
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise TaperfoldError(f"{option}: {text!r} is not a comma-separated list of positive integers")
+    return list(dict.fromkeys(values))
+
+
+@cli.command()
+@click.argument("export_dir", metavar="[DIR]", required=False, type=click.Path(file_okay=False))
+@click.option("--engine", type=click.Choice(["torch", "ort", "trt"]),
+              help="Default: ort with DIR, torch with --checkpoint or --preset.")
+@click.option("--variants", default="baseline,unfused,folded", show_default=True)
+@click.option("--batch", "batches", default="1,4", show_default=True)
+@click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Warm-up calls per variant and cell, spread over the rounds (at least one per round).")
+@click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Timed calls per variant and cell, spread over the rounds.")
+@click.option("--rounds", type=click.IntRange(min=1), help="Alternation rounds. Default: min(5, iters).")
+@click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
+              help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).")
+@click.option("--prompt", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length (decode).")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Decode steps after the prompt (decode).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Default: fp32 for torch, the export's dtype for ort / trt.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: cuda for trt, cpu otherwise.")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (torch and ORT intra-op). Default: torch's.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the torch variants.")
+@click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
+@click.option("--preset", type=click.Choice(["tiny", "paper-30m", "gpt2-124m"]),
+              help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
+@click.option("--arch", type=click.Choice(["llama", "gpt2"]), default="llama", show_default=True,
+              help="Architecture for --preset.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input tokens.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every timing, stats and the machine.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write one row per variant, cell and phase.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
+def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, dtype,
+          device, threads, compile_, checkpoint, preset, arch, seed, json_path, csv_path, plot_path):
+    """Throughput of baseline, unfused and folded models (the paper's Table 3), variants alternated in rounds.
+
+    \b
+    Examples:
+      taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
+      taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
+      taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
+    Writes DIR/bench.json when DIR is given.
+    """
+    from taperfold.bench.engines import VARIANTS, default_device, resolve_source
+    from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
+    from taperfold.bench.report import bench_progress, print_report, require_matplotlib, write_csv, write_plot
+    from taperfold.fsutil import write_json_atomic
+
+    names = list(dict.fromkeys(v.strip() for v in variants.split(",") if v.strip()))
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise TaperfoldError(f"--variants: unknown {unknown or variants!r}; choose from {', '.join(VARIANTS)}")
+    if rounds is not None and rounds > iters:
+        raise TaperfoldError(f"--rounds {rounds} exceeds --iters {iters}: every round needs a timed call")
+    if plot_path:
+        require_matplotlib()
+    source = resolve_source(export_dir, checkpoint, preset, arch)
+    engine = engine or ("ort" if export_dir else "torch")
+    opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches),
+                        seqs=_int_list("--seq", seqs), warmup=warmup, iters=iters, rounds=rounds or min(5, iters),
+                        mode=mode, prompt=prompt, new_tokens=new_tokens, dtype=dtype,
+                        device=device or default_device(engine), threads=threads, compile=compile_, seed=seed)
+    total = len(cells(opts)) * len(names) * opts.schedule.calls_per_variant()
+    with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
+        report = run_bench(loaded, on_call)
+    print_report(report)
+    for path, write in ((json_path, write_json_atomic), (csv_path, write_csv), (plot_path, write_plot)):
+        if path:
+            write(path, report)
+    if export_dir:
+        write_json_atomic(Path(export_dir) / "bench.json", report)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class ExportOptions:
     opset: int = 20
     kv_cache: bool = False
     force_gate0: bool = False
+    baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
 
 
 @dataclass
@@ -101,15 +103,20 @@ def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False):
     else:
         module, args, kwargs = model, (ids,), {"logits": opts.logits}
         inputs, outputs = ["input_ids"], ["logits"]
-        shapes = {"input_ids": {0: batch, 1: seq}}
+        shapes = {"input_ids": {0: batch, 1: seq}, "logits": None}
     with _quiet():
         try:
             program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opts.opset,
                                         input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                                         optimize=True, verbose=False)
-        except Exception as e:  # the exporter raises many types; the user needs the first line
-            raise TaperfoldError(f"torch.onnx export failed: {str(e).splitlines()[0]}") from e
+        except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
+            raise TaperfoldError(f"torch.onnx export failed: {_first_line(e.__cause__ or e)}") from e
     return program.model
+
+
+def _first_line(error: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _save(model_ir, path: Path) -> None:
@@ -140,6 +147,8 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
         variants = [("baseline", baseline, False), ("unfolded", tapered, False)]
         if opts.kv_cache:
             variants += [("baseline.decoder", baseline, True), ("unfolded.decoder", tapered, True)]
+        if not opts.baseline:
+            variants = [v for v in variants if not v[0].startswith("baseline")]
         for name, model, decoder in variants:
             on_stage(f"exporting {name}")
             t0 = time.perf_counter()
@@ -190,7 +199,7 @@ def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Pa
         "format": "taperfold-export",
         "format_version": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "checkpoint": {"path": str(ckpt_path.resolve()), "sha256": _checkpoint_digest(ckpt_path),
+        "checkpoint": {"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path),
                        "step": ckpt.step},
         "config": ckpt.config.to_dict(),
         "gate": ckpt.gate,
@@ -206,7 +215,7 @@ def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Pa
     }
 
 
-def _checkpoint_digest(path: Path) -> str:
+def checkpoint_digest(path: Path) -> str:
     """sha256 of the checkpoint file; for a directory, of its files in name order."""
     if path.is_file():
         return sha256_file(path)

@@ -51,10 +51,16 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        umask = os.umask(0)
+        os.umask(umask)
         for suffix in sidecars:
-            side = Path(str(tmp_path) + suffix)
+            side, final = Path(str(tmp_path) + suffix), Path(str(dest) + suffix)
             if side.exists():
-                os.replace(side, Path(str(dest) + suffix))
+                os.replace(side, final)
+            elif final.exists():  # the new file has no sidecar: a stale one would mislead
+                final.unlink()
+        if tmp_path.exists():
+            os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the usual mode
         os.replace(tmp_path, dest)
     finally:
         for p in [tmp_path, *(Path(str(tmp_path) + s) for s in sidecars)]:

@@ -79,3 +79,43 @@ def print_export(manifest: dict, out_dir) -> None:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     t = manifest["timings"]
     out.print(f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s")
+
+
+@contextlib.contextmanager
+def step_progress(label: str, quiet: bool = False):
+    """Yields on_step(done, total, description): a progress bar for work whose size the callee knows."""
+    if quiet:
+        yield lambda done, total, description: None
+        return
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("", total=None)
+        yield lambda done, total, description: progress.update(task, completed=done, total=total,
+                                                                description=description)
+
+
+def print_verify(report: dict) -> None:
+    """One row per pair, pooled over the input batches (worst case for maxima, means over rows)."""
+    styles = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "info": "[cyan]INFO[/]",
+              "skipped": "[yellow]SKIPPED[/]"}
+    table = Table(title=f"{report['export_dir']}: {report['dtype']}, logits={report['logits']}, "
+                        f"{len(report['inputs'])} input batch(es), device {report['device']}")
+    for col in ("pair", "status", "max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL",
+                "worst input / note"):
+        table.add_column(col)
+    for pair in report["pairs"]:
+        m, tol = pair["metrics"] or {}, pair["tolerance"] or {}
+        worst = f"worst: {pair['worst_input']}" if pair["worst_input"] else ""
+        note = pair["reason"] or "; ".join([*pair["violations"], worst] if pair["violations"] else [worst])
+        if pair["kind"] == "cost":
+            note = f"cost of forcing g=0 (not judged); {note}"
+        table.add_row(pair["name"], styles[pair["status"]], _fmt(m.get("max_abs"), ".3g"),
+                      _fmt(m.get("max_rel"), ".3g"), _fmt(tol.get("rtol"), "g"), _fmt(m.get("mean_abs"), ".3g"),
+                      _fmt(m.get("cosine"), ".6f"), _fmt(m.get("top1"), ".4f"), _fmt(m.get("top5"), ".4f"),
+                      _fmt(m.get("kl"), ".3g"), note)
+    out.print(table)
+    judged = [p for p in report["pairs"] if p["status"] in ("pass", "fail")]
+    failed = [p for p in judged if p["status"] == "fail"]
+    verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
+    out.print(f"{verdict}: {len(judged) - len(failed)} of {len(judged)} pairs within tolerance")

@@ -37,3 +37,24 @@ def run_cli(*args) -> CliResult:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny llama trained through the whole taper (gate exactly 0), shared by the session.
+    Small batches of short windows: the schedule is what matters here, not the loss."""
+    from taperfold.checkpoint import save_checkpoint
+    from taperfold.models import preset_config
+    from taperfold.train import TrainOptions, train
+
+    cfg = preset_config("tiny", arch="llama", taper="internal")
+    result = train(cfg, TrainOptions(steps=40, eval_batches=2, batch_size=4, seq_len=32))
+    return save_checkpoint(result.checkpoint, tmp_path_factory.mktemp("tiny") / "tiny.pt")
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory, tiny_checkpoint):
+    """`taperfold export` of tiny_checkpoint (fp32, logits=last). Read-only: copy it before changing a file."""
+    from taperfold.export import ExportOptions, export_checkpoint
+
+    return export_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny-export") / "out", ExportOptions()).out_dir

@@ -1,0 +1,163 @@
+"""Numeric comparison of logits: metrics for one (reference, candidate) pair, and the tolerances they are held to.
+
+Logits are compared row by row (one row per position that has logits, vocabulary along the last axis):
+
+- max_abs: largest |candidate - reference|
+- max_rel: max_abs divided by the largest |reference| of the same batch (a scale-free error)
+- mean_abs: mean |candidate - reference|
+- cosine: the smallest per-row cosine similarity
+- top1: fraction of rows where both pick the same token
+- top1_decisive: the same over rows that are not near-ties: rows where the reference's top two logits
+  are further apart than the absolute tolerance (rtol x max |reference|). At that precision either
+  token of a near-tie is a right answer, so only decisive rows are held to `min_top1`.
+- top5: mean of |top-5(reference) ∩ top-5(candidate)| / 5
+- kl: mean over rows of KL(softmax(reference) ‖ softmax(candidate)), in float64 via log-softmax
+
+A pair passes when max_rel ≤ rtol, top1_decisive ≥ min_top1 and kl ≤ max_kl; cosine, top5 and the
+others are reported only. NaN or Inf anywhere in the candidate fails every bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float  # bound on max_rel
+    min_top1: float  # bound on top1_decisive
+    max_kl: float  # bound on the mean KL
+
+    def override(self, rtol: float | None = None, min_top1: float | None = None,
+                 max_kl: float | None = None) -> "Tolerance":
+        given = {k: v for k, v in dict(rtol=rtol, min_top1=min_top1, max_kl=max_kl).items() if v is not None}
+        return replace(self, **given)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Reference: the fp32 checkpoint in PyTorch. fp32 exports differ from it only by kernel order, and
+# folding only reassociates one multiply, so the fold's own pair is held 10x tighter. In fp16/bf16 each
+# side carries its own rounding, so every pair gets the dtype's bound (bf16 keeps 8 mantissa bits to
+# fp16's 11).
+DEFAULT_TOLERANCES: dict[tuple[str, str], Tolerance] = {
+    ("fp32", "export"): Tolerance(rtol=1e-4, min_top1=0.999, max_kl=1e-6),
+    ("fp32", "fold"): Tolerance(rtol=1e-5, min_top1=0.999, max_kl=1e-8),
+    ("fp16", "export"): Tolerance(rtol=2e-2, min_top1=0.99, max_kl=5e-3),
+    ("fp16", "fold"): Tolerance(rtol=2e-2, min_top1=0.99, max_kl=5e-3),
+    ("bf16", "export"): Tolerance(rtol=5e-2, min_top1=0.98, max_kl=3e-2),
+    ("bf16", "fold"): Tolerance(rtol=5e-2, min_top1=0.98, max_kl=3e-2),
+}
+
+
+def default_tolerance(dtype: str, kind: str) -> Tolerance:
+    """`kind`: "export" (checkpoint vs an exported model) or "fold" (unfolded.onnx vs model.onnx)."""
+    return DEFAULT_TOLERANCES[(dtype, kind)]
+
+
+def tolerance_help() -> str:
+    """The default table, for `--help`."""
+    rows = [f"{dtype} {kind}: rtol {t.rtol:g}, min-top1 {t.min_top1:g}, max-kl {t.max_kl:g}"
+            for (dtype, kind), t in DEFAULT_TOLERANCES.items()]
+    return "; ".join(rows)
+
+
+@dataclass
+class Metrics:
+    rows: int
+    max_abs: float
+    max_rel: float
+    mean_abs: float
+    cosine: float
+    top1: float
+    decisive_rows: int
+    top1_decisive: float
+    top5: float
+    kl: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def merge(parts: list["Metrics"]) -> "Metrics":
+        """Pool metrics of several batches: worst case for the maxima, row-weighted means for the rest."""
+        rows = sum(p.rows for p in parts)
+        decisive = sum(p.decisive_rows for p in parts)
+
+        def mean(field: str, weight: str = "rows") -> float:
+            total = sum(getattr(p, weight) for p in parts)
+            return sum(getattr(p, field) * getattr(p, weight) for p in parts) / total if total else 1.0
+
+        return Metrics(rows=rows, max_abs=_worst(p.max_abs for p in parts), max_rel=_worst(p.max_rel for p in parts),
+                       mean_abs=mean("mean_abs"), cosine=-_worst(-p.cosine for p in parts), top1=mean("top1"),
+                       decisive_rows=decisive, top1_decisive=mean("top1_decisive", "decisive_rows"),
+                       top5=mean("top5"), kl=mean("kl"))
+
+
+def _worst(values) -> float:
+    """max() that lets NaN win, so a NaN in any batch is never hidden by a finite one."""
+    values = list(values)
+    return float("nan") if any(np.isnan(v) for v in values) else max(values)
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64).reshape(-1, x.shape[-1])
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _top_k(x: np.ndarray, k: int) -> np.ndarray:
+    k = min(k, x.shape[-1])
+    return np.argpartition(-x, k - 1, axis=-1)[:, :k]
+
+
+def compare_logits(reference: np.ndarray, candidate: np.ndarray, rtol: float) -> Metrics:
+    """Metrics of `candidate` against `reference` (same shape, vocabulary last); `rtol` sets the near-tie margin."""
+    if reference.shape != candidate.shape:
+        raise ValueError(f"shape {list(candidate.shape)} differs from the reference's {list(reference.shape)}")
+    ref, cand = _rows(reference), _rows(candidate)
+    diff = np.abs(cand - ref)
+    scale = np.abs(ref).max()
+    max_abs = float(diff.max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    norms = np.linalg.norm(ref, axis=-1) * np.linalg.norm(cand, axis=-1)
+    cosine = (ref * cand).sum(axis=-1) / np.maximum(norms, np.finfo(np.float64).tiny)
+
+    ref_top1, cand_top1 = ref.argmax(axis=-1), cand.argmax(axis=-1)
+    agree = ref_top1 == cand_top1
+    top2 = np.partition(ref, -2, axis=-1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > rtol * scale
+
+    ref_top5, cand_top5 = _top_k(ref, 5), _top_k(cand, 5)
+    k = ref_top5.shape[-1]
+    overlap = np.array([len(np.intersect1d(a, b)) for a, b in zip(ref_top5, cand_top5)]) / k
+
+    log_p, log_q = _log_softmax(ref), _log_softmax(cand)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+
+    if not np.isfinite(cand).all():  # argmax/top-k on NaN pick arbitrary tokens; make every bound fail
+        max_abs = max_rel = float("nan")
+        kl = np.full_like(kl, np.nan)
+    return Metrics(rows=ref.shape[0], max_abs=max_abs, max_rel=float(max_rel), mean_abs=float(diff.mean()),
+                   cosine=float(cosine.min()), top1=float(agree.mean()), decisive_rows=int(decisive.sum()),
+                   top1_decisive=float(agree[decisive].mean()) if decisive.any() else 1.0,
+                   top5=float(overlap.mean()), kl=float(kl.mean()))
+
+
+def violations(metrics: Metrics, tol: Tolerance) -> list[str]:
+    """Each bound the metrics break, as 'metric value > limit'; empty when the pair passes.
+    Written as `not (value <= limit)` so that NaN breaks every bound."""
+    out = []
+    if not metrics.max_rel <= tol.rtol:
+        out.append(f"max_rel {metrics.max_rel:.3g} > {tol.rtol:g}")
+    if not metrics.top1_decisive >= tol.min_top1:
+        out.append(f"top1 {metrics.top1_decisive:.4g} < {tol.min_top1:g}")
+    if not metrics.kl <= tol.max_kl:
+        out.append(f"kl {metrics.kl:.3g} > {tol.max_kl:g}")
+    return out

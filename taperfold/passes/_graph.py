@@ -1,0 +1,158 @@
+"""Graph helpers shared by the passes: constants, the matched norm, weights rewritten on save."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE})
+# dtype -> dtypes that hold every one of its values exactly: a Cast there and back is the identity.
+_EXACT_WIDER = {
+    ir.DataType.FLOAT16: {ir.DataType.FLOAT, ir.DataType.DOUBLE},
+    ir.DataType.BFLOAT16: {ir.DataType.FLOAT, ir.DataType.DOUBLE},
+    ir.DataType.FLOAT: {ir.DataType.DOUBLE},
+}
+
+
+@dataclasses.dataclass(eq=False)
+class NormMatch:
+    """A constant-scale norm found in the graph: output = (input [- mean(input)]) * scale [+ bias]."""
+
+    kind: str  # "rms": a diagonal scale; "ln": mean subtraction, scale, optional bias
+    input: ir.Value
+    output: ir.Value
+    nodes: list[ir.Node]  # the norm's own nodes, in graph order
+    scale: np.ndarray  # float64 [d], the product of the chain's constants
+    bias: np.ndarray | None = None  # float64 [d], LN's beta
+
+
+def cast_to(node: ir.Node) -> ir.DataType:
+    return ir.DataType(node.attributes.get_int("to"))
+
+
+def is_fixed(value: ir.Value | None) -> bool:
+    """An initializer the caller cannot override (an initializer that is also a graph input can be fed)."""
+    return value is not None and value.is_initializer() and not value.is_graph_input() and value.const_value is not None
+
+
+def is_const(value: ir.Value | None) -> bool:
+    """Constant, known without reading data: a fixed initializer or a Constant node, passed through
+    Identity/Cast/Reshape nodes (unoptimized dynamo exports build e.g. ReduceMean's axes that way)."""
+    if value is None:
+        return False
+    if is_fixed(value):
+        return True
+    node = value.producer()
+    if node is None or node.domain != "":
+        return False
+    return node.op_type == "Constant" or (
+        node.op_type in ("Identity", "Cast", "Reshape") and all(is_const(v) for v in node.inputs if v is not None)
+    )
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """A constant value's contents (as the graph computes them, Casts applied); None if not constant."""
+    if not is_const(value):
+        return None
+    if is_fixed(value):
+        return value.const_value.numpy()
+    node = value.producer()
+    if node.op_type == "Constant":
+        try:
+            tensor = ir.convenience.get_const_tensor(value)
+        except ValueError:  # a malformed Constant is simply not a constant we can use
+            return None
+        return None if tensor is None else tensor.numpy()
+    array = const_array(node.inputs[0])
+    if array is None or node.op_type == "Identity":
+        return array
+    if node.op_type == "Cast":
+        return array.astype(cast_to(node).numpy())
+    shape = const_array(node.inputs[1])
+    if shape is None:
+        return None
+    if not node.attributes.get_int("allowzero", 0):  # 0 copies the input's dim
+        shape = [array.shape[i] if dim == 0 else dim for i, dim in enumerate(shape)]
+    return array.reshape([int(dim) for dim in shape])
+
+
+def const_producers(value: ir.Value) -> list[ir.Node]:
+    """The nodes that compute a constant value (none for an initializer)."""
+    node = value.producer()
+    if node is None:
+        return []
+    return [node, *(n for v in node.inputs if v is not None for n in const_producers(v))]
+
+
+def channel_const(value: ir.Value | None, other: ir.Value | None) -> np.ndarray | None:
+    """A float constant that scales `other` per channel (shape [], [d] or [1, ..., 1, d]) as float64 [1] or [d].
+
+    Leading 1-dims are accepted only when they do not raise the rank of `other`, so dropping the
+    Mul/Add leaves every shape as it was.
+    """
+    array = const_array(value)
+    if array is None or ir.DataType.from_numpy(array.dtype) not in FLOAT_TYPES:
+        return None
+    if any(dim != 1 for dim in array.shape[:-1]):
+        return None
+    if array.ndim > 1 and (other is None or other.shape is None or array.ndim > len(other.shape)):
+        return None
+    if array.size > 1 and other is not None and other.shape is not None and len(other.shape) > 0:
+        last = other.shape[-1]
+        if isinstance(last, int) and last != array.size:  # it broadcasts `other` (e.g. RoPE's outer product)
+            return None
+    return array.astype(np.float64).reshape(-1)
+
+
+def folded_source(match: NormMatch) -> ir.Value:
+    """The value the norm's readers take once the norm's arithmetic has moved into weights.
+
+    That is the norm's input, unless the chain changed dtype: Casts that round-trip exactly (widen,
+    then narrow back to the input's dtype) vanish; otherwise the chain's last Cast is kept, now
+    applied to the input directly.
+    """
+    casts = [n for n in match.nodes if n.op_type == "Cast"]
+    if not casts:
+        return match.input
+    dtype = match.input.dtype
+    targets = [cast_to(n) for n in casts]
+    if targets[-1] == dtype and all(t in _EXACT_WIDER.get(dtype, ()) for t in targets[:-1]):
+        return match.input
+    casts[-1].replace_input_with(0, match.input)
+    return casts[-1].outputs[0]
+
+
+def derived_tensor(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape: Sequence[int]) -> ir.LazyTensor:
+    """A weight computed in float64 and cast once to `dtype`, only when it is saved or read.
+
+    Nothing is materialized while folding, so a large model never holds a second copy of its
+    weights; sources are read through the loader's memory maps when the result is written.
+    """
+    return ir.LazyTensor(lambda: ir.tensor(compute().astype(dtype.numpy())), dtype=dtype, shape=ir.Shape(shape))
+
+
+def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol) -> ir.Value:
+    """Register `tensor` as a new initializer with a name derived from `base` that is not taken yet."""
+    name, i = f"{base}.folded", 1
+    while name in graph.initializers:
+        name, i = f"{base}.folded_{i}", i + 1
+    tensor.name = name
+    value = ir.val(name, tensor.dtype, tensor.shape, const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def write_const(graph: ir.Graph, reader: ir.Node, index: int, tensor: ir.TensorProtocol, base: str) -> ir.Value:
+    """Give `reader`'s input `index` the contents `tensor`: in place when `reader` alone reads that
+    initializer, else as a new initializer named after `base` (other readers keep the original)."""
+    value = reader.inputs[index]
+    if is_fixed(value) and not value.is_graph_output() and all(u.node is reader for u in value.uses()):
+        tensor.name = value.name
+        value.const_value = tensor
+        return value
+    new = add_initializer(graph, base, tensor)
+    reader.replace_input_with(index, new)
+    return new

@@ -1,0 +1,388 @@
+"""`taperfold verify`: run an export's models on the same tokens and hold their logits to tolerances.
+
+The reference is the checkpoint named in manifest.json, rebuilt in PyTorch (fp32, CPU) at its stored
+gate. Pairs (reference -> candidate):
+
+- checkpoint -> unfolded: the exporter's own fidelity (unfolded.onnx, ONNX Runtime)
+- checkpoint -> folded: what a user gets (model.onnx)
+- unfolded -> folded: the fold alone, held to a tighter bound in fp32
+- checkpoint -> engine: the TensorRT plan, when the export has one; skipped, with the reason, when
+  TensorRT or a GPU is missing
+
+An export made with --force-gate0 comes from a checkpoint whose gate is not 0, so folding changed the
+function on purpose. Its reference is then the checkpoint built at g = 0, which the export must match,
+and one more pair, checkpoint@g=<gate> -> folded, shows the cost of forcing g = 0. That pair is
+reported but never fails: the user asked for the change, and how much loss it is worth is theirs to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
+from taperfold.errors import TaperfoldError
+from taperfold.export import MANIFEST, checkpoint_digest
+
+REPORT = "verify.json"
+BATCH_SIZES = (1, 4)
+SHORT_SEQUENCE = 16
+
+
+@dataclass
+class InputBatch:
+    label: str  # names the batch in the report, and the file in errors
+    ids: np.ndarray  # [batch, sequence] token ids
+    tokenizer: str | None = None  # set when the ids were encoded here: must match the checkpoint's
+
+
+# ---- inputs ------------------------------------------------------------------------------------------
+
+
+def random_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
+    """Uniform random tokens: batch 1 and >1 by sequence 1, a short one and the longest the model allows."""
+    rng = np.random.default_rng(seed)
+    sequences = sorted({1, min(SHORT_SEQUENCE, max_seq_len), max_seq_len})
+    return [InputBatch(f"random {b}x{s}", rng.integers(0, vocab_size, size=(b, s), dtype=np.int64))
+            for b in BATCH_SIZES for s in sequences]
+
+
+def tokens_from_file(path: str | Path) -> list[InputBatch]:
+    """A .npy integer array, or text with whitespace-separated ids, one sequence per line.
+    1-D (or one line) is one sequence; 2-D (or several lines of equal length) is a batch."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaperfoldError(f"{path}: no such token file")
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise TaperfoldError(f"{path}: not a readable .npy array ({e})") from None
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TaperfoldError(f"{path}: holds {ids.dtype} values; token ids must be integers")
+    else:
+        ids = _ids_from_text(path)
+    return [InputBatch(str(path), ids[None, :] if ids.ndim == 1 else ids)]
+
+
+def _ids_from_text(path: Path) -> np.ndarray:
+    try:
+        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaperfoldError(f"{path}: not a readable token file ({e}); use .npy or whitespace-separated ids") from None
+    rows = []
+    for number, words in enumerate(lines, 1):
+        try:
+            rows.append([int(w) for w in words])
+        except ValueError:
+            bad = next(w for w in words if not w.lstrip("+-").isdigit())
+            raise TaperfoldError(f"{path}: line {number}: {bad!r} is not an integer token id") from None
+    if not rows:
+        raise TaperfoldError(f"{path}: holds no token ids")
+    if len({len(r) for r in rows}) > 1:
+        raise TaperfoldError(f"{path}: lines hold different numbers of ids ({sorted({len(r) for r in rows})}); "
+                             "a batch needs sequences of equal length, one per line")
+    return np.array(rows[0] if len(rows) == 1 else rows, dtype=object)
+
+
+def tokens_from_text(path: str | Path) -> list[InputBatch]:
+    """A text file encoded with taperfold's byte-level tokenizer (its UTF-8 bytes), as one sequence."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TaperfoldError(f"{path}: cannot read text file ({e.strerror or e})") from None
+    if not data:
+        raise TaperfoldError(f"{path}: is empty")
+    return [InputBatch(str(path), np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None, :], tokenizer="bytes")]
+
+
+def _checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer: str) -> np.ndarray:
+    if batch.tokenizer is not None and batch.tokenizer != tokenizer:
+        raise TaperfoldError(f"{batch.label}: encoded with the {batch.tokenizer!r} tokenizer, but the checkpoint "
+                             f"uses {tokenizer!r}; pass token ids with --tokens")
+    ids = batch.ids
+    if ids.ndim != 2 or ids.size == 0:
+        raise TaperfoldError(f"{batch.label}: expected a 1-D sequence or a 2-D batch of token ids, "
+                             f"got shape {list(ids.shape)}")
+    low, high = int(ids.min()), int(ids.max())  # Python ints: no overflow whatever the array's dtype
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise TaperfoldError(f"{batch.label}: token id {bad} is out of range (the vocabulary has {vocab_size} ids, "
+                             f"0..{vocab_size - 1})")
+    if ids.shape[1] > max_seq_len:
+        raise TaperfoldError(f"{batch.label}: sequence of {ids.shape[1]} tokens is longer than the model allows "
+                             f"({max_seq_len}); shorten it")
+    return ids.astype(np.int64)
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+
+
+def _finite_or_none(obj):
+    """JSON has no NaN or Infinity: write them as null (the violations still say what happened)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+@dataclass
+class PairResult:
+    reference: str
+    candidate: str
+    kind: str  # "export" | "fold" | "cost" (reported, never judged)
+    tolerance: Tolerance | None
+    status: str = "pass"  # "pass" | "fail" | "info" | "skipped"
+    reason: str | None = None
+    metrics: Metrics | None = None
+    violations: list[str] = field(default_factory=list)
+    worst_input: str | None = None
+    per_input: list[dict] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.reference} -> {self.candidate}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "reference": self.reference, "candidate": self.candidate, "kind": self.kind,
+                "status": self.status, "reason": self.reason,
+                "tolerance": self.tolerance.to_dict() if self.tolerance else None,
+                "metrics": self.metrics.to_dict() if self.metrics else None, "violations": self.violations,
+                "worst_input": self.worst_input, "per_input": self.per_input}
+
+
+@dataclass
+class VerifyReport:
+    export_dir: str
+    checkpoint: dict
+    dtype: str
+    logits: str
+    device: str
+    forced_gate0: bool
+    inputs: list[dict]
+    pairs: list[PairResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(p.status != "fail" for p in self.pairs)
+
+    def failure_message(self) -> str:
+        """One line naming the worst failing pair, its output and the bounds it breaks."""
+        failed = [p for p in self.pairs if p.status == "fail"]
+        if not failed:
+            return ""
+
+        def excess(p: PairResult) -> float:
+            if p.metrics is None or not math.isfinite(p.metrics.max_rel):
+                return math.inf
+            return p.metrics.max_rel / p.tolerance.rtol if p.tolerance.rtol > 0 else math.inf
+
+        worst = max(failed, key=excess)
+        where = f" (worst input: {worst.worst_input})" if worst.worst_input else ""
+        more = f"; {len(failed) - 1} more pair(s) failed" if len(failed) > 1 else ""
+        detail = worst.reason or ", ".join(worst.violations)
+        return f"{worst.name}: logits {detail}{where}{more}"
+
+    def to_dict(self) -> dict:
+        return _finite_or_none({"export_dir": self.export_dir, "passed": self.passed, "checkpoint": self.checkpoint,
+                                "dtype": self.dtype, "logits": self.logits, "device": self.device,
+                                "forced_gate0": self.forced_gate0, "inputs": self.inputs,
+                                "pairs": [p.to_dict() for p in self.pairs]})
+
+
+# ---- the export directory ------------------------------------------------------------------------------
+
+
+def read_manifest(export_dir: str | Path) -> dict:
+    export_dir = Path(export_dir)
+    if not export_dir.exists():
+        raise TaperfoldError(f"{export_dir}: no such directory (run `taperfold export` first)")
+    if not export_dir.is_dir():
+        raise TaperfoldError(f"{export_dir}: not a directory; pass the folder `taperfold export` wrote")
+    path = export_dir / MANIFEST
+    if not path.is_file():
+        raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "taperfold-export":
+        raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not 'taperfold-export')")
+    for key in ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
+                "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path"):
+        node = manifest
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise TaperfoldError(f"{path}: missing key '{key}'")
+            node = node[part]
+    logits, dtype = manifest["export"]["logits"], manifest["export"]["dtype"]
+    if logits not in ("last", "all"):
+        raise TaperfoldError(f"{path}: key 'export.logits' must be 'last' or 'all', got {logits!r}")
+    if dtype not in ("fp32", "fp16", "bf16"):
+        raise TaperfoldError(f"{path}: key 'export.dtype' must be fp32, fp16 or bf16, got {dtype!r}")
+    return manifest
+
+
+def _artifact(export_dir: Path, manifest: dict, variant: str) -> Path:
+    entry = manifest["artifacts"].get(variant)
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        raise TaperfoldError(f"{export_dir / MANIFEST}: missing key 'artifacts.{variant}.path'")
+    path = export_dir / entry["path"]
+    if not path.is_file():
+        raise TaperfoldError(f"{path}: missing (manifest.json lists it as artifacts.{variant})")
+    return path
+
+
+def _load_reference_checkpoint(export_dir: Path, manifest: dict):
+    from taperfold.checkpoint import load_checkpoint
+
+    path = Path(manifest["checkpoint"]["path"])
+    if not path.exists():
+        raise TaperfoldError(f"{path}: checkpoint named in {export_dir / MANIFEST} is missing")
+    digest = checkpoint_digest(path)
+    if digest != manifest["checkpoint"]["sha256"]:
+        raise TaperfoldError(f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
+                             f"says {str(manifest['checkpoint']['sha256'])[:12]}...); export it again")
+    return load_checkpoint(path)
+
+
+def _engine_unavailable() -> str | None:
+    """Why the TensorRT engine cannot run here (the same line `export --trt` gives), or None."""
+    from taperfold.trt import require_tensorrt
+
+    try:
+        require_tensorrt()
+    except TaperfoldError as e:
+        return str(e)
+    return None
+
+
+# ---- verification --------------------------------------------------------------------------------------
+
+
+def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None, device: str = "cpu",
+                  tolerances: dict | None = None, seed: int = 0, threads: int | None = None,
+                  on_progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
+    """Compare every model in `export_dir` with the checkpoint it came from (see the module docstring).
+
+    `inputs`: token batches (default: seeded random ones over several shapes); `tolerances`: overrides
+    {"rtol", "min_top1", "max_kl"} applied to every judged pair; `threads`: CPU threads for the torch
+    reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run.
+    """
+    from taperfold.runners.ort import OrtRunner
+
+    export_dir = Path(export_dir)
+    manifest = read_manifest(export_dir)
+    ckpt = _load_reference_checkpoint(export_dir, manifest)
+    cfg, dtype, logits = ckpt.config, manifest["export"]["dtype"], manifest["export"]["logits"]
+    forced = bool(manifest["forced_gate0"])
+    batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
+    id_arrays = [_checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
+
+    # The torch references run in fp32 on the CPU, whatever the export's dtype: they are the truth.
+    reference = "checkpoint@g=0" if forced else "checkpoint"
+    torch_models = {reference: ckpt.build(gate=0.0 if forced else None)}
+    if forced:
+        torch_models[f"checkpoint@g={ckpt.gate:g}"] = ckpt.build()
+    runners = {variant: OrtRunner(_artifact(export_dir, manifest, variant), device=device, threads=threads)
+               for variant in ("unfolded", "folded")}
+
+    overrides = tolerances or {}
+    export_tol = default_tolerance(dtype, "export").override(**overrides)
+    pairs = [PairResult(reference, "unfolded", "export", export_tol),
+             PairResult(reference, "folded", "export", export_tol),
+             PairResult("unfolded", "folded", "fold", default_tolerance(dtype, "fold").override(**overrides))]
+    if "engine" in manifest["artifacts"]:
+        engine_pair = PairResult(reference, "engine", "export", export_tol)
+        pairs.append(engine_pair)
+        why_not = _engine_unavailable()
+        if why_not:
+            engine_pair.status, engine_pair.reason = "skipped", why_not
+        else:
+            from taperfold.runners.trt import TrtRunner
+
+            runners["engine"] = TrtRunner(_artifact(export_dir, manifest, "engine"))
+    if forced:
+        pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", "folded", "cost", None, status="info"))
+
+    _run(list(zip(batches, id_arrays)), torch_models, runners, pairs, logits, threads,
+         on_progress or (lambda done, total, description: None))
+    return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
+                        checkpoint={"path": str(ckpt.path), "sha256": manifest["checkpoint"]["sha256"],
+                                    "gate": ckpt.gate, "reference_gate": 0.0 if forced else ckpt.gate},
+                        inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
+                        pairs=pairs)
+
+
+def _run(batches: list[tuple[InputBatch, np.ndarray]], torch_models: dict, runners: dict, pairs: list[PairResult],
+         logits: str, threads: int | None, progress: Callable[[int, int, str], None]) -> None:
+    """Run every model on every batch and fill in the pairs. One batch at a time: only its logits are held."""
+    import torch
+
+    judged = [p for p in pairs if p.status != "skipped"]
+    collected: dict[str, list[Metrics]] = {p.name: [] for p in judged}
+    total, done = len(batches) * (len(torch_models) + len(runners)), 0
+    torch_threads = torch.get_num_threads()
+    loaded = []
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        for runner in runners.values():
+            runner.load()
+            loaded.append(runner)
+        for batch, ids in batches:
+            outputs = {}
+            for name, model in torch_models.items():
+                progress(done, total, f"{name} on {batch.label}")
+                with torch.no_grad():
+                    outputs[name] = model(torch.from_numpy(ids), logits=logits).float().numpy()
+                done += 1
+            for name, runner in runners.items():
+                progress(done, total, f"{name} on {batch.label}")
+                outputs[name] = runner.infer({"input_ids": ids})["logits"].astype(np.float32)
+                done += 1
+            for pair in judged:
+                _compare_one(pair, batch, outputs[pair.reference], outputs[pair.candidate], collected[pair.name])
+    finally:
+        torch.set_num_threads(torch_threads)
+        for runner in loaded:
+            runner.close()
+    for pair in judged:
+        _conclude(pair, collected[pair.name])
+
+
+def _compare_one(pair: PairResult, batch: InputBatch, reference: np.ndarray, candidate: np.ndarray,
+                 collected: list[Metrics]) -> None:
+    rtol = pair.tolerance.rtol if pair.tolerance else 0.0
+    try:
+        metrics = compare_logits(reference, candidate, rtol)
+    except ValueError as e:  # shapes differ: the export is broken for this input
+        pair.status, pair.reason = "fail", f"{e} on input {batch.label}"
+        pair.per_input.append({"input": batch.label, "metrics": None, "violations": [str(e)]})
+        return
+    collected.append(metrics)
+    broken = violations(metrics, pair.tolerance) if pair.tolerance else []
+    pair.per_input.append({"input": batch.label, "metrics": metrics.to_dict(), "violations": broken})
+
+
+def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
+    """Pool the batches; judge the pooled metrics (top-1 and KL are means over all rows)."""
+    if not collected:
+        return
+    pair.metrics = Metrics.merge(collected)
+    ranked = [r for r in pair.per_input if r["metrics"] is not None]
+    worst = max(ranked, key=lambda r: math.inf if math.isnan(r["metrics"]["max_rel"]) else r["metrics"]["max_rel"])
+    pair.worst_input = worst["input"]
+    if pair.tolerance is not None:
+        pair.violations = violations(pair.metrics, pair.tolerance)
+        if pair.violations:
+            pair.status = "fail"

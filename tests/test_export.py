@@ -1,0 +1,176 @@
+"""`taperfold export` end to end: folded ONNX equals unfolded, has exactly a norm-free graph, refuses what it must."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import onnxruntime as ort
+import pytest
+import torch
+
+from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
+from taperfold.fsutil import sha256_file
+from taperfold.models import build_model, fold_model_in_torch, preset_config
+from taperfold.nn import TaperLN
+from taperfold.train import TrainOptions, train
+
+NORM_OPS = {"rms": ("Pow", "ReduceMean", "Sqrt", "Reciprocal"), "ln": ("LayerNormalization",)}
+
+
+def random_checkpoint(tmp_path, arch, taper, gate=0.0, seed=0):
+    """Random weights, with random calibrated c, γ̃ and β so that no tool could skip a multiply by one."""
+    torch.manual_seed(seed)
+    cfg = preset_config("tiny", arch=arch, taper=taper, n_layers=2, max_seq_len=32)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for norm in model.tapered_norms().values():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.05, 0.5)
+            norm.calibrated.fill_(True)
+            if isinstance(norm, TaperLN):
+                norm.bias.uniform_(-0.3, 0.3)
+    model.set_gate(gate)
+    return save_checkpoint(checkpoint_from_model(model, 0), tmp_path / f"{arch}-{taper}.safetensors")
+
+
+@pytest.fixture(scope="module")
+def trained_gpt2_all(tmp_path_factory):
+    cfg = preset_config("tiny", arch="gpt2", taper="all", n_layers=2, max_seq_len=32)
+    result = train(cfg, TrainOptions(steps=30, batch_size=4, eval_batches=2))
+    return save_checkpoint(result.checkpoint, tmp_path_factory.mktemp("gpt2") / "gpt2-all.pt")
+
+
+def ort_logits(path, ids):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"input_ids": ids})[0]
+
+
+def op_counts(path):
+    return Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def check_export(out, ckpt_path, arch, taper, tol=1e-5):
+    ids = np.random.default_rng(0).integers(0, 256, (2, 17)).astype(np.int64)
+    folded, unfolded = ort_logits(out / "model.onnx", ids), ort_logits(out / "unfolded.onnx", ids)
+    rel = np.abs(folded - unfolded).max() / np.abs(unfolded).max()
+    assert rel <= tol, rel
+    assert (folded.argmax(-1) == unfolded.argmax(-1)).all()
+    # the folded graph is exactly the norm-free architecture's graph
+    from taperfold.checkpoint import load_checkpoint
+
+    model = load_checkpoint(ckpt_path).build(gate=0.0)
+    logits = json.loads((out / "manifest.json").read_text())["export"]["logits"]
+    norm_free = export_to_ir(fold_model_in_torch(model), ExportOptions(logits=logits))
+    expected = Counter(n.op_type for n in norm_free.graph)
+    assert op_counts(out / "model.onnx") == expected
+    # Internal-Taper keeps exactly its final norm; All-Taper keeps none
+    report = json.loads((out / "manifest.json").read_text())["fold_report"]
+    kept = [n["name"] for n in report["norms"] if n["status"] != "folded"]
+    tapered = [n for n in report["norms"] if n["status"] == "folded"]
+    assert len(tapered) == 2 * model.cfg.n_layers + (taper == "all")
+    final = "model.norm" if arch == "llama" else "transformer.ln_f"
+    assert kept == []  # plain norms (the kept final RMSNorm / LayerNorm) are not fold candidates
+    kind = "rms" if arch == "llama" else "ln"
+    final_ops = op_counts(out / "model.onnx")[NORM_OPS[kind][0]]
+    assert final_ops == (0 if taper == "all" else 1), final
+    return folded
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("taper", ["internal", "all"])
+def test_random_weights_fold_exactly(tmp_path, arch, taper):
+    ckpt = random_checkpoint(tmp_path, arch, taper)
+    out = export_checkpoint(ckpt, tmp_path / "out", ExportOptions(baseline=False)).out_dir
+    check_export(out, ckpt, arch, taper)
+
+
+def test_trained_checkpoint_folds_exactly(tiny_export, tiny_checkpoint):
+    check_export(Path(tiny_export), tiny_checkpoint, "llama", "internal")
+
+
+def test_trained_all_taper_gpt2_folds_into_untied_head(tmp_path, trained_gpt2_all):
+    out = export_checkpoint(trained_gpt2_all, tmp_path / "out", ExportOptions(logits="all", baseline=False)).out_dir
+    check_export(out, trained_gpt2_all, "gpt2", "all")
+    graph = onnx.load(str(out / "model.onnx")).graph
+    tables = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    wte = torch.load(trained_gpt2_all, weights_only=True)["state_dict"]["transformer.wte.weight"].numpy()
+    gathers = [n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in tables
+               and tables[n.input[0]].shape == wte.shape]
+    assert gathers and np.array_equal(tables[gathers[0]], wte)  # the token table is untouched
+
+
+def test_manifest(tiny_export, tiny_checkpoint):
+    manifest = json.loads((Path(tiny_export) / "manifest.json").read_text())
+    assert manifest["checkpoint"]["sha256"] == sha256_file(tiny_checkpoint)
+    assert manifest["gate"] == 0.0 and manifest["forced_gate0"] is False
+    assert {"taperfold", "torch", "onnx"} <= set(manifest["versions"])
+    assert set(manifest["artifacts"]) == {"baseline", "unfolded", "folded"}
+    for art in manifest["artifacts"].values():
+        assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
+    assert manifest["fold_report"]["summary"]["folded"] == 8
+    assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s"}
+
+
+def test_gate_not_zero_is_refused_without_writing(cli, tmp_path):
+    ckpt = random_checkpoint(tmp_path, "llama", "internal", gate=0.25)
+    out = tmp_path / "out"
+    result = cli("export", ckpt, "-o", out)
+    assert result.exit_code == 2 and "gate is 0.25" in result.stderr and "--force-gate0" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_force_gate0(cli, tmp_path):
+    ckpt = random_checkpoint(tmp_path, "llama", "internal", gate=0.25)
+    result = cli("export", ckpt, "-o", tmp_path / "out", "--force-gate0", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert manifest["forced_gate0"] is True and manifest["gate"] == 0.25
+
+
+def test_failed_export_leaves_nothing(monkeypatch, tmp_path):
+    import taperfold.passes
+
+    ckpt = random_checkpoint(tmp_path, "llama", "internal")
+
+    def broken(model):  # fails after unfolded.onnx was written into the staging folder
+        raise RuntimeError("simulated crash in a pass")
+
+    monkeypatch.setattr(taperfold.passes, "fold_model", broken)
+    with pytest.raises(RuntimeError):
+        export_checkpoint(ckpt, tmp_path / "out", ExportOptions(baseline=False))
+    assert not any((tmp_path / "out").iterdir())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_fp16_and_kv_cache(tmp_path):
+    ckpt = random_checkpoint(tmp_path, "llama", "internal")
+    out = export_checkpoint(ckpt, tmp_path / "out", ExportOptions(dtype="fp16", kv_cache=True)).out_dir
+    ids = np.random.default_rng(1).integers(0, 256, (1, 9)).astype(np.int64)
+    folded, unfolded = ort_logits(out / "model.onnx", ids), ort_logits(out / "unfolded.onnx", ids)
+    assert folded.dtype == np.float16
+    assert np.abs(folded.astype(np.float32) - unfolded).max() / np.abs(unfolded).max() < 1e-2
+    init = {i.name: i for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer}
+    weights = [i for i in init.values() if len(i.dims) == 2 and min(i.dims) >= 64]
+    assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {"baseline.decoder", "unfolded.decoder", "folded.decoder"} <= set(manifest["artifacts"])
+    assert manifest["decoder_fold_report"]["summary"]["folded"] == 4
+    session = ort.InferenceSession(str(out / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert names[:3] == ["input_ids", "past_key_values.0.key", "past_key_values.0.value"]
+
+
+def test_bad_inputs(cli, tmp_path):
+    result = cli("export", tmp_path / "missing.pt")
+    assert result.exit_code == 2 and "no such file" in result.stderr
+    ckpt = random_checkpoint(tmp_path, "llama", "internal")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    result = cli("export", ckpt, "-o", blocked)
+    assert result.exit_code == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr

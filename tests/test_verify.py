@@ -1,0 +1,312 @@
+"""`taperfold verify`, its metrics and the ONNX Runtime runner."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
+from taperfold.errors import TaperfoldError
+
+
+@pytest.fixture
+def export_copy(tiny_export, tmp_path):
+    """A private copy of the shared export, free to break."""
+    return shutil.copytree(tiny_export, tmp_path / "out")
+
+
+def verify(cli, *args):
+    """`taperfold verify ARGS` on one thread: on a small shared CI machine, thread barriers stall."""
+    return cli("verify", *args, "--threads", "1")
+
+
+def _one_error_line(result, *needles):
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("taperfold: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+# ---- metrics -------------------------------------------------------------------------------------------
+
+
+def _logits(shape=(3, 5, 40), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 4
+
+
+def test_identical_logits_are_perfect():
+    x = _logits()
+    m = compare_logits(x, x.copy(), rtol=1e-4)
+    assert m.rows == 15 and m.max_abs == 0 and m.max_rel == 0 and m.mean_abs == 0
+    assert m.cosine == pytest.approx(1.0) and m.kl == pytest.approx(0.0, abs=1e-15)
+    assert m.top1 == m.top1_decisive == m.top5 == 1.0
+    assert violations(m, default_tolerance("fp32", "fold")) == []
+
+
+def test_known_errors():
+    ref = np.array([[4.0, 1.0, 0.0, -2.0]])
+    m = compare_logits(ref, ref + np.array([[0.0, 0.5, 0.0, 0.0]]), rtol=1e-4)
+    assert m.max_abs == 0.5 and m.max_rel == pytest.approx(0.5 / 4) and m.mean_abs == pytest.approx(0.125)
+    p = np.exp(ref[0]) / np.exp(ref[0]).sum()
+    q = np.exp(ref[0] + [0, 0.5, 0, 0]) / np.exp(ref[0] + [0, 0.5, 0, 0]).sum()
+    assert m.kl == pytest.approx(float((p * np.log(p / q)).sum()), rel=1e-9)
+    assert m.top1 == 1.0
+
+
+def test_swapping_the_top_two_tokens_breaks_top1():
+    ref = _logits((8, 40))
+    cand = ref.copy()
+    rows = np.arange(len(ref))
+    first, second = np.argsort(-ref, axis=-1)[:, 0], np.argsort(-ref, axis=-1)[:, 1]
+    cand[rows[:2], first[:2]], cand[rows[:2], second[:2]] = ref[rows[:2], second[:2]], ref[rows[:2], first[:2]]
+    m = compare_logits(ref, cand, rtol=1e-4)
+    assert m.top1 == pytest.approx(6 / 8) and m.top5 == 1.0 and m.kl > 0
+    assert any(v.startswith("top1") for v in violations(m, Tolerance(rtol=1.0, min_top1=0.99, max_kl=1.0)))
+
+
+def test_near_ties_are_not_held_to_top1():
+    ref = np.array([[5.0, 4.99999, 0.0], [5.0, 1.0, 0.0]])
+    cand = np.array([[4.99999, 5.0, 0.0], [5.0, 1.0, 0.0]])
+    m = compare_logits(ref, cand, rtol=1e-3)
+    assert m.top1 == 0.5 and m.decisive_rows == 1 and m.top1_decisive == 1.0
+
+
+def test_nan_fails_every_bound_and_survives_pooling():
+    ref = _logits((4, 40))
+    cand = ref.copy()
+    cand[1, 3] = np.nan
+    m = compare_logits(ref, cand, rtol=1e-4)
+    assert len(violations(m, Tolerance(rtol=1e9, min_top1=0.0, max_kl=1e9))) == 2  # max_rel and kl
+    pooled = Metrics.merge([compare_logits(ref, ref, 1e-4), m])
+    assert np.isnan(pooled.max_rel) and pooled.rows == 8
+
+
+def test_shape_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="shape"):
+        compare_logits(np.zeros((2, 10)), np.zeros((2, 11)), rtol=1e-4)
+
+
+def test_merge_weights_means_by_rows():
+    a = compare_logits(np.eye(4), np.eye(4), 1e-4)
+    b = compare_logits(np.eye(4)[:2], np.eye(4)[:2][:, ::-1].copy(), 1e-4)
+    pooled = Metrics.merge([a, b])
+    assert pooled.rows == 6 and pooled.top1 == pytest.approx(4 / 6) and pooled.max_abs == b.max_abs
+
+
+def test_tolerances_override_and_help_lists_defaults(cli):
+    assert Tolerance(1e-4, 0.99, 1e-6).override(rtol=0.5, max_kl=None) == Tolerance(0.5, 0.99, 1e-6)
+    help_text = cli("verify", "--help").stdout
+
+    def sci(x: float) -> str:  # 1e-4, as the help text writes it
+        return f"{x:.0e}".replace("e-0", "e-")
+
+    for dtype in ("fp32", "fp16", "bf16"):
+        for kind in ("export", "fold"):
+            tol = default_tolerance(dtype, kind)
+            assert f"rtol {sci(tol.rtol)}" in help_text and f"max-kl {sci(tol.max_kl)}" in help_text
+            assert f"min-top1 {tol.min_top1:g}" in help_text
+
+
+# ---- the ONNX Runtime runner -----------------------------------------------------------------------------
+
+
+def test_ort_runner_runs_and_times(tiny_export):
+    from taperfold.runners.ort import OrtRunner
+
+    with OrtRunner(tiny_export / "model.onnx", threads=1, optimization="basic") as runner:
+        assert runner.input_names == ["input_ids"] and runner.output_names == ["logits"]
+        prepared = runner.prepare({"input_ids": np.zeros((2, 7), dtype=np.int64)})
+        outputs, seconds = runner.timed_run(prepared)
+        assert runner.to_numpy(outputs["logits"]).shape == (2, 256) and seconds > 0
+        with pytest.raises(TaperfoldError, match="missing"):
+            runner.prepare({"ids": np.zeros((1, 1), dtype=np.int64)})
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "data missing", "data truncated"])
+def test_ort_runner_names_the_broken_file(export_copy, damage):
+    from taperfold.runners.ort import OrtRunner
+
+    model, data = export_copy / "model.onnx", export_copy / "model.onnx.data"
+    if damage == "missing":
+        model.unlink()
+    elif damage == "corrupt":
+        model.write_bytes(b"\x08\x07garbage" * 10)
+    elif damage == "data missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:1000])
+    named = data if damage.startswith("data") else model
+    with pytest.raises(TaperfoldError, match=str(named).replace(".", r"\.") + ":"):
+        OrtRunner(model).load()
+
+
+# ---- verify: passing -------------------------------------------------------------------------------------
+
+
+def test_correct_export_passes(cli, export_copy):
+    result = cli("verify", export_copy)  # default threads
+    assert result.exit_code == 0, result.stderr
+    assert "PASS" in result.stdout and "checkpoint -> folded" in result.stdout
+    report = json.loads((export_copy / "verify.json").read_text())
+    assert report["passed"] and report["dtype"] == "fp32"
+    assert [p["name"] for p in report["pairs"]] == ["checkpoint -> unfolded", "checkpoint -> folded",
+                                                    "unfolded -> folded"]
+    shapes = {tuple(i["shape"]) for i in report["inputs"]}
+    assert {(1, 1), (4, 1), (1, 128), (4, 128)} <= shapes  # batch 1 and 4, sequence 1 up to max_seq_len
+    fold = report["pairs"][2]
+    assert fold["tolerance"]["rtol"] == 1e-5 and fold["metrics"]["max_rel"] <= 1e-5
+    assert len(fold["per_input"]) == len(report["inputs"])
+
+
+def test_json_output_is_the_report_only(cli, export_copy):
+    result = verify(cli, export_copy, "--json", "--seed", "3")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads((export_copy / "verify.json").read_text())
+
+
+def test_token_files(cli, export_copy, tmp_path):
+    npy = tmp_path / "ids.npy"
+    np.save(npy, np.arange(60, dtype=np.int32).reshape(3, 20))
+    text_ids = tmp_path / "ids.txt"
+    text_ids.write_text("1 2 3 4 5\n250 251 252 253 254\n")
+    for path, shape in ((npy, [3, 20]), (text_ids, [2, 5])):
+        result = verify(cli, export_copy, "--tokens", path, "--json")
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["inputs"] == [{"label": str(path), "shape": shape}]
+
+
+def test_text_file(cli, export_copy, tmp_path):
+    text = tmp_path / "prompt.txt"
+    text.write_text("def verify(export_dir):\n    return 'ünïcode'\n")
+    result = verify(cli, export_copy, "--text", text, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["inputs"] == [{"label": str(text), "shape": [1, len(text.read_bytes())]}]
+
+
+# ---- verify: numeric failure -----------------------------------------------------------------------------
+
+
+def test_perturbed_weight_fails_naming_the_pair(cli, tiny_export, tmp_path):
+    import onnx_ir as ir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("manifest.json", "unfolded.onnx", "unfolded.onnx.data"):
+        shutil.copy(tiny_export / name, out / name)
+    model = ir.load(tiny_export / "model.onnx")
+    weight = next(v for node in model.graph if node.op_type == "MatMul" for v in node.inputs
+                  if v is not None and v.const_value is not None)
+    array = weight.const_value.numpy().copy()
+    array.flat[0] += 1.0
+    weight.const_value = ir.tensor(array, name=weight.name)
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+
+    result = verify(cli, out)
+    assert result.exit_code == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("taperfold: FAILED: ") and "-> folded" in line and "max_rel" in line
+    report = json.loads((out / "verify.json").read_text())
+    status = {p["name"]: p["status"] for p in report["pairs"]}
+    assert status == {"checkpoint -> unfolded": "pass", "checkpoint -> folded": "fail", "unfolded -> folded": "fail"}
+
+
+def test_tolerance_flags_apply(cli, export_copy):
+    result = verify(cli, export_copy, "--rtol", "0")
+    assert result.exit_code == 1 and "max_rel" in result.stderr
+
+
+# ---- verify: bad input ---------------------------------------------------------------------------------
+
+
+def test_missing_directory_is_one_line_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "taperfold.cli", "verify", str(tmp_path / "nowhere")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (f"taperfold: error: {tmp_path / 'nowhere'}: no such directory "
+                                     "(run `taperfold export` first)")
+
+
+def test_no_manifest(cli, tmp_path):
+    _one_error_line(verify(cli, tmp_path), "manifest.json: missing")
+
+
+def test_corrupt_manifest(cli, export_copy):
+    (export_copy / "manifest.json").write_text('{"format": "taperfold-export", ')
+    _one_error_line(verify(cli, export_copy), "manifest.json: not valid JSON")
+
+
+def test_manifest_missing_key(cli, export_copy):
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    del manifest["checkpoint"]["sha256"]
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    _one_error_line(verify(cli, export_copy), "missing key 'checkpoint.sha256'")
+
+
+def test_missing_model_file(cli, export_copy):
+    (export_copy / "model.onnx").unlink()
+    _one_error_line(verify(cli, export_copy), str(export_copy / "model.onnx"), "missing")
+
+
+def test_checkpoint_changed_since_export(cli, export_copy, tiny_checkpoint, tmp_path):
+    changed = tmp_path / "changed.pt"
+    shutil.copy(tiny_checkpoint, changed)
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["checkpoint"]["path"] = str(changed)
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    with open(changed, "ab") as f:
+        f.write(b"\0")
+    _one_error_line(verify(cli, export_copy), str(changed), "checkpoint changed since export")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("1 2 300", "token id 300 is out of range"),
+    ("1 2 x", "line 1: 'x' is not an integer token id"),
+    ("1 2 3\n4 5", "lines hold different numbers of ids"),
+    (" ".join(["7"] * 129), "sequence of 129 tokens is longer than the model allows (128)"),
+])
+def test_bad_token_file(cli, tiny_export, tmp_path, content, message):
+    path = tmp_path / "ids.txt"
+    path.write_text(content)
+    _one_error_line(verify(cli, tiny_export, "--tokens", path), str(path), message)
+
+
+def test_bad_npy_and_text(cli, tiny_export, tmp_path):
+    floats = tmp_path / "ids.npy"
+    np.save(floats, np.ones((2, 3)))
+    _one_error_line(verify(cli, tiny_export, "--tokens", floats), str(floats), "must be integers")
+    long_text = tmp_path / "long.txt"
+    long_text.write_text("a" * 200)
+    _one_error_line(verify(cli, tiny_export, "--text", long_text), str(long_text), "longer than the model allows")
+    result = verify(cli, tiny_export, "--tokens", floats, "--text", long_text)
+    assert result.exit_code == 2 and "not both" in result.stderr
+
+
+
+def test_forced_gate0_export_reports_the_cost(cli, export_copy, tiny_checkpoint, tmp_path):
+    """--force-gate0 of a g = 0.5 checkpoint writes the same ONNX files as the g = 0 export of the same
+    weights, so only the checkpoint and the manifest differ. The export is held to the checkpoint at
+    g = 0; the real gate's pair is reported, not judged."""
+    from taperfold.checkpoint import load_checkpoint, save_checkpoint
+    from taperfold.export import checkpoint_digest
+
+    ckpt = load_checkpoint(tiny_checkpoint)
+    ckpt.gate = 0.5
+    half = save_checkpoint(ckpt, tmp_path / "half.pt")
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["checkpoint"].update(path=str(half), sha256=checkpoint_digest(half))
+    manifest.update(gate=0.5, forced_gate0=True)
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+
+    result = verify(cli, export_copy, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    pairs = {p["name"]: p for p in report["pairs"]}
+    assert report["forced_gate0"] and report["checkpoint"]["reference_gate"] == 0.0
+    assert pairs["checkpoint@g=0 -> folded"]["status"] == "pass"
+    cost = pairs["checkpoint@g=0.5 -> folded"]
+    assert cost["status"] == "info" and cost["tolerance"] is None and cost["metrics"]["max_rel"] > 1e-3
