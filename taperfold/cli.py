@@ -138,12 +138,14 @@ def inspect(checkpoint, as_json):
 @click.option("--opset", type=click.IntRange(18, 23), default=20, show_default=True)
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also export baseline.onnx (plain norms, the benchmark's reference).")
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache, force_gate0, trt_batch, trt_seq,
-           as_json):
+def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache, force_gate0, baseline, trt_batch,
+           trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json."""
     from taperfold.export import ExportOptions, export_checkpoint
     from taperfold.ui import print_export, stage_status
@@ -152,7 +154,8 @@ def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache,
         from taperfold.trt import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
-    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, kv_cache=kv_cache, force_gate0=force_gate0)
+    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, kv_cache=kv_cache, force_gate0=force_gate0,
+                         baseline=baseline)
     with stage_status(quiet=as_json) as on_stage:
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
         if to_trt:
@@ -300,6 +303,42 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
             write(path, report)
     if export_dir:
         write_json_atomic(Path(export_dir) / "bench.json", report)
+
+
+# ---- demo --------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-demo", show_default=True)
+@click.option("--steps", type=click.IntRange(min=10), default=300, show_default=True, help="Training steps.")
+@click.pass_context
+def demo(ctx, out_dir, steps):
+    """The whole flow on the embedded default: train the tiny Internal-Taper llama on the Python standard
+    library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
+    from rich.rule import Rule
+
+    from taperfold.ui import out
+
+    root = Path(out_dir)
+    ckpt, export_dir = root / "tiny.safetensors", root / "export"
+    stages = [
+        ("1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper", train,
+         dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),
+        ("2/6 inspect", inspect, dict(checkpoint=str(ckpt))),
+        ("3/6 export: baseline, unfolded and folded ONNX", export,
+         dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache=True)),
+        ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
+        ("5/6 bench: last-token logits (prefill), ONNX Runtime CPU", bench,
+         dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20)),
+        ("6/6 bench: KV-cached decoding, ONNX Runtime CPU", bench,
+         dict(export_dir=str(export_dir), engine="ort", mode="decode", batches="1", prompt=32, new_tokens=32,
+              warmup=2, iters=4, json_path=str(root / "bench-decode.json"))),
+    ]
+    for title, command, kwargs in stages:
+        out.print(Rule(title))
+        ctx.invoke(command, **kwargs)
+    out.print(Rule())
+    out.print(f"done: checkpoint {ckpt}, export {export_dir} (manifest.json, verify.json, bench.json)")
 
 
 def main() -> None:
