@@ -14,7 +14,6 @@ With `use_cache=True` it returns `(logits, present)`, present a tuple of (key, v
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch

@@ -9,13 +9,13 @@ lists the API pages and binding sources each call was checked against; this path
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from taperfold.errors import TaperfoldError
+from taperfold.export import read_manifest
 from taperfold.fsutil import atomic_path, write_json_atomic
 
 NOT_INSTALLED = "tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU"
@@ -185,16 +185,6 @@ def build_engine(onnx_path, plan_path, profile: Profile, timing_cache=None,
             "build_seconds": round(seconds, 3), "timing_cache": timing_cache.name if timing_cache is not None else None}
 
 
-def _read_manifest(out_dir: Path) -> dict:
-    path = out_dir / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TaperfoldError(f"{path}: not found; run `taperfold export CKPT -o {out_dir}` first") from None
-    except json.JSONDecodeError as e:
-        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
-
-
 def _resolve_profile(manifest: dict, profile: Profile | None) -> Profile:
     """The given profile, else the one earlier engines in this folder used (so that every variant the
     benchmark compares was built for the same shapes), else the defaults."""
@@ -217,7 +207,7 @@ def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | No
     """
     require_tensorrt()
     out_dir = Path(out_dir)
-    manifest = _read_manifest(out_dir)
+    manifest = read_manifest(out_dir)
     profile = _resolve_profile(manifest, profile)
     engines = dict(manifest.get("engines") or {})
     for variant in variants:
@@ -244,7 +234,7 @@ def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | No
 def plan_path_for(out_dir, variant: str = "folded") -> Path:
     """Path of the engine built for `variant`, or a TaperfoldError saying how to build it."""
     out_dir = Path(out_dir)
-    engine = (_read_manifest(out_dir).get("engines") or {}).get(variant)
+    engine = (read_manifest(out_dir).get("engines") or {}).get(variant)
     path = out_dir / engine["path"] if engine else None
     if path is None or not path.is_file():
         raise TaperfoldError(f"{out_dir}: no TensorRT engine for {variant!r}; build it with "
@@ -258,7 +248,7 @@ def ensure_engines(out_dir, variants, profile: Profile | None = None,
     version or another profile than asked for)."""
     trt = require_tensorrt()
     out_dir = Path(out_dir)
-    manifest = _read_manifest(out_dir)
+    manifest = read_manifest(out_dir)
     profile = _resolve_profile(manifest, profile)
     engines = manifest.get("engines") or {}
 

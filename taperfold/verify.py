@@ -17,7 +17,6 @@ reported but never fails: the user asked for the change, and how much loss it is
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.errors import TaperfoldError
-from taperfold.export import MANIFEST, checkpoint_digest
+from taperfold.export import MANIFEST, checkpoint_digest, read_manifest
 
 REPORT = "verify.json"
 BATCH_SIZES = (1, 4)
@@ -200,36 +199,6 @@ class VerifyReport:
 
 
 # ---- the export directory ------------------------------------------------------------------------------
-
-
-def read_manifest(export_dir: str | Path) -> dict:
-    export_dir = Path(export_dir)
-    if not export_dir.exists():
-        raise TaperfoldError(f"{export_dir}: no such directory (run `taperfold export` first)")
-    if not export_dir.is_dir():
-        raise TaperfoldError(f"{export_dir}: not a directory; pass the folder `taperfold export` wrote")
-    path = export_dir / MANIFEST
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "taperfold-export":
-        raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not 'taperfold-export')")
-    for key in ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
-                "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path"):
-        node = manifest
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise TaperfoldError(f"{path}: missing key '{key}'")
-            node = node[part]
-    logits, dtype = manifest["export"]["logits"], manifest["export"]["dtype"]
-    if logits not in ("last", "all"):
-        raise TaperfoldError(f"{path}: key 'export.logits' must be 'last' or 'all', got {logits!r}")
-    if dtype not in ("fp32", "fp16", "bf16"):
-        raise TaperfoldError(f"{path}: key 'export.dtype' must be fp32, fp16 or bf16, got {dtype!r}")
-    return manifest
 
 
 def _artifact(export_dir: Path, manifest: dict, variant: str) -> Path:

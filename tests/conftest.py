@@ -54,7 +54,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory, tiny_checkpoint):
-    """`taperfold export` of tiny_checkpoint (fp32, logits=last). Read-only: copy it before changing a file."""
+    """`taperfold export --kv-cache` of tiny_checkpoint (fp32, logits=last). Read-only: copy it before changing
+    a file."""
     from taperfold.export import ExportOptions, export_checkpoint
 
-    return export_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny-export") / "out", ExportOptions()).out_dir
+    out = tmp_path_factory.mktemp("tiny-export") / "out"
+    return export_checkpoint(tiny_checkpoint, out, ExportOptions(kv_cache=True)).out_dir

@@ -109,7 +109,8 @@ def test_manifest(tiny_export, tiny_checkpoint):
     assert manifest["checkpoint"]["sha256"] == sha256_file(tiny_checkpoint)
     assert manifest["gate"] == 0.0 and manifest["forced_gate0"] is False
     assert {"taperfold", "torch", "onnx"} <= set(manifest["versions"])
-    assert set(manifest["artifacts"]) == {"baseline", "unfolded", "folded"}
+    assert set(manifest["artifacts"]) == {"baseline", "unfolded", "folded", "baseline.decoder", "unfolded.decoder",
+                                          "folded.decoder"}
     for art in manifest["artifacts"].values():
         assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
     assert manifest["fold_report"]["summary"]["folded"] == 8

@@ -196,7 +196,9 @@ def export_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(tftrt, "_gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
     for name in ("model", "unfolded", "baseline"):
         (tmp_path / f"{name}.onnx").write_bytes(b"onnx")
-    manifest = {"config": {"max_seq_len": 64}, "export": {"dtype": "fp16"},
+    manifest = {"format": "taperfold-export", "format_version": 1, "checkpoint": {"path": "x.pt", "sha256": "0"},
+                "gate": 0.0, "forced_gate0": False, "config": {"max_seq_len": 64},
+                "export": {"dtype": "fp16", "logits": "last"},
                 "artifacts": {v: {"path": f"{f}.onnx", "bytes": 4, "external_data": None, "external_data_bytes": 0}
                               for v, f in (("folded", "model"), ("unfolded", "unfolded"), ("baseline", "baseline"))}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))

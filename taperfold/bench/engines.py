@@ -11,7 +11,6 @@ g = 0 kept as explicit constant multiplies) and `folded` (those constants folded
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from taperfold.checkpoint import load_checkpoint
 from taperfold.errors import TaperfoldError
-from taperfold.export import DTYPES, MANIFEST
+from taperfold.export import DTYPES, MANIFEST, read_manifest
 from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, fold_model_in_torch, preset_config
 from taperfold.runners.base import Runner
 
@@ -54,16 +53,7 @@ def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str |
     if checkpoint:
         return Source(checkpoint=Path(checkpoint))
     folder = Path(export_dir)
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: missing: DIR must be a directory written by `taperfold export`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
-    for key in ("config", "artifacts", "export", "checkpoint"):
-        if not isinstance(manifest, dict) or not isinstance(manifest.get(key), dict):
-            raise TaperfoldError(f"{path}: key '{key}' is missing or not a mapping")
+    manifest = read_manifest(folder)
     return Source(export_dir=folder, manifest=manifest)
 
 

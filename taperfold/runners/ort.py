@@ -129,14 +129,17 @@ class OrtRunner(Runner):
         unknown = [n for n in feeds if n not in self.input_names]
         if missing or unknown:
             raise TaperfoldError(f"{self.path}: inputs do not match the model (missing {missing}, unknown {unknown})")
-        arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
-        if self.device == "cpu":
-            return arrays
         import onnxruntime as ort
 
+        if self.device == "cpu":
+            return {name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
+                    for name, value in feeds.items()}
         # Inputs are copied to the GPU once here; outputs stay on the device, so timing sees no copies.
+        # OrtValues this runner returned (a KV cache fed back while decoding) are already there: bound as is.
         binding = session.io_binding()
-        device_inputs = {name: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for name, a in arrays.items()}
+        device_inputs = {name: value if isinstance(value, ort.OrtValue)
+                         else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), "cuda", 0)
+                         for name, value in feeds.items()}
         for name, value in device_inputs.items():
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
