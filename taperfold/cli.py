@@ -329,10 +329,11 @@ def demo(ctx, out_dir, steps):
          dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache=True)),
         ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
         ("5/6 bench: last-token logits (prefill), ONNX Runtime CPU", bench,
-         dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20)),
+         dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20,
+              threads=1)),
         ("6/6 bench: KV-cached decoding, ONNX Runtime CPU", bench,
          dict(export_dir=str(export_dir), engine="ort", mode="decode", batches="1", prompt=32, new_tokens=32,
-              warmup=2, iters=4, json_path=str(root / "bench-decode.json"))),
+              warmup=2, iters=4, threads=1, json_path=str(root / "bench-decode.json"))),
     ]
     for title, command, kwargs in stages:
         out.print(Rule(title))
