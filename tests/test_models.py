@@ -112,3 +112,11 @@ def test_training_runs_the_whole_taper(arch):
     assert bool(sd["scale_loss.frozen"]) and float(sd["scale_loss.target"]) > 0
     gates = [r["gate"] for r in result.history]
     assert gates[-1] == 0.0 and max(gates) <= 1.0
+
+
+def test_divergence_stops_training_with_one_clear_error():
+    from taperfold.errors import TaperfoldError
+
+    cfg = preset_config("tiny", arch="llama", taper="internal", n_layers=2, max_seq_len=32)
+    with pytest.raises(TaperfoldError, match="diverged at step"):
+        train(cfg, TrainOptions(steps=20, batch_size=2, lr=50.0, eval_batches=1))

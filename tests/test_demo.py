@@ -1,0 +1,17 @@
+"""`taperfold demo` (behind ./scripts/demo) runs every stage end to end; a short schedule keeps it quick."""
+
+import json
+
+
+def test_demo_runs_every_stage(cli, tmp_path):
+    out = tmp_path / "demo"
+    result = cli("demo", "-o", out, "--steps", "40")
+    assert result.exit_code == 0, result.stderr[-2000:]
+    for stage in ("1/6 train", "2/6 inspect", "3/6 export", "4/6 verify", "5/6 bench", "6/6 bench"):
+        assert stage in result.stdout
+    export = out / "export"
+    assert json.loads((export / "verify.json").read_text())["passed"] is True
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["gate"] == 0.0 and manifest["fold_report"]["summary"]["folded"] == 8
+    decode = json.loads((out / "bench-decode.json").read_text())
+    assert {r["phase"] for r in decode["results"]} == {"prefill", "decode"}
