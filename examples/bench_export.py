@@ -70,7 +70,7 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="taperfold-bench-export-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [measure(p, args.repeats, workdir) for p in args.presets.split(",")]
-    print(f"median of {args.repeats} runs; fp32; 3 ONNX exports per `taperfold export` (baseline, unfolded, folded)\n")
+    print(f"median of {args.repeats} runs; fp32; `taperfold export` = 2 torch exports (baseline, unfolded) + the fold\n")
     print("| preset | params | weights (MB) | export total (s) | torch export (s) | passes (s) | writing (s) "
           "| fold pass GB/s (all weights) | GB/s (rewritten) | `taperfold fold` file→file (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
