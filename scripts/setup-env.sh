@@ -13,9 +13,10 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     # Pin the CPU build first: an unpinned torch would pull several GB of CUDA wheels.
     "$venv/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
-    "$venv/bin/python" -c "import torch" || { echo "torch install failed" >&2; exit 1; }
+    "$venv/bin/python" -c "import torch" 2>/dev/null || { echo "torch install failed" >&2; exit 1; }
   fi
-  "$venv/bin/python" -m pip install -q -e "$root[dev]" 2>&1 | grep -v "is ignored" >&2 || true
+  # PYTHONWARNINGS quiets setuptools' notices about editable installs; errors still show.
+  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e "$root[dev]" 2>&1 | grep -v "is ignored" >&2 || true
   "$venv/bin/python" -c "import taperfold, onnx, onnxruntime, onnx_ir" || { echo "install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -138,7 +138,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = 
         x, y = random_windows(train_tokens, opts.batch_size, seq, gen)
         ce, aux = model.loss(x, y)
         if not torch.isfinite(ce + aux):
-            raise TaperfoldError(f"training diverged at step {step + 1} (loss {float(ce):g}, aux {float(aux):g}, "
+            raise TaperfoldError(f"training diverged at step {step + 1} (loss {ce.item():g}, aux {aux.item():g}, "
                                  f"gate {model.gate.value:.3f}); nothing was saved: a longer schedule "
                                  "(--steps) or a lower --lr gives the taper room")
         optim.zero_grad(set_to_none=True)
