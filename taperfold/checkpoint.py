@@ -112,9 +112,8 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
         if "Unsupported global" in str(e) or "GLOBAL" in str(e):
             raise TaperfoldError(f"{path}: refused: the file holds a pickle that would construct objects or "
                                  "run code; taperfold only loads tensors and plain data") from None
-        detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln),
-                      "not a PyTorch file")
-        raise TaperfoldError(f"{path}: not a readable checkpoint ({detail})") from None
+        detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
+        raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first})") from None

@@ -16,9 +16,19 @@ if not out.is_terminal:  # piped or captured: don't squeeze tables into 80 colum
 
 @contextlib.contextmanager
 def train_progress(total: int, quiet: bool = False):
-    """Yields on_step(step, record): a progress bar with loss and gate, and a loss log line every 50 steps."""
+    """Yields on_step(step, record): a progress bar with loss and gate on a terminal, and a loss log line
+    every 50 steps (the only output in logs and pipes)."""
     if quiet:
         yield lambda step, record: None
+        return
+
+    def log(console: Console, step: int, record: dict) -> None:
+        if step % 50 == 0 or step == total:
+            console.print(f"step {step:5d}  loss {record['loss']:.4f}  aux {record['aux']:.4f}  "
+                          f"gate {record['gate']:.4f}  lr {record['lr']:.2e}")
+
+    if not err.is_terminal:
+        yield lambda step, record: log(err, step, record)
         return
     columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn()]
@@ -26,11 +36,8 @@ def train_progress(total: int, quiet: bool = False):
         task = progress.add_task("train", total=total, info="")
 
         def on_step(step: int, record: dict) -> None:
-            info = f"loss {record['loss']:.3f}  gate {record['gate']:.3f}"
-            progress.update(task, completed=step, info=info)
-            if step % 50 == 0 or step == total:
-                progress.console.print(f"step {step:5d}  loss {record['loss']:.4f}  aux {record['aux']:.4f}  "
-                                       f"gate {record['gate']:.4f}  lr {record['lr']:.2e}")
+            progress.update(task, completed=step, info=f"loss {record['loss']:.3f}  gate {record['gate']:.3f}")
+            log(progress.console, step, record)
 
         yield on_step
 
@@ -38,7 +45,7 @@ def train_progress(total: int, quiet: bool = False):
 @contextlib.contextmanager
 def stage_status(quiet: bool = False):
     """Yields on_stage(name): a spinner naming the current long step."""
-    if quiet:
+    if quiet or not err.is_terminal:
         yield lambda name: None
         return
     with err.status("starting") as status:
@@ -84,7 +91,7 @@ def print_export(manifest: dict, out_dir) -> None:
 @contextlib.contextmanager
 def step_progress(label: str, quiet: bool = False):
     """Yields on_step(done, total, description): a progress bar for work whose size the callee knows."""
-    if quiet:
+    if quiet or not err.is_terminal:  # no bar in logs and pipes
         yield lambda done, total, description: None
         return
     columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
