@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_path
+from taperfold.fsutil import atomic_path, read_json_object
 from taperfold.models import CausalLM, ModelConfig, build_model
 
 FORMAT = "taperfold-checkpoint"
@@ -156,13 +156,7 @@ def _read_directory(path: Path) -> tuple[dict, dict]:
     for f in (config_file, weights):
         if not f.exists():
             raise TaperfoldError(f"{f}: missing (a checkpoint directory holds config.json and model.safetensors)")
-    try:
-        header = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaperfoldError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise TaperfoldError(f"{config_file}: expected a JSON object")
-    return header, _read_safetensors_file(weights)[1]
+    return read_json_object(config_file), _read_safetensors_file(weights)[1]
 
 
 def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import re
 import time
@@ -29,7 +28,7 @@ from torch import nn
 from taperfold.checkpoint import Checkpoint, load_checkpoint
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_dir, sha256_file, write_json_atomic
+from taperfold.fsutil import atomic_dir, read_json_object, sha256_file, write_json_atomic
 from taperfold.models import CausalLM, baseline_of
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -183,11 +182,8 @@ def read_manifest(export_dir: str | Path) -> dict:
     path = export_dir / MANIFEST
     if not path.is_file():
         raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "taperfold-export":
+    manifest = read_json_object(path)
+    if manifest.get("format") != "taperfold-export":
         raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not 'taperfold-export')")
     for key in ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
                 "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path"):

@@ -82,6 +82,19 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON file whose top level is an object; one clear error naming the file otherwise."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise TaperfoldError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(obj, dict):
+        raise TaperfoldError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

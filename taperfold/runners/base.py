@@ -21,17 +21,20 @@ class Runner(abc.ABC):
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+        # Runners that know their tensor names fill these (in __init__ or load); others override the properties.
+        self._inputs: list[str] = []
+        self._outputs: list[str] = []
 
     @abc.abstractmethod
     def load(self) -> None: ...
 
     @property
-    @abc.abstractmethod
-    def input_names(self) -> list[str]: ...
+    def input_names(self) -> list[str]:
+        return list(self._inputs)
 
     @property
-    @abc.abstractmethod
-    def output_names(self) -> list[str]: ...
+    def output_names(self) -> list[str]:
+        return list(self._outputs)
 
     @abc.abstractmethod
     def prepare(self, feeds: dict[str, np.ndarray]) -> Any: ...

@@ -36,14 +36,6 @@ class TorchRunner(Runner):
         self.model.to(self.device).eval()
         self._module = torch.compile(self.model) if self.compile else self.model
 
-    @property
-    def input_names(self) -> list[str]:
-        return list(self._inputs)
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self._outputs)
-
     def prepare(self, feeds: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Host arrays → tensors on the device; tensors this runner returned pass through without a copy."""
         unknown = sorted(set(feeds) - set(self._inputs))

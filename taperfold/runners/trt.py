@@ -45,8 +45,6 @@ class TrtRunner(Runner):
         self.plan_path = Path(plan_path)
         self.cuda_graph = cuda_graph
         self._engine = None
-        self._inputs: list[str] = []
-        self._outputs: list[str] = []
 
     # ---- life cycle ----
 
@@ -82,14 +80,6 @@ class TrtRunner(Runner):
         # a graph and a context reference memory of the engine: release them first
         self._graphs = self._bound = self._bound_outputs = None
         self._context = self._engine = self._runtime = self._out_buffers = None
-
-    @property
-    def input_names(self) -> list[str]:
-        return list(self._inputs)
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self._outputs)
 
     # ---- running ----
 
