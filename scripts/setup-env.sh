@@ -16,7 +16,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     "$venv/bin/python" -c "import torch" 2>/dev/null || { echo "torch install failed" >&2; exit 1; }
   fi
   # PYTHONWARNINGS quiets setuptools' notices about editable installs; errors still show.
-  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e "$root[dev]" 2>&1 | grep -v "is ignored" >&2 || true
+  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e "$root[dev,hf]" 2>&1 | grep -v "is ignored" >&2 || true
   "$venv/bin/python" -c "import taperfold, onnx, onnxruntime, onnx_ir" || { echo "install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
