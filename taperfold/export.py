@@ -135,6 +135,12 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     if opts.logits not in ("last", "all"):
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
     ckpt_path = Path(ckpt_path)
+    from taperfold.hf.directory import is_hf_directory
+
+    if is_hf_directory(ckpt_path):  # exported with transformers' own modeling code
+        from taperfold.hf.export import export_hf_directory
+
+        return export_hf_directory(ckpt_path, out_dir, opts, on_stage)
     ckpt = load_checkpoint(ckpt_path)
     _check_gate(ckpt, opts)
     dtype = DTYPES[opts.dtype]

@@ -59,6 +59,10 @@ def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str |
 
 def model_config(source: Source) -> ModelConfig:
     if source.manifest is not None:
+        from taperfold.hf.model import HFModelInfo, is_hf_info
+
+        if is_hf_info(source.manifest["config"]):  # exported from a Hugging Face directory
+            return HFModelInfo.from_dict(source.manifest["config"])
         try:
             return ModelConfig.from_dict(source.manifest["config"])
         except (TypeError, ValueError) as e:
@@ -106,7 +110,12 @@ def torch_variants(source: Source, names: list[str], dtype: str) -> dict[str, Ca
             if not path.exists():
                 raise TaperfoldError(f"{source.export_dir / MANIFEST}: key 'checkpoint.path': {path} no longer "
                                      "exists; pass --checkpoint CKPT instead of DIR for the torch engine")
-        tapered, origin = load_checkpoint(path).build(gate=0.0), str(path)
+        ckpt = load_checkpoint(path)
+        if ckpt.config.taper != "none" and hasattr(ckpt, "build_baseline"):  # a Hugging Face directory
+            from taperfold.hf.variants import torch_variants as hf_variants
+
+            return {name: m.to(DTYPES[dtype]).eval() for name, m in hf_variants(ckpt, names).items()}
+        tapered, origin = ckpt.build(gate=0.0), str(path)
     if tapered.cfg.taper == "none":
         raise TaperfoldError(f"{origin}: the checkpoint has no tapered norms (taper=none): nothing to compare")
     build = {"baseline": lambda: baseline_of(tapered), "unfused": lambda: tapered,
