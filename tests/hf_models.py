@@ -1,6 +1,6 @@
 """Tiny random transformers configs, one per family taperfold tapers (no download: built from configs)."""
 
-COMMON = dict(vocab_size=128, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 RMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON)
 
 
@@ -16,7 +16,7 @@ def tiny_config(model_type: str):
         "gemma": lambda: t.GemmaConfig(num_key_value_heads=2, head_dim=8, **RMS),
         "phi": lambda: t.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    partial_rotary_factor=0.5, **COMMON),
-        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
+        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=32,
                                      bos_token_id=1, eos_token_id=2),
         "gpt_neox": lambda: t.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, rotary_pct=0.5, **COMMON),

@@ -277,11 +277,36 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     with torch.device("meta"):  # shapes only: no memory, no init
         expected_model = _new_model(hf_config)
         _taper(expected_model, block, str(config_file))
+    tensors, origin = _renamed(expected_model, tensors, origin)
     _check_state(path, tensors, origin, expected_model, block is not None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
     info = HFModelInfo.from_config(hf_config, family, block.taper if block else "none",
                                    bool(block and block.aux is not None), tokenizer)
     return HFCheckpoint(path, info, config, family, block, tensors, {"schedule": block.schedule if block else None})
+
+
+def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict]:
+    """Checkpoint names -> the model's, with transformers' own renamings (e.g. GPT-NeoX stores its
+    `lm_head` as `embed_out`; save_pretrained writes that legacy name, from_pretrained maps it back)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # an older transformers: names are stored as the modules have them
+        return tensors, origin
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return tensors, origin
+    meta = model.state_dict()
+    renamed, new_origin = {}, {}
+    for key, value in tensors.items():
+        new_key, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converter is not None:
+            raise TaperfoldError(f"{origin[key]}: key '{key}' needs transformers' weight conversion "
+                                 f"({converter}), which taperfold does not apply; save the model again")
+        renamed[new_key], new_origin[new_key] = value, origin[key]
+    return renamed, new_origin
 
 
 def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) -> None:
