@@ -26,7 +26,8 @@ def train_from(source: str, out: str, taper: str, aux: bool, opts, data_files, a
     require_transformers(f"{source} (a Hugging Face directory)")
     with train_progress(opts.steps, quiet=as_json) as on_step:
         result = train_hf_directory(source, opts, data_files, taper=taper, aux=aux, on_step=on_step)
-    save_hf_directory(result.model, out_path, step=opts.steps, schedule=result.schedule, tokenizer=result.tokenizer)
+    save_hf_directory(result.model, out_path, step=opts.steps, schedule=result.schedule,
+                      tokenizer_from=Path(source) if result.tokenizer is not None else None)
     gate = result.model.tapering.gate.value
     summary = {"checkpoint": out, "from": source, "taper": taper, "aux": aux, "steps": opts.steps, "gate": gate,
                "val_loss": round(result.val_loss, 4), "seconds": round(result.seconds, 1),

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,9 @@ BLOCK_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json")
+TAPER_KEYS = ("weight_tilde", "c", "ema_num", "ema_den", "ema_count", "calibrated")  # what tapering adds
 INSTALL_HINT = "pip install 'taperfold[hf]'"
 
 
@@ -323,7 +326,7 @@ def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) 
         if key not in expected:
             if any(p.search(key) for p in ignore):
                 continue
-            if not tapered and key.rpartition(".")[2] in ("weight_tilde", "c", "ema_num", "calibrated"):
+            if not tapered and key.rpartition(".")[2] in TAPER_KEYS:
                 raise TaperfoldError(f"{file}: holds tapered key '{key}' but {path / CONFIG} has no "
                                      f"'{BLOCK}' block; restore the block or save the model again")
             raise TaperfoldError(f"{file}: unexpected key '{key}' (not in the model config.json describes)")
@@ -337,9 +340,10 @@ def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) 
 # ---- saving ---------------------------------------------------------------------------------------------
 
 
-def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=None, tokenizer=None,
+def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=None, tokenizer_from: Path | None = None,
                       max_shard_size: str | int | None = None) -> Path:
-    """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file."""
+    """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file.
+    `tokenizer_from`: a directory whose tokenizer files are copied as they are."""
     tapering = tapering_of(model)
     loss = tapering.scale_loss
     first = next(iter(tapering.norms.values()))
@@ -354,8 +358,9 @@ def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     with atomic_dir(out_dir) as tmp, _no_progress_bars():
         model.save_pretrained(tmp, **kwargs)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        for name in TOKENIZER_FILES if tokenizer_from is not None else ():
+            if (Path(tokenizer_from) / name).is_file():
+                shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
     return out_dir
 
 

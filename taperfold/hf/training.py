@@ -125,14 +125,18 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
         if tok_config.is_file() and "auto_map" in read_json_object(tok_config):
             raise TaperfoldError(f"{tok_config}: key 'auto_map' asks for the directory's own tokenizer code; "
                                  "taperfold never runs code from a checkpoint")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
-        except (OSError, ValueError) as e:
+        try:  # tokenizer.json describes the tokenizer completely; read it as it is
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")) \
+                if (folder / "tokenizer.json").is_file() else \
+                AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+        except Exception as e:  # tokenizer loaders raise many types; one line names the directory
             raise TaperfoldError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
         text = bytes(raw.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
         tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        if len(tokens) < 2:
+            raise TaperfoldError(f"{folder}: its tokenizer turned the training data into {len(tokens)} tokens")
     else:
         tokens = raw
         if vocab_size < 256:
