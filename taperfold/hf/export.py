@@ -21,6 +21,16 @@ from taperfold.hf.directory import load_hf_directory
 NOTHING_TO_FOLD = "nothing to fold: {path} has no 'taperfold' block in config.json (a plain model); wrote the baseline only"
 
 
+def _hf_names(report: dict) -> dict:
+    """Norm names as the transformers model has them: drop the export wrappers' prefixes ("hf.", "model.hf.")."""
+    for entry in report["norms"]:
+        for prefix in ("model.hf.", "hf."):
+            if entry["name"].startswith(prefix):
+                entry["name"] = entry["name"][len(prefix):]
+                break
+    return report
+
+
 def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptions,
                         on_stage=lambda name: None) -> ExportResult:
     from taperfold.passes import fold_model
@@ -57,7 +67,7 @@ def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptio
             if name.startswith("unfolded"):
                 on_stage(f"folding {name}")
                 t0 = time.perf_counter()
-                reports[name] = fold_model(model_ir).to_dict()
+                reports[name] = _hf_names(fold_model(model_ir).to_dict())
                 timings["passes_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 _save(model_ir, tmp / f"model{name[len('unfolded'):]}.onnx")
