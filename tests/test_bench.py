@@ -192,6 +192,7 @@ def test_missing_tensorrt_is_one_line_and_exit_2(bench_export, monkeypatch, cli)
     (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list"),
     (["--preset", "tiny", "--seq", "4096"], "--seq 4096 exceeds the model's context (max_seq_len 128)"),
     (["--preset", "tiny", "--seq", "8", "--engine", "ort"], "--engine ort runs exported graphs"),
+    (["--preset", "tiny", "--seq", "8", "--ort-optimization", "basic"], "--ort-optimization applies to --engine ort"),
     ([], "give exactly one of DIR"),
 ])
 def test_bad_input_is_one_error_line(args, message, cli):
