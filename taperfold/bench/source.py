@@ -8,6 +8,7 @@ three variants from one tapered model at g = 0: the export's checkpoint, the che
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from taperfold.errors import TaperfoldError
@@ -36,8 +37,8 @@ def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str |
     if len(given) != 1:
         raise TaperfoldError("give exactly one of DIR (an export directory), --checkpoint CKPT or --preset NAME"
                              + (f"; got {' and '.join(given)}" if given else ""))
-    description = {"export_dir": export_dir and str(export_dir), "checkpoint": checkpoint and str(checkpoint),
-                   "preset": preset, "arch": arch if preset else None}
+    description = {"export_dir": export_dir and str(Path(export_dir)),
+                   "checkpoint": checkpoint and str(Path(checkpoint)), "preset": preset, "arch": arch if preset else None}
     if preset:
         from taperfold.models import preset_config
         from taperfold.variants import random_gate0_model
