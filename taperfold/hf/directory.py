@@ -249,12 +249,12 @@ class HFCheckpoint:
 
     def build(self, gate: float | None = None) -> HFCausalLM:
         """The model as taperfold's tools use it (its plain forward is transformers' own), at `gate`."""
-        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family).eval()
+        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family, checkpoint=self).eval()
 
     def build_baseline(self) -> HFCausalLM:
         """The same directory with its original norms (γ, β kept): the benchmark's baseline."""
         info = HFModelInfo(**{**self.config.to_dict(), "taper": "none", "aux": False})
-        return HFCausalLM(self.hf_model(tapered=False), info, self.family).eval()
+        return HFCausalLM(self.hf_model(tapered=False), info, self.family, checkpoint=self).eval()
 
 
 def load_hf_directory(path: str | Path) -> HFCheckpoint:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from taperfold import exportdir
 from taperfold.errors import TaperfoldError
-from taperfold.export import (DTYPES, MANIFEST, ExportOptions, ExportResult, _check_gate, _manifest, _save,
-                              export_to_ir)
+from taperfold.export import ExportOptions, ExportResult, _check_gate, _manifest, _save, export_to_ir
+from taperfold.exportdir import DTYPES, LOGITS, MANIFEST, onnx_file, torch_dtype
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.hf.directory import load_hf_directory
 
@@ -37,41 +38,42 @@ def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptio
 
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
-    if opts.logits not in ("last", "all"):
+    if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
     path = Path(path)
     ckpt = load_hf_directory(path)
-    dtype = DTYPES[opts.dtype]
     if ckpt.tapered:
         _check_gate(ckpt, opts)
+    dtype = torch_dtype(opts.dtype)
+    # (variant, model) pairs; the folded graphs are the unfolded ones after the passes
+    sources = []
+    if opts.baseline or not ckpt.tapered:
+        sources.append(("baseline", ckpt.build_baseline().for_export().to(dtype)))
+    if ckpt.tapered:
         tapered = ckpt.build(gate=0.0).for_export().to(dtype)
-    if ckpt.tapered and not opts.baseline:
-        variants = [("unfolded", tapered, False)] + ([("unfolded.decoder", tapered, True)] if opts.kv_cache else [])
-    else:
-        baseline = ckpt.build_baseline().for_export().to(dtype)
-        variants = [("baseline", baseline, False)] + ([("baseline.decoder", baseline, True)] if opts.kv_cache else [])
-        if ckpt.tapered:
-            variants += [("unfolded", tapered, False)] + ([("unfolded.decoder", tapered, True)] if opts.kv_cache else [])
+        sources.append(("unfolded", tapered))
     out_dir = Path(out_dir)
     timings = {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0}
     reports = {}
     with atomic_dir(out_dir) as tmp:
-        for name, model, decoder in variants:
-            on_stage(f"exporting {name}")
-            t0 = time.perf_counter()
-            model_ir = export_to_ir(model, opts, decoder)
-            timings["torch_export_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            _save(model_ir, tmp / f"{name}.onnx")
-            timings["write_s"] += time.perf_counter() - t0
-            if name.startswith("unfolded"):
-                on_stage(f"folding {name}")
+        for decoder in (False, True) if opts.kv_cache else (False,):
+            for variant, model in sources:
+                name = exportdir.artifact_key(variant, decoder)
+                on_stage(f"exporting {name}")
                 t0 = time.perf_counter()
-                reports[name] = _hf_names(fold_model(model_ir).to_dict())
-                timings["passes_s"] += time.perf_counter() - t0
+                model_ir = export_to_ir(model, opts, decoder)
+                timings["torch_export_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                _save(model_ir, tmp / f"model{name[len('unfolded'):]}.onnx")
+                _save(model_ir, tmp / onnx_file(variant, decoder))
                 timings["write_s"] += time.perf_counter() - t0
+                if variant == "unfolded":
+                    on_stage(f"folding {name}")
+                    t0 = time.perf_counter()
+                    reports[name] = _hf_names(fold_model(model_ir).to_dict())
+                    timings["passes_s"] += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    _save(model_ir, tmp / onnx_file("folded", decoder))
+                    timings["write_s"] += time.perf_counter() - t0
         on_stage("writing manifest")
         manifest = _manifest(ckpt, path, opts, tmp, reports, timings)
         manifest["source"] = {"format": "huggingface", "family": ckpt.family.name, "model_type": ckpt.config.arch,

@@ -84,9 +84,10 @@ def _detached(model: nn.Module, path: str):
 class HFCausalLM(nn.Module):
     """taperfold's interface over a transformers `*ForCausalLM` (see the module docstring)."""
 
-    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True):
+    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True, checkpoint=None):
         super().__init__()
         self.hf, self.cfg, self.family, self.reference = hf, cfg, family, reference
+        self.checkpoint = checkpoint  # the HFCheckpoint it was built from, if any (its baseline comes from there)
 
     @property
     def tapering(self):
@@ -104,7 +105,7 @@ class HFCausalLM(nn.Module):
             self.tapering.set_gate(value, calibrating)
 
     def for_export(self) -> "HFCausalLM":
-        return HFCausalLM(self.hf, self.cfg, self.family, reference=False)
+        return HFCausalLM(self.hf, self.cfg, self.family, reference=False, checkpoint=self.checkpoint)
 
     def _cache(self, past_key_values):
         from transformers import DynamicCache

@@ -36,7 +36,7 @@ def fold_in_torch(model: HFCausalLM) -> HFCausalLM:
         parent, _, attr = path.rpartition(".")
         setattr(hf.get_submodule(parent) if parent else hf, attr, nn.Identity())
     object.__setattr__(hf, "tapering", None)
-    return HFCausalLM(hf, model.cfg, model.family, reference=model.reference).eval()
+    return HFCausalLM(hf, model.cfg, model.family, reference=model.reference, checkpoint=model.checkpoint).eval()
 
 
 def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None, conv1d: bool) -> None:
@@ -52,9 +52,13 @@ def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None
     reader.weight.copy_((new_w if conv1d else new_w.T).to(reader.weight.dtype))
 
 
-def torch_variants(ckpt, names: list[str]) -> dict[str, HFCausalLM]:
-    """`names` ⊆ {baseline, unfused, folded} of the HF checkpoint `ckpt`, in fp32 (cast by the caller)."""
-    tapered = ckpt.build(gate=0.0).for_export()
-    build = {"baseline": lambda: ckpt.build_baseline().for_export(), "unfused": lambda: tapered,
+def build_variants(tapered: HFCausalLM, names: list[str], dtype: torch.dtype) -> dict[str, HFCausalLM]:
+    """`names` ⊆ {baseline, unfolded, folded} of a tapered HF model at g = 0, built in fp32 then cast; all
+    run the exported graphs' forward (the last position taken before the final norm)."""
+    if tapered.checkpoint is None:
+        raise ValueError("the baseline needs the directory the model came from (HFCheckpoint.build)")
+    tapered = tapered.for_export()
+    build = {"baseline": lambda: tapered.checkpoint.build_baseline().for_export(), "unfolded": lambda: tapered,
              "folded": lambda: fold_in_torch(tapered)}
-    return {name: build[name]() for name in names}
+    models = {name: build[name]() for name in names}
+    return {name: m.to(dtype).eval() for name, m in models.items()}
