@@ -14,6 +14,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # each family trains and exports a model
 
 from hf_models import FAMILIES, tiny_config  # noqa: E402
 
@@ -146,10 +147,11 @@ def test_export_verifies_against_the_transformers_forward(fam):
 def test_every_tapered_norm_is_folded(fam, request):
     if fam.name in PENDING_FOLD:
         request.applymarker(pytest.mark.xfail(strict=True, reason=PENDING_FOLD[fam.name]))
-    summary = fam.manifest["fold_report"]["summary"]
+    # Counted, not named: where two norms share their mean subtraction (GPT-NeoX), the report may name
+    # both after the node's module. The op count below says no tapered norm's statistics are left.
+    report = fam.manifest["fold_report"]
     tapered = len(fam.result.model.tapering.norms)
-    assert summary["folded"] == tapered, [(n["name"], n["reason"]) for n in fam.manifest["fold_report"]["norms"]]
-    assert summary["norms"] == tapered
+    assert report["summary"]["folded"] == tapered, [(n["name"], n["status"], n["reason"]) for n in report["norms"]]
     ops = Counter(n.op_type for n in onnx.load(str(fam.export / "model.onnx"), load_external_data=False).graph.node)
     kept_norms = len(fam.manifest["source"]["untapered"])  # the final norm (internal), Qwen3's q/k norms
     per_norm = {"rms": ops["Sqrt"], "ln": ops["LayerNormalization"] + ops["Sqrt"]}
