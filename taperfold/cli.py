@@ -88,16 +88,22 @@ def fold_command(src: str, dst: str, report_path: str | None, as_json: bool) -> 
               help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.")
 @click.option("--out", "-o", type=click.Path(), required=True,
               help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.")
+@click.option("--from", "source", type=click.Path(), metavar="HF_DIR",
+              help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
+                   "--preset are ignored); --out is then a tapered Hugging Face directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, as_json):
+def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
     from taperfold.checkpoint import save_checkpoint
     from taperfold.models import preset_config
     from taperfold.train import TrainOptions, train as run_training
     from taperfold.ui import train_progress
 
-    cfg = preset_config(preset, arch=arch, taper=taper, aux=aux)
     opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    if source:
+        from taperfold.hf.cli import train_from
+        return train_from(source, out, taper, aux, opts, [Path(d) for d in data] or None, as_json)
+    cfg = preset_config(preset, arch=arch, taper=taper, aux=aux)
     with train_progress(steps, quiet=as_json) as on_step:
         result = run_training(cfg, opts, [Path(d) for d in data] or None, on_step=on_step)
     save_checkpoint(result.checkpoint, out)

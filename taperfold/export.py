@@ -123,6 +123,12 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
     ckpt_path = Path(ckpt_path)
+    from taperfold.hf.directory import is_hf_directory
+
+    if is_hf_directory(ckpt_path):  # exported with transformers' own modeling code
+        from taperfold.hf.export import export_hf_directory
+
+        return export_hf_directory(ckpt_path, out_dir, opts, on_stage)
     ckpt = load_checkpoint(ckpt_path)
     _check_gate(ckpt, opts)
     tapered = ckpt.build(gate=0.0).to(torch_dtype(opts.dtype))

@@ -134,9 +134,12 @@ class Manifest:
         return self.data.get("engines") or {}
 
     def config(self):
+        from taperfold.hf.model import HFModelInfo, is_hf_info
         from taperfold.models import ModelConfig
 
         try:
+            if is_hf_info(self.data["config"]):  # exported from a Hugging Face directory (taperfold.hf)
+                return HFModelInfo.from_dict(self.data["config"])
             return ModelConfig.from_dict(self.data["config"])
         except (TypeError, ValueError) as e:
             raise TaperfoldError(f"{self.path}: key 'config': {e}") from None

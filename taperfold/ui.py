@@ -82,6 +82,8 @@ def print_export(manifest: dict, out_dir) -> None:
         size = (art["bytes"] + art["external_data_bytes"]) / 1e6
         table.add_row(name, art["path"], f"{size:.2f}")
     out.print(table)
+    if manifest.get("note"):
+        out.print(manifest["note"], highlight=False)
     report = manifest.get("fold_report") or {}
     summary = report.get("summary", {})
     if summary:

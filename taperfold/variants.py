@@ -79,6 +79,10 @@ def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0) -> Causa
 def build_variants(tapered: CausalLM, names: list[str], dtype: torch.dtype) -> dict[str, CausalLM]:
     """The variants in `names` (canonical: baseline, unfolded, folded) of a tapered model at g = 0, all built
     from the fp32 model before any is cast (the fold runs in float64 and casts once)."""
+    if getattr(tapered, "hf", None) is not None:  # a transformers model (taperfold.hf)
+        from taperfold.hf.variants import build_variants as hf_variants
+
+        return hf_variants(tapered, names, dtype)
     build = {"baseline": lambda: baseline_of(tapered), "unfolded": lambda: tapered,
              "folded": lambda: fold_model_in_torch(tapered)}
     models = {name: build[name]() for name in names}
