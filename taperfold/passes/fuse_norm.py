@@ -221,7 +221,7 @@ class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
                 return _initializer(graph, f"{stem}.{suffix}", np.asarray(array))
 
             def op(op_type, *inputs, **attrs):
-                return ir.node(op_type, list(inputs), attrs or None, name=f"{stem}.{op_type.lower()}",
+                return ir.node(op_type, list(inputs), attrs or None, name=f"{stem}.{len(new)}_{op_type.lower()}",
                                metadata_props=dict(meta))
 
             new = []
