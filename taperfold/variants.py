@@ -105,11 +105,12 @@ def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None
 
 
 @torch.no_grad()
-def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0) -> CausalLM:
-    """A preset at g = 0 with random weights, and random c and γ̃ in every tapered norm (never all ones:
-    graph tools delete a multiply by ones, which would make the unfolded graph look like the folded one)."""
+def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overrides) -> CausalLM:
+    """A preset (with config `overrides`) at g = 0 with random weights, and random c and γ̃ in every tapered
+    norm (never all ones: graph tools delete a multiply by ones, which would make the unfolded graph look
+    like the folded one)."""
     torch.manual_seed(seed)
-    model = build_model(preset_config(preset, arch=arch))
+    model = build_model(preset_config(preset, arch=arch, **overrides))
     for norm in model.tapered_norms().values():
         norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
         norm.weight_tilde.copy_(1 + 0.1 * torch.randn_like(norm.weight_tilde))

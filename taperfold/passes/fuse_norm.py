@@ -139,8 +139,8 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
             return None
         if all(u.node in (pow_node, scale) for u in stats_input.uses()) and not stats_input.is_graph_output():
             nodes.insert(0, widen)  # else the widened x is read elsewhere too: that Cast stays
-    if x.dtype is None or out.dtype != x.dtype:
-        return None
+    if x.dtype is None or (out.dtype is not None and out.dtype != x.dtype):
+        return None  # (ONNX's Mul takes one dtype, so an untyped out has x's)
     return RMSMatch(input=x, output=out, nodes=nodes, epsilon=eps, weight=weight, last=nodes[-1])
 
 
