@@ -181,9 +181,12 @@ def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, target, opset, k
 
 _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
 
-    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
-    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
-    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
+    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), the
+    plain-norm torch model -> baseline and baseline-decomposed, baseline-decomposed -> baseline (the
+    fused norm), checkpoint -> engine when a TensorRT plan exists, and every *.decoder.onnx against
+    its torch model (a prompt with an empty past, then KV-cached steps). Inputs: seeded random tokens,
+    batch 1 and 4 by sequence 1, 16 and the model's longest (far from the traced shape), unless
+    --tokens or --text is given.
 
     \b
     Default tolerances (export dtype, pair):
