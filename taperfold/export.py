@@ -129,8 +129,7 @@ def _save(model_ir, path: Path) -> None:
 
 
 def _load(path: Path):
-    """A graph just written (weights read lazily; saving it again to `path` is safe: ir.save writes through a
-    temporary file)."""
+    """A graph just written, its weights read lazily."""
     import onnx_ir as ir
 
     return ir.load(path)
@@ -171,24 +170,22 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
                     _write_baselines(model_ir, tmp, decoder, choice, opts.target, model.cfg.norm_kind, graphs)
                     timings["write_s"] += time.perf_counter() - t0
                     continue
-                _save(model_ir, tmp / onnx_file(variant, decoder))
+                # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
+                # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
+                staged = tmp / ("." + onnx_file(variant, decoder))
+                _save(model_ir, staged)
                 timings["write_s"] += time.perf_counter() - t0
                 on_stage(f"folding {name}")
                 t0 = time.perf_counter()
                 reports[name] = fold_model(model_ir).to_dict()
                 timings["passes_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                # plain norms the taper kept (the final norm of taper=internal) get the baseline's fused form
-                # too: after the fold, whose onnx.checker run does not know ONNX Runtime's op
-                fused = _fuse(model_ir, opts.target)
-                graphs[exportdir.artifact_key("folded", decoder)] = _graph_info(model_ir, choice, fused)
-                _save(model_ir, tmp / onnx_file("folded", decoder))
-                unfolded_path = tmp / onnx_file("unfolded", decoder)
-                unfolded_ir = _load(unfolded_path)
-                fused = _fuse(unfolded_ir, opts.target)
-                graphs[name] = _graph_info(unfolded_ir, choice, fused)
-                if fused:
-                    _save(unfolded_ir, unfolded_path)
+                for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
+                    fused = _fuse(graph_ir, opts.target)
+                    graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
+                    _save(graph_ir, tmp / onnx_file(written, decoder))
+                for path in (staged, staged.with_name(staged.name + ".data")):
+                    path.unlink()
                 timings["write_s"] += time.perf_counter() - t0
         on_stage("writing manifest")
         manifest = _manifest(ckpt, ckpt_path, opts, tmp, reports, timings, graphs)

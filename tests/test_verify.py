@@ -154,8 +154,10 @@ def test_correct_export_passes(cli, export_copy):
     assert "PASS" in result.stdout and "checkpoint -> folded" in result.stdout
     report = json.loads((export_copy / "verify.json").read_text())
     assert report["passed"] and report["dtype"] == "fp32"
-    assert [p["name"] for p in report["pairs"]] == ["checkpoint -> unfolded", "checkpoint -> folded",
-                                                    "unfolded -> folded"]
+    names = [p["name"] for p in report["pairs"]]
+    assert names[:3] == ["checkpoint -> unfolded", "checkpoint -> folded", "unfolded -> folded"]
+    assert {"baseline (torch) -> baseline", "baseline-decomposed -> baseline",  # the export has decoders:
+            "checkpoint -> folded.decoder", "baseline (torch) -> baseline.decoder"} <= set(names)  # all verified
     shapes = {tuple(i["shape"]) for i in report["inputs"]}
     assert {(1, 1), (4, 1), (1, 128), (4, 128)} <= shapes  # batch 1 and 4, sequence 1 up to max_seq_len
     fold = report["pairs"][2]
