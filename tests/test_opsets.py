@@ -110,6 +110,7 @@ def test_manifest_records_the_table_choice_per_artifact(llama_table):
     manifest = read_manifest(llama_table)
     assert manifest.data["export"]["target"] == "ort" and manifest.data["export"]["opset"] is None
     assert set(manifest.artifacts) == {f"{v}{d}" for v in ALL_VARIANTS for d in ("", ".decoder")}
+    assert not [p.name for p in llama_table.iterdir() if p.name.startswith(".")]  # the staged graphs are gone
     for key, entry in manifest.artifacts.items():
         graph = "decoder" if key.endswith(".decoder") else "prefill"
         opset, reason = TABLE[("ort", graph)]
