@@ -35,7 +35,6 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from taperfold.passes._graph import cast_to, const_array
 
-FUSED_OPS = ("RMSNormalization", "SimplifiedLayerNormalization")
 _FLOAT = ir.DataType.FLOAT
 
 
