@@ -41,7 +41,7 @@ from taperfold.variants import baseline_of
 
 
 # The example inputs the exporter traces with: (batch, sequence), and the decoders' past length. The graphs
-# are dynamic in all three; verify runs them on shapes far from these (verify.random_inputs, DECODE_CASES).
+# are dynamic in all three; verify runs them on shapes far from these (verify.random_inputs, verify.decode_cases).
 TRACE_SHAPE = (2, 8)
 TRACE_PAST = 5
 
