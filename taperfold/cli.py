@@ -146,7 +146,11 @@ def inspect(checkpoint, as_json):
 @click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
               help="last: logits of the final position only (the paper's benchmark mode).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--opset", type=click.IntRange(18, 23), default=20, show_default=True)
+@click.option("--target", type=click.Choice(["ort", "trt"]),
+              help="What runs the graphs: ONNX Runtime or TensorRT; picks each graph's opset and the baseline's "
+                   "norm form (docs/opsets.md).  [default: trt with --trt, else ort]")
+@click.option("--opset", type=click.IntRange(18, 23),
+              help="One opset for every graph, instead of the per-graph table (docs/opsets.md).")
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
@@ -155,8 +159,8 @@ def inspect(checkpoint, as_json):
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache, force_gate0, baseline, trt_batch,
-           trt_seq, as_json):
+def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
+           trt_batch, trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
     from taperfold.export import ExportOptions, export_checkpoint
@@ -166,8 +170,8 @@ def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache,
         from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
-    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, kv_cache=kv_cache, force_gate0=force_gate0,
-                         baseline=baseline)
+    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
+                         kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline)
     with stage_status(quiet=as_json) as on_stage:
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
         if to_trt:
@@ -183,9 +187,12 @@ def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, opset, kv_cache,
 
 _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
 
-    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
-    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
-    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
+    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), the
+    plain-norm torch model -> baseline and baseline-decomposed, baseline-decomposed -> baseline (the
+    fused norm), checkpoint -> engine when a TensorRT plan exists, and every *.decoder.onnx against
+    its torch model (a prompt with an empty past, then KV-cached steps). Inputs: seeded random tokens,
+    batch 1 and 4 by sequence 1, 16 and the model's longest (far from the traced shape), unless
+    --tokens or --text is given.
 
     \b
     Default tolerances (export dtype, pair):
@@ -263,7 +270,8 @@ def _engine_options(command):
 @click.option("--engine", type=click.Choice(list(ENGINES)),
               help="Default: ort with DIR, torch with --checkpoint or --preset.")
 @click.option("--variants", default=",".join(VARIANTS), show_default=True,
-              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded.")
+              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded, and baseline-decomposed "
+                   "(the norm as plain ops; speedups are always against baseline).")
 @click.option("--batch", "batches", default="1,4", show_default=True)
 @click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
