@@ -36,7 +36,7 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
 from taperfold.fsutil import atomic_dir, sha256_file, write_json_atomic
 from taperfold.models import CausalLM
-from taperfold.opsets import OpsetChoice, choose_opset, fuses_norms
+from taperfold.opsets import OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
 from taperfold.variants import baseline_of
 
 
@@ -138,8 +138,6 @@ def _load(path: Path):
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
                       on_stage=lambda name: None) -> ExportResult:
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
-    from taperfold.passes import fold_model
-
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
@@ -155,48 +153,69 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     ckpt = load_checkpoint(ckpt_path)
     _check_gate(ckpt, opts)
     tapered = ckpt.build(gate=0.0).to(torch_dtype(opts.dtype))
-    baseline = baseline_of(tapered)
+    sources = [("baseline", baseline_of(tapered)), ("unfolded", tapered)] if opts.baseline else [("unfolded", tapered)]
     out_dir = Path(out_dir)
-    timings = {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0}
-    reports = {}
-    graphs = {}  # artifact key -> what the manifest says about that graph (opset, norm ops)
     with atomic_dir(out_dir) as tmp:
-        # (variant, model) pairs; the folded graphs are the unfolded ones after the passes
-        sources = [("baseline", baseline), ("unfolded", tapered)] if opts.baseline else [("unfolded", tapered)]
-        for decoder in (False, True) if opts.kv_cache else (False,):
-            choice = choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset)
-            for variant, model in sources:
-                name = exportdir.artifact_key(variant, decoder)
-                on_stage(f"exporting {name} (opset {choice.opset})")
-                t0 = time.perf_counter()
-                model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
-                timings["torch_export_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if variant == "baseline":
-                    _write_baselines(model_ir, tmp, decoder, choice, opts.target, model.cfg.norm_kind, graphs)
-                    timings["write_s"] += time.perf_counter() - t0
-                    continue
-                # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
-                # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
-                staged = tmp / ("." + onnx_file(variant, decoder))
-                _save(model_ir, staged)
-                timings["write_s"] += time.perf_counter() - t0
-                on_stage(f"folding {name}")
-                t0 = time.perf_counter()
-                reports[name] = fold_model(model_ir).to_dict()
-                timings["passes_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
-                    fused = _fuse(graph_ir, opts.target)
-                    graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
-                    _save(graph_ir, tmp / onnx_file(written, decoder))
-                for path in (staged, staged.with_name(staged.name + ".data")):
-                    path.unlink()
-                timings["write_s"] += time.perf_counter() - t0
+        exported = export_graphs(sources, tmp, opts, on_stage)
         on_stage("writing manifest")
-        manifest = _manifest(ckpt, ckpt_path, opts, tmp, reports, timings, graphs)
+        manifest = _manifest(ckpt, ckpt_path, opts, tmp, exported)
         write_json_atomic(tmp / MANIFEST, manifest)
-    return ExportResult(out_dir, manifest, timings)
+    return ExportResult(out_dir, manifest, exported.timings)
+
+
+@dataclass
+class ExportedGraphs:
+    """What `export_graphs` wrote into a folder, for the manifest."""
+
+    reports: dict = field(default_factory=dict)  # artifact key of an unfolded graph -> its fold report
+    graphs: dict = field(default_factory=dict)  # artifact key -> opset and norm ops of that graph
+    timings: dict = field(default_factory=lambda: {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0})
+
+
+def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions,
+                  on_stage=lambda name: None) -> ExportedGraphs:
+    """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
+    KV-cache decoders with `opts.kv_cache`; an unfolded graph is also folded and written as `folded`.
+    Shared by taperfold's own checkpoints and Hugging Face directories (taperfold.hf.export)."""
+    from taperfold.passes import fold_model
+
+    out = ExportedGraphs()
+    timings = out.timings
+    for decoder in (False, True) if opts.kv_cache else (False,):
+        choice = choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset)
+        for variant, model in sources:
+            name = exportdir.artifact_key(variant, decoder)
+            on_stage(f"exporting {name} (opset {choice.opset})")
+            t0 = time.perf_counter()
+            model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
+            if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
+                choice = fallback  # and for the rest of this group: every variant shares the RoPE
+                on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
+                model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
+            timings["torch_export_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if variant == "baseline":
+                _write_baselines(model_ir, folder, decoder, choice, opts.target, model.cfg.norm_kind, out.graphs)
+                timings["write_s"] += time.perf_counter() - t0
+                continue
+            # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
+            # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
+            staged = folder / ("." + onnx_file(variant, decoder))
+            _save(model_ir, staged)
+            timings["write_s"] += time.perf_counter() - t0
+            on_stage(f"folding {name}")
+            t0 = time.perf_counter()
+            out.reports[name] = fold_model(model_ir).to_dict()
+            timings["passes_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
+                fused = _fuse(graph_ir, opts.target)
+                out.graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
+                _save(graph_ir, folder / onnx_file(written, decoder))
+            for path in (staged, staged.with_name(staged.name + ".data")):
+                path.unlink()
+            timings["write_s"] += time.perf_counter() - t0
+    return out
 
 
 NORM_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization")
@@ -257,10 +276,9 @@ def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
                              "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)")
 
 
-def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Path, reports: dict,
-              timings: dict, graphs: dict) -> dict:
+def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Path, exported: ExportedGraphs) -> dict:
     artifacts = exportdir.describe_artifacts(folder)
-    for key, info in graphs.items():
+    for key, info in exported.graphs.items():
         artifacts[key].update(info)
     return exportdir.new_manifest(
         checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": ckpt.step},
@@ -268,8 +286,9 @@ def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Pa
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
                 "kv_cache": opts.kv_cache, "inputs": [INPUT], "outputs": [OUTPUT]},
-        versions=package_versions(), artifacts=artifacts,
-        fold_report=reports.get("unfolded"), decoder_fold_report=reports.get("unfolded.decoder"), timings=timings)
+        versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get("unfolded"),
+        decoder_fold_report=exported.reports.get("unfolded.decoder"),
+        timings=exported.timings)
 
 
 def checkpoint_digest(path: Path) -> str:

@@ -63,6 +63,20 @@ def choose_opset(target: str, graph: str, override: int | None = None) -> OpsetC
     return OpsetChoice(opset, "table", reason)
 
 
+ROTARY_FALLBACK_OPSET = 20
+ROTARY_REASON = ("docs/opsets.md#rotary: at opset 23 the exporter fused RoPE into RotaryEmbedding, which ONNX Runtime "
+                 "1.31 rejects on shapes other than the traced one; re-exported at opset 20")
+
+
+def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice | None:
+    """The opset to export again at when a graph exported at the table's opset came out with a fused
+    `RotaryEmbedding` (transformers' RoPE; taperfold's own RoPE is never fused), else None. An --opset
+    override is kept as given: verify then shows whether the graph runs on other shapes."""
+    if choice.source != "table" or choice.opset < 23 or "RotaryEmbedding" not in op_types:
+        return None
+    return OpsetChoice(ROTARY_FALLBACK_OPSET, "table", ROTARY_REASON)
+
+
 def fuses_norms(target: str) -> bool:
     """Whether taperfold fuses decomposed RMSNorm into ONNX Runtime's op for this target (not TensorRT's)."""
     return target == "ort"

@@ -9,13 +9,11 @@ baseline only: there is nothing to fold.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from taperfold import exportdir
 from taperfold.errors import TaperfoldError
-from taperfold.export import ExportOptions, ExportResult, _check_gate, _manifest, _save, export_to_ir
-from taperfold.exportdir import DTYPES, LOGITS, MANIFEST, onnx_file, torch_dtype
+from taperfold.export import ExportOptions, ExportResult, _check_gate, _manifest, export_graphs
+from taperfold.exportdir import DTYPES, LOGITS, MANIFEST, torch_dtype
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.hf.directory import load_hf_directory
 
@@ -34,8 +32,6 @@ def _hf_names(report: dict) -> dict:
 
 def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptions,
                         on_stage=lambda name: None) -> ExportResult:
-    from taperfold.passes import fold_model
-
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
@@ -53,33 +49,16 @@ def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptio
         tapered = ckpt.build(gate=0.0).for_export().to(dtype)
         sources.append(("unfolded", tapered))
     out_dir = Path(out_dir)
-    timings = {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0}
-    reports = {}
     with atomic_dir(out_dir) as tmp:
-        for decoder in (False, True) if opts.kv_cache else (False,):
-            for variant, model in sources:
-                name = exportdir.artifact_key(variant, decoder)
-                on_stage(f"exporting {name}")
-                t0 = time.perf_counter()
-                model_ir = export_to_ir(model, opts, decoder)
-                timings["torch_export_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                _save(model_ir, tmp / onnx_file(variant, decoder))
-                timings["write_s"] += time.perf_counter() - t0
-                if variant == "unfolded":
-                    on_stage(f"folding {name}")
-                    t0 = time.perf_counter()
-                    reports[name] = _hf_names(fold_model(model_ir).to_dict())
-                    timings["passes_s"] += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    _save(model_ir, tmp / onnx_file("folded", decoder))
-                    timings["write_s"] += time.perf_counter() - t0
+        exported = export_graphs(sources, tmp, opts, on_stage)
+        for report in exported.reports.values():
+            _hf_names(report)
         on_stage("writing manifest")
-        manifest = _manifest(ckpt, path, opts, tmp, reports, timings)
+        manifest = _manifest(ckpt, path, opts, tmp, exported)
         manifest["source"] = {"format": "huggingface", "family": ckpt.family.name, "model_type": ckpt.config.arch,
                               "taper": ckpt.config.taper,
                               "untapered": tapered.hf.tapering.untapered if ckpt.tapered else {}}
         if not ckpt.tapered:
             manifest["note"] = NOTHING_TO_FOLD.format(path=path)
         write_json_atomic(tmp / MANIFEST, manifest)
-    return ExportResult(out_dir, manifest, timings)
+    return ExportResult(out_dir, manifest, exported.timings)
