@@ -114,7 +114,7 @@ def _data_index(node: ir.Node) -> int | None:
     return None
 
 
-_SAME_DTYPE = {"Unsqueeze", "Squeeze", "Reshape", "Expand", "Transpose", "Slice", "Identity", "Flatten"}
+_SAME_DTYPE = {"Unsqueeze", "Squeeze", "Reshape", "Expand", "Transpose", "Slice", "Identity", "Flatten", "Range"}
 
 
 def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
@@ -122,11 +122,22 @@ def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
     for _ in range(depth):
         if value.dtype is not None:
             return value.dtype
+        if is_const(value):
+            array = const_array(value)
+            return None if array is None else ir.DataType.from_numpy(array.dtype)
         node = value.producer()
         if node is None or node.domain != "" or node.op_type not in _SAME_DTYPE and node.op_type != "Gather":
             return None
         value = node.inputs[0]
     return value.dtype
+
+
+def _from_integers(value: ir.Value) -> bool:
+    node = value.producer()
+    if node is None or node.domain != "" or node.op_type != "Cast":
+        return False
+    dtype = _dtype_of(node.inputs[0])
+    return dtype is not None and dtype not in FLOAT_TYPES
 
 
 def _sole_use(value: ir.Value) -> tuple[ir.Node, int] | None:
@@ -212,6 +223,8 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     if scale is None:
         return None
     x = start.inputs[_data_index(start)]
+    if _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a per-channel scale
+        return None
     head = _centering(x)
     if head is None:
         return NormMatch("rms", x, chain[-1].outputs[0], chain, scale)

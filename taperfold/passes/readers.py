@@ -227,15 +227,74 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
     return reader
 
 
+def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
+    """The last element of a shape tensor: an int, or a Value meaning "the last dimension of that value"
+    (legacy exports build `view(-1, x.size(-1))`'s shape as Concat(-1, Shape(x)[-1:]) at run time)."""
+    for _ in range(depth):
+        array = const_array(value)
+        if array is not None:
+            return int(array.reshape(-1)[-1]) if array.size else None
+        node = value.producer()
+        if node is None or node.domain != "":
+            return None
+        if node.op_type == "Shape":
+            return node.inputs[0] if node.attributes.get_int("end", None) is None else None
+        if node.op_type == "Concat" or node.op_type in ("Unsqueeze", "Squeeze", "Identity", "Cast"):
+            value = node.inputs[-1] if node.op_type == "Concat" else node.inputs[0]
+        elif node.op_type == "Slice":  # a slice that runs to the end keeps the last element
+            ends, steps = const_array(node.inputs[2]), const_array(node.inputs[4]) if len(node.inputs) > 4 else None
+            if ends is None or ends.size != 1 or int(ends.reshape(-1)[0]) < 2**31 or (
+                    steps is not None and int(steps.reshape(-1)[0]) != 1):
+                return None
+            value = node.inputs[0]
+        elif node.op_type == "Gather":
+            index = const_array(node.inputs[1])
+            if index is None or index.size != 1 or int(index.reshape(-1)[0]) != -1:
+                return None
+            value = node.inputs[0]
+        else:
+            return None
+    return None
+
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Neg",
+                "LayerNormalization", "RMSNormalization", "Dropout"}
+
+
+def _last_dim(value: ir.Value, depth: int = 16) -> int | None:
+    """The static last dimension of `value`: recorded by the exporter, or worked out from the constants it is
+    computed from (an embedding table, a weight) through elementwise ops."""
+    if value.shape is not None and len(value.shape) and isinstance(value.shape[-1], int):
+        return value.shape[-1]
+    array = const_array(value) if is_const(value) else None
+    if array is not None:
+        return array.shape[-1] if array.ndim else 1
+    node = value.producer()
+    if depth == 0 or node is None or node.domain != "":
+        return None
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0 and is_fixed(node.inputs[0]):
+        return node.inputs[0].const_value.shape[-1]
+    if node.op_type == "MatMul" and is_fixed(node.inputs[1]):
+        return node.inputs[1].const_value.shape[-1]
+    if node.op_type in _ELEMENTWISE:
+        dims = [_last_dim(v, depth - 1) for v in node.inputs[:2] if v is not None]
+        if node.op_type in ("Add", "Sub", "Mul", "Div"):
+            return max(dims) if None not in dims else None
+        return dims[0]
+    return None
+
+
 def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
     """Reshape(x, [..., d]): rows of d channels stay intact (GPT-2's Conv1D reads through view(-1, d))."""
     if not _onnx(node, "Reshape") or index != 0:
         return None
-    shape = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
-    if shape is None:
-        raise Blocked(f"read by {describe(node)} whose target shape is computed at run time")
-    if shape.size == 0 or int(shape.reshape(-1)[-1]) != match.width:
-        raise Blocked(f"read by {describe(node)} to shape {[int(v) for v in shape.reshape(-1)]}, "
+    last = _last_element(node.inputs[1]) if len(node.inputs) > 1 else None
+    if isinstance(last, ir.Value):
+        last = match.width if last is node.inputs[0] else _last_dim(last)
+    if last is None:
+        raise Blocked(f"read by {describe(node)} whose target shape's last dimension is not known before run time")
+    if last != match.width:
+        raise Blocked(f"read by {describe(node)} to a shape ending in {last}, "
                       f"which does not keep the last dimension ({match.width})")
     try:
         inner = readers_of(node.outputs[0], match)
