@@ -63,8 +63,7 @@ class FoldConstantsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import fold_constants
 
-        before = len(constant_computations(model))
-        if not before:  # nothing to do: leave the graph exactly as it is
+        if not constant_computations(model):  # nothing to do: leave the graph exactly as it is
             self.report.constants_left = []
             return ir.passes.PassResult(model, modified=False)
 
@@ -74,8 +73,9 @@ class FoldConstantsPass(ir.passes.InPlacePass):
                 return False
             return None
 
+        nodes = len(model.graph)
         modified = fold_constants(model, input_size_limit=SIZE_LIMIT, should_fold=should_fold).modified
         left = constant_computations(model)
-        self.report.constants_folded += max(0, before - len(left))
+        self.report.constants_folded += nodes - len(model.graph)
         self.report.constants_left = [describe(node) for node in left]
         return ir.passes.PassResult(model, modified)
