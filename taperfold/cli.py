@@ -79,8 +79,7 @@ def _print_fold_report(src, dst, report, NormStatus) -> None:
     found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
     if not any(entry.status in found for entry in report.norms):
         real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
-        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
-                      highlight=False)
+        click.echo(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged")
         return
     table = Table(title=f"taperfold fold {src}")
     for column in ("norm", "kind", "status", "consumers", "reason"):
