@@ -61,7 +61,8 @@ class ShapeReader(Reader):
 
 @dataclasses.dataclass(eq=False)
 class ChannelPreservingReader(Reader):
-    """A step that keeps every row of d channels intact (a Reshape to [..., d]); its own readers take the fold."""
+    """A step that keeps every row of d channels intact (a Reshape to [..., d], a Slice along the sequence);
+    its own readers take the fold."""
 
     readers: list[Reader] = dataclasses.field(default_factory=list)
 
@@ -303,8 +304,38 @@ def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Rea
     return ChannelPreservingReader(node, index, inner)
 
 
+def _rank(value: ir.Value, match: NormMatch) -> int | None:
+    for v in (value, match.output, match.input):
+        if v.shape is not None:
+            return len(v.shape)
+    return None
+
+
+def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
+    """Slice / Gather along axes other than the last (keep the last position's logits): rows stay intact."""
+    if not _onnx(node, "Slice", "Gather") or index != 0:
+        return None
+    rank = _rank(node.inputs[0], match)
+    if node.op_type == "Gather":
+        axes = [node.attributes.get_int("axis", 0)]
+    else:
+        starts = const_array(node.inputs[1])
+        axes_value = node.inputs[3] if len(node.inputs) > 3 else None
+        axes = const_array(axes_value) if axes_value is not None else (
+            None if starts is None else np.arange(starts.size))
+    if axes is None or rank is None:
+        raise Blocked(f"read by {describe(node)} whose axes are not known before run time")
+    if any(int(a) % rank == rank - 1 for a in np.ravel(axes)):
+        raise Blocked(f"read by {describe(node)} along the channel axis")
+    try:
+        inner = readers_of(node.outputs[0], match)
+    except Blocked as why:
+        raise Blocked(f"{why}, after {describe(node)}") from None
+    return ChannelPreservingReader(node, index, inner)
+
+
 ReaderKind = Callable[[ir.Node, int, NormMatch], "Reader | None"]
-READER_KINDS: list[ReaderKind] = [shape_only, linear_layer, reshape_keeping_channels]
+READER_KINDS: list[ReaderKind] = [shape_only, linear_layer, reshape_keeping_channels, slice_keeping_channels]
 
 _ACTIVATIONS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Softmax", "FastGelu", "BiasGelu", "Silu", "Swish"}
 

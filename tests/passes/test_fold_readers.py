@@ -244,3 +244,16 @@ def test_bf16_weight_is_scaled_in_float64_and_cast_once():
     assert folded.dtype == ml_dtypes.bfloat16
     expected = w.astype(np.float64)[:, None] * W.astype(np.float64)
     np.testing.assert_array_equal(folded, expected.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_slice_of_positions_keeps_rows_but_a_slice_of_channels_blocks(axis):
+    # transformers keeps the last position's logits: hidden[:, -1:, :] before lm_head.
+    model = build([n("Mul", ["x", "w"], ["h"]), n("Slice", ["h", "start", "end", "axes"], ["hs"]),
+                   n("MatMul", ["hs", "W"], ["y"])],
+                  [X], [("y", F32, None)],
+                  {"w": rand(D), "W": rand(D if axis == 1 else 1, N), "start": np.array([-1]),
+                   "end": np.array([2**63 - 1]), "axes": np.array([axis])})
+    report, *_ = fold_checked(model, x3())
+    expected = NormStatus.FOLDED if axis == 1 else NormStatus.KEPT
+    assert report.norms[0].status == expected, report.norms[0].reason
