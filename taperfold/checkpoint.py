@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.families import family
 from taperfold.fsutil import atomic_path, read_json_object
 from taperfold.models import CausalLM, ModelConfig, build_model
 
@@ -115,8 +116,7 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
         detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
         raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first})") from None
+        raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first_line(e)})") from None
     if not isinstance(obj, dict):
         raise TaperfoldError(f"{path}: not a taperfold checkpoint (top level is {type(obj).__name__}, not a dict)")
     tensors = obj.get("state_dict")
@@ -190,6 +190,7 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = build_model(ckpt.config).state_dict()
     optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
+    norms = set(family(ckpt.config.arch).norm_readers(ckpt.config))
     for key in expected:
         if key not in ckpt.state_dict and key not in optional:
             raise TaperfoldError(f"{path}: missing key '{key}'")
@@ -200,13 +201,8 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
         if tuple(value.shape) != tuple(expected[key].shape):
             raise TaperfoldError(f"{path}: key '{key}' has shape {list(value.shape)}, "
                                  f"expected {list(expected[key].shape)}")
-        if _is_norm_key(key) and value.is_floating_point() and not torch.isfinite(value).all():
+        if key.rsplit(".", 1)[0] in norms and value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{path}: key '{key}' contains NaN or Inf")
-
-
-def _is_norm_key(key: str) -> bool:
-    module = key.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-    return "norm" in module or module.startswith("ln_")
 
 
 def _load_into(model: CausalLM, state: dict, path) -> None:
