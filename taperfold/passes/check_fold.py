@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 
 _DTYPE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.DOUBLE: "fp32", ir.DataType.FLOAT16: "fp16",
                 ir.DataType.BFLOAT16: "bf16"}
@@ -140,8 +140,7 @@ def check_fold(src: str | os.PathLike, dst: str | os.PathLike, shapes: dict[str,
             names = [o.name for o in session.get_outputs()]
             results.append(dict(zip(names, session.run(None, feeds))))
         except Exception as e:  # ORT's errors: a model it cannot load or run with these inputs
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise TaperfoldError(f"{path}: ONNX Runtime cannot run it on the generated inputs ({line})") from None
+            raise TaperfoldError(f"{path}: ONNX Runtime cannot run it on the generated inputs ({first_line(e)})") from None
     reference, candidate = results
     checks = []
     for name, ref in reference.items():

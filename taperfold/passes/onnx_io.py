@@ -8,12 +8,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 from taperfold.fsutil import atomic_path
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
