@@ -1,6 +1,7 @@
 """Graph passes that fold g = 0 TaperNorm / TaperLN layers into the linear layers around them.
 
-    FoldConstantsPass -> FoldIntoReadersPass -> FoldIntoEmbeddingPass [-> MergeNormWeightsPass] -> CleanupPass
+    FoldConstantsPass -> ObserveNormsPass -> FoldIntoReadersPass -> FoldIntoEmbeddingPass
+    [-> MergeNormWeightsPass] -> CleanupPass
 
 Each pass finds its own work with `detect_norms` (a pure analysis) and records what it did in an
 optional `FoldReport`, which only observes. `fold_model` composes them; nothing else is needed to run one.
@@ -15,12 +16,12 @@ import onnx_ir as ir
 from taperfold.fsutil import write_json_atomic
 from taperfold.passes.cleanup import CleanupPass, check
 from taperfold.passes.constants import FoldConstantsPass
-from taperfold.passes.detect import GATE_NOT_ZERO, NormAnalysis, detect_norms
+from taperfold.passes.detect import NormAnalysis, detect_norms
 from taperfold.passes.fold_embedding import FoldIntoEmbeddingPass
 from taperfold.passes.fold_readers import FoldIntoReadersPass
 from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
 from taperfold.passes.onnx_io import load_model, save_model
-from taperfold.passes.report import FoldReport, NormEntry, NormStatus
+from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass
 
 __all__ = [
     "CleanupPass",
@@ -32,25 +33,13 @@ __all__ = [
     "NormAnalysis",
     "NormEntry",
     "NormStatus",
+    "ObserveNormsPass",
     "detect_norms",
     "fold_model",
     "fold_onnx_file",
     "load_model",
     "save_model",
 ]
-
-
-def observe(report: FoldReport, analysis: NormAnalysis) -> None:
-    """Enter every norm the analysis found, in graph order, with what it is before any pass acts."""
-    for norm in analysis.real_norms:
-        report.entry(norm.name, norm.kind, NormStatus.REAL_NORM).reason = (
-            f"an ordinary norm ({norm.form}) computes per-token statistics; left as it is")
-    for layer in analysis.gate_not_zero:
-        report.entry(layer.name, layer.kind, NormStatus.NOT_FOLDABLE).reason = GATE_NOT_ZERO
-    for candidate in analysis.candidates:
-        report.entry(candidate.name, candidate.kind, NormStatus.KEPT)
-    position = {name: i for i, name in enumerate(analysis.order)}
-    report.norms.sort(key=lambda entry: position.get(entry.name, len(position)))
 
 
 def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
@@ -60,9 +49,8 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
     them (reported as "weights_merged"); the norms themselves stay.
     """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
-    FoldConstantsPass(report)(model)
-    observe(report, detect_norms(model))
-    passes = [FoldIntoReadersPass(report), FoldIntoEmbeddingPass(report)]
+    passes = [FoldConstantsPass(report), ObserveNormsPass(report), FoldIntoReadersPass(report),
+              FoldIntoEmbeddingPass(report)]
     if merge_norm_weights:
         passes.append(MergeNormWeightsPass(report))
     ir.passes.PassManager([*passes, CleanupPass(report)])(model)

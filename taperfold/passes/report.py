@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import onnx_ir as ir
+
 
 class NormStatus(str, enum.Enum):
     """Every status a norm can end in."""
@@ -88,3 +90,28 @@ class FoldReport:
         files = {key: value for key, value in (("source", self.source), ("output", self.output)) if value}
         return {**files, "summary": self.summary(), "constants_left": self.constants_left,
                 "norms": [entry.to_dict() for entry in self.norms]}
+
+
+class ObserveNormsPass(ir.passes.InPlacePass):
+    """Enter every norm `detect_norms` finds into the report, in graph order, as it is before any fold:
+    real norms and tapered layers at g ≠ 0 with what they are, candidates as kept until a pass folds them.
+    Changes nothing in the model."""
+
+    def __init__(self, report: FoldReport):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from taperfold.passes.detect import GATE_NOT_ZERO, detect_norms
+
+        analysis = detect_norms(model)
+        for norm in analysis.real_norms:
+            self.report.entry(norm.name, norm.kind, NormStatus.REAL_NORM).reason = (
+                f"an ordinary norm ({norm.form}) computes per-token statistics; left as it is")
+        for layer in analysis.gate_not_zero:
+            self.report.entry(layer.name, layer.kind, NormStatus.NOT_FOLDABLE).reason = GATE_NOT_ZERO
+        for candidate in analysis.candidates:
+            self.report.entry(candidate.name, candidate.kind, NormStatus.KEPT)
+        position = {name: i for i, name in enumerate(analysis.order)}
+        self.report.norms.sort(key=lambda entry: position.get(entry.name, len(position)))
+        return ir.passes.PassResult(model, modified=False)
