@@ -138,3 +138,16 @@ def test_verify_bad_shapes_is_one_line(tmp_path, cli):
     for shapes, message in (("x:2by3", "is not NAME:DIMxDIM"), ("nope:1x2", "no graph input named 'nope'")):
         result = cli("fold", src, "-o", tmp_path / "f.onnx", "--verify", "--shapes", shapes)
         assert result.exit_code == 2 and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_merge_norm_weights_only_when_asked(tmp_path, cli):
+    from _graphs import F32, N, RMS_CONSTS, X, build, n, rms_real
+
+    path = tmp_path / "real.onnx"
+    ir.save(build([*rms_real(), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
+                  {**RMS_CONSTS, "g": rand(D), "W": rand(D, N)}), path)
+    result = cli("fold", path, "-o", tmp_path / "a.onnx")
+    assert result.exit_code == 0 and "nothing to fold" in result.stdout and "1 real norm(s)" in result.stdout
+    result = cli("fold", path, "-o", tmp_path / "b.onnx", "--merge-norm-weights", "--verify", "--json")
+    summary = json.loads(result.stdout)["summary"]
+    assert result.exit_code == 0 and summary["weights_merged"] == 1 and summary["folded"] == 0
