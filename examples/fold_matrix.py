@@ -109,6 +109,9 @@ def main() -> int:
                         help="Only build the table from rows written before (--json files or the JSON lines on stderr).")
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.rows for line in _json_rows(path)]
+    cells = {(r["family"], r["exporter"], r["opset"]): r for r in rows}  # a later run of a cell wins
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    rows = sorted(cells.values(), key=lambda r: (order.get(r["family"], 99), r["exporter"], r["opset"]))
     for family in [] if args.rows else args.families.split(","):
         original = tiny_model(family)
         tapered, names = constant_norms(original)
