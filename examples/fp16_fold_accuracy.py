@@ -5,7 +5,7 @@ c·γ̃ folded into the next weights in float64, cast once) is compared with the
 on verify's default token batches. Models: random g = 0 weights (tiny llama and gpt2, three seeds) and
 a tiny llama trained through the whole taper.
 
-    .venv/bin/python examples/fp16_fold_accuracy.py --json fp16.json
+    .venv/bin/python examples/fp16_fold_accuracy.py --json fp16.json [--models trained --train-steps 100]
 """
 
 from __future__ import annotations
@@ -36,15 +36,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--train-steps", type=int, default=200)
+    parser.add_argument("--models", default="random,trained", help="random, trained, or both")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        models = [(f"tiny {arch}, random g=0, seed {seed}", lambda arch=arch, seed=seed: checkpoint_from_model(
+        kinds = args.models.split(",")
+        models = [] if "random" not in kinds else [(f"tiny {arch}, random g=0, seed {seed}", lambda arch=arch, seed=seed: checkpoint_from_model(
             random_gate0_model("tiny", arch, seed), step=0)) for arch in ("llama", "gpt2") for seed in range(3)]
-        models.append((f"tiny llama, trained {args.train_steps} steps", lambda: train(
-            preset_config("tiny", arch="llama", taper="internal"),
-            TrainOptions(steps=args.train_steps, batch_size=8, seq_len=64)).checkpoint))
+        if "trained" in kinds:
+            models.append((f"tiny llama, trained {args.train_steps} steps", lambda: train(
+                preset_config("tiny", arch="llama", taper="internal"),
+                TrainOptions(steps=args.train_steps, batch_size=8, seq_len=64, eval_batches=2)).checkpoint))
         for i, (name, make) in enumerate(models):
             ckpt = save_checkpoint(make(), tmp / f"m{i}.pt")
             row = {"model": name, **measure(Path(ckpt), tmp / f"w{i}")}
