@@ -93,9 +93,9 @@ def markdown(rows: list[dict], command: str) -> str:
 
 def _json_rows(path: Path) -> list[str]:
     text = path.read_text()
-    if text.lstrip().startswith("["):
+    if path.suffix == ".json":
         return [json.dumps(row) for row in json.loads(text)]
-    return [line for line in text.splitlines() if line.startswith("{")]
+    return [line for line in text.splitlines() if line.startswith('{"family"')]
 
 
 def main() -> int:
