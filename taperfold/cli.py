@@ -42,33 +42,89 @@ def cli() -> None:
               help="The folded model; its weights go to OUT.onnx.data.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of a table.")
-def fold_command(src: str, dst: str, report_path: str | None, as_json: bool) -> None:
-    """Fold g = 0 TaperNorm / TaperLN layers of IN.onnx into the linear layers that read them."""
+@click.option("--merge-norm-weights", is_flag=True,
+              help="Also move the gain (γ, β) of real RMSNorm/LayerNorm layers into the layers that read them, "
+                   "as QuaRot/SpinQuant do. The norms stay; reported as weights_merged, never as folded.")
+@click.option("--verify", "verify_fold", is_flag=True,
+              help="Run IN and OUT in ONNX Runtime on inputs made from the graph's signature and compare every "
+                   "output (exit 1 on a mismatch).")
+@click.option("--shapes", metavar="NAME:1x16,...", help="--verify: shapes of inputs with dynamic dimensions.")
+@click.option("--seed", type=int, default=0, show_default=True, help="--verify: seed of the generated inputs.")
+def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold, shapes, seed):
+    """Fold g = 0 TaperNorm / TaperLN layers of IN.onnx into the linear layers that read them.
+
+    Real RMSNorm / LayerNorm layers are never folded: with nothing to fold, OUT is IN unchanged.
+    See docs/folding.md for which graph shapes fold and why. Exit 0: written (and, with --verify,
+    within tolerance); 1: --verify found a mismatch; 2: bad input.
+    """
+    from taperfold.passes import NormStatus, fold_onnx_file
+    from taperfold.passes.check_fold import check_fold, parse_shapes
+
+    wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
+    report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights)
+    check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
+    if as_json:
+        _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
+    else:
+        _print_fold_report(src, dst, report, NormStatus)
+        if check:
+            _print_fold_check(check)
+    if check and not check.passed:
+        raise NumericMismatch(check.failure_message())
+
+
+def _print_fold_report(src, dst, report, NormStatus) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from taperfold.passes import fold_onnx_file
-
-    report = fold_onnx_file(src, dst, report_path)
-    if as_json:
-        _print_json(report.to_dict())
+    console = Console()
+    s = report.summary()
+    found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
+    if not any(entry.status in found for entry in report.norms):
+        real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
+        click.echo(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged")
         return
     table = Table(title=f"taperfold fold {src}")
     for column in ("norm", "kind", "status", "consumers", "reason"):
         table.add_column(column, overflow="fold")
     for entry in report.norms:
-        table.add_row(entry.name, entry.kind, entry.status, ", ".join(entry.consumers), entry.reason)
-    console = Console()
+        table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
     console.print(table)
-    s = report.summary()
+    merged = f", {s['weights_merged']} real norm gain(s) merged" if s["weights_merged"] else ""
     console.print(
-        f"{s['folded']} of {s['norms']} norms folded, {s['kept']} kept, {s['not_foldable']} not foldable; "
+        f"{s['folded']} of {s['folded'] + s['kept']} constant-scale norms folded, {s['kept']} kept, "
+        f"{s['not_foldable']} not foldable, {s['real_norm']} real norms untouched{merged}; "
         f"{s['bytes_rewritten'] / 2**20:.2f} MiB of weights rewritten, {s['initializers_copied']} copied; "
         f"nodes {s['nodes_before']} -> {s['nodes_after']}; wrote {dst}",
         highlight=False,
     )
+    if report.constants_left:
+        console.print(f"note: {len(report.constants_left)} node(s) still compute constants at run time "
+                      f"(too large to fold), e.g. {report.constants_left[0]}", highlight=False)
     if s["check_output"] != "passed":
         console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
+
+
+def _print_fold_check(check) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
+    table = Table(title=f"unfolded -> folded in ONNX Runtime (CPU), inputs {shapes}")
+    for col in ("output", "status", "max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL",
+                "note"):
+        table.add_column(col)
+    for o in check.outputs:
+        m = o.metrics
+        cells = ["", "", "", "", "", "", "", ""] if m is None else [
+            f"{m.max_abs:.3g}", f"{m.max_rel:.3g}", f"{o.tolerance.rtol:g}", f"{m.mean_abs:.3g}", f"{m.cosine:.6f}",
+            f"{m.top1:.4f}", f"{m.top5:.4f}", f"{m.kl:.3g}"]
+        table.add_row(o.name, "[green]PASS[/]" if o.passed else "[bold red]FAIL[/]", *cells, "; ".join(o.violations))
+    console.print(table)
+    failed = [o for o in check.outputs if not o.passed]
+    verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
+    console.print(f"{verdict}: {len(check.outputs) - len(failed)} of {len(check.outputs)} outputs within tolerance")
 
 
 # ---- train -------------------------------------------------------------------------------------------

@@ -132,6 +132,8 @@ def print_verify(report: dict) -> None:
     failed = [p for p in judged if p["status"] == "fail"]
     verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
     out.print(f"{verdict}: {len(judged) - len(failed)} of {len(judged)} pairs within tolerance")
+    if report.get("closer"):
+        out.print(report["closer"], highlight=False)
 
 
 # ---- bench -------------------------------------------------------------------------------------------

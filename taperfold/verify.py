@@ -216,8 +216,21 @@ class VerifyReport:
         detail = worst.reason or ", ".join(worst.violations)
         return f"{worst.name}: logits {detail}{where}{more}"
 
+    def closer(self) -> str:
+        """Which of unfolded.onnx and model.onnx is closer to the checkpoint (max rel), as one sentence."""
+        pairs = {p.name: p.metrics for p in self.pairs if p.metrics is not None and p.kind == "export"}
+        unfolded = next((m for name, m in pairs.items() if name.endswith("-> unfolded")), None)
+        folded = next((m for name, m in pairs.items() if name.endswith("-> folded")), None)
+        if unfolded is None or folded is None or not (unfolded.max_rel > 0 and math.isfinite(folded.max_rel)):
+            return ""
+        ratio = folded.max_rel / unfolded.max_rel
+        which = "folded" if ratio < 1 else "unfolded" if ratio > 1 else "neither"
+        return (f"closer to the checkpoint: {which} (max rel folded {folded.max_rel:.3g}, unfolded "
+                f"{unfolded.max_rel:.3g}, ratio {ratio:.2f})")
+
     def to_dict(self) -> dict:
-        return _finite_or_none({"export_dir": self.export_dir, "passed": self.passed, "checkpoint": self.checkpoint,
+        return _finite_or_none({"export_dir": self.export_dir, "passed": self.passed, "closer": self.closer(),
+                                "checkpoint": self.checkpoint,
                                 "dtype": self.dtype, "logits": self.logits, "device": self.device,
                                 "forced_gate0": self.forced_gate0, "inputs": self.inputs,
                                 "pairs": [p.to_dict() for p in self.pairs]})

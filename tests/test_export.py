@@ -72,11 +72,13 @@ def check_export(out, ckpt_path, arch, taper, tol=1e-5):
     assert op_counts(out / "model.onnx") == expected
     # Internal-Taper keeps exactly its final norm; All-Taper keeps none
     report = json.loads((out / "manifest.json").read_text())["fold_report"]
-    kept = [n["name"] for n in report["norms"] if n["status"] != "folded"]
+    kept = [n["name"] for n in report["norms"] if n["status"] not in ("folded", "real_norm")]
+    real = [n["name"] for n in report["norms"] if n["status"] == "real_norm"]
     tapered = [n for n in report["norms"] if n["status"] == "folded"]
     assert len(tapered) == 2 * model.cfg.n_layers + (taper == "all")
     final = "model.norm" if arch == "llama" else "transformer.ln_f"
     assert kept == []  # plain norms (the kept final RMSNorm / LayerNorm) are not fold candidates
+    assert real == ([] if taper == "all" else [final])  # they are named as real norms, left as they are
     kind = "rms" if arch == "llama" else "ln"
     final_ops = sum(op_counts(out / "model.onnx")[op] for op in NORM_OPS[kind])
     assert final_ops == (0 if taper == "all" else 1), final

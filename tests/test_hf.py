@@ -27,12 +27,6 @@ from taperfold.train import TrainOptions  # noqa: E402
 from taperfold.verify import verify_export  # noqa: E402
 
 # The fold passes keep these families' norms until the passes branch lands its fixes (issue 10):
-# GPT-2 reads each norm through Conv1D, exported as Reshape -> MatMul; GPT-NeoX's parallel residual
-# shares one ReduceMean / Sub between its two LayerNorms. Strict: the tests flip loudly once fixed.
-PENDING_FOLD = {
-    "gpt2": "needs the passes branch's fold through Reshape-then-MatMul readers (GPT-2 Conv1D)",
-    "gpt_neox": "needs the passes branch's fold of LayerNorms sharing ReduceMean/Sub (parallel residual)",
-}
 # Families tapered with "all" (final norm too): the tied-head and final-norm paths get exercised.
 TAPER = {"llama": "all", "gemma": "all", "opt": "all", "phi": "all"}
 KV_CACHE = {"llama"}  # one family also exports KV-cache decoders
@@ -144,9 +138,7 @@ def test_export_verifies_against_the_transformers_forward(fam):
     assert fam.manifest["source"]["family"] == fam.name
 
 
-def test_every_tapered_norm_is_folded(fam, request):
-    if fam.name in PENDING_FOLD:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PENDING_FOLD[fam.name]))
+def test_every_tapered_norm_is_folded(fam):
     # Counted, not named: where two norms share their mean subtraction (GPT-NeoX), the report may name
     # both after the node's module. The op count below says no tapered norm's statistics are left.
     report = fam.manifest["fold_report"]

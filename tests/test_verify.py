@@ -315,3 +315,21 @@ def test_forced_gate0_export_reports_the_cost(cli, export_copy, tiny_checkpoint,
     assert pairs["checkpoint@g=0 -> folded"]["status"] == "pass"
     cost = pairs["checkpoint@g=0.5 -> folded"]
     assert cost["status"] == "info" and cost["tolerance"] is None and cost["metrics"]["max_rel"] > 1e-3
+
+
+def test_report_says_which_of_unfolded_and_folded_is_closer_to_the_checkpoint():
+    from taperfold.verify import PairResult, VerifyReport
+
+    def metrics(max_rel):
+        return Metrics(rows=1, max_abs=max_rel, max_rel=max_rel, mean_abs=0.0, cosine=1.0, top1=1.0,
+                       decisive_rows=1, top1_decisive=1.0, top5=1.0, kl=0.0)
+
+    def report(unfolded, folded):
+        pairs = [PairResult("checkpoint", "unfolded", "export", None, metrics=metrics(unfolded)),
+                 PairResult("checkpoint", "folded", "export", None, metrics=metrics(folded)),
+                 PairResult("unfolded", "folded", "fold", None, metrics=metrics(1e-9))]
+        return VerifyReport("d", {}, "fp16", "last", "cpu", False, [], pairs)
+
+    assert report(2e-3, 1e-3).closer().startswith("closer to the checkpoint: folded (")
+    assert "unfolded (max rel folded 0.0023, unfolded 0.002, ratio 1.15)" in report(2e-3, 2.3e-3).closer()
+    assert report(2e-3, 1e-3).to_dict()["closer"].endswith("ratio 0.50)")

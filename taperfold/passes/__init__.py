@@ -1,7 +1,10 @@
 """Graph passes that fold g = 0 TaperNorm / TaperLN layers into the linear layers around them.
 
-    detect (DetectTaperNormsPass) -> fold into readers (FoldScaleIntoConsumersPass)
-    -> fold into embedding tables (FoldScaleIntoEmbeddingPass) -> cleanup (CleanupPass)
+    FoldConstantsPass -> ObserveNormsPass -> FoldIntoReadersPass -> FoldIntoEmbeddingPass
+    [-> MergeNormWeightsPass] -> CleanupPass
+
+Each pass finds its own work with `detect_norms` (a pure analysis) and records what it did in an
+optional `FoldReport`, which only observes. `fold_model` composes them; nothing else is needed to run one.
 """
 
 from __future__ import annotations
@@ -12,19 +15,26 @@ import onnx_ir as ir
 
 from taperfold.fsutil import write_json_atomic
 from taperfold.passes.cleanup import CleanupPass, check
-from taperfold.passes.detect import DetectTaperNormsPass
-from taperfold.passes.fold import FoldScaleIntoConsumersPass
-from taperfold.passes.fold_embedding import FoldScaleIntoEmbeddingPass
-from taperfold.passes.io import load_model, save_model
-from taperfold.passes.report import FoldReport, NormEntry
+from taperfold.passes.constants import FoldConstantsPass
+from taperfold.passes.detect import NormAnalysis, detect_norms
+from taperfold.passes.fold_embedding import FoldIntoEmbeddingPass
+from taperfold.passes.fold_readers import FoldIntoReadersPass
+from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
+from taperfold.passes.onnx_io import load_model, save_model
+from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass
 
 __all__ = [
     "CleanupPass",
-    "DetectTaperNormsPass",
+    "FoldConstantsPass",
+    "FoldIntoEmbeddingPass",
+    "FoldIntoReadersPass",
     "FoldReport",
-    "FoldScaleIntoConsumersPass",
-    "FoldScaleIntoEmbeddingPass",
+    "MergeNormWeightsPass",
+    "NormAnalysis",
     "NormEntry",
+    "NormStatus",
+    "ObserveNormsPass",
+    "detect_norms",
     "fold_model",
     "fold_onnx_file",
     "load_model",
@@ -32,26 +42,37 @@ __all__ = [
 ]
 
 
-def fold_model(model: ir.Model) -> FoldReport:
-    """Fold every g = 0 norm of `model` in place; the report says what was folded, kept, and why."""
+def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
+    """Fold every g = 0 norm of `model` in place; the report says what was folded, kept, and why.
+
+    Real norms are never folded. With `merge_norm_weights`, their gains move into the layers that read
+    them (reported as "weights_merged"); the norms themselves stay.
+    """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
-    ir.passes.PassManager(
-        [
-            DetectTaperNormsPass(report),
-            FoldScaleIntoConsumersPass(report),
-            FoldScaleIntoEmbeddingPass(report),
-            CleanupPass(report),
-        ]
-    )(model)
+    passes = [FoldConstantsPass(report), ObserveNormsPass(report), FoldIntoReadersPass(report),
+              FoldIntoEmbeddingPass(report)]
+    if merge_norm_weights:
+        passes.append(MergeNormWeightsPass(report))
+    ir.passes.PassManager([*passes, CleanupPass(report)])(model)
     return report
 
 
 def fold_onnx_file(
-    src: str | os.PathLike, dst: str | os.PathLike, report_path: str | os.PathLike | None = None
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    report_path: str | os.PathLike | None = None,
+    merge_norm_weights: bool = False,
 ) -> FoldReport:
-    """Fold the model at `src` into `dst` (weights in `dst`.data), optionally writing the report as JSON."""
+    """Fold the model at `src` into `dst` (weights in `dst`.data), optionally writing the report as JSON.
+
+    When no pass changed any weight, `dst` is the model exactly as loaded (not the constant-folded graph),
+    so its outputs are bit-identical to the input's.
+    """
     model = load_model(src)
-    report = fold_model(model)
+    report = fold_model(model, merge_norm_weights=merge_norm_weights)
+    if not report.changed_weights:
+        model = load_model(src)
+        report.nodes_after = len(model.graph)
     save_model(model, dst)
     report.source, report.output = str(src), str(dst)
     if report_path is not None:

@@ -24,9 +24,14 @@ class NormMatch:
     kind: str  # "rms": a diagonal scale; "ln": mean subtraction, scale, optional bias
     input: ir.Value
     output: ir.Value
-    nodes: list[ir.Node]  # the norm's own nodes, in graph order
+    nodes: list[ir.Node]  # the norm's own nodes, in graph order (shared centering nodes included)
     scale: np.ndarray  # float64 [d], the product of the chain's constants
     bias: np.ndarray | None = None  # float64 [d], LN's beta
+    centered: bool = False  # the match includes the mean subtraction, so a fold must absorb it
+
+    @property
+    def width(self) -> int:
+        return self.scale.size
 
 
 def cast_to(node: ir.Node) -> ir.DataType:
@@ -156,3 +161,29 @@ def write_const(graph: ir.Graph, reader: ir.Node, index: int, tensor: ir.TensorP
     new = add_initializer(graph, base, tensor)
     reader.replace_input_with(index, new)
     return new
+
+
+def describe(node: ir.Node) -> str:
+    """How a report names a node: "Add '/layers.0/Add'"."""
+    return f"{node.op_type} '{node.name}'"
+
+
+def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
+    """Remove those of `nodes` (and of the constants they read) that nothing reads any more, last first."""
+    candidates = list(nodes)
+    for node in nodes:
+        for value in node.inputs:
+            if value is not None and is_const(value):
+                candidates.extend(const_producers(value))
+    removed = True
+    while removed:
+        removed = False
+        for node in reversed(candidates):
+            if node.graph is graph and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+                inputs = [v for v in node.inputs if v is not None]
+                graph.remove(node, safe=True)
+                removed = True
+                for value in inputs:  # an initializer only this node read
+                    if value.is_initializer() and not value.uses() and not value.is_graph_output() \
+                            and not value.is_graph_input():
+                        graph.initializers.pop(value.name)

@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass, RemoveUnusedNodesPass, TopologicalSortPass
 
-from taperfold.passes.io import first_line
+from taperfold.errors import first_line
 from taperfold.passes.report import FoldReport
 
 # CheckerPass leaves tensors over 1 KB out of the proto it checks: models over 2 GB pass through it

@@ -1,12 +1,24 @@
-"""Find constant-scale norms: TaperNorm / TaperLN at gate g = 0 as they appear in an exported graph.
+"""Find the norms of an exported graph. A pure analysis: `detect_norms(model)` changes nothing.
 
-RMS form (TaperNorm, `h * c * weight_tilde`): a chain of Muls by constants (scalars or per-channel
-[d] vectors, either operand order), possibly with Cast/Identity steps in between.
-LN form (TaperLN, `(h - h.mean(-1, keepdim=True)) * c * weight_tilde + bias`):
-ReduceMean(h, axes=[-1], keepdims=1) -> Sub(h, mean) -> that chain -> optional Add(., beta).
+Three things are told apart:
+
+- **candidates**: constant-scale norms, what TaperNorm / TaperLN compute at g = 0, and the only things a
+  fold may remove. RMS form (`h * c * weight_tilde`): a chain of Muls by constants (scalars or
+  per-channel [d] vectors, either operand order), possibly with Cast/Identity steps in between. LN form
+  (`(h - h.mean(-1, keepdim=True)) * c * weight_tilde + bias`): ReduceMean(h, last axis) -> Sub(h, mean)
+  -> that chain -> optional Add(., beta). The centering may be shared by several chains (parallel
+  residual blocks read one input through two norms, and the exporter computes its mean once).
+- **real norms**: anything that divides by a statistic of its input, x·rsqrt(mean(x²)+ε),
+  (x−μ)/sqrt(var+ε), or a fused op (LayerNormalization, RMSNormalization, ORT's Simplified/Skip
+  variants). A Mul by γ after one looks exactly like a candidate chain; it is the real norm's gain, and
+  is never folded by default.
+- **tapered layers at g ≠ 0** (TaperNorm / TaperLN in the dynamo exporter's metadata whose nodes compute
+  statistics): not foldable.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -20,10 +32,53 @@ from taperfold.passes._graph import (
     const_producers,
     is_const,
 )
-from taperfold.passes.report import FoldReport, NormEntry
 
 TAPER_CLASSES = {"TaperNorm": "rms", "TaperLN": "ln"}
-GATE_NOT_ZERO = "gate ≠ 0 (per-token statistics in graph)"
+FUSED_NORMS = {"LayerNormalization": "ln", "SkipLayerNormalization": "ln", "RMSNormalization": "rms",
+               "SimplifiedLayerNormalization": "rms", "SkipSimplifiedLayerNormalization": "rms"}
+_REDUCES = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"}
+_ROOTS = {"Sqrt", "Pow", "ReduceL2"}  # a norm divides by a root of a mean square (softmax's sum has none)
+GATE_NOT_ZERO = "gate ≠ 0: the layer still computes per-token statistics; export it at g = 0"
+
+
+@dataclasses.dataclass(eq=False)
+class Candidate:
+    """A constant-scale norm: a fold may move its arithmetic into the weights around it."""
+
+    name: str
+    match: NormMatch
+
+    @property
+    def kind(self) -> str:
+        return self.match.kind
+
+
+@dataclasses.dataclass(eq=False)
+class RealNorm:
+    """A norm that computes statistics of its input; `gain` is its γ (and β) chain when it has one."""
+
+    name: str
+    kind: str
+    form: str  # what it computes, for the report
+    gain: NormMatch | None = None
+    fused: ir.Node | None = None  # the fused op (LayerNormalization, ...) whose scale/bias inputs are the gain
+
+
+@dataclasses.dataclass(eq=False)
+class GateNotZero:
+    name: str
+    kind: str
+
+
+@dataclasses.dataclass
+class NormAnalysis:
+    candidates: list[Candidate]
+    real_norms: list[RealNorm]
+    gate_not_zero: list[GateNotZero]
+    order: list[str]  # every name above, in graph order
+
+    def __bool__(self) -> bool:
+        return bool(self.order)
 
 
 def scopes(node: ir.Node) -> list[tuple[str, str]]:
@@ -37,12 +92,19 @@ def scopes(node: ir.Node) -> list[tuple[str, str]]:
     return [(path, cls) for path, _, cls in (seg.rpartition(": ") for seg in segments)]
 
 
+# ---- constant-scale chains -------------------------------------------------------------------------
+
+
 def _data_index(node: ir.Node) -> int | None:
     """Which input a chain step passes along: a Mul by a per-channel constant, a float Cast or an Identity."""
     if node.domain != "" or len(node.outputs) != 1:
         return None
     if node.op_type == "Identity" or (node.op_type == "Cast" and cast_to(node) in FLOAT_TYPES):
-        return None if is_const(node.inputs[0]) else 0
+        source = node.inputs[0]
+        dtype = _dtype_of(source)
+        if is_const(source) or (dtype is not None and dtype not in FLOAT_TYPES):
+            return None  # a Cast from integers starts positions (RoPE), not a norm
+        return 0
     if node.op_type == "Mul" and len(node.inputs) == 2:
         a, b = node.inputs
         if not is_const(a) and channel_const(b, a) is not None:
@@ -50,6 +112,32 @@ def _data_index(node: ir.Node) -> int | None:
         if not is_const(b) and channel_const(a, b) is not None:
             return 1
     return None
+
+
+_SAME_DTYPE = {"Unsqueeze", "Squeeze", "Reshape", "Expand", "Transpose", "Slice", "Identity", "Flatten", "Range"}
+
+
+def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
+    """The value's element type, looked up through dtype-keeping ops when the exporter did not record it."""
+    for _ in range(depth):
+        if value.dtype is not None:
+            return value.dtype
+        if is_const(value):
+            array = const_array(value)
+            return None if array is None else ir.DataType.from_numpy(array.dtype)
+        node = value.producer()
+        if node is None or node.domain != "" or node.op_type not in _SAME_DTYPE and node.op_type != "Gather":
+            return None
+        value = node.inputs[0]
+    return value.dtype
+
+
+def _from_integers(value: ir.Value) -> bool:
+    node = value.producer()
+    if node is None or node.domain != "" or node.op_type != "Cast":
+        return False
+    dtype = _dtype_of(node.inputs[0])
+    return dtype is not None and dtype not in FLOAT_TYPES
 
 
 def _sole_use(value: ir.Value) -> tuple[ir.Node, int] | None:
@@ -96,8 +184,38 @@ def _is_last_axis_mean(node: ir.Node | None, h: ir.Value) -> bool:
     return axes == [-1] or (h.shape is not None and axes == [len(h.shape) - 1])
 
 
+def _centering(x: ir.Value) -> list[ir.Node] | None:
+    """[ReduceMean, Sub] when x = Sub(h, ReduceMean(h, last axis)) and only constant-scale chain steps read x
+    (possibly several: parallel-residual exports share one centering between two norms)."""
+    sub = x.producer()
+    if sub is None or sub.op_type != "Sub" or sub.domain != "" or len(sub.inputs) != 2:
+        return None
+    h, mean_value = sub.inputs
+    mean = mean_value.producer()
+    if not _is_last_axis_mean(mean, h) or mean_value.is_graph_output():
+        return None
+    if any(u.node.op_type != "Sub" or u.node.inputs[0] is not h or u.idx != 1 for u in mean_value.uses()):
+        return None
+    if x.is_graph_output() or any(_data_index(u.node) != u.idx for u in x.uses()):
+        return None
+    return [mean, sub]
+
+
+def _with_bias(match: NormMatch) -> NormMatch:
+    """The match extended by an Add of a per-channel constant (LN's beta) that alone reads its output."""
+    use = _sole_use(match.output)
+    if use is None or use[0].op_type != "Add" or use[0].domain != "":
+        return match
+    add, i = use
+    beta = channel_const(add.inputs[1 - i], add.inputs[i])
+    if beta is None or is_const(add.inputs[i]):
+        return match
+    beta = np.broadcast_to(beta, match.scale.shape).copy()
+    return dataclasses.replace(match, output=add.outputs[0], nodes=[*match.nodes, add], bias=beta)
+
+
 def match_norm(start: ir.Node) -> NormMatch | None:
-    """The constant-scale norm whose chain starts at `start`, or None."""
+    """The constant-scale chain that starts at `start` (with its centering and beta, if any), or None."""
     if _data_index(start) is None or _continues(start):
         return None
     chain = _chain_from(start)
@@ -105,34 +223,131 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     if scale is None:
         return None
     x = start.inputs[_data_index(start)]
-    sub = x.producer()
-    if (
-        sub is None
-        or sub.op_type != "Sub"
-        or _sole_use(x) is None
-        or _sole_use(sub.inputs[1]) is None
-        or not _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0])
-    ):
+    if _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a per-channel scale
+        return None
+    head = _centering(x)
+    if head is None:
         return NormMatch("rms", x, chain[-1].outputs[0], chain, scale)
-    nodes = [sub.inputs[1].producer(), sub, *chain]
-    use = _sole_use(chain[-1].outputs[0])
-    if use is not None and use[0].op_type == "Add" and use[0].domain == "":
-        add, i = use
-        beta = channel_const(add.inputs[1 - i], add.inputs[i])
-        if beta is not None:
-            beta = np.broadcast_to(beta, scale.shape)
-            return NormMatch("ln", sub.inputs[0], add.outputs[0], [*nodes, add], scale, beta)
-    return NormMatch("ln", sub.inputs[0], chain[-1].outputs[0], nodes, scale)
+    return _with_bias(NormMatch("ln", head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True))
 
 
-def _owned_nodes(match: NormMatch) -> set[ir.Node]:
-    """The match's nodes and the nodes that compute the constants they read."""
-    owned = set(match.nodes)
-    for node in match.nodes:
-        for value in node.inputs:
-            if value is not None and is_const(value):
-                owned.update(const_producers(value))
-    return owned
+# ---- real norms ------------------------------------------------------------------------------------
+
+
+_STAT_STEPS = {"Add", "Sqrt", "Reciprocal", "Div", "Pow", "Cast", "Max", "Clip", "Identity"}
+_SQUARE_STEPS = {"Pow", "Cast", "Identity", "Mul", "Abs"}
+
+
+def _strip_casts(value: ir.Value) -> ir.Value:
+    while (node := value.producer()) is not None and node.domain == "" and node.op_type in ("Cast", "Identity"):
+        value = node.inputs[0]
+    return value
+
+
+def _same(a: ir.Value, b: ir.Value) -> bool:
+    """The same value up to Casts, or two nodes of one op on the same inputs (an exporter without CSE
+    computes x - mean twice)."""
+    a, b = _strip_casts(a), _strip_casts(b)
+    if a is b:
+        return True
+    pa, pb = a.producer(), b.producer()
+    return (pa is not None and pb is not None and pa.op_type == pb.op_type and pa.domain == pb.domain
+            and list(pa.inputs) == list(pb.inputs) and a.index() == b.index())
+
+
+def _statistic_of(r: ir.Value, depth: int = 8) -> list[ir.Value]:
+    """The values r is a root-mean statistic of: walking up from r through eps-adds, roots, reciprocals and
+    Casts to a reduction, then from its input through squares and Casts. Empty when r is no such statistic."""
+    frontier, reduces, roots = [r], [], False
+    for _ in range(depth):
+        next_frontier = []
+        for value in frontier:
+            node = value.producer()
+            if node is None or node.domain != "":
+                continue
+            if node.op_type in _REDUCES:
+                reduces.append(node)
+                roots |= node.op_type == "ReduceL2"
+            elif node.op_type in _STAT_STEPS:
+                roots |= node.op_type in ("Sqrt", "Pow")
+                next_frontier.extend(v for v in node.inputs if v is not None and not is_const(v))
+        frontier = next_frontier
+    if not roots:  # softmax divides by a sum too, but takes no root
+        return []
+    bases = []
+    for reduce in reduces:
+        value = reduce.inputs[0]
+        for _ in range(depth):
+            bases.append(value)
+            node = value.producer()
+            if node is None or node.domain != "" or node.op_type not in _SQUARE_STEPS:
+                break
+            data = [v for v in node.inputs if v is not None and not is_const(v)]
+            if not data or (node.op_type == "Mul" and (len(data) != 2 or not _same(data[0], data[1]))):
+                break
+            value = data[0]
+    return bases
+
+
+def normalizes(node: ir.Node) -> ir.Value | None:
+    """For Mul(x, r) / Div(x, r) where r is a root-mean statistic of x (x·rsqrt(mean(x²)+ε),
+    (x−μ)/sqrt(var+ε)), the x; else None."""
+    if node.domain != "" or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+        return None
+    for i in ((0, 1) if node.op_type == "Mul" else (0,)):
+        x, r = node.inputs[i], node.inputs[1 - i]
+        if x is None or r is None or is_const(r) or is_const(x):
+            continue
+        if any(_same(base, x) for base in _statistic_of(r)):
+            return x
+    return None
+
+
+def _real_norm_at(value: ir.Value) -> tuple[str, str, ir.Node] | None:
+    """(kind, form, node) when `value` is the output of a real norm's normalization, before its gain."""
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type in FUSED_NORMS and node.domain in ("", "com.microsoft"):
+        return FUSED_NORMS[node.op_type], node.op_type, node
+    x = normalizes(node)
+    if x is None:
+        return None
+    if _centering_of(x):
+        return "ln", "(x−mean)/sqrt(var+ε)", node
+    return "rms", "x·rsqrt(mean(x²)+ε)", node
+
+
+def _centering_of(x: ir.Value) -> bool:
+    sub = x.producer()
+    return (sub is not None and sub.op_type == "Sub" and sub.domain == "" and len(sub.inputs) == 2
+            and _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0]))
+
+
+def _gain_of(value: ir.Value, kind: str, chains: dict[ir.Value, NormMatch]) -> NormMatch | None:
+    """The γ chain (and β) reading a real norm's normalized output, seen through nothing but chain steps."""
+    match = chains.get(value)
+    if match is None:
+        return None
+    return _with_bias(match) if kind == "ln" else match
+
+
+def _fused_gain(node: ir.Node, kind: str) -> NormMatch | None:
+    """A fused norm's scale (and bias) as a gain applied to its output, when they are constant vectors."""
+    out = node.outputs[0]
+    scale = channel_const(node.inputs[1], out) if len(node.inputs) > 1 else None
+    if scale is None or scale.size == 1:
+        return None
+    bias = None
+    if kind == "ln" and len(node.inputs) > 2 and node.inputs[2] is not None:
+        bias = channel_const(node.inputs[2], out)
+        if bias is None:
+            return None
+        bias = np.broadcast_to(bias, scale.shape).copy()
+    return NormMatch("rms", out, out, [], scale, bias)
+
+
+# ---- module metadata -------------------------------------------------------------------------------
 
 
 def _norm_module(node: ir.Node) -> tuple[str, str] | None:
@@ -148,45 +363,88 @@ def _norm_module(node: ir.Node) -> tuple[str, str] | None:
 def norm_name(nodes: list[ir.Node]) -> str:
     """The module path of the norm (dynamo metadata), else its first node's name."""
     for node in nodes:
+        if (found := _norm_module(node)) is not None:
+            return found[0]
+    for node in nodes:
         if (found := scopes(node)) and found[-1][0]:
             return found[-1][0]
     return nodes[0].name or nodes[0].op_type
 
 
-class DetectTaperNormsPass(ir.passes.PassBase):
-    """Record every constant-scale norm in the report (status "detected"), and every tapered layer
-    that still computes per-token statistics (status "not_foldable"). The graph is not changed."""
+def _owned_nodes(match: NormMatch) -> set[ir.Node]:
+    """The match's nodes and the nodes that compute the constants they read."""
+    owned = set(match.nodes)
+    for node in match.nodes:
+        for value in node.inputs:
+            if value is not None and is_const(value):
+                owned.update(const_producers(value))
+    return owned
 
-    in_place = True
-    changes_input = False
 
-    def __init__(self, report: FoldReport):
-        super().__init__()
-        self.report = report
+def detect_norms(model: ir.Model) -> NormAnalysis:
+    """Every candidate, real norm and tapered layer at g ≠ 0 of the main graph, in graph order."""
+    graph = model.graph
+    position = {node: i for i, node in enumerate(graph)}
+    found: list[tuple[int, object]] = []
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        order = {node: i for i, node in enumerate(model.graph)}
-        matches = [m for node in model.graph if (m := match_norm(node)) is not None]
-        owned = set().union(*(_owned_nodes(m) for m in matches))
+    matches = [m for node in graph if (m := match_norm(node)) is not None]
+    by_input = {}
+    for m in matches:
+        by_input.setdefault(m.input, m)
 
-        # A norm module with nodes outside the matched chains computes per-token statistics: a chain
-        # in it is just its γ, not a constant-scale norm. For TaperNorm/TaperLN that means g != 0.
-        modules: dict[str, tuple[str, list[ir.Node]]] = {}
-        for node in model.graph:
-            if (found := _norm_module(node)) is not None:
-                modules.setdefault(found[0], (found[1], []))[1].append(node)
-        with_stats = {path: (cls, nodes) for path, (cls, nodes) in modules.items() if not owned.issuperset(nodes)}
-        stats_nodes = {n for _, nodes in with_stats.values() for n in nodes}
+    # Real norms by pattern: the normalization, then (optionally) its gain chain.
+    gains: set[NormMatch] = set()
+    real_nodes: set[ir.Node] = set()
+    for node in graph:
+        if (real := _real_norm_at(node.outputs[0]) if node.outputs else None) is None:
+            continue
+        kind, form, at = real
+        module = _norm_module(at)
+        if module is not None and module[1] in TAPER_CLASSES:  # a tapered layer that computes statistics
+            real_nodes.add(at)
+            continue  # reported from its metadata below
+        fused = at if at.op_type in FUSED_NORMS else None
+        gain = _fused_gain(at, kind) if fused else _gain_of(at.outputs[0], kind, by_input)
+        if gain is not None and not fused:
+            gains.add(by_input[at.outputs[0]])
+        name = norm_name([at, *(gain.nodes if gain else [])])
+        real_nodes.add(at)
+        found.append((position[at], RealNorm(name, kind, form, gain, fused)))
 
-        entries = [
-            (order[m.nodes[0]], NormEntry(norm_name(m.nodes), m.kind, "detected", match=m))
-            for m in matches
-            if not stats_nodes.intersection(m.nodes)
-        ]
-        entries += [
-            (order[nodes[0]], NormEntry(path, TAPER_CLASSES[cls], "not_foldable", reason=GATE_NOT_ZERO))
-            for path, (cls, nodes) in with_stats.items()
-            if cls in TAPER_CLASSES
-        ]
-        self.report.norms.extend(entry for _, entry in sorted(entries, key=lambda pair: pair[0]))
-        return ir.passes.PassResult(model, modified=False)
+    # Real norms and tapered layers at g ≠ 0 by metadata: a norm module with nodes outside every matched chain
+    # computes per-token statistics, and a chain inside it is just its γ.
+    owned = set().union(*(_owned_nodes(m) for m in matches))
+    modules: dict[str, tuple[str, list[ir.Node]]] = {}
+    for node in graph:
+        if (module := _norm_module(node)) is not None:
+            modules.setdefault(module[0], (module[1], []))[1].append(node)
+    with_stats = {path: (cls, nodes) for path, (cls, nodes) in modules.items() if not owned.issuperset(nodes)}
+    stats_nodes = {n for _, nodes in with_stats.values() for n in nodes}
+    named = {entry.name for _, entry in found}
+    for path, (cls, nodes) in with_stats.items():
+        if path in named:
+            continue
+        if cls in TAPER_CLASSES:
+            found.append((position[nodes[0]], GateNotZero(path, TAPER_CLASSES[cls])))
+        else:
+            kind = "ln" if "Layer" in cls else "rms"
+            found.append((position[nodes[0]], RealNorm(path, kind, cls, None)))
+
+    for m in matches:
+        if m in gains or stats_nodes.intersection(m.nodes) or real_nodes.intersection(m.nodes):
+            continue
+        found.append((position[m.nodes[0]], Candidate(norm_name(m.nodes), m)))
+
+    found.sort(key=lambda pair: pair[0])
+    items = [item for _, item in found]
+    seen: dict[str, int] = {}
+    for item in items:  # a module applied twice gives two norms of one name
+        seen[item.name] = seen.get(item.name, 0) + 1
+        if seen[item.name] > 1:
+            item.name = f"{item.name}#{seen[item.name]}"
+    return NormAnalysis(
+        candidates=[i for i in items if isinstance(i, Candidate)],
+        real_norms=[i for i in items if isinstance(i, RealNorm)],
+        gate_not_zero=[i for i in items if isinstance(i, GateNotZero)],
+        order=[i.name for i in items],
+    )

@@ -1,9 +1,10 @@
-"""Fold a norm that reads an embedding lookup into the table's rows, when its readers cannot take it.
+"""Fold a norm that reads an embedding lookup into the table's rows.
 
 Gather(table, ids) then a norm is the same as Gather(table', ids) with every row normed:
   RMS form  table' = table·diag(s)
   LN form   table' = (table - rowmean(table))·diag(s) + beta
-Runs after FoldScaleIntoConsumersPass, so folding into the readers is preferred.
+Only when the table and the looked-up rows are read by nothing else. In the pipeline it runs after
+FoldIntoReadersPass, so folding into the readers is preferred and this pass sees what was kept.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, folded_source, is_fixed
-from taperfold.passes.fold import Blocked, describe
-from taperfold.passes.report import FoldReport
+from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, describe, folded_source, is_fixed, remove_if_dead
+from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.detect import detect_norms
+from taperfold.passes.readers import Blocked
+from taperfold.passes.report import FoldReport, NormStatus
 
 
 def _lookup(match: NormMatch) -> ir.Node | None:
@@ -28,10 +31,13 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
     table = gather.inputs[0]
     if not is_fixed(table) or len(table.const_value.shape) != 2 or table.const_value.dtype not in FLOAT_TYPES:
         raise Blocked(f"the table of {describe(gather)} is not a constant 2-D float initializer")
-    if table.const_value.shape[1] != match.scale.size:
+    if table.const_value.shape[1] != match.width:
         raise Blocked(f"the table of {describe(gather)} has rows of {table.const_value.shape[1]} channels")
     if match.output.is_graph_output():
-        raise Blocked("the norm's output is a graph output")
+        raise Blocked("its output is a graph output")
+    inner = [v for node in match.nodes for v in node.outputs if v is not match.output]
+    if shared := [u.node for v in inner for u in v.uses() if u.node not in match.nodes]:
+        raise Blocked(f"its centering is shared with {describe(shared[0])}")
     if rows_readers := [u.node for u in match.input.uses() if u.node not in match.nodes]:
         raise Blocked(f"the looked-up rows are also read by {describe(rows_readers[0])}")
     if table_readers := [u.node for u in table.uses() if u.node is not gather]:
@@ -41,29 +47,36 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
     return table
 
 
-class FoldScaleIntoEmbeddingPass(ir.passes.InPlacePass):
-    """For norms kept after the consumer fold whose input is an embedding lookup, rewrite the table."""
+class FoldIntoEmbeddingPass(ir.passes.InPlacePass):
+    """For every candidate norm whose input is an embedding lookup, rewrite the table's rows.
 
-    def __init__(self, report: FoldReport):
+    Requires: constants folded (FoldConstantsPass).
+    """
+
+    def __init__(self, report: FoldReport | None = None):
         super().__init__()
-        self.report = report
+        self.report = report if report is not None else FoldReport()
+
+    def requires(self, model: ir.Model) -> None:
+        require_constants_folded(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for entry in self.report.norms:
-            if entry.status != "kept" or (gather := _lookup(entry.match)) is None:
+        for candidate in detect_norms(model).candidates:
+            match = candidate.match
+            if (gather := _lookup(match)) is None:
                 continue
-            match = entry.match
+            entry = self.report.entry(candidate.name, candidate.kind)
             try:
                 table = _table(gather, match)
             except Blocked as why:
-                entry.reason += f"; embedding fold blocked: {why}"
+                entry.reason = f"{entry.reason}; not into the embedding: {why}" if entry.reason else str(why)
                 continue
             original = table.const_value
 
             def compute(original=original, match=match) -> np.ndarray:  # bound now: the loop moves on
                 rows = original.numpy().astype(np.float64)
-                if match.kind == "ln":
+                if match.centered:
                     rows -= rows.mean(axis=1, keepdims=True)
                 rows *= match.scale
                 if match.bias is not None:
@@ -74,8 +87,10 @@ class FoldScaleIntoEmbeddingPass(ir.passes.InPlacePass):
             tensor.name = table.name
             table.const_value = tensor
             match.output.replace_all_uses_with(folded_source(match))
-            entry.status, entry.into = "folded", "embedding"
-            entry.reason = f"folded into embedding table '{table.name}' ({entry.reason})"
+            remove_if_dead(model.graph, match.nodes)
+            blocked_readers = f" (its readers could not: {entry.reason})" if entry.reason else ""
+            entry.status, entry.into = NormStatus.FOLDED, "embedding"
+            entry.reason = f"folded into embedding table '{table.name}'{blocked_readers}"
             entry.bytes_rewritten += tensor.nbytes
             modified = True
         return ir.passes.PassResult(model, modified)

@@ -1,30 +1,44 @@
-"""What the fold found and did, per norm; JSON-serializable through `to_dict()`."""
+"""What the passes found and did, per norm; JSON-serializable through `to_dict()`.
+
+The report only observes: passes record into it, and no pass reads it to decide what to do.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import enum
 
-if TYPE_CHECKING:
-    from taperfold.passes._graph import NormMatch
+import onnx_ir as ir
 
-STATUSES = ("folded", "kept", "not_foldable")
+
+class NormStatus(str, enum.Enum):
+    """Every status a norm can end in."""
+
+    FOLDED = "folded"  # a constant-scale (g = 0) norm, removed from the graph
+    KEPT = "kept"  # a constant-scale norm left in place; `reason` says what blocked it
+    NOT_FOLDABLE = "not_foldable"  # a tapered layer whose gate is not 0: it still computes statistics
+    REAL_NORM = "real_norm"  # an ordinary RMSNorm / LayerNorm: never folded, left exactly as it is
+    WEIGHTS_MERGED = "weights_merged"  # a real norm whose γ/β moved into its readers (opt-in); the norm stays
 
 
 @dataclasses.dataclass
 class NormEntry:
     name: str  # module path (dynamo metadata) or node name
     kind: str  # "rms" | "ln"
-    status: str  # "detected" (before folding), then "folded" | "kept" | "not_foldable"
-    reason: str = ""  # why it was kept / is not foldable
-    into: str = ""  # for folded norms: "consumers" or "embedding"
+    status: NormStatus
+    reason: str = ""  # what to know about it: what blocked a fold, what the norm is
+    into: str = ""  # where its arithmetic went: "consumers" (its readers) or "embedding"
     consumers: list[str] = dataclasses.field(default_factory=list)  # node names reading the norm's output
     copied: list[str] = dataclasses.field(default_factory=list)  # "weight -> copy": shared weights untied
     bytes_rewritten: int = 0  # bytes of weights/biases/tables written with the norm folded in
-    match: NormMatch | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def message(self) -> str:
+        """One line a user can act on, e.g. "kept: read by Add '/layers.0/Add' (residual)"."""
+        return f"{self.status.value}: {self.reason}" if self.reason else self.status.value
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "match"}
+        return {**dataclasses.asdict(self), "status": self.status.value}
 
 
 @dataclasses.dataclass
@@ -33,27 +47,71 @@ class FoldReport:
     nodes_before: int = 0
     nodes_after: int = 0
     initializers_removed: int = 0
+    constants_folded: int = 0  # nodes computing constants at run time, replaced by their values
+    constants_left: list[str] = dataclasses.field(default_factory=list)  # constant-computing nodes left (too large)
     check_input: str = ""  # onnx.checker on the model as given: "passed" or "failed: ..."
     check_output: str = ""  # and on the folded model
     source: str = ""
     output: str = ""
 
-    def count(self, status: str) -> int:
+    def entry(self, name: str, kind: str, status: NormStatus = NormStatus.KEPT) -> NormEntry:
+        """The entry of norm `name`, created with `status` on first sight (entries keep that order)."""
+        for entry in self.norms:
+            if entry.name == name:
+                return entry
+        entry = NormEntry(name, kind, status)
+        self.norms.append(entry)
+        return entry
+
+    def count(self, status: NormStatus) -> int:
         return sum(entry.status == status for entry in self.norms)
+
+    @property
+    def changed_weights(self) -> bool:
+        """Whether any pass rewrote the model's arithmetic (a fold or a merge)."""
+        return any(e.status in (NormStatus.FOLDED, NormStatus.WEIGHTS_MERGED) for e in self.norms)
 
     def summary(self) -> dict:
         return {
             "norms": len(self.norms),
-            **{status: self.count(status) for status in STATUSES},
+            **{status.value: self.count(status) for status in NormStatus},
             "bytes_rewritten": sum(entry.bytes_rewritten for entry in self.norms),
             "initializers_copied": sum(len(entry.copied) for entry in self.norms),
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "initializers_removed": self.initializers_removed,
+            "constants_folded": self.constants_folded,
+            "constants_left": len(self.constants_left),
             "check_input": self.check_input,
             "check_output": self.check_output,
         }
 
     def to_dict(self) -> dict:
         files = {key: value for key, value in (("source", self.source), ("output", self.output)) if value}
-        return {**files, "summary": self.summary(), "norms": [entry.to_dict() for entry in self.norms]}
+        return {**files, "summary": self.summary(), "constants_left": self.constants_left,
+                "norms": [entry.to_dict() for entry in self.norms]}
+
+
+class ObserveNormsPass(ir.passes.InPlacePass):
+    """Enter every norm `detect_norms` finds into the report, in graph order, as it is before any fold:
+    real norms and tapered layers at g ≠ 0 with what they are, candidates as kept until a pass folds them.
+    Changes nothing in the model."""
+
+    def __init__(self, report: FoldReport):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from taperfold.passes.detect import GATE_NOT_ZERO, detect_norms
+
+        analysis = detect_norms(model)
+        for norm in analysis.real_norms:
+            self.report.entry(norm.name, norm.kind, NormStatus.REAL_NORM).reason = (
+                f"an ordinary norm ({norm.form}) computes per-token statistics; left as it is")
+        for layer in analysis.gate_not_zero:
+            self.report.entry(layer.name, layer.kind, NormStatus.NOT_FOLDABLE).reason = GATE_NOT_ZERO
+        for candidate in analysis.candidates:
+            self.report.entry(candidate.name, candidate.kind, NormStatus.KEPT)
+        position = {name: i for i, name in enumerate(analysis.order)}
+        self.report.norms.sort(key=lambda entry: position.get(entry.name, len(position)))
+        return ir.passes.PassResult(model, modified=False)

@@ -8,12 +8,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 from taperfold.fsutil import atomic_path
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -27,12 +23,17 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise TaperfoldError(f"{path}: not a readable ONNX model ({first_line(e)})") from None
     if not model.ir_version:  # an empty file parses as an empty ModelProto
         raise TaperfoldError(f"{path}: not an ONNX model (no IR version)")
+    if not len(model.graph) and not model.graph.outputs:  # a few stray bytes parse as a ModelProto too
+        raise TaperfoldError(f"{path}: not an ONNX model (no graph: no nodes and no outputs)")
     for graph in model.graphs():
         for value in graph.initializers.values():
             tensor = value.const_value
             if not isinstance(tensor, ir.ExternalTensor):
                 continue
             data, where = Path(tensor.path), f"external data file '{tensor.location}' (initializer '{value.name}')"
+            location = Path(tensor.location)
+            if location.is_absolute() or ".." in location.parts:
+                raise TaperfoldError(f"{path}: {where} points outside the model's directory; refusing to read it")
             if not data.is_file():
                 raise TaperfoldError(f"{path}: {where} is missing")
             if (tensor.offset or 0) + (tensor.length or 0) > data.stat().st_size:

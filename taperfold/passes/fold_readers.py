@@ -1,0 +1,49 @@
+"""Fold each constant-scale norm into the layers that read it, so the norm leaves the graph.
+
+The pass finds its own work (`detect_norms`), asks `readers.readers_of` whether every reader can take
+the norm's arithmetic, and either moves it there or leaves the norm exactly as it was.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from taperfold.passes._graph import remove_if_dead
+from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.detect import detect_norms
+from taperfold.passes.readers import Blocked, move_into_readers, readers_of
+from taperfold.passes.report import FoldReport, NormStatus
+
+
+class FoldIntoReadersPass(ir.passes.InPlacePass):
+    """Fold every candidate norm whose readers all take it (linear layers with constant weights, shape
+    readers, channel-keeping reshapes in front of those); keep the rest, with the first blocker as reason.
+
+    Requires: constants folded (FoldConstantsPass), else a norm whose scale is computed at run time is missed.
+    """
+
+    def __init__(self, report: FoldReport | None = None):
+        super().__init__()
+        self.report = report if report is not None else FoldReport()
+
+    def requires(self, model: ir.Model) -> None:
+        require_constants_folded(model)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for candidate in detect_norms(model).candidates:
+            match = candidate.match
+            entry = self.report.entry(candidate.name, candidate.kind)
+            entry.consumers = [use.node.name for use in match.output.uses()]
+            try:
+                readers = readers_of(match.output, match)
+            except Blocked as why:
+                entry.status, entry.reason = NormStatus.KEPT, str(why)
+                continue
+            effects = move_into_readers(model.graph, match, readers)
+            remove_if_dead(model.graph, match.nodes)
+            entry.status, entry.into, entry.reason = NormStatus.FOLDED, "consumers", ""
+            entry.bytes_rewritten += effects.bytes_rewritten
+            entry.copied += effects.copied
+            modified = True
+        return ir.passes.PassResult(model, modified)

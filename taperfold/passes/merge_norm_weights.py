@@ -1,0 +1,62 @@
+"""Opt-in: merge a real norm's gain (γ, and β) into the layers that read it. The norm itself stays.
+
+This is what QuaRot, SpinQuant and llm-compressor do to ordinary norms: x̂·diag(γ)·W + β·W becomes
+x̂·W' + b' with the normalization x̂ untouched. It changes the model's weights but removes no norm, so
+it is reported as "weights_merged", never as a fold, and runs only when asked (`--merge-norm-weights`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from taperfold.passes._graph import remove_if_dead, write_const
+from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.detect import RealNorm, detect_norms
+from taperfold.passes.readers import Blocked, move_into_readers, readers_of
+from taperfold.passes.report import FoldReport, NormStatus
+
+
+def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
+    """A fused norm keeps computing x̂: its scale becomes ones and its bias zeros (copies if shared)."""
+    node = norm.fused
+    for index, value in ((1, 1.0), (2, 0.0)):
+        if index < len(node.inputs) and node.inputs[index] is not None:
+            old = node.inputs[index].const_value
+            write_const(graph, node, index, ir.tensor(np.full(tuple(old.shape), value, old.dtype.numpy())),
+                        base=node.inputs[index].name or node.name)
+
+
+class MergeNormWeightsPass(ir.passes.InPlacePass):
+    """For every real norm with a constant gain whose readers all take it, move the gain into the readers."""
+
+    def __init__(self, report: FoldReport | None = None):
+        super().__init__()
+        self.report = report if report is not None else FoldReport()
+
+    def requires(self, model: ir.Model) -> None:
+        require_constants_folded(model)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for norm in detect_norms(model).real_norms:
+            entry = self.report.entry(norm.name, norm.kind, NormStatus.REAL_NORM)
+            if norm.gain is None:
+                entry.reason = f"real norm ({norm.form}) with no constant gain to merge; left as is"
+                continue
+            try:
+                readers = readers_of(norm.gain.output, norm.gain)
+            except Blocked as why:
+                entry.reason = f"real norm ({norm.form}); gain not merged: {why}"
+                continue
+            entry.consumers = [use.node.name for use in norm.gain.output.uses()]
+            effects = move_into_readers(model.graph, norm.gain, readers)
+            if norm.fused is not None:
+                _neutral_gain(model.graph, norm)
+            remove_if_dead(model.graph, norm.gain.nodes)
+            entry.status, entry.into = NormStatus.WEIGHTS_MERGED, "consumers"
+            entry.reason = f"real norm ({norm.form}) kept; its gain moved into {len(readers)} reader(s)"
+            entry.bytes_rewritten += effects.bytes_rewritten
+            entry.copied += effects.copied
+            modified = True
+        return ir.passes.PassResult(model, modified)

@@ -1,0 +1,152 @@
+"""Tiny Hugging Face models for testing and measuring the passes, built from configs (nothing is downloaded).
+
+`constant_norms(model)` replaces every norm layer by the constant map a TaperNorm / TaperLN computes at
+g = 0, written the way users write it (`weight * (c * h)`, Gemma's `(1 + weight)` gain), so an export
+of the result is what `taperfold fold` meets on a user's tapered model. `taperfold.hf` does the real
+tapering (training, checkpoints); this module only needs the g = 0 graph shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DIM, LAYERS, HEADS, VOCAB, POSITIONS = 32, 2, 4, 64, 64
+
+
+def _configs() -> dict:
+    import transformers as T
+
+    llama_like = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS)
+    return {
+        "llama": lambda: T.LlamaConfig(**llama_like),
+        "qwen2": lambda: T.Qwen2Config(**llama_like),
+        "qwen3": lambda: T.Qwen3Config(**llama_like, head_dim=DIM // HEADS),
+        "mistral": lambda: T.MistralConfig(**llama_like),
+        "phi3": lambda: T.Phi3Config(**llama_like, pad_token_id=0),
+        "gemma": lambda: T.GemmaConfig(**llama_like, head_dim=DIM // HEADS),
+        "phi": lambda: T.PhiConfig(**llama_like),
+        "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS),
+        "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                            num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                            max_position_embeddings=POSITIONS, use_parallel_residual=True),
+        "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=DIM, ffn_dim=2 * DIM, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
+                                   word_embed_proj_dim=DIM),
+    }
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+
+
+def tiny_model(family: str, seed: int = 0) -> nn.Module:
+    """A randomly initialized tiny causal LM of `family`, its norm weights random too (tools treat γ = 1 as
+    a no-op, and a γ of ones would hide a wrong fold)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _configs()[family]()
+    config.use_cache = False
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for _, norm in norm_modules(model):
+            for name in ("weight", "bias"):
+                param = getattr(norm, name, None)
+                if isinstance(param, nn.Parameter):
+                    param.copy_((1.0 if name == "weight" else 0.0) + 0.3 * torch.randn_like(param))
+    return model
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, nn.LayerNorm) or name.endswith(("RMSNorm", "LayerNorm"))
+
+
+def norm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if _is_norm(m)]
+
+
+class ConstantRMSNorm(nn.Module):
+    """A tapered RMSNorm at g = 0, Hugging Face style: weight * (c * h); Gemma-style with (1 + weight)."""
+
+    def __init__(self, weight: torch.Tensor, c: float, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.c = nn.Parameter(torch.tensor(c, dtype=weight.dtype))
+        self.unit_offset = unit_offset
+
+    def forward(self, h):
+        gain = 1.0 + self.weight if self.unit_offset else self.weight
+        return gain * (self.c * h)
+
+
+class ConstantLayerNorm(nn.Module):
+    """A tapered LayerNorm at g = 0: (h - mean(h)) * c * weight + bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, c: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.c = nn.Parameter(torch.tensor(c, dtype=weight.dtype))
+
+    def forward(self, h):
+        out = (h - h.mean(-1, keepdim=True)) * self.c * self.weight
+        return out if self.bias is None else out + self.bias
+
+
+def constant_norms(model: nn.Module, seed: int = 0) -> tuple[nn.Module, list[str]]:
+    """A copy of `model` with every norm replaced by its g = 0 constant map; also the replaced modules' names."""
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    names = []
+    for name, norm in norm_modules(model):
+        c = float(0.5 + torch.rand((), generator=generator))
+        if isinstance(norm, nn.LayerNorm) or type(norm).__name__.endswith("LayerNorm"):
+            new = ConstantLayerNorm(norm.weight, getattr(norm, "bias", None), c)
+        else:
+            new = ConstantRMSNorm(norm.weight, c, unit_offset="Gemma" in type(norm).__name__)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        names.append(name)
+    return model, names
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def export(model: nn.Module, path: str | Path, exporter: str, opset: int, optimize: bool = True) -> Path:
+    """torch.onnx export of `model`'s logits with inputs input_ids, attention_mask (dynamic batch and sequence).
+
+    exporter: "dynamo" (optimize=False: the exporter's own optimizer off) or "legacy" (optimize=False:
+    do_constant_folding off). External data is written beside `path` for both.
+    """
+    path = Path(path)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    args = (ids, torch.ones_like(ids))
+    names = dict(input_names=["input_ids", "attention_mask"], output_names=["logits"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            dims = {0: "batch", 1: "sequence"}
+            program = torch.onnx.export(_Logits(model), args, dynamo=True, opset_version=opset, optimize=optimize, verbose=False,
+                                        dynamic_shapes={"input_ids": dims, "attention_mask": dims}, **names)
+            program.save(str(path), external_data=True)
+        elif exporter == "legacy":
+            axes = {name: {0: "batch", 1: "sequence"} for name in names["input_names"]}
+            torch.onnx.export(_Logits(model), args, str(path), dynamo=False, opset_version=opset,
+                              do_constant_folding=optimize, dynamic_axes=axes, external_data=True, **names)
+        else:
+            raise ValueError(f"exporter must be 'dynamo' or 'legacy', got {exporter!r}")
+    return path

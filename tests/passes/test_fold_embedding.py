@@ -1,0 +1,61 @@
+"""FoldIntoEmbeddingPass alone: a norm right after an embedding lookup goes into the table's rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _graphs import D, F32, I64, V, build, n, ops, rand, rel_err, rng, run
+
+from taperfold.passes import FoldIntoEmbeddingPass, FoldReport, NormStatus
+
+
+def embed_model(tied: bool, kind: str = "rms", shared_centering: bool = False):
+    ln = kind == "ln"
+    head = [n("ReduceMean", ["emb", "axes"], ["m"], keepdims=1), n("Sub", ["emb", "m"], ["ec"])] if ln else []
+    return build(
+        [n("Gather", ["E", "ids"], ["emb"]), *head, n("Mul", ["c", "ec" if ln else "emb"], ["hc"]),
+         n("Mul", ["hc", "w"], ["hw"]),
+         *([n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]),
+         *([n("Mul", ["ec", "w"], ["h2"]), n("Add", ["h", "h2"], ["h3"])] if shared_centering else
+           [n("Identity", ["h"], ["h3"])]),
+         n("Add", ["h3", "r"], ["y"]),  # a residual: the readers cannot take the fold
+         *([n("Transpose", ["E"], ["Et"]), n("MatMul", ["y", "Et"], ["logits"])] if tied else [])],
+        [("ids", I64, [2, 3]), ("r", F32, [2, 3, D])],
+        [("logits", F32, [2, 3, V])] if tied else [("y", F32, [2, 3, D])],
+        {"E": rand(V, D), "axes": np.array([-1]), "c": np.array(1.7, np.float32), "w": rand(D), "beta": rand(D)},
+    )
+
+
+def fold_checked(model):
+    feeds = {"ids": rng.integers(0, V, (2, 3)), "r": rand(2, 3, D)}
+    before = run(model, feeds)
+    report = FoldReport()
+    FoldIntoEmbeddingPass(report)(model)
+    after = run(model, feeds)
+    assert rel_err(before[0], after[0]) <= 1e-5
+    return report, before, after
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_norm_after_an_embedding_folds_into_the_table(kind):
+    model = embed_model(tied=False, kind=kind)
+    report, *_ = fold_checked(model)
+    (entry,) = report.norms
+    assert (entry.status, entry.into) == (NormStatus.FOLDED, "embedding") and "'E'" in entry.reason
+    assert not {"Mul", "ReduceMean", "Sub"} & set(ops(model)) and ops(model)["Add"] == 1
+
+
+def test_embedding_fold_is_blocked_when_the_table_is_tied():
+    model = embed_model(tied=True)
+    report, before, after = fold_checked(model)
+    (entry,) = report.norms
+    assert entry.status == NormStatus.KEPT and "table 'E' is shared with Transpose 'Et'" in entry.reason
+    np.testing.assert_array_equal(before[0], after[0])
+
+
+def test_embedding_fold_is_blocked_when_the_centering_is_shared():
+    # Rewriting the table would change what the other reader of x - mean sees.
+    model = embed_model(tied=False, kind="ln", shared_centering=True)
+    report, before, after = fold_checked(model)
+    assert all(e.status == NormStatus.KEPT for e in report.norms)
+    np.testing.assert_array_equal(before[0], after[0])

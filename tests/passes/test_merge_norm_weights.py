@@ -1,0 +1,59 @@
+"""MergeNormWeightsPass alone (opt-in): a real norm's gain moves into its readers; the norm stays."""
+
+from __future__ import annotations
+
+import numpy as np
+from _graphs import D, F32, N, RMS_CONSTS, X, build, n, ops, rand, rel_err, rms_real, run, x3
+
+from taperfold.passes import FoldIntoReadersPass, FoldReport, MergeNormWeightsPass, NormStatus
+
+
+def real_rms_model():
+    return build([*rms_real(), n("MatMul", ["h", "Wq"], ["q"]), n("MatMul", ["h", "Wk"], ["k"]),
+                  n("Add", ["q", "k"], ["y"])],
+                 [X], [("y", F32, [2, 3, N])], {**RMS_CONSTS, "g": rand(D), "Wq": rand(D, N), "Wk": rand(D, N)})
+
+
+def test_fold_passes_leave_a_real_norm_bit_identical():
+    model = real_rms_model()
+    before = run(model, x3_fixed := x3())
+    report = FoldReport()
+    FoldIntoReadersPass(report)(model)
+    assert report.norms == []
+    np.testing.assert_array_equal(before[0], run(model, x3_fixed)[0])
+
+
+def test_decomposed_real_norm_gain_merges_and_the_normalization_stays():
+    model = real_rms_model()
+    feeds = x3()
+    before = run(model, feeds)
+    report = FoldReport()
+    MergeNormWeightsPass(report)(model)
+    (entry,) = report.norms
+    assert entry.status == NormStatus.WEIGHTS_MERGED and "kept" in entry.reason
+    assert rel_err(before[0], run(model, feeds)[0]) <= 1e-5
+    counts = ops(model)
+    assert counts["ReduceMean"] == 1 and counts["Sqrt"] == 1 and counts["Mul"] == 1  # x·(1/rms) stays, γ is gone
+
+
+def test_fused_layer_norm_gain_and_bias_merge_into_the_readers():
+    model = build([n("LayerNormalization", ["x", "g", "b"], ["h"], axis=-1), n("MatMul", ["h", "W"], ["y"])],
+                  [X], [("y", F32, [2, 3, N])], {"g": rand(D), "b": rand(D), "W": rand(D, N)})
+    feeds = x3()
+    before = run(model, feeds)
+    report = FoldReport()
+    MergeNormWeightsPass(report)(model)
+    assert report.norms[0].status == NormStatus.WEIGHTS_MERGED
+    assert rel_err(before[0], run(model, feeds)[0]) <= 1e-5
+    node = next(node for node in model.graph if node.op_type == "LayerNormalization")
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), np.ones(D, np.float32))
+    np.testing.assert_array_equal(node.inputs[2].const_value.numpy(), np.zeros(D, np.float32))
+
+
+def test_a_real_norm_read_by_a_residual_is_reported_with_the_reason():
+    model = build([*rms_real(), n("MatMul", ["h", "W"], ["a"]), n("Add", ["h", "a"], ["y"])],
+                  [X], [("y", F32, [2, 3, D])], {**RMS_CONSTS, "g": rand(D), "W": rand(D, D)})
+    report = FoldReport()
+    MergeNormWeightsPass(report)(model)
+    (entry,) = report.norms
+    assert entry.status == NormStatus.REAL_NORM and "read by Add 'y' (residual)" in entry.reason
