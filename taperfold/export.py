@@ -200,6 +200,14 @@ def read_manifest(export_dir: str | Path) -> dict:
     return manifest
 
 
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` holds a taperfold export (which a new export may replace whole)."""
+    try:
+        return read_json_object(path / MANIFEST).get("format") == "taperfold-export"
+    except TaperfoldError:
+        return False
+
+
 def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
     if ckpt.config.taper == "none" or ckpt.gate == 0.0:
         return
