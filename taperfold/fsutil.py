@@ -34,10 +34,11 @@ from taperfold.errors import TaperfoldError
 
 STDOUT = "-"
 SPECIAL = {stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFIFO: "FIFO"}
-# Messages of write failures that libraries raise as something other than OSError (torch.save's
-# "PytorchStreamWriter failed writing file", safetensors' "I/O error ... (os error 28)").
-_WRITE_FAILURE = re.compile(r"no space left|disk quota|file too large|write failed|failed writing|"
-                            r"i/?o ?error|errno \d+|os error \d+", re.IGNORECASE)
+# Messages of write failures that libraries raise as something other than OSError: torch.save's zip writer
+# ("PytorchStreamWriter failed writing file", "[enforce fail at inline_container.cc] unexpected pos",
+# "basic_ios::clear: iostream error"), safetensors' "IoError(Os { code: 28 ... })".
+_WRITE_FAILURE = re.compile(r"no space left|disk quota|file too large|write failed|failed writing|inline_container|"
+                            r"iostream error|i/?o ?error|errno \d+|os error \d+", re.IGNORECASE)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -131,14 +132,16 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
         real = _check_file(o)
         if real is None:  # a device or FIFO: written to, never replaced
             continue
-        for path, who in [(real, o.option), *((Path(str(real) + s), f"{o.option}'s {s} file") for s in o.sidecars)]:
+        files = [(real, "", o.option), *((Path(str(real) + s), f"its {s} file ", f"{o.option}'s {s} file")
+                                         for s in o.sidecars)]
+        for path, subject, who in files:
             for label, source in sources:
                 if _same(path, source):
-                    raise TaperfoldError(f"{o.option} {o.path}: {who} would overwrite the input {label}; "
+                    raise TaperfoldError(f"{o.option} {o.path}: {subject}would overwrite the input {label}; "
                                          "choose another output path")
             for other, other_who in targets:
                 if _same(path, other):
-                    raise TaperfoldError(f"{o.option} {o.path}: {who} and {other_who} are the same file ({path}); "
+                    raise TaperfoldError(f"{o.option} {o.path}: {subject}is the same file as {other_who} ({path}); "
                                          "give each output its own path")
             targets.append((path, who))
     return OutputPlan(outputs)
@@ -148,6 +151,9 @@ def _check_file(o: Output) -> Path | None:
     """The regular file `o` will replace (its real path), or None for a device or FIFO written directly."""
     name = f"{o.option} {o.path}"
     link = Path(o.path)
+    if o.sidecars and link.is_symlink():  # readers find the sidecar beside the link, writers beside the target
+        raise TaperfoldError(f"{name}: is a symlink; this output and its {', '.join(o.sidecars)} file must be "
+                             "written as regular files; name the target instead")
     real = resolve(link)
     kind = _kind(real)
     if kind == "directory":
@@ -268,6 +274,9 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
     e.g. ".data" for an ONNX model's external data (`tmp.onnx.data` -> `dest.onnx.data`).
     On any exception every temporary file is removed and dest is left as it was.
     """
+    if sidecars and Path(dest).is_symlink():
+        raise TaperfoldError(f"{dest}: is a symlink; a file with a {', '.join(sidecars)} file beside it is written "
+                             "as a regular file; name the target instead")
     real = None if str(dest) == STDOUT else resolve(dest)
     kind = None if real is None else _kind(real)
     if real is None or kind in SPECIAL.values():
