@@ -307,10 +307,6 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     from taperfold.bench.report import bench_progress, print_report, require_matplotlib, write_csv, write_plot
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
 
-    dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
-    plan = check_outputs([Output(json_path, "--report", stream=True), Output(csv_path, "--csv", stream=True),
-                          Output(plot_path, "--plot", stream=True), Output(dir_report, BENCH_REPORTS[mode])],
-                         inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)])
     names = list(dict.fromkeys(v.strip() for v in variants.split(",") if v.strip()))
     unknown = [v for v in names if v not in VARIANTS]
     if not names or unknown:
@@ -320,6 +316,10 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     if plot_path:
         require_matplotlib()
     source = resolve_source(export_dir, checkpoint, preset, arch)
+    dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
+    plan = check_outputs([Output(json_path, "--report", stream=True), Output(csv_path, "--csv", stream=True),
+                          Output(plot_path, "--plot", stream=True), Output(dir_report, BENCH_REPORTS[mode])],
+                         inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)])
     engine = engine or ("ort" if export_dir else "torch")
     opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches),
                         seqs=_int_list("--seq", seqs), warmup=warmup, iters=iters, rounds=rounds or min(5, iters),
@@ -360,13 +360,18 @@ def demo(ctx, out_dir, steps):
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
     from rich.rule import Rule
 
-    from taperfold.fsutil import write_errors
+    from taperfold.export import is_export_dir
+    from taperfold.fsutil import Output, check_outputs, write_errors
     from taperfold.ui import out
 
     root = Path(out_dir)
-    with write_errors(root):
-        root.mkdir(parents=True, exist_ok=True)
     ckpt, export_dir = root / "tiny.safetensors", root / "export"
+    if root.is_dir():  # every output checked before the training, as each command does for its own
+        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
+    else:
+        check_outputs([Output(root, "-o", directory="taperfold demo")])
+        with write_errors(root):
+            root.mkdir(parents=True)
     stages = [
         ("1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper", train,
          dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),

@@ -184,7 +184,7 @@ def _check_can_create_in(folder: Path, name: str) -> None:
     if kind is None:
         raise TaperfoldError(f"{name}: directory {folder} does not exist")
     if kind != "directory":
-        raise TaperfoldError(f"{name}: {folder} is not a directory")
+        raise TaperfoldError(f"{name}: cannot create output directory {folder}: a file is in the way")
     try:  # the only test that holds everywhere (/proc, read-only mounts, ACLs, root): create a file
         fd, probe = tempfile.mkstemp(prefix=".taperfold-probe.", dir=folder)
         os.close(fd)
@@ -293,6 +293,9 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
         raise TaperfoldError(f"{dest}: is a directory")
     try:
         real.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TaperfoldError(f"{dest}: cannot create output directory {real.parent} ({e.strerror})") from None
+    try:
         fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
     except OSError as e:
         raise TaperfoldError(f"{dest}: cannot write in {real.parent} ({e.strerror})") from None
