@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.families import family
 from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
 from taperfold.models import CausalLM, ModelConfig, build_model, implied_parameters
 
@@ -131,8 +132,7 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
         detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
         raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
     except Exception as e:  # weights_only=True ran nothing; whatever the parser raised, the file is corrupt
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first})") from None
+        raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first_line(e)})") from None
     if not isinstance(obj, dict):
         raise TaperfoldError(f"{path}: not a taperfold checkpoint (top level is {type(obj).__name__}, not a dict)")
     tensors = obj.get("state_dict")
@@ -217,6 +217,7 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = build_model(ckpt.config).state_dict()
     optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
+    norms = set(family(ckpt.config.arch).norm_readers(ckpt.config))
     for key in expected:
         if key not in ckpt.state_dict and key not in optional:
             raise TaperfoldError(f"{path}: missing key '{key}'")
@@ -229,14 +230,9 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
                                  f"expected {list(expected[key].shape)}")
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{path}: key '{key}' contains NaN or Inf")
-        if key.endswith(".c") and _is_norm_key(key) and not C_RANGE[0] < float(value) <= C_RANGE[1]:
+        if key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
             raise TaperfoldError(f"{path}: key '{key}' is {float(value):g}; a tapered norm's scale c must lie in "
                                  f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
-
-
-def _is_norm_key(key: str) -> bool:
-    module = key.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-    return "norm" in module or module.startswith("ln_")
 
 
 def _load_into(model: CausalLM, state: dict, path) -> None:

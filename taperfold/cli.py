@@ -11,7 +11,10 @@ from pathlib import Path
 import click
 
 from taperfold.clickutil import AliasedOption
+from taperfold.compare import tolerance_help
+from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
+from taperfold.exportdir import DTYPES, LOGITS, VARIANTS
 
 
 def _print_json(obj) -> None:
@@ -128,7 +131,7 @@ def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, as_j
 def inspect(checkpoint, as_json):
     """Architecture, parameters, every norm layer and whether export can fold it."""
     from taperfold.checkpoint import load_checkpoint
-    from taperfold.inspect import describe_checkpoint
+    from taperfold.describe import describe_checkpoint
     from taperfold.ui import print_inspect
 
     info = describe_checkpoint(load_checkpoint(checkpoint))
@@ -140,15 +143,16 @@ def inspect(checkpoint, as_json):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--onnx", "to_onnx", is_flag=True, default=True, hidden=True)  # always on; kept for old scripts
-@click.option("--trt", "to_trt", is_flag=True, help="Also build a TensorRT engine from model.onnx (needs a GPU).")
+@click.option("--onnx", "to_onnx", is_flag=True, hidden=True)  # ONNX is always written; kept for old scripts
+@click.option("--trt", "to_trt", is_flag=True,
+              help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU).")
 @click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-out",
               show_default=True, cls=AliasedOption, aliases=("--out",),
               help="The export directory; an existing one is replaced whole.")
 @click.option("--overwrite", is_flag=True, help="Replace -o even if it is a non-empty directory of other files.")
-@click.option("--logits", type=click.Choice(["last", "all"]), default="last", show_default=True,
+@click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
               help="last: logits of the final position only (the paper's benchmark mode).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--opset", type=click.IntRange(18, 23), default=20, show_default=True)
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
@@ -160,16 +164,18 @@ def inspect(checkpoint, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset, kv_cache, force_gate0, baseline,
            trt_batch, trt_seq, as_json):
-    """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json."""
+    """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
+    with --trt, a TensorRT engine of model.onnx too."""
     from taperfold import interrupts
-    from taperfold.export import ExportOptions, export_checkpoint, is_export_dir
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.exportdir import is_export_dir
     from taperfold.fsutil import Output, check_outputs
     from taperfold.ui import print_export, stage_status
 
     check_outputs([Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
                   inputs=[checkpoint])
     if to_trt:
-        from taperfold.trt import require_tensorrt
+        from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
     opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, kv_cache=kv_cache, force_gate0=force_gate0,
@@ -181,7 +187,7 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset
 
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
         if to_trt:
-            from taperfold.trt import build_engine_for_export, make_profile
+            from taperfold.trt_build import build_engine_for_export, make_profile
 
             profile = make_profile(result.manifest["config"]["max_seq_len"], batch=trt_batch, sequence=trt_seq)
             result.manifest = build_engine_for_export(result.out_dir, profile=profile, on_stage=on_stage)
@@ -191,9 +197,25 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset
 # ---- verify ------------------------------------------------------------------------------------------
 
 
-@cli.command()
+_VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
+
+    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
+    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
+    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
+
+    \b
+    Default tolerances (export dtype, pair):
+      {tolerance_help().replace(chr(10), chr(10) + "      ")}
+
+    A --force-gate0 export is held to the checkpoint at g = 0; the checkpoint at its real gate vs
+    model.onnx is reported as the cost of forcing g = 0 and never fails. Exit 0: all pairs pass;
+    1: a pair is out of tolerance; 2: bad input.
+    """
+
+
+@cli.command(help=_VERIFY_HELP)
 @click.argument("export_dir", metavar="[DIR]", required=False, default="taperfold-out", type=click.Path())
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+@click.option("--device", type=click.Choice(ENGINES["ort"].devices), default="cpu", show_default=True,
               help="Where ONNX Runtime runs (the PyTorch reference always runs in fp32 on the CPU).")
 @click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False),
               help="Token ids: .npy integer array, or whitespace-separated ids, one sequence per line.")
@@ -207,24 +229,7 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset
 @click.option("--max-kl", type=click.FloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
-    """Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
-
-    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
-    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
-    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
-
-    \b
-    Default tolerances (export dtype, pair):
-      fp32, vs checkpoint      rtol 1e-4   min-top1 0.999  max-kl 1e-6
-      fp32, unfolded -> folded rtol 1e-5   min-top1 0.999  max-kl 1e-8
-      fp16, every pair         rtol 2e-2   min-top1 0.99   max-kl 5e-3
-      bf16, every pair         rtol 5e-2   min-top1 0.98   max-kl 3e-2
-
-    A --force-gate0 export is held to the checkpoint at g = 0; the checkpoint at its real gate vs
-    model.onnx is reported as the cost of forcing g = 0 and never fails. Exit 0: all pairs pass;
-    1: a pair is out of tolerance; 2: bad input.
-    """
-    from taperfold.export import read_manifest
+    from taperfold.exportdir import read_manifest
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
     from taperfold.ui import print_verify, step_progress
     from taperfold.verify import REPORT, tokens_from_file, tokens_from_text, verify_export
@@ -258,11 +263,26 @@ def _int_list(option: str, text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def _engine_options(command):
+    """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph)."""
+    for engine in reversed(ENGINES.values()):
+        for option in reversed(engine.options):
+            help_text = f"--engine {engine.name}: {option.help}"
+            if option.choices:
+                decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
+                                        default=option.default, show_default=True, help=help_text)
+            else:
+                decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
+            command = decorate(command)
+    return command
+
+
 @cli.command()
 @click.argument("export_dir", metavar="[DIR]", required=False, type=click.Path(file_okay=False))
-@click.option("--engine", type=click.Choice(["torch", "ort", "trt"]),
+@click.option("--engine", type=click.Choice(list(ENGINES)),
               help="Default: ort with DIR, torch with --checkpoint or --preset.")
-@click.option("--variants", default="baseline,unfused,folded", show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True,
+              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded.")
 @click.option("--batch", "batches", default="1,4", show_default=True)
 @click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
@@ -275,11 +295,12 @@ def _int_list(option: str, text: str) -> list[int]:
 @click.option("--prompt", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length (decode).")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Decode steps after the prompt (decode).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]),
-              help="Default: fp32 for torch, the export's dtype for ort / trt.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Default: cuda for trt, cpu otherwise.")
+@click.option("--dtype", type=click.Choice(DTYPES),
+              help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.")
+@click.option("--device", type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
+              help="Default: " + ", ".join(f"{e.default_device} for {e.name}" for e in ENGINES.values()) + ".")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (torch and ORT intra-op). Default: torch's.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the torch variants.")
+@_engine_options
 @click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
 @click.option("--preset", type=click.Choice(["tiny", "paper-30m", "gpt2-124m"]),
               help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
@@ -292,8 +313,8 @@ def _int_list(option: str, text: str) -> list[int]:
               help="Write one row per variant, cell and phase ('-': stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
 def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, dtype,
-          device, threads, compile_, checkpoint, preset, arch, seed, json_path, csv_path, plot_path):
-    """Throughput of baseline, unfused and folded models (the paper's Table 3), variants alternated in rounds.
+          device, threads, checkpoint, preset, arch, seed, json_path, csv_path, plot_path, **engine_options):
+    """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
     \b
     Examples:
@@ -302,15 +323,18 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
-    from taperfold.bench.engines import VARIANTS, default_device, resolve_source
     from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
-    from taperfold.bench.report import bench_progress, print_report, require_matplotlib, write_csv, write_plot
+    from taperfold.bench.report import require_matplotlib, write_csv, write_plot
+    from taperfold.bench.source import resolve_source
+    from taperfold.engines import changed_options
+    from taperfold.exportdir import canonical_variants
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
+    from taperfold.ui import bench_progress, print_bench
 
-    names = list(dict.fromkeys(v.strip() for v in variants.split(",") if v.strip()))
-    unknown = [v for v in names if v not in VARIANTS]
-    if not names or unknown:
-        raise TaperfoldError(f"--variants: unknown {unknown or variants!r}; choose from {', '.join(VARIANTS)}")
+    try:
+        names = canonical_variants([v.strip() for v in variants.split(",") if v.strip()])
+    except TaperfoldError as e:
+        raise TaperfoldError(f"--variants: {e}") from None
     if rounds is not None and rounds > iters:
         raise TaperfoldError(f"--rounds {rounds} exceeds --iters {iters}: every round needs a timed call")
     if plot_path:
@@ -324,12 +348,13 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches),
                         seqs=_int_list("--seq", seqs), warmup=warmup, iters=iters, rounds=rounds or min(5, iters),
                         mode=mode, prompt=prompt, new_tokens=new_tokens, dtype=dtype,
-                        device=device or default_device(engine), threads=threads, compile=compile_, seed=seed)
+                        device=device or ENGINES[engine].default_device, threads=threads,
+                        engine_options=changed_options(engine_options), seed=seed)
     total = len(cells(opts)) * len(names) * opts.schedule.calls_per_variant()
     with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
         report = run_bench(loaded, on_call)
     with plan.human_output():
-        print_report(report)
+        print_bench(report)
     for path, write in ((json_path, write_json_atomic), (csv_path, write_csv), (plot_path, write_plot),
                         (dir_report, write_json_atomic)):
         if path:
@@ -360,7 +385,7 @@ def demo(ctx, out_dir, steps):
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
     from rich.rule import Rule
 
-    from taperfold.export import is_export_dir
+    from taperfold.exportdir import is_export_dir
     from taperfold.fsutil import Output, check_outputs, write_errors
     from taperfold.ui import out
 

@@ -59,10 +59,15 @@ def default_tolerance(dtype: str, kind: str) -> Tolerance:
 
 
 def tolerance_help() -> str:
-    """The default table, for `--help`."""
-    rows = [f"{dtype} {kind}: rtol {t.rtol:g}, min-top1 {t.min_top1:g}, max-kl {t.max_kl:g}"
+    """The default table, one line per (dtype, pair kind), as `taperfold verify --help` shows it."""
+
+    def sci(x: float) -> str:  # 1e-4 rather than 0.0001
+        return f"{x:.0e}".replace("e-0", "e-")
+
+    pair = {"export": "vs checkpoint", "fold": "unfolded -> folded"}
+    rows = [f"{dtype}, {pair[kind]:<19} rtol {sci(t.rtol):<5}  min-top1 {t.min_top1:<5g}  max-kl {sci(t.max_kl)}"
             for (dtype, kind), t in DEFAULT_TOLERANCES.items()]
-    return "; ".join(rows)
+    return "\n".join(rows)
 
 
 @dataclass

@@ -11,3 +11,12 @@ class NumericMismatch(Exception):
     """A comparison ran and failed its tolerance (`taperfold verify`). Exit code 1."""
 
     exit_code = 1
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message without terminal colours, or its type name when it has none:
+    libraries (torch.onnx, ONNX Runtime, protobuf) put banners and stack dumps after the line that matters."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__

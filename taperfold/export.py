@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,15 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from taperfold import exportdir
 from taperfold.checkpoint import Checkpoint, load_checkpoint
 from taperfold.environment import package_versions
-from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_dir, read_json_object, sha256_file, write_json_atomic
-from taperfold.models import CausalLM, baseline_of
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MANIFEST = "manifest.json"
-ARTIFACTS = {"folded": "model.onnx", "unfolded": "unfolded.onnx", "baseline": "baseline.onnx"}
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
+from taperfold.fsutil import atomic_dir, sha256_file, write_json_atomic
+from taperfold.models import CausalLM
+from taperfold.variants import baseline_of
 
 
 @dataclass
@@ -66,12 +64,6 @@ class _Decoder(nn.Module):
         return logits, *[t for kv in present for t in kv]
 
 
-def decoder_io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    return ["input_ids", *past], ["logits", *present]
-
-
 @contextlib.contextmanager
 def _quiet():
     """torch.onnx prints progress lines and warnings meant for its own debugging; keep ours clean."""
@@ -94,7 +86,7 @@ def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False):
     ids = torch.randint(0, cfg.vocab_size, (2, 8))
     if decoder:
         past_len = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
-        kv = torch.zeros(2, cfg.kv_heads, 5, cfg.head_dim, dtype=DTYPES[opts.dtype])
+        kv = torch.zeros(2, cfg.kv_heads, 5, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers)
         module, args = _Decoder(model), (ids, past)
@@ -102,21 +94,17 @@ def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False):
         kwargs = {}
     else:
         module, args, kwargs = model, (ids,), {"logits": opts.logits}
-        inputs, outputs = ["input_ids"], ["logits"]
-        shapes = {"input_ids": {0: batch, 1: seq}, "logits": None}
+        inputs, outputs = [INPUT], [OUTPUT]
+        shapes = {INPUT: {0: batch, 1: seq}, OUTPUT: None}
     with _quiet():
         try:
             program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opts.opset,
                                         input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                                         optimize=True, verbose=False)
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
-            raise TaperfoldError(f"torch.onnx export failed: {_first_line(e.__cause__ or e)}") from e
+            cause = e.__cause__ or e
+            raise TaperfoldError(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
     return program.model
-
-
-def _first_line(error: BaseException) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _save(model_ir, path: Path) -> None:
@@ -132,80 +120,41 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
 
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
-    if opts.logits not in ("last", "all"):
+    if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
     ckpt_path = Path(ckpt_path)
     ckpt = load_checkpoint(ckpt_path)
     _check_gate(ckpt, opts)
-    dtype = DTYPES[opts.dtype]
-    tapered = ckpt.build(gate=0.0).to(dtype)
+    tapered = ckpt.build(gate=0.0).to(torch_dtype(opts.dtype))
     baseline = baseline_of(tapered)
     out_dir = Path(out_dir)
     timings = {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0}
     reports = {}
     with atomic_dir(out_dir) as tmp:
-        variants = [("baseline", baseline, False), ("unfolded", tapered, False)]
-        if opts.kv_cache:
-            variants += [("baseline.decoder", baseline, True), ("unfolded.decoder", tapered, True)]
-        if not opts.baseline:
-            variants = [v for v in variants if not v[0].startswith("baseline")]
-        for name, model, decoder in variants:
-            on_stage(f"exporting {name}")
-            t0 = time.perf_counter()
-            model_ir = export_to_ir(model, opts, decoder)
-            timings["torch_export_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            _save(model_ir, tmp / f"{name}.onnx")
-            timings["write_s"] += time.perf_counter() - t0
-            if name.startswith("unfolded"):
-                on_stage(f"folding {name}")
+        # (variant, model) pairs; the folded graphs are the unfolded ones after the passes
+        sources = [("baseline", baseline), ("unfolded", tapered)] if opts.baseline else [("unfolded", tapered)]
+        for decoder in (False, True) if opts.kv_cache else (False,):
+            for variant, model in sources:
+                name = exportdir.artifact_key(variant, decoder)
+                on_stage(f"exporting {name}")
                 t0 = time.perf_counter()
-                report = fold_model(model_ir)
-                timings["passes_s"] += time.perf_counter() - t0
-                reports[name] = report.to_dict()
-                folded_name = "model" + name[len("unfolded"):]
+                model_ir = export_to_ir(model, opts, decoder)
+                timings["torch_export_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                _save(model_ir, tmp / f"{folded_name}.onnx")
+                _save(model_ir, tmp / onnx_file(variant, decoder))
                 timings["write_s"] += time.perf_counter() - t0
+                if variant == "unfolded":
+                    on_stage(f"folding {name}")
+                    t0 = time.perf_counter()
+                    reports[name] = fold_model(model_ir).to_dict()
+                    timings["passes_s"] += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    _save(model_ir, tmp / onnx_file("folded", decoder))
+                    timings["write_s"] += time.perf_counter() - t0
         on_stage("writing manifest")
         manifest = _manifest(ckpt, ckpt_path, opts, tmp, reports, timings)
         write_json_atomic(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, timings)
-
-
-def read_manifest(export_dir: str | Path) -> dict:
-    export_dir = Path(export_dir)
-    if not export_dir.exists():
-        raise TaperfoldError(f"{export_dir}: no such directory (run `taperfold export` first)")
-    if not export_dir.is_dir():
-        raise TaperfoldError(f"{export_dir}: not a directory; pass the folder `taperfold export` wrote")
-    path = export_dir / MANIFEST
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
-    manifest = read_json_object(path)
-    if manifest.get("format") != "taperfold-export":
-        raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not 'taperfold-export')")
-    for key in ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
-                "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path"):
-        node = manifest
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise TaperfoldError(f"{path}: missing key '{key}'")
-            node = node[part]
-    logits, dtype = manifest["export"]["logits"], manifest["export"]["dtype"]
-    if logits not in ("last", "all"):
-        raise TaperfoldError(f"{path}: key 'export.logits' must be 'last' or 'all', got {logits!r}")
-    if dtype not in ("fp32", "fp16", "bf16"):
-        raise TaperfoldError(f"{path}: key 'export.dtype' must be fp32, fp16 or bf16, got {dtype!r}")
-    return manifest
-
-
-def is_export_dir(path: Path) -> bool:
-    """Whether `path` holds a taperfold export (which a new export may replace whole)."""
-    try:
-        return read_json_object(path / MANIFEST).get("format") == "taperfold-export"
-    except TaperfoldError:
-        return False
 
 
 def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
@@ -217,37 +166,15 @@ def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
                              "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)")
 
 
-def _artifacts(folder: Path) -> dict:
-    out = {}
-    for path in sorted(folder.glob("*.onnx")):
-        variant = path.stem.replace("model", "folded", 1) if path.stem.startswith("model") else path.stem
-        data = path.with_name(path.name + ".data")
-        out[variant] = {"path": path.name, "bytes": path.stat().st_size,
-                        "external_data": data.name if data.exists() else None,
-                        "external_data_bytes": data.stat().st_size if data.exists() else 0}
-    return out
-
-
 def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Path, reports: dict,
               timings: dict) -> dict:
-    return {
-        "format": "taperfold-export",
-        "format_version": 1,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "checkpoint": {"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path),
-                       "step": ckpt.step},
-        "config": ckpt.config.to_dict(),
-        "gate": ckpt.gate,
-        "exported_gate": 0.0,
-        "forced_gate0": ckpt.gate != 0.0 and ckpt.config.taper != "none",
-        "export": {"logits": opts.logits, "dtype": opts.dtype, "opset": opts.opset, "kv_cache": opts.kv_cache,
-                   "inputs": ["input_ids"], "outputs": ["logits"]},
-        "versions": package_versions(),
-        "artifacts": _artifacts(folder),
-        "fold_report": reports.get("unfolded"),
-        "decoder_fold_report": reports.get("unfolded.decoder"),
-        "timings": {k: round(v, 3) for k, v in timings.items()},
-    }
+    return exportdir.new_manifest(
+        checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": ckpt.step},
+        config=ckpt.config.to_dict(), gate=ckpt.gate, forced_gate0=ckpt.gate != 0.0 and ckpt.config.taper != "none",
+        export={"logits": opts.logits, "dtype": opts.dtype, "opset": opts.opset, "kv_cache": opts.kv_cache,
+                "inputs": [INPUT], "outputs": [OUTPUT]},
+        versions=package_versions(), artifacts=exportdir.describe_artifacts(folder),
+        fold_report=reports.get("unfolded"), decoder_fold_report=reports.get("unfolded.decoder"), timings=timings)
 
 
 def checkpoint_digest(path: Path) -> str:

@@ -1,9 +1,8 @@
-"""Reference decoders, each with plain or tapered norms: a Llama-style and a GPT-2-style model.
+"""What every model family shares: the config, presets, norms, attention, RoPE and the CausalLM base.
 
-Parameter names and layouts follow Hugging Face's `LlamaForCausalLM` and `GPT2LMHeadModel`
-(`model.layers.0.input_layernorm.weight`; GPT-2's Conv1D weights stored `[in, out]`), so Hugging Face
-checkpoints map onto them one to one. A tapered norm adds `weight_tilde` (γ̃), `c` and its calibration
-EMAs next to `weight` (γ).
+The families themselves (Llama, GPT-2) are one module each in taperfold.families; their parameter names
+and layouts follow Hugging Face's, so Hugging Face checkpoints map onto them one to one. A tapered norm
+adds `weight_tilde` (γ̃), `c` and its calibration EMAs next to `weight` (γ).
 
 Forward: `model(input_ids, logits="last" | "all", past_key_values=None, use_cache=False)`.
 "last" materialises only the final position's logits (the paper's benchmark mode); the slice is taken
@@ -15,7 +14,7 @@ With `use_cache=True` it returns `(logits, present)`, present a tuple of (key, v
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from torch import nn
 
 from taperfold.nn import ScaleAnchorLoss, TaperGate, TaperLN, TaperNorm
 
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "gpt2")  # the families in taperfold.families
 TAPERS = ("none", "internal", "all")
 
 
@@ -60,7 +59,9 @@ class ModelConfig:
 
     @property
     def norm_kind(self) -> str:
-        return "rms" if self.arch == "llama" else "ln"
+        from taperfold.families import family
+
+        return family(self.arch).norm_kind
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,14 +116,10 @@ def validate_config(cfg: "ModelConfig") -> None:
 
 
 def implied_parameters(cfg: "ModelConfig") -> int:
-    """A lower bound on the parameters a config describes (embeddings and projections; norms, biases and
-    buffers left out): checked against the tensors a checkpoint holds before a model is built."""
-    d, ff, layers, vocab = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
-    head = 0 if cfg.tie_embeddings else vocab * d
-    if cfg.arch == "llama":
-        kv = cfg.kv_heads * cfg.head_dim
-        return vocab * d + head + layers * (2 * d * d + 2 * d * kv + 3 * d * ff)
-    return vocab * d + cfg.max_seq_len * d + head + layers * (4 * d * d + 2 * d * ff)
+    """A lower bound on the parameters any family's model of this config holds, whatever the family: the
+    embedding, and per layer a query and an output projection (d × d each) and the MLP's two matrices
+    (d × d_ff each). Checked against the tensors of a checkpoint before a model is built."""
+    return cfg.vocab_size * cfg.d_model + cfg.n_layers * 2 * cfg.d_model * (cfg.d_model + cfg.d_ff)
 
 
 PRESETS: dict[str, dict] = {
@@ -138,9 +135,9 @@ PRESETS: dict[str, dict] = {
 def preset_config(name: str, arch: str = "llama", **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    base = dict(PRESETS[name], arch=arch)
-    if arch == "gpt2":
-        base["norm_eps"] = 1e-5
+    from taperfold.families import family
+
+    base = dict(PRESETS[name], arch=arch, **family(arch).config_defaults)
     return ModelConfig(**{**base, **overrides})
 
 
@@ -235,269 +232,19 @@ class CausalLM(nn.Module):
         return ce, aux
 
 
-# ----------------------------------------------------------------------------------------------------
-# Llama: pre-norm, RoPE, SwiGLU, no biases, SDPA, tied embeddings by default, optional GQA
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x, cos, sin, past, use_cache):
-        b, t, _ = x.shape
-        hd = self.cfg.head_dim
-        q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, present = attend(q, k, v, past, use_cache)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), present
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, gate: TaperGate):
-        super().__init__()
-        tapered = cfg.taper != "none"
-        self.input_layernorm = make_norm(cfg, gate, tapered)
-        self.self_attn = LlamaAttention(cfg)
-        self.post_attention_layernorm = make_norm(cfg, gate, tapered)
-        self.mlp = LlamaMLP(cfg)
-
-    def forward(self, h, cos, sin, past, use_cache):
-        a, present = self.self_attn(self.input_layernorm(h), cos, sin, past, use_cache)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), present
-
-
-class LlamaBody(nn.Module):
-    """HF's `LlamaModel`, so that parameter names start with `model.`."""
-
-    def __init__(self, cfg: ModelConfig, gate: TaperGate):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(LlamaBlock(cfg, gate) for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg, gate, cfg.taper == "all")
-
-
-class LlamaForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.model = LlamaBody(cfg, self.gate)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.apply(_init_weights)
-
-    @property
-    def final_norm(self):
-        return self.model.norm
-
-    def body(self, input_ids, past_key_values, use_cache):
-        past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        t = input_ids.shape[1]
-        h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(past_len, past_len + t, device=input_ids.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        present = []
-        for i, layer in enumerate(self.model.layers):
-            past = None if past_key_values is None else past_key_values[i]
-            h, p = layer(h, cos, sin, past, use_cache)
-            present.append(p)
-        return h, (tuple(present) if use_cache else None)
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPT-2: learned positions, fused qkv, GELU MLP, biases, LayerNorm / TaperLN, tied lm_head
-
-
-class Conv1D(nn.Module):
-    """HF GPT-2's Conv1D: a linear layer whose weight is stored `[in, out]`."""
-
-    def __init__(self, n_in: int, n_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-
-    def forward(self, x):
-        return x @ self.weight + self.bias
-
-
-class GPT2Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.c_attn = Conv1D(cfg.d_model, 3 * cfg.d_model)
-        self.c_proj = Conv1D(cfg.d_model, cfg.d_model)
-
-    def forward(self, x, past, use_cache):
-        b, t, d = x.shape
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.cfg.n_heads, -1).transpose(1, 2) for z in (q, k, v))
-        out, present = attend(q, k, v, past, use_cache)
-        return self.c_proj(out.transpose(1, 2).reshape(b, t, d)), present
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.c_fc = Conv1D(cfg.d_model, cfg.d_ff)
-        self.c_proj = Conv1D(cfg.d_ff, cfg.d_model)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, gate: TaperGate):
-        super().__init__()
-        tapered = cfg.taper != "none"
-        self.ln_1 = make_norm(cfg, gate, tapered)
-        self.attn = GPT2Attention(cfg)
-        self.ln_2 = make_norm(cfg, gate, tapered)
-        self.mlp = GPT2MLP(cfg)
-
-    def forward(self, h, past, use_cache):
-        a, present = self.attn(self.ln_1(h), past, use_cache)
-        h = h + a
-        return h + self.mlp(self.ln_2(h)), present
-
-
-class GPT2Body(nn.Module):
-    """HF's `GPT2Model`, so that parameter names start with `transformer.`."""
-
-    def __init__(self, cfg: ModelConfig, gate: TaperGate):
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.h = nn.ModuleList(GPT2Block(cfg, gate) for _ in range(cfg.n_layers))
-        self.ln_f = make_norm(cfg, gate, cfg.taper == "all")
-
-
-class GPT2LMHeadModel(CausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.transformer = GPT2Body(cfg, self.gate)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
-        self.apply(_init_weights)
-
-    @property
-    def final_norm(self):
-        return self.transformer.ln_f
-
-    def body(self, input_ids, past_key_values, use_cache):
-        past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        positions = torch.arange(past_len, past_len + input_ids.shape[1], device=input_ids.device)
-        h = self.transformer.wte(input_ids) + self.transformer.wpe(positions)[None]
-        present = []
-        for i, block in enumerate(self.transformer.h):
-            h, p = block(h, None if past_key_values is None else past_key_values[i], use_cache)
-            present.append(p)
-        return h, (tuple(present) if use_cache else None)
-
-
-def _init_weights(m: nn.Module) -> None:
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's initialisation (normal, std 0.02; zero biases), which both families use."""
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, std=0.02)
-    elif isinstance(m, Conv1D):
-        nn.init.normal_(m.weight, std=0.02)
-        nn.init.zeros_(m.bias)
     if isinstance(m, nn.Linear) and m.bias is not None:
         nn.init.zeros_(m.bias)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
-    return (LlamaForCausalLM if cfg.arch == "llama" else GPT2LMHeadModel)(cfg)
+    from taperfold.families import family
+
+    return family(cfg.arch).model_class(cfg)
 
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights are counted once
-
-
-# ----------------------------------------------------------------------------------------------------
-# Variants built from one tapered model: the benchmark's baseline and the torch-level fold.
-
-
-def baseline_of(model: CausalLM) -> CausalLM:
-    """The same architecture and weights with ordinary RMSNorm / LayerNorm where the model tapers (γ, β kept)."""
-    cfg = replace(model.cfg, taper="none", aux=False)
-    base = build_model(cfg)
-    state = {k: v for k, v in model.state_dict().items() if k in base.state_dict()}
-    base.load_state_dict(state, strict=True)
-    return base.to(next(model.parameters()).dtype)
-
-
-def consumers_of_norms(model: CausalLM) -> dict[str, list[str]]:
-    """Each norm's module path → the linear layers that read its output (what a fold rewrites)."""
-    if model.cfg.arch == "llama":
-        out = {}
-        for i in range(model.cfg.n_layers):
-            p = f"model.layers.{i}"
-            out[f"{p}.input_layernorm"] = [f"{p}.self_attn.{x}_proj" for x in "qkv"]
-            out[f"{p}.post_attention_layernorm"] = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        out["model.norm"] = ["lm_head"]
-        return out
-    out = {}
-    for i in range(model.cfg.n_layers):
-        p = f"transformer.h.{i}"
-        out[f"{p}.ln_1"] = [f"{p}.attn.c_attn"]
-        out[f"{p}.ln_2"] = [f"{p}.mlp.c_fc"]
-    out["transformer.ln_f"] = ["lm_head"]
-    return out
-
-
-@torch.no_grad()
-def fold_model_in_torch(model: CausalLM) -> CausalLM:
-    """The 'folded' benchmark variant in PyTorch: g = 0 tapered norms folded into their readers
-    (float64, cast once) and replaced by Identity. The ONNX passes do the same on graphs."""
-    import copy
-
-    if model.gate.value != 0.0:
-        raise ValueError(f"gate is {model.gate.value:g}, not 0: the tapered norms are not constant maps")
-    folded = copy.deepcopy(model)
-    modules = dict(folded.named_modules())
-    for norm_name, readers in consumers_of_norms(folded).items():
-        norm = modules[norm_name]
-        if not isinstance(norm, (TaperNorm, TaperLN)):
-            continue
-        scale = norm.c.double() * norm.weight_tilde.double()
-        for reader_name in readers:
-            reader = modules[reader_name]
-            if reader_name == "lm_head" and folded.cfg.tie_embeddings:
-                reader.weight = nn.Parameter(reader.weight.detach().clone())  # untie: the embedding stays
-            _fold_into(reader, scale, norm.bias.double() if isinstance(norm, TaperLN) else None)
-        parent_name, _, attr = norm_name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else folded, attr, nn.Identity())
-    return folded
-
-
-def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None) -> None:
-    """y = (c·(h − μ)·γ̃ + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W."""
-    conv = isinstance(reader, Conv1D)
-    w = reader.weight.double() if conv else reader.weight.double().T  # as [in, out]
-    new_w = scale[:, None] * w
-    if beta is not None:
-        new_w = new_w - new_w.mean(dim=0, keepdim=True)
-        shift = beta @ w
-        if reader.bias is None:
-            reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=reader.weight.dtype, device=w.device))
-        reader.bias.copy_((reader.bias.double() + shift).to(reader.bias.dtype))
-    reader.weight.copy_((new_w if conv else new_w.T).to(reader.weight.dtype))

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from taperfold.bench.report import UNIT, report_phases, report_variants
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or captured: no 80-column squeeze, no wrapping
@@ -127,3 +129,71 @@ def print_verify(report: dict) -> None:
     failed = [p for p in judged if p["status"] == "fail"]
     verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
     out.print(f"{verdict}: {len(judged) - len(failed)} of {len(judged)} pairs within tolerance")
+
+
+# ---- bench -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bench_progress(total: int):
+    """Yields on_call(): one tick per model call (first runs, warm-up and timed calls)."""
+    if not err.is_terminal:  # no bar in logs and pipes
+        yield lambda: None
+        return
+    columns = [TextColumn("benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
+        yield lambda: progress.advance(task)
+
+
+
+def throughput_table(report: dict, phase: str) -> Table:
+    scale, unit = UNIT[phase]
+    title = (f"{phase} throughput ({unit}, median) — {report['engine']} {report['device']} {report['dtype']}, "
+             f"{report['threads']} threads")
+    table = Table(title=title)
+    table.add_column("batch", justify="right")
+    table.add_column("prompt" if phase == "decode" else "seq", justify="right")
+    variants = report_variants(report)
+    for v in variants:
+        table.add_column(v, justify="right")
+    speedup_of = [v for v in variants if v != "baseline"] if "baseline" in variants else []
+    for v in speedup_of:
+        table.add_column(f"{v} ×", justify="right")
+    rows = {(r["batch"], r["seq"], r["variant"]): r for r in report["results"] if r["phase"] == phase}
+    for batch, seq in dict.fromkeys((b, s) for b, s, _ in rows):
+        cells = [f"{rows[batch, seq, v]['tokens_per_s'] / scale:.1f}" for v in variants]
+        cells += [f"{rows[batch, seq, v]['speedup_vs_baseline']:.3f}" for v in speedup_of]
+        table.add_row(str(batch), str(seq), *cells)
+    return table
+
+
+def detail_table(report: dict) -> Table:
+    table = Table(title="latency per call (ms)" if report["mode"] == "prefill" else
+                  "latency (ms): prefill per prompt, decode per token")
+    for col in ("phase", "variant", "B", "T", "n", "median", "mean", "p90", "p99", "min", "std", "CV %", "first run"):
+        table.add_column(col, justify="left" if col in ("phase", "variant") else "right")
+    threshold = report["settings"]["cv_warn_pct"]
+    for r in report["results"]:
+        s = r["stats_ms"]
+        cv = f"{s['cv_pct']:.1f}"
+        table.add_row(r["phase"], r["variant"], str(r["batch"]), str(r["seq"]), str(s["n"]),
+                      *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
+                      f"[yellow]{cv}[/]" if s["cv_pct"] > threshold else cv, f"{r['first_run_ms']:.3f}")
+    return table
+
+
+def print_bench(report: dict) -> None:
+    for phase in report_phases(report):
+        out.print(throughput_table(report, phase))
+    out.print(detail_table(report))
+    env = report["environment"]
+    device = env.get("gpu", {}).get("name") if report["device"].startswith("cuda") else env["cpu"]
+    s = report["settings"]
+    out.print(f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
+              f"first run reported apart; {report['seconds']:.0f} s")
+    for warning in report["warnings"]:
+        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    if report["warnings"]:
+        err.print(f"CV above {s['cv_warn_pct']:g} % means the timings spread widely (a busy or throttling "
+                  "machine?): compare medians with care, or rerun with more --iters and --rounds", soft_wrap=True)

@@ -25,8 +25,11 @@ from typing import Callable
 import numpy as np
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
+from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
-from taperfold.export import MANIFEST, checkpoint_digest, read_manifest
+from taperfold.export import checkpoint_digest
+from taperfold.exportdir import ENGINE_ARTIFACT, INPUT, OUTPUT, Manifest, read_manifest
+from taperfold.runners.base import Runner
 
 REPORT = "verify.json"
 BATCH_SIZES = (1, 4)
@@ -198,41 +201,20 @@ class VerifyReport:
                                 "pairs": [p.to_dict() for p in self.pairs]})
 
 
-# ---- the export directory ------------------------------------------------------------------------------
+# ---- the reference -------------------------------------------------------------------------------------
 
 
-def _artifact(export_dir: Path, manifest: dict, variant: str) -> Path:
-    entry = manifest["artifacts"].get(variant)
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-        raise TaperfoldError(f"{export_dir / MANIFEST}: missing key 'artifacts.{variant}.path'")
-    path = export_dir / entry["path"]
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: missing (manifest.json lists it as artifacts.{variant})")
-    return path
-
-
-def _load_reference_checkpoint(export_dir: Path, manifest: dict):
+def _load_reference_checkpoint(manifest: Manifest):
     from taperfold.checkpoint import load_checkpoint
 
-    path = Path(manifest["checkpoint"]["path"])
+    path = manifest.checkpoint
     if not path.exists():
-        raise TaperfoldError(f"{path}: checkpoint named in {export_dir / MANIFEST} is missing")
+        raise TaperfoldError(f"{path}: checkpoint named in {manifest.path} is missing")
     digest = checkpoint_digest(path)
-    if digest != manifest["checkpoint"]["sha256"]:
+    if digest != manifest.checkpoint_sha256:
         raise TaperfoldError(f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
-                             f"says {str(manifest['checkpoint']['sha256'])[:12]}...); export it again")
+                             f"says {manifest.checkpoint_sha256[:12]}...); export it again")
     return load_checkpoint(path)
-
-
-def _engine_unavailable() -> str | None:
-    """Why the TensorRT engine cannot run here (the same line `export --trt` gives), or None."""
-    from taperfold.trt import require_tensorrt
-
-    try:
-        require_tensorrt()
-    except TaperfoldError as e:
-        return str(e)
-    return None
 
 
 # ---- verification --------------------------------------------------------------------------------------
@@ -247,59 +229,57 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     {"rtol", "min_top1", "max_kl"} applied to every judged pair; `threads`: CPU threads for the torch
     reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run.
     """
-    from taperfold.runners.ort import OrtRunner
-
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
-    ckpt = _load_reference_checkpoint(export_dir, manifest)
-    cfg, dtype, logits = ckpt.config, manifest["export"]["dtype"], manifest["export"]["logits"]
-    forced = bool(manifest["forced_gate0"])
+    ckpt = _load_reference_checkpoint(manifest)
+    cfg, dtype, logits, forced = ckpt.config, manifest.dtype, manifest.logits, manifest.forced_gate0
     batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
     id_arrays = [_checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
 
     # The torch references run in fp32 on the CPU, whatever the export's dtype: they are the truth.
+    torch_engine, graph_engine, plan_engine = ENGINES["torch"], ENGINES["ort"], ENGINES["trt"]
     reference = "checkpoint@g=0" if forced else "checkpoint"
-    torch_models = {reference: ckpt.build(gate=0.0 if forced else None)}
+    runners = {reference: torch_engine.runner(ckpt.build(gate=0.0 if forced else None), device="cpu", logits=logits,
+                                              name=f"{ckpt.path} (reference)")}
     if forced:
-        torch_models[f"checkpoint@g={ckpt.gate:g}"] = ckpt.build()
-    runners = {variant: OrtRunner(_artifact(export_dir, manifest, variant), device=device, threads=threads)
-               for variant in ("unfolded", "folded")}
+        runners[f"checkpoint@g={ckpt.gate:g}"] = torch_engine.runner(ckpt.build(), device="cpu", logits=logits,
+                                                                     name=f"{ckpt.path} at g = {ckpt.gate:g}")
+    for variant in ("unfolded", "folded"):
+        runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
 
     overrides = tolerances or {}
     export_tol = default_tolerance(dtype, "export").override(**overrides)
     pairs = [PairResult(reference, "unfolded", "export", export_tol),
              PairResult(reference, "folded", "export", export_tol),
              PairResult("unfolded", "folded", "fold", default_tolerance(dtype, "fold").override(**overrides))]
-    if "engine" in manifest["artifacts"]:
-        engine_pair = PairResult(reference, "engine", "export", export_tol)
+    if "folded" in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
+        engine_pair = PairResult(reference, ENGINE_ARTIFACT, "export", export_tol)
         pairs.append(engine_pair)
-        why_not = _engine_unavailable()
+        why_not = plan_engine.unavailable(plan_engine.default_device)
         if why_not:
             engine_pair.status, engine_pair.reason = "skipped", why_not
         else:
-            from taperfold.runners.trt import TrtRunner
-
-            runners["engine"] = TrtRunner(_artifact(export_dir, manifest, "engine"))
+            runners[ENGINE_ARTIFACT] = plan_engine.runner(manifest.engine_plan("folded"))
     if forced:
         pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", "folded", "cost", None, status="info"))
 
-    _run(list(zip(batches, id_arrays)), torch_models, runners, pairs, logits, threads,
+    _run(list(zip(batches, id_arrays)), runners, pairs, threads,
          on_progress or (lambda done, total, description: None))
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
-                        checkpoint={"path": str(ckpt.path), "sha256": manifest["checkpoint"]["sha256"],
+                        checkpoint={"path": str(ckpt.path), "sha256": manifest.checkpoint_sha256,
                                     "gate": ckpt.gate, "reference_gate": 0.0 if forced else ckpt.gate},
                         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
                         pairs=pairs)
 
 
-def _run(batches: list[tuple[InputBatch, np.ndarray]], torch_models: dict, runners: dict, pairs: list[PairResult],
-         logits: str, threads: int | None, progress: Callable[[int, int, str], None]) -> None:
+def _run(batches: list[tuple[InputBatch, np.ndarray]], runners: dict[str, Runner], pairs: list[PairResult],
+         threads: int | None, progress: Callable[[int, int, str], None]) -> None:
     """Run every model on every batch and fill in the pairs. One batch at a time: only its logits are held."""
     import torch
 
     judged = [p for p in pairs if p.status != "skipped"]
     collected: dict[str, list[Metrics]] = {p.name: [] for p in judged}
-    total, done = len(batches) * (len(torch_models) + len(runners)), 0
+    total, done = len(batches) * len(runners), 0
     torch_threads = torch.get_num_threads()
     loaded = []
     try:
@@ -310,14 +290,9 @@ def _run(batches: list[tuple[InputBatch, np.ndarray]], torch_models: dict, runne
             loaded.append(runner)
         for batch, ids in batches:
             outputs = {}
-            for name, model in torch_models.items():
-                progress(done, total, f"{name} on {batch.label}")
-                with torch.no_grad():
-                    outputs[name] = model(torch.from_numpy(ids), logits=logits).float().numpy()
-                done += 1
             for name, runner in runners.items():
                 progress(done, total, f"{name} on {batch.label}")
-                outputs[name] = runner.infer({"input_ids": ids})["logits"].astype(np.float32)
+                outputs[name] = runner.infer({INPUT: ids})[OUTPUT].astype(np.float32)
                 done += 1
             for pair in judged:
                 _compare_one(pair, batch, outputs[pair.reference], outputs[pair.candidate], collected[pair.name])

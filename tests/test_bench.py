@@ -23,7 +23,7 @@ TRT_LINE = "taperfold: error: tensorrt is not installed: pip install 'taperfold[
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_checkpoint):
-    """The session's trained tiny checkpoint at g = 0 (the 'unfused' variant)."""
+    """The session's trained tiny checkpoint at g = 0 (the 'unfolded' variant)."""
     return load_checkpoint(tiny_checkpoint).build(gate=0.0)
 
 
@@ -94,11 +94,11 @@ def _full_forward_logits(model, prompt, gen):
         return model(torch.from_numpy(ids), logits="last").numpy()
 
 
-@pytest.mark.parametrize("variant", ["unfused", "baseline"])
+@pytest.mark.parametrize("variant", ["unfolded", "baseline"])
 def test_torch_kv_decoding_matches_the_full_forward_pass(tiny_model, variant):
-    from taperfold.models import baseline_of
+    from taperfold.variants import baseline_of
 
-    model = tiny_model if variant == "unfused" else baseline_of(tiny_model)
+    model = tiny_model if variant == "unfolded" else baseline_of(tiny_model)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 7), dtype=np.int64)
     with TorchRunner(model, decoder=True) as runner:
         gen = generate(runner, prompt, steps=5, cfg=model.cfg, dtype="fp32")
@@ -144,7 +144,7 @@ def test_bench_end_to_end_json_csv_and_bench_json(bench_export, tmp_path, cli):
             assert row["speedup_vs_baseline"] == 1.0
     rows = list(csv.DictReader(out_csv.open()))
     assert list(rows[0]) == CSV_COLUMNS and len(rows) == 12
-    assert {r["variant"] for r in rows} == {"baseline", "unfused", "folded"}
+    assert {r["variant"] for r in rows} == {"baseline", "unfolded", "folded"}
 
 
 @pytest.mark.slow
@@ -155,7 +155,7 @@ def test_bench_decode_mode_reports_per_token_times(bench_export, tmp_path, cli):
     assert r.exit_code == 0, r.stderr
     rows = json.loads(out_json.read_text())["results"]
     assert [(row["variant"], row["phase"]) for row in rows] == [
-        ("unfused", "prefill"), ("unfused", "decode"), ("folded", "prefill"), ("folded", "decode")]
+        ("unfolded", "prefill"), ("unfolded", "decode"), ("folded", "prefill"), ("folded", "decode")]
     decode = rows[1]
     assert len(decode["times_ms"]) == 2 and all(len(t) == 3 for t in decode["times_ms"])
     assert decode["stats_ms"]["n"] == 6 and len(decode["generation_ms"]) == 2
@@ -192,6 +192,7 @@ def test_missing_tensorrt_is_one_line_and_exit_2(bench_export, monkeypatch, cli)
     (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list"),
     (["--preset", "tiny", "--seq", "4096"], "--seq 4096 exceeds the model's context (max_seq_len 128)"),
     (["--preset", "tiny", "--seq", "8", "--engine", "ort"], "--engine ort runs exported graphs"),
+    (["--preset", "tiny", "--seq", "8", "--ort-optimization", "basic"], "--ort-optimization applies to --engine ort"),
     ([], "give exactly one of DIR"),
 ])
 def test_bad_input_is_one_error_line(args, message, cli):

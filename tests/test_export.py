@@ -14,9 +14,10 @@ import torch
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
 from taperfold.fsutil import sha256_file
-from taperfold.models import build_model, fold_model_in_torch, preset_config
+from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
 from taperfold.train import TrainOptions, train
+from taperfold.variants import fold_model_in_torch
 
 NORM_OPS = {"rms": ("Pow", "ReduceMean", "Sqrt", "Reciprocal"), "ln": ("LayerNormalization",)}
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from taperfold.models import (baseline_of, build_model, consumers_of_norms, fold_model_in_torch, num_parameters,
-                              preset_config)
+from taperfold.families import families, family
+from taperfold.models import ARCHS, build_model, num_parameters, preset_config
 from taperfold.nn import TaperLN, TaperNorm
 from taperfold.train import TrainOptions, train
+from taperfold.variants import baseline_of, fold_model_in_torch
 
 
 def random_tapered(arch, taper, seed=0, **kw):
@@ -82,11 +83,22 @@ def test_baseline_keeps_weights_with_plain_norms():
     assert num_parameters(base) < num_parameters(model)
 
 
-def test_consumers_cover_every_norm():
+def test_every_arch_has_a_family():
+    assert set(families()) == set(ARCHS)
+    for arch in ARCHS:
+        assert isinstance(build_model(preset_config("tiny", arch=arch, n_layers=1)), family(arch).model_class)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        family("mamba")
+
+
+def test_readers_cover_every_norm():
     for arch in ("llama", "gpt2"):
         model = random_tapered(arch, "all")
         names = {n for n, m in model.named_modules() if isinstance(m, (TaperNorm, TaperLN))}
-        assert names == set(consumers_of_norms(model))
+        readers = family(arch).norm_readers(model.cfg)
+        assert names == set(readers)
+        modules = dict(model.named_modules())
+        assert all(r in modules for rs in readers.values() for r in rs)
 
 
 def test_presets():

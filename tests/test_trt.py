@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from taperfold import trt as tftrt
+from taperfold import trt_build as tftrt
 from taperfold.checkpoint import Checkpoint, save_checkpoint
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import PLAN_FILES, read_manifest
 from taperfold.models import build_model, preset_config
 
 has_tensorrt_and_gpu = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
@@ -228,7 +229,7 @@ def test_build_call_sequence(monkeypatch, export_dir, version, flags):
     assert engine["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
     assert manifest["artifacts"]["engine"]["path"] == "model.plan"
     assert json.loads((export_dir / "manifest.json").read_text()) == manifest
-    assert tftrt.plan_path_for(export_dir) == export_dir / "model.plan"
+    assert read_manifest(export_dir).engine_plan() == export_dir / "model.plan"
 
 
 def test_tensorrt_11_without_the_deprecated_flag(monkeypatch, export_dir):
@@ -276,7 +277,7 @@ def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir)
     tftrt.build_engine_for_export(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
     trt = use(monkeypatch, fake_tensorrt("10.13.3"))
     paths = tftrt.ensure_engines(export_dir, ["baseline", "unfolded", "folded"])
-    assert paths == {v: export_dir / tftrt.PLANS[v] for v in ("baseline", "unfolded", "folded")}
+    assert paths == {v: export_dir / PLAN_FILES[v] for v in ("baseline", "unfolded", "folded")}
     built = [c[1] for c in trt.calls if c[0] == "parse_from_file"]
     assert built == ["baseline.onnx", "unfolded.onnx"]  # folded was fresh
     engines = json.loads((export_dir / "manifest.json").read_text())["engines"]
@@ -291,7 +292,7 @@ def test_unknown_variant_and_missing_engine(monkeypatch, export_dir):
     with pytest.raises(TaperfoldError, match="no ONNX model for variant 'folded.decoder'"):
         tftrt.build_engine_for_export(export_dir, variants=("folded.decoder",))
     with pytest.raises(TaperfoldError, match="no TensorRT engine for 'baseline'; build it with"):
-        tftrt.plan_path_for(export_dir, "baseline")
+        read_manifest(export_dir).engine_plan("baseline")
 
 
 # ---- on a GPU with TensorRT -------------------------------------------------------------------------

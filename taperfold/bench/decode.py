@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taperfold.export import decoder_io_names
+from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names, numpy_dtype
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
-
-KV_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 @dataclass
@@ -31,21 +29,21 @@ def empty_cache(cfg: ModelConfig, batch: int, dtype: str) -> dict[str, np.ndarra
     """Past length 0: the prompt runs through the same decoder graph as every later step."""
     names = decoder_io_names(cfg.n_layers)[0][1:]
     shape = (batch, cfg.kv_heads, 0, cfg.head_dim)
-    return {name: np.zeros(shape, dtype=KV_NUMPY_DTYPES[dtype]) for name in names}
+    return {name: np.zeros(shape, dtype=numpy_dtype(dtype)) for name in names}
 
 
 def generate(runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str) -> Generation:
     past_names, present_names = decoder_io_names(cfg.n_layers)[0][1:], decoder_io_names(cfg.n_layers)[1][1:]
-    feeds = {"input_ids": prompt_ids, **empty_cache(cfg, prompt_ids.shape[0], dtype)}
+    feeds = {INPUT: prompt_ids, **empty_cache(cfg, prompt_ids.shape[0], dtype)}
     out, prefill_s = runner.timed_run(runner.prepare(feeds))
-    logits = runner.to_numpy(out["logits"])
+    logits = runner.to_numpy(out[OUTPUT])
     tokens = [logits.argmax(-1)]
     step_s = []
     for _ in range(steps):
-        feeds = {"input_ids": tokens[-1][:, None].astype(np.int64)}
+        feeds = {INPUT: tokens[-1][:, None].astype(np.int64)}
         feeds.update({past: out[present] for past, present in zip(past_names, present_names)})
         out, seconds = runner.timed_run(runner.prepare(feeds))
         step_s.append(seconds)
-        logits = runner.to_numpy(out["logits"])
+        logits = runner.to_numpy(out[OUTPUT])
         tokens.append(logits.argmax(-1))
     return Generation(prefill_s, step_s, np.stack(tokens, axis=1), logits)

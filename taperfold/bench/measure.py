@@ -11,13 +11,16 @@ import numpy as np
 import torch
 
 from taperfold.bench.decode import generate
-from taperfold.bench.engines import Source, default_dtype, model_config, open_runners
 from taperfold.bench.harness import Schedule, run_rounds
+from taperfold.bench.source import Source
 from taperfold.bench.stats import summarize
+from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import INPUT, torch_dtype
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
+from taperfold.variants import build_variants
 
 FORMAT = "taperfold-bench"
 FORMAT_VERSION = 1
@@ -31,7 +34,7 @@ def cv_threshold_pct(device: str) -> float:
 @dataclass
 class BenchOptions:
     engine: str = "ort"
-    variants: list[str] = field(default_factory=lambda: ["baseline", "unfused", "folded"])
+    variants: list[str] = field(default_factory=lambda: ["baseline", "unfolded", "folded"])  # canonical names
     batches: list[int] = field(default_factory=lambda: [1, 4])
     seqs: list[int] = field(default_factory=lambda: [128, 256, 512])
     warmup: int = 10
@@ -43,7 +46,7 @@ class BenchOptions:
     dtype: str | None = None  # None: fp32 for torch, the export's dtype for ort / trt
     device: str = "cpu"
     threads: int | None = None  # None: torch's default (the physical cores), used for every engine
-    compile: bool = False
+    engine_options: dict = field(default_factory=dict)  # runner keyword options the user set (engines.Option)
     seed: int = 0
 
     @property
@@ -62,7 +65,7 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
     what = f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens}" if opts.mode == "decode" else f"--seq {longest}"
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
-    if opts.mode == "decode" and opts.engine != "torch" and dtype == "bf16":
+    if opts.mode == "decode" and engine(opts.engine).runs == GRAPHS and dtype == "bf16":
         raise TaperfoldError("--mode decode with a bf16 export: numpy has no bfloat16 to feed the KV cache; "
                              "use --engine torch --dtype bf16")
 
@@ -80,18 +83,53 @@ class LoadedBench:
 @contextlib.contextmanager
 def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     """Check the options against the model, fix the thread count, and load every variant up front."""
-    cfg = model_config(source)
-    dtype = opts.dtype or default_dtype(opts.engine, source)
-    _check(opts, cfg, dtype)
+    chosen = engine(opts.engine)
+    # graph engines run the dtype the graphs were exported in; torch builds fp32 unless told
+    exported = source.manifest.dtype if chosen.runs == GRAPHS and source.manifest else "fp32"
+    dtype = opts.dtype or exported
+    _check(opts, source.config, dtype)
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    runners = open_runners(opts.engine, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
-                           dtype=dtype, threads=threads, compile=opts.compile)
+    runners = open_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
+                           dtype=dtype, threads=threads, options=opts.engine_options)
     try:
-        yield LoadedBench(source, opts, cfg, dtype, threads, runners)
+        yield LoadedBench(source, opts, source.config, dtype, threads, runners)
     finally:
         for runner in runners.values():
             runner.close()
+
+
+def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool, device: str, dtype: str,
+                 threads: int, options: dict) -> dict[str, Runner]:
+    """Build and load one runner per variant, all up front, before anything is timed."""
+    check_options(engine, options)
+    engine.require(device)
+    if decoder and not engine.decodes:
+        others = " or ".join(f"--engine {e}" for e, spec in ENGINES.items() if spec.decodes)
+        raise TaperfoldError(f"--mode decode: {engine.title} runs no KV-cached decoders; use {others}")
+    if engine.runs == GRAPHS:
+        if source.manifest is None:
+            raise TaperfoldError(f"--engine {engine.name} runs exported graphs: give an export directory (DIR), "
+                                 "not --checkpoint or --preset")
+        if dtype != source.manifest.dtype:
+            raise TaperfoldError(f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
+                                 f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}")
+        targets = engine.files(source.manifest, variants, decoder)
+    else:
+        targets = build_variants(source.tapered_model(), variants, torch_dtype(dtype))
+    runners = {name: engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
+                                   name=f"{name} ({source.label})", **options)
+               for name, target in targets.items()}
+    loaded = []
+    try:
+        for runner in runners.values():
+            runner.load()
+            loaded.append(runner)
+    except BaseException:
+        for runner in loaded:
+            runner.close()
+        raise
+    return runners
 
 
 def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
@@ -104,11 +142,12 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
     for batch, seq in cells(opts):
         ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
         if opts.mode == "decode":
-            kv_dtype = "fp32" if opts.engine == "torch" else bench.dtype  # the torch runner casts to its dtype
+            # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
+            kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
             jobs = {name: (lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype)) for name, r in runners.items()}
             results += _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
         else:
-            prepared = {name: r.prepare({"input_ids": ids}) for name, r in runners.items()}
+            prepared = {name: r.prepare({INPUT: ids}) for name, r in runners.items()}
             jobs = {name: (lambda r=r, p=prepared[name]: r.timed_run(p)[1]) for name, r in runners.items()}
             samples = run_rounds(jobs, schedule, on_call)
             results += [_row("prefill", name, batch, seq, samples.first[name], samples.timed[name])
@@ -125,7 +164,8 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "device": opts.device,
         "dtype": bench.dtype,
         "threads": bench.threads,
-        "compile": opts.compile,
+        "compile": bool(opts.engine_options.get("compile")),
+        "engine_options": opts.engine_options,
         "source": bench.source.to_dict(),
         "config": cfg.to_dict(),
         "settings": {**{k: v for k, v in asdict(opts).items() if k not in ("dtype", "threads")},

@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_path, resolve
+from taperfold.fsutil import atomic_path
 
 
 def first_line(error: BaseException) -> str:
@@ -61,7 +61,7 @@ def _point_external_data_at(path: Path, location: str) -> None:
 def save_model(model: ir.Model, dst: str | os.PathLike) -> None:
     """Write dst and its weights to dst + '.data' as temporary files, renamed into place once both are
     complete: a failure leaves any earlier dst as it was."""
-    dst = resolve(dst)  # through a symlink: the weights file is named after, and lies beside, its target
+    dst = Path(dst)
     try:
         with atomic_path(dst, sidecars=(".data",)) as tmp:
             ir.save(model, tmp, format="protobuf", external_data=tmp.name + ".data")

@@ -1,4 +1,7 @@
-"""ONNX Runtime runner: the CPU execution provider, or CUDA with IOBinding (`device="cuda"`)."""
+"""ONNX Runtime runner: the CPU execution provider, or CUDA with IOBinding (`device="cuda"`).
+
+Session construction (options, providers, the checks around it) and IOBinding set-up are functions of
+their own, so that other code (a CUDA-graph runner, a tool) can open a session the same way."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from taperfold.errors import TaperfoldError
-from taperfold.runners.base import Runner
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.onnx_files import check_onnx_file
+from taperfold.runners.base import InputSpec, Runner
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 DEVICES = ("cpu", "cuda")
@@ -25,40 +29,72 @@ def _ort_errors() -> tuple[type[BaseException], ...]:
     return (RuntimeError, *(getattr(state, n) for n in names if hasattr(state, n)))
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+def session_options(optimization: str = "all", threads: int | None = None):
+    """SessionOptions for one of OPTIMIZATION_LEVELS and an intra-op thread count (None: ORT's default)."""
+    import onnxruntime as ort
+
+    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[optimization]
+    options.log_severity_level = 3  # errors only: ORT's warnings go to stderr and would break our output
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return options
 
 
-def check_onnx_file(path: Path) -> None:
-    """Raise a TaperfoldError naming the file if the model or any of its external data is missing or cut short.
+def providers_for(device: str) -> list[str]:
+    import onnxruntime as ort
 
-    ORT would fail too, but with a message about the first tensor it trips on; this names the file to fix.
-    Only the graph is parsed (weights stay on disk), so it is cheap even for large models.
-    """
-    import onnx
-    from google.protobuf.message import DecodeError
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise TaperfoldError("--device cuda: this onnxruntime build has no CUDA execution provider "
+                             "(install onnxruntime-gpu)")
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: no such model file")
+
+def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None):
+    """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
+    import onnxruntime as ort
+
+    check_onnx_file(path)
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, OSError, ValueError) as e:
-        raise TaperfoldError(f"{path}: not a readable ONNX model: truncated or corrupt ({_first_line(e)})") from None
-    needed: dict[Path, int] = {}  # data file -> bytes the model reads from it
-    for tensor in model.graph.initializer:
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        entry = {e.key: e.value for e in tensor.external_data}
-        data_file = path.parent / entry.get("location", "")
-        end = int(entry.get("offset", 0)) + int(entry.get("length", 0))
-        needed[data_file] = max(needed.get(data_file, 0), end)
-    for data_file, end in needed.items():
-        if not data_file.is_file():
-            raise TaperfoldError(f"{data_file}: external data of {path.name} is missing")
-        if data_file.stat().st_size < end:
-            raise TaperfoldError(f"{data_file}: external data of {path.name} is truncated "
-                                 f"({data_file.stat().st_size} bytes, the model reads up to byte {end})")
+        session = ort.InferenceSession(str(path), sess_options=session_options(optimization, threads),
+                                       providers=providers_for(device))
+    except _ort_errors() as e:
+        raise TaperfoldError(f"{path}: onnxruntime cannot load the model ({first_line(e)})") from None
+    # ORT falls back to CPU with only a log line when the CUDA libraries or the GPU are missing.
+    if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise TaperfoldError(f"{path}: onnxruntime could not start its CUDA execution provider "
+                             "(no GPU, or CUDA/cuDNN libraries missing)")
+    return session
+
+
+@dataclass
+class BoundInputs:
+    """An IOBinding plus the device inputs it points at, kept alive as long as the binding is used."""
+
+    binding: Any
+    device_inputs: dict
+
+
+def bind_on_cuda(session, feeds: dict, output_names: list[str]) -> BoundInputs:
+    """IOBinding on CUDA device 0: host inputs are copied there once, outputs stay there, so timing sees no
+    copies. OrtValues the session returned (a KV cache fed back while decoding) are already there: bound as is."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    device_inputs = {name: value if isinstance(value, ort.OrtValue)
+                     else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), "cuda", 0)
+                     for name, value in feeds.items()}
+    for name, value in device_inputs.items():
+        binding.bind_ortvalue_input(name, value)
+    for name in output_names:
+        binding.bind_output(name, "cuda", 0)
+    return BoundInputs(binding, device_inputs)
 
 
 class OrtRunner(Runner):
@@ -75,93 +111,42 @@ class OrtRunner(Runner):
                                  f"got {optimization!r}")
         if threads is not None and threads < 1:
             raise TaperfoldError(f"onnxruntime threads must be at least 1, got {threads}")
-        super().__init__(device)
+        super().__init__(str(path), device)
         self.path = Path(path)
         self.threads = threads
         self.optimization = optimization
         self.session = None
 
-    def load(self) -> None:
-        import onnxruntime as ort
+    def _load(self) -> None:
+        self.session = open_session(self.path, self.device, self.optimization, self.threads)
+        inputs = self.session.get_inputs()
+        self._inputs = [i.name for i in inputs]
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self._specs = {i.name: InputSpec(rank=len(i.shape), floating="float" in i.type) for i in inputs}
 
-        check_onnx_file(self.path)
-        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-        options = ort.SessionOptions()
-        options.graph_optimization_level = levels[self.optimization]
-        options.log_severity_level = 3  # errors only: ORT's warnings go to stderr and would break our output
-        if self.threads is not None:
-            options.intra_op_num_threads = self.threads
-        providers = ["CPUExecutionProvider"]
-        if self.device == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise TaperfoldError("--device cuda: this onnxruntime build has no CUDA execution provider "
-                                     "(install onnxruntime-gpu)")
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        try:
-            session = ort.InferenceSession(str(self.path), sess_options=options, providers=providers)
-        except _ort_errors() as e:
-            raise TaperfoldError(f"{self.path}: onnxruntime cannot load the model ({_first_line(e)})") from None
-        # ORT falls back to CPU with only a log line when the CUDA libraries or the GPU are missing.
-        if self.device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-            raise TaperfoldError(f"{self.path}: onnxruntime could not start its CUDA execution provider "
-                                 "(no GPU, or CUDA/cuDNN libraries missing)")
-        self.session = session
-
-    def _require_session(self):
-        if self.session is None:
-            raise TaperfoldError(f"{self.path}: runner used before load()")
-        return self.session
-
-    @property
-    def input_names(self) -> list[str]:
-        return [i.name for i in self._require_session().get_inputs()]
-
-    @property
-    def output_names(self) -> list[str]:
-        return [o.name for o in self._require_session().get_outputs()]
-
-    def prepare(self, feeds: dict[str, np.ndarray]) -> Any:
-        session = self._require_session()
-        missing = [n for n in self.input_names if n not in feeds]
-        unknown = [n for n in feeds if n not in self.input_names]
-        if missing or unknown:
-            raise TaperfoldError(f"{self.path}: inputs do not match the model (missing {missing}, unknown {unknown})")
+    def _prepare(self, feeds: dict[str, np.ndarray]) -> Any:
         import onnxruntime as ort
 
         if self.device == "cpu":
             return {name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
                     for name, value in feeds.items()}
-        # Inputs are copied to the GPU once here; outputs stay on the device, so timing sees no copies.
-        # OrtValues this runner returned (a KV cache fed back while decoding) are already there: bound as is.
-        binding = session.io_binding()
-        device_inputs = {name: value if isinstance(value, ort.OrtValue)
-                         else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), "cuda", 0)
-                         for name, value in feeds.items()}
-        for name, value in device_inputs.items():
-            binding.bind_ortvalue_input(name, value)
-        for name in self.output_names:
-            binding.bind_output(name, "cuda", 0)
-        return _Bound(binding, device_inputs)
+        return bind_on_cuda(self.session, feeds, self._outputs)
 
-    def run(self, prepared: Any) -> dict[str, Any]:
-        session = self._require_session()
+    def _run(self, prepared: Any) -> dict[str, Any]:
         try:
             if self.device == "cpu":
-                return dict(zip(self.output_names, session.run(None, prepared)))
-            session.run_with_iobinding(prepared.binding)
-            return dict(zip(self.output_names, prepared.binding.get_outputs()))
+                return dict(zip(self._outputs, self.session.run(None, prepared)))
+            self.session.run_with_iobinding(prepared.binding)
+            return dict(zip(self._outputs, prepared.binding.get_outputs()))
         except _ort_errors() as e:
-            raise TaperfoldError(f"{self.path}: onnxruntime run failed ({_first_line(e)})") from None
+            raise self.error(f"onnxruntime run failed ({first_line(e)})") from None
 
-    def timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
+    def _timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
         """Wall time around one run. On CUDA, ORT exposes no CUDA events: `run_with_iobinding` returns
         only after the execution provider synchronised its stream, and `synchronize_outputs` makes sure
         of it, so the wall time covers the GPU work and no host/device copies."""
         start = time.perf_counter()
-        outputs = self.run(prepared)
+        outputs = self._run(prepared)
         if self.device == "cuda":
             prepared.binding.synchronize_outputs()
         return outputs, time.perf_counter() - start
@@ -171,13 +156,5 @@ class OrtRunner(Runner):
 
         return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.session = None
-
-
-@dataclass
-class _Bound:
-    """An IOBinding plus the device inputs it points at, kept alive as long as the binding is used."""
-
-    binding: Any
-    device_inputs: dict

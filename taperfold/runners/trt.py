@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from taperfold.errors import TaperfoldError
-from taperfold.runners.base import Runner
+from taperfold.runners.base import InputSpec, Runner
 
 # trt.DataType member name -> torch dtype
 _DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
@@ -36,9 +36,9 @@ class TrtRunner(Runner):
     name = "trt"
 
     def __init__(self, plan_path, device: str = "cuda", cuda_graph: bool = False):
-        from taperfold.trt import require_tensorrt
+        from taperfold.trt_build import require_tensorrt
 
-        super().__init__(device)
+        super().__init__(str(plan_path), device)
         if not str(device).startswith("cuda"):
             raise TaperfoldError(f"TensorRT runs on CUDA devices only, got device {device!r}")
         self._trt = require_tensorrt()  # the same one-line error as `export --trt` when it is missing
@@ -48,7 +48,7 @@ class TrtRunner(Runner):
 
     # ---- life cycle ----
 
-    def load(self) -> None:
+    def _load(self) -> None:
         trt = self._trt
         if not self.plan_path.is_file():
             raise TaperfoldError(f"{self.plan_path}: no such TensorRT engine; build it with `taperfold export --trt`")
@@ -65,6 +65,8 @@ class TrtRunner(Runner):
             self._outputs = [n for n in names if n not in self._inputs]
             self._dtypes = {n: self._torch_dtype(engine.get_tensor_dtype(n)) for n in names}
             self._profile = {n: [tuple(d) for d in engine.get_tensor_profile_shape(n, 0)] for n in self._inputs}
+            self._specs = {n: InputSpec(rank=len(self._profile[n][0]), floating=self._dtypes[n].is_floating_point)
+                           for n in self._inputs}
             # the largest outputs come from the largest inputs: ask the context, then allocate once
             for n in self._inputs:
                 self._check(context.set_input_shape(n, self._profile[n][2]), f"set_input_shape({n!r})")
@@ -76,36 +78,33 @@ class TrtRunner(Runner):
         self._bound = None  # the prepared inputs whose shapes and addresses the context holds
         self._graphs = weakref.WeakKeyDictionary()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         # a graph and a context reference memory of the engine: release them first
         self._graphs = self._bound = self._bound_outputs = None
         self._context = self._engine = self._runtime = self._out_buffers = None
 
     # ---- running ----
 
-    def prepare(self, feeds: dict[str, np.ndarray]) -> _Prepared:
-        self._require_loaded()
-        if sorted(feeds) != sorted(self._inputs):
-            raise TaperfoldError(f"{self.plan_path}: engine inputs are {self._inputs}, got {sorted(feeds)}")
+    def _prepare(self, feeds: dict[str, np.ndarray]) -> _Prepared:
         tensors = {}
         for name, array in feeds.items():
             lo, _, hi = self._profile[name]
             shape = tuple(array.shape)
             if len(shape) != len(lo) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
-                raise TaperfoldError(f"{self.plan_path}: {name} shape {shape} is outside the engine's profile "
-                                     f"(min {lo}, max {hi}); rebuild the engine with a wider profile")
+                raise self.error(f"{name} shape {shape} is outside the engine's profile "
+                                 f"(min {lo}, max {hi}); rebuild the engine with a wider profile")
             tensors[name] = torch.from_numpy(np.ascontiguousarray(array)).to(self._device, self._dtypes[name])
         torch.cuda.synchronize(self._device)
         return _Prepared(tensors)
 
-    def run(self, prepared: _Prepared) -> dict[str, Any]:
+    def _run(self, prepared: _Prepared) -> dict[str, Any]:
         outputs, launch = self._bind(prepared), self._launcher(prepared)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             launch()
         self._stream.synchronize()  # outputs are read on other streams (to_numpy, verify, torch)
         return dict(outputs)
 
-    def timed_run(self, prepared: _Prepared) -> tuple[dict[str, Any], float]:
+    def _timed_run(self, prepared: _Prepared) -> tuple[dict[str, Any], float]:
         # shapes, addresses and graph capture happen before the start event: they are not inference time
         outputs, launch = self._bind(prepared), self._launcher(prepared)
         start, end = self._events
@@ -125,7 +124,6 @@ class TrtRunner(Runner):
 
     def _bind(self, prepared: _Prepared) -> dict:
         """Set input shapes and every IO tensor's address for `prepared`; return the output views."""
-        self._require_loaded()
         if self._bound is prepared:
             return self._bound_outputs
         ctx = self._context
@@ -170,8 +168,4 @@ class TrtRunner(Runner):
 
     def _check(self, ok, call: str) -> None:
         if ok is False:  # the bindings return False, not raise, when TensorRT rejects a call
-            raise TaperfoldError(f"{self.plan_path}: TensorRT {call} failed (its log above says why)")
-
-    def _require_loaded(self) -> None:
-        if self._engine is None:
-            raise TaperfoldError(f"{self.plan_path}: TrtRunner.load() was not called")
+            raise self.error(f"TensorRT {call} failed (its log above says why)")

@@ -15,15 +15,12 @@ from pathlib import Path
 from typing import Callable
 
 from taperfold.errors import TaperfoldError
-from taperfold.export import read_manifest
-from taperfold.fsutil import atomic_path, write_json_atomic
+from taperfold.exportdir import ENGINE_ARTIFACT, INPUT, PLAN_FILES, Manifest, canonical_variant, read_manifest
+from taperfold.fsutil import atomic_path
 
 NOT_INSTALLED = "tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU"
 NO_GPU = "no CUDA GPU found: TensorRT engines need an NVIDIA GPU"
-PLANS = {"folded": "model.plan", "unfolded": "unfolded.plan", "baseline": "baseline.plan"}
 TIMING_CACHE = "trt.timing-cache"
-MANIFEST = "manifest.json"
-INPUT = "input_ids"
 
 
 # ---- profile (pure Python) ---------------------------------------------------------------------------
@@ -185,12 +182,12 @@ def build_engine(onnx_path, plan_path, profile: Profile, timing_cache=None,
             "build_seconds": round(seconds, 3), "timing_cache": timing_cache.name if timing_cache is not None else None}
 
 
-def _resolve_profile(manifest: dict, profile: Profile | None) -> Profile:
+def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
     """The given profile, else the one earlier engines in this folder used (so that every variant the
     benchmark compares was built for the same shapes), else the defaults."""
-    max_seq_len = manifest["config"]["max_seq_len"]
+    max_seq_len = manifest.data["config"]["max_seq_len"]
     if profile is None:
-        earlier = [e["profile"] for e in (manifest.get("engines") or {}).values()]
+        earlier = [e["profile"] for e in manifest.engines.values()]
         profile = Profile.from_dict(earlier[0]) if earlier else make_profile(max_seq_len)
     if profile.sequence[2] > max_seq_len:
         raise TaperfoldError(f"sequence: max {profile.sequence[2]} exceeds the model's max_seq_len {max_seq_len}")
@@ -199,7 +196,7 @@ def _resolve_profile(manifest: dict, profile: Profile | None) -> Profile:
 
 def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | None = None,
                             on_stage: Callable[[str], None] = lambda s: None) -> dict:
-    """Build the engines of `variants` from an export folder, record them in manifest.json and return it.
+    """Build the engines of `variants` from an export folder, record them in manifest.json and return its data.
 
     `manifest["engines"][variant]` holds each engine's metadata; `manifest["artifacts"]["engine"]` points at
     model.plan (the folded model), as the other artifacts point at their ONNX files. One timing cache file
@@ -209,37 +206,25 @@ def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | No
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
     profile = _resolve_profile(manifest, profile)
-    engines = dict(manifest.get("engines") or {})
+    engines = dict(manifest.engines)
     for variant in variants:
-        artifact = manifest["artifacts"].get(variant)
-        if variant not in PLANS or artifact is None:
-            known = ", ".join(v for v in PLANS if v in manifest["artifacts"])
-            raise TaperfoldError(f"{out_dir / MANIFEST}: no ONNX model for variant {variant!r} (engines can be "
+        if variant not in PLAN_FILES or not manifest.has_artifact(variant):
+            known = ", ".join(v for v in PLAN_FILES if manifest.has_artifact(v))
+            raise TaperfoldError(f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be "
                                  f"built for: {known})")
-        engines[variant] = build_engine(out_dir / artifact["path"], out_dir / PLANS[variant], profile,
+        engines[variant] = build_engine(manifest.artifact(variant), out_dir / PLAN_FILES[variant], profile,
                                         timing_cache=out_dir / TIMING_CACHE, on_stage=on_stage)
-        engines[variant]["dtype"] = manifest["export"]["dtype"]
-    manifest["engines"] = engines
+        engines[variant]["dtype"] = manifest.dtype
+    manifest.data["engines"] = engines
     if "folded" in engines:
-        manifest["artifacts"]["engine"] = {"path": engines["folded"]["path"], "bytes": engines["folded"]["bytes"],
-                                           "external_data": None, "external_data_bytes": 0,
-                                           "variant": "folded", "format": "tensorrt-plan"}
-    write_json_atomic(out_dir / MANIFEST, manifest)
-    return manifest
+        manifest.artifacts[ENGINE_ARTIFACT] = {"path": engines["folded"]["path"], "bytes": engines["folded"]["bytes"],
+                                               "external_data": None, "external_data_bytes": 0,
+                                               "variant": "folded", "format": "tensorrt-plan"}
+    manifest.write()
+    return manifest.data
 
 
-# ---- lookups for bench and verify --------------------------------------------------------------------
-
-
-def plan_path_for(out_dir, variant: str = "folded") -> Path:
-    """Path of the engine built for `variant`, or a TaperfoldError saying how to build it."""
-    out_dir = Path(out_dir)
-    engine = (read_manifest(out_dir).get("engines") or {}).get(variant)
-    path = out_dir / engine["path"] if engine else None
-    if path is None or not path.is_file():
-        raise TaperfoldError(f"{out_dir}: no TensorRT engine for {variant!r}; build it with "
-                             f"`taperfold export CKPT --trt -o {out_dir}` (bench builds the others on demand)")
-    return path
+# ---- engines for bench and verify --------------------------------------------------------------------
 
 
 def ensure_engines(out_dir, variants, profile: Profile | None = None,
@@ -250,7 +235,8 @@ def ensure_engines(out_dir, variants, profile: Profile | None = None,
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
     profile = _resolve_profile(manifest, profile)
-    engines = manifest.get("engines") or {}
+    engines = manifest.engines
+    variants = [canonical_variant(v) for v in variants]
 
     def fresh(v):
         e = engines.get(v)
@@ -260,4 +246,4 @@ def ensure_engines(out_dir, variants, profile: Profile | None = None,
     stale = [v for v in variants if not fresh(v)]
     if stale:
         build_engine_for_export(out_dir, variants=stale, profile=profile, on_stage=on_stage)
-    return {v: out_dir / PLANS[v] for v in variants}
+    return {v: out_dir / PLAN_FILES[v] for v in variants}

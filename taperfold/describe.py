@@ -5,13 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from taperfold.checkpoint import Checkpoint
-from taperfold.models import consumers_of_norms, num_parameters
+from taperfold.families import family
+from taperfold.models import num_parameters
 from taperfold.nn import TaperLN, TaperNorm
 
 
 def describe_checkpoint(ckpt: Checkpoint) -> dict:
     model = ckpt.build()
-    readers = consumers_of_norms(model)
+    readers = family(ckpt.config.arch).norm_readers(ckpt.config)
     norms = []
     for name, module in model.named_modules():
         if isinstance(module, (TaperNorm, TaperLN)):

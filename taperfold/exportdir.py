@@ -1,0 +1,245 @@
+"""The export directory's contract: what `taperfold export` writes and everything else reads.
+
+    DIR/manifest.json          what was exported, from which checkpoint, with which options (format_version 1)
+    DIR/baseline.onnx          ordinary RMSNorm / LayerNorm: the benchmark's reference
+    DIR/unfolded.onnx          tapered norms at g = 0 as explicit constant multiplies
+    DIR/model.onnx             those constants folded into their readers (the "folded" variant)
+    DIR/*.decoder.onnx         KV-cached decoders of each variant (`export --kv-cache`)
+    DIR/*.plan                 TensorRT engines (`export --trt`, or built by `bench --engine trt`)
+    DIR/*.onnx.data            each graph's weights (external data)
+
+Variant names are `baseline`, `unfolded` and `folded`; `unfused` (the paper's word) is accepted wherever a
+user types a variant. Other modules ask this one for file names, dtypes, decoder tensor names and
+artifact paths instead of spelling them out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from taperfold.errors import TaperfoldError
+from taperfold.fsutil import read_json_object, write_json_atomic
+
+MANIFEST = "manifest.json"
+FORMAT = "taperfold-export"
+FORMAT_VERSION = 1
+
+VARIANTS = ("baseline", "unfolded", "folded")
+ALIASES = {"unfused": "unfolded"}
+ONNX_FILES = {"baseline": "baseline.onnx", "unfolded": "unfolded.onnx", "folded": "model.onnx"}
+PLAN_FILES = {"baseline": "baseline.plan", "unfolded": "unfolded.plan", "folded": "model.plan"}
+ENGINE_ARTIFACT = "engine"  # artifacts.engine: the folded model's TensorRT plan
+
+DTYPES = ("fp32", "fp16", "bf16")
+LOGITS = ("last", "all")
+
+INPUT = "input_ids"
+OUTPUT = "logits"
+
+
+def canonical_variant(name: str) -> str:
+    """`name` as the report and the manifest spell it; `unfused` is the paper's word for `unfolded`."""
+    name = ALIASES.get(name, name)
+    if name not in VARIANTS:
+        choices = ", ".join([*VARIANTS, *(f"{a} (= {v})" for a, v in ALIASES.items())])
+        raise TaperfoldError(f"unknown variant {name!r}; choose from {choices}")
+    return name
+
+
+def canonical_variants(names: list[str]) -> list[str]:
+    """Canonical names of `names`, in order, without repeats; one error listing every unknown name."""
+    unknown = [n for n in names if n not in VARIANTS and n not in ALIASES]
+    if not names or unknown:
+        aliases = ", ".join(f"{a} (= {v})" for a, v in ALIASES.items())
+        raise TaperfoldError(f"unknown {unknown or names}; choose from {', '.join(VARIANTS)}, or {aliases}")
+    return list(dict.fromkeys(ALIASES.get(n, n) for n in names))
+
+
+def artifact_key(variant: str, decoder: bool = False) -> str:
+    """The key of `variant`'s graph in manifest.json's `artifacts`: `folded`, `unfolded.decoder`, ..."""
+    return canonical_variant(variant) + (".decoder" if decoder else "")
+
+
+def onnx_file(variant: str, decoder: bool = False) -> str:
+    """`model.onnx`, `unfolded.decoder.onnx`, ...: the file name export writes for a variant."""
+    stem = ONNX_FILES[canonical_variant(variant)].removesuffix(".onnx")
+    return f"{stem}.decoder.onnx" if decoder else f"{stem}.onnx"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def numpy_dtype(name: str):
+    """The numpy type of `name`; bf16 has none (numpy has no bfloat16), so feeding it raises a TaperfoldError."""
+    import numpy as np
+
+    if name == "bf16":
+        raise TaperfoldError("numpy has no bfloat16: bf16 tensors cannot be fed from the host")
+    return {"fp32": np.float32, "fp16": np.float16}[name]
+
+
+def decoder_io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names of a KV-cached decoder, as optimum and onnxruntime-genai name them."""
+    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    return [INPUT, *past], [OUTPUT, *present]
+
+
+# ---- manifest.json -----------------------------------------------------------------------------------
+
+
+# Keys every format_version 1 manifest has (dotted paths); others are optional.
+_REQUIRED = ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
+             "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path")
+
+
+@dataclass
+class Manifest:
+    """manifest.json of one export directory. `data` is the JSON object itself (kept whole, so keys this
+    class does not model survive a rewrite); the fields are the parts other modules read."""
+
+    directory: Path
+    data: dict
+    checkpoint: Path = field(init=False)
+    checkpoint_sha256: str = field(init=False)
+    gate: float = field(init=False)
+    forced_gate0: bool = field(init=False)
+    logits: str = field(init=False)
+    dtype: str = field(init=False)
+
+    def __post_init__(self):
+        self.checkpoint = Path(self.data["checkpoint"]["path"])
+        self.checkpoint_sha256 = str(self.data["checkpoint"]["sha256"])
+        self.gate = self.data["gate"]
+        self.forced_gate0 = bool(self.data["forced_gate0"])
+        self.logits = self.data["export"]["logits"]
+        self.dtype = self.data["export"]["dtype"]
+
+    @property
+    def path(self) -> Path:
+        return self.directory / MANIFEST
+
+    @property
+    def artifacts(self) -> dict:
+        return self.data["artifacts"]
+
+    @property
+    def engines(self) -> dict:
+        """TensorRT engines built in this directory: variant -> build metadata (path, profile, tensorrt...)."""
+        return self.data.get("engines") or {}
+
+    def config(self):
+        from taperfold.models import ModelConfig
+
+        try:
+            return ModelConfig.from_dict(self.data["config"])
+        except (TypeError, ValueError) as e:
+            raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
+
+    def has_artifact(self, variant: str, decoder: bool = False) -> bool:
+        return artifact_key(variant, decoder) in self.artifacts
+
+    def artifact(self, variant: str, decoder: bool = False) -> Path:
+        """Path of `variant`'s graph (its decoder with `decoder=True`); a one-line error naming manifest.json
+        and the key when the manifest does not list it, or the file it lists is gone."""
+        key = artifact_key(variant, decoder)
+        return self._file(key, "re-export with --kv-cache" if decoder else None)
+
+    def engine_plan(self, variant: str = "folded") -> Path:
+        """Path of the TensorRT engine built for `variant`."""
+        entry = self.engines.get(canonical_variant(variant))
+        path = self.directory / entry["path"] if isinstance(entry, dict) and "path" in entry else None
+        if path is None or not path.is_file():
+            raise TaperfoldError(f"{self.directory}: no TensorRT engine for {variant!r}; build it with "
+                                 f"`taperfold export CKPT --trt -o {self.directory}` (bench builds the others on "
+                                 "demand)")
+        return path
+
+    def _file(self, key: str, hint: str | None) -> Path:
+        entry = self.artifacts.get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}.path'" + (f": {hint}" if hint else ""))
+        path = self.directory / entry["path"]
+        if not path.is_file():
+            raise TaperfoldError(f"{path}: missing ({MANIFEST} lists it as artifacts.{key})")
+        return path
+
+    def write(self) -> None:
+        write_json_atomic(self.path, self.data)
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` holds a taperfold export, which a new export may replace whole."""
+    try:
+        return read_json_object(path / MANIFEST).get("format") == FORMAT
+    except TaperfoldError:
+        return False
+
+
+def read_manifest(export_dir: str | Path) -> Manifest:
+    """Read and check DIR/manifest.json; every problem is one line naming the file and the key."""
+    export_dir = Path(export_dir)
+    if not export_dir.exists():
+        raise TaperfoldError(f"{export_dir}: no such directory (run `taperfold export` first)")
+    if not export_dir.is_dir():
+        raise TaperfoldError(f"{export_dir}: not a directory; pass the folder `taperfold export` wrote")
+    path = export_dir / MANIFEST
+    if not path.is_file():
+        raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
+    data = read_json_object(path)
+    if data.get("format") != FORMAT:
+        raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not '{FORMAT}')")
+    for key in _REQUIRED:
+        node = data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise TaperfoldError(f"{path}: missing key '{key}'")
+            node = node[part]
+    logits, dtype = data["export"]["logits"], data["export"]["dtype"]
+    if logits not in LOGITS:
+        raise TaperfoldError(f"{path}: key 'export.logits' must be 'last' or 'all', got {logits!r}")
+    if dtype not in DTYPES:
+        raise TaperfoldError(f"{path}: key 'export.dtype' must be fp32, fp16 or bf16, got {dtype!r}")
+    return Manifest(export_dir, data)
+
+
+def describe_artifacts(folder: Path) -> dict:
+    """The `artifacts` entry of a manifest: every ONNX graph in `folder`, keyed by variant."""
+    variant_of = {stem: variant for variant, name in ONNX_FILES.items() for stem in [name.removesuffix(".onnx")]}
+    out = {}
+    for path in sorted(folder.glob("*.onnx")):
+        stem, _, decoder = path.name.removesuffix(".onnx").partition(".")
+        if stem not in variant_of:
+            continue
+        data = path.with_name(path.name + ".data")
+        out[variant_of[stem] + (f".{decoder}" if decoder else "")] = {
+            "path": path.name, "bytes": path.stat().st_size, "external_data": data.name if data.exists() else None,
+            "external_data_bytes": data.stat().st_size if data.exists() else 0}
+    return out
+
+
+def new_manifest(*, checkpoint: dict, config: dict, gate: float, forced_gate0: bool, export: dict, versions: dict,
+                 artifacts: dict, fold_report: dict | None, decoder_fold_report: dict | None,
+                 timings: dict) -> dict:
+    """A format_version 1 manifest object (docs/design.md lists its keys)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": checkpoint,
+        "config": config,
+        "gate": gate,
+        "exported_gate": 0.0,
+        "forced_gate0": forced_gate0,
+        "export": export,
+        "versions": versions,
+        "artifacts": artifacts,
+        "fold_report": fold_report,
+        "decoder_fold_report": decoder_fold_report,
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
