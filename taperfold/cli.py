@@ -411,10 +411,11 @@ def demo(ctx, out_dir, steps):
          dict(export_dir=str(export_dir), engine="ort", mode="decode", batches="1", prompt=32, new_tokens=32,
               warmup=2, iters=4, threads=1)),
     ]
+    rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
     for title, command, kwargs in stages:
-        out.print(Rule(title))
+        out.print(Rule(title), width=rule_width)
         ctx.invoke(command, **kwargs)
-    out.print(Rule())
+    out.print(Rule(), width=rule_width)
     written = ", ".join(sorted(p.name for p in export_dir.glob("*.json")))
     out.print(f"done: checkpoint {ckpt}, export {export_dir} ({written})")
 
