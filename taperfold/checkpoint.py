@@ -103,6 +103,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise TaperfoldError(f"{path}: no such file or directory")
+    from taperfold.hf.directory import is_hf_directory, load_hf_directory
+
+    if is_hf_directory(path):  # a transformers save_pretrained directory (taperfold.hf)
+        return load_hf_directory(path)
     if path.is_dir():
         header, tensors = _read_directory(path)
     elif path.suffix == ".safetensors":

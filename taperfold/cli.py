@@ -97,8 +97,11 @@ def fold_command(src: str, dst: str, report_path: str | None, as_json: bool) -> 
               help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.")
 @click.option("-o", "--output", "--out", "out", type=click.Path(), required=True, cls=AliasedOption, aliases=("--out",),
               help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.")
+@click.option("--from", "source", type=click.Path(), metavar="HF_DIR",
+              help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
+                   "--preset are ignored); --out is then a tapered Hugging Face directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, as_json):
+def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
     from taperfold.checkpoint import checkpoint_output, save_checkpoint
     from taperfold.fsutil import check_outputs
@@ -106,9 +109,12 @@ def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, as_j
     from taperfold.train import TrainOptions, train as run_training
     from taperfold.ui import train_progress
 
-    check_outputs([checkpoint_output(out, "-o")], inputs=data)
-    cfg = preset_config(preset, arch=arch, taper=taper, aux=aux)
+    check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
     opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    if source:
+        from taperfold.hf.cli import train_from
+        return train_from(source, out, taper, aux, opts, [Path(d) for d in data] or None, as_json)
+    cfg = preset_config(preset, arch=arch, taper=taper, aux=aux)
     with train_progress(steps, quiet=as_json) as on_step:
         result = run_training(cfg, opts, [Path(d) for d in data] or None, on_step=on_step)
     save_checkpoint(result.checkpoint, out)
@@ -153,7 +159,11 @@ def inspect(checkpoint, as_json):
 @click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
               help="last: logits of the final position only (the paper's benchmark mode).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--opset", type=click.IntRange(18, 23), default=20, show_default=True)
+@click.option("--target", type=click.Choice(["ort", "trt"]),
+              help="What runs the graphs: ONNX Runtime or TensorRT; picks each graph's opset and the baseline's "
+                   "norm form (docs/opsets.md).  [default: trt with --trt, else ort]")
+@click.option("--opset", type=click.IntRange(18, 23),
+              help="One opset for every graph, instead of the per-graph table (docs/opsets.md).")
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
@@ -162,7 +172,7 @@ def inspect(checkpoint, as_json):
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset, kv_cache, force_gate0, baseline,
+def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
            trt_batch, trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
@@ -178,8 +188,8 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset
         from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
-    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, kv_cache=kv_cache, force_gate0=force_gate0,
-                         baseline=baseline)
+    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
+                         kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline)
     with stage_status(quiet=as_json) as show_stage:
         def on_stage(name: str) -> None:
             interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
@@ -199,9 +209,12 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, opset
 
 _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported from; write DIR/verify.json.
 
-    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), and
-    checkpoint -> engine when a TensorRT plan exists. Inputs: seeded random tokens, batch 1 and 4 by
-    sequence 1, 16 and the model's longest, unless --tokens or --text is given.
+    Pairs: checkpoint -> unfolded, checkpoint -> folded, unfolded -> folded (the fold alone), the
+    plain-norm torch model -> baseline and baseline-decomposed, baseline-decomposed -> baseline (the
+    fused norm), checkpoint -> engine when a TensorRT plan exists, and every *.decoder.onnx against
+    its torch model (a prompt with an empty past, then KV-cached steps). Inputs: seeded random tokens,
+    batch 1 and 4 by sequence 1, 16 and the model's longest (far from the traced shape), unless
+    --tokens or --text is given.
 
     \b
     Default tolerances (export dtype, pair):
@@ -282,7 +295,8 @@ def _engine_options(command):
 @click.option("--engine", type=click.Choice(list(ENGINES)),
               help="Default: ort with DIR, torch with --checkpoint or --preset.")
 @click.option("--variants", default=",".join(VARIANTS), show_default=True,
-              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded.")
+              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded, and baseline-decomposed "
+                   "(the norm as plain ops; speedups are always against baseline).")
 @click.option("--batch", "batches", default="1,4", show_default=True)
 @click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,

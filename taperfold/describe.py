@@ -11,6 +11,10 @@ from taperfold.nn import TaperLN, TaperNorm
 
 
 def describe_checkpoint(ckpt: Checkpoint) -> dict:
+    if not isinstance(ckpt, Checkpoint):  # a Hugging Face directory (taperfold.hf)
+        from taperfold.hf.describe import describe_hf
+
+        return describe_hf(ckpt)
     model = ckpt.build()
     readers = family(ckpt.config.arch).norm_readers(ckpt.config)
     norms = []

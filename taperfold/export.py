@@ -4,7 +4,12 @@ The tapered model is exported once at g = 0 with the torch dynamo exporter; its 
 tapered norm as plain ops (`Mul` by c, `Mul` by γ̃; LN adds mean subtraction and `Add` β) tagged with
 the module path in the node metadata. That graph is written as `unfolded.onnx`, then the passes in
 `taperfold.passes` fold the norms into their readers and the result is written as `model.onnx`.
-`baseline.onnx` is the same architecture with ordinary RMSNorm / LayerNorm: the benchmark's reference.
+`baseline.onnx` is the same architecture with ordinary RMSNorm / LayerNorm in the fastest form the
+target runs (one fused norm op: the benchmark's reference); `baseline.decomposed.onnx` keeps RMSNorm as
+the plain ops hand-written norms export to (docs/opsets.md).
+
+Each graph's opset comes from `taperfold.opsets` (per graph: prefill or decoder; per target: ONNX
+Runtime or TensorRT) unless `--opset` overrides it; the manifest records the choice per artifact.
 
 With `kv_cache=True` each variant also gets a KV-cached decoder (`*.decoder.onnx`), with the tensor
 names optimum and onnxruntime-genai use: inputs `input_ids`, `past_key_values.{i}.key|value`,
@@ -31,14 +36,22 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
 from taperfold.fsutil import atomic_dir, sha256_file, write_json_atomic
 from taperfold.models import CausalLM
+from taperfold.opsets import OpsetChoice, choose_opset, fuses_norms
 from taperfold.variants import baseline_of
+
+
+# The example inputs the exporter traces with: (batch, sequence), and the decoders' past length. The graphs
+# are dynamic in all three; verify runs them on shapes far from these (verify.random_inputs, verify.decode_cases).
+TRACE_SHAPE = (2, 8)
+TRACE_PAST = 5
 
 
 @dataclass
 class ExportOptions:
     logits: str = "last"  # "last": [batch, vocab] (the paper's benchmark mode) | "all": [batch, seq, vocab]
     dtype: str = "fp32"
-    opset: int = 20
+    opset: int | None = None  # None: per graph and target from taperfold.opsets.TABLE
+    target: str = "ort"  # "ort" (ONNX Runtime) | "trt" (TensorRT's ONNX parser): decides opsets and norm fusion
     kv_cache: bool = False
     force_gate0: bool = False
     baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
@@ -78,15 +91,17 @@ def _quiet():
             logger.setLevel(level)
 
 
-def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False):
-    """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes."""
+def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False, opset: int | None = None):
+    """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
+    one `opts` chooses for this graph)."""
+    opset = opset or choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset).opset
     cfg = model.cfg
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
-    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    ids = torch.randint(0, cfg.vocab_size, TRACE_SHAPE)
     if decoder:
         past_len = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
-        kv = torch.zeros(2, cfg.kv_heads, 5, cfg.head_dim, dtype=torch_dtype(opts.dtype))
+        kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, TRACE_PAST, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers)
         module, args = _Decoder(model), (ids, past)
@@ -98,7 +113,7 @@ def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False):
         shapes = {INPUT: {0: batch, 1: seq}, OUTPUT: None}
     with _quiet():
         try:
-            program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opts.opset,
+            program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                                         optimize=True, verbose=False)
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
@@ -113,6 +128,13 @@ def _save(model_ir, path: Path) -> None:
     ir.save(model_ir, path, external_data=path.name + ".data")
 
 
+def _load(path: Path):
+    """A graph just written, its weights read lazily."""
+    import onnx_ir as ir
+
+    return ir.load(path)
+
+
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
                       on_stage=lambda name: None) -> ExportResult:
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
@@ -122,7 +144,14 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
+    choose_opset(opts.target, "prefill", opts.opset)  # a bad --target or --opset fails before any work
     ckpt_path = Path(ckpt_path)
+    from taperfold.hf.directory import is_hf_directory
+
+    if is_hf_directory(ckpt_path):  # exported with transformers' own modeling code
+        from taperfold.hf.export import export_hf_directory
+
+        return export_hf_directory(ckpt_path, out_dir, opts, on_stage)
     ckpt = load_checkpoint(ckpt_path)
     _check_gate(ckpt, opts)
     tapered = ckpt.build(gate=0.0).to(torch_dtype(opts.dtype))
@@ -130,31 +159,93 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     out_dir = Path(out_dir)
     timings = {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0}
     reports = {}
+    graphs = {}  # artifact key -> what the manifest says about that graph (opset, norm ops)
     with atomic_dir(out_dir) as tmp:
         # (variant, model) pairs; the folded graphs are the unfolded ones after the passes
         sources = [("baseline", baseline), ("unfolded", tapered)] if opts.baseline else [("unfolded", tapered)]
         for decoder in (False, True) if opts.kv_cache else (False,):
+            choice = choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset)
             for variant, model in sources:
                 name = exportdir.artifact_key(variant, decoder)
-                on_stage(f"exporting {name}")
+                on_stage(f"exporting {name} (opset {choice.opset})")
                 t0 = time.perf_counter()
-                model_ir = export_to_ir(model, opts, decoder)
+                model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
                 timings["torch_export_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                _save(model_ir, tmp / onnx_file(variant, decoder))
-                timings["write_s"] += time.perf_counter() - t0
-                if variant == "unfolded":
-                    on_stage(f"folding {name}")
-                    t0 = time.perf_counter()
-                    reports[name] = fold_model(model_ir).to_dict()
-                    timings["passes_s"] += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    _save(model_ir, tmp / onnx_file("folded", decoder))
+                if variant == "baseline":
+                    _write_baselines(model_ir, tmp, decoder, choice, opts.target, model.cfg.norm_kind, graphs)
                     timings["write_s"] += time.perf_counter() - t0
+                    continue
+                # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
+                # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
+                staged = tmp / ("." + onnx_file(variant, decoder))
+                _save(model_ir, staged)
+                timings["write_s"] += time.perf_counter() - t0
+                on_stage(f"folding {name}")
+                t0 = time.perf_counter()
+                reports[name] = fold_model(model_ir).to_dict()
+                timings["passes_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
+                    fused = _fuse(graph_ir, opts.target)
+                    graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
+                    _save(graph_ir, tmp / onnx_file(written, decoder))
+                for path in (staged, staged.with_name(staged.name + ".data")):
+                    path.unlink()
+                timings["write_s"] += time.perf_counter() - t0
         on_stage("writing manifest")
-        manifest = _manifest(ckpt, ckpt_path, opts, tmp, reports, timings)
+        manifest = _manifest(ckpt, ckpt_path, opts, tmp, reports, timings, graphs)
         write_json_atomic(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, timings)
+
+
+NORM_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization")
+
+
+def _fuse(model_ir, target: str) -> int:
+    """Fuse decomposed RMSNorms into one op for ONNX Runtime; the number fused (0 for TensorRT)."""
+    from taperfold.passes.fuse_norm import fuse_rms_norms
+
+    return fuse_rms_norms(model_ir) if fuses_norms(target) else 0
+
+
+def _graph_info(model_ir, choice: OpsetChoice, fused: int) -> dict:
+    """The manifest's words on one graph: its opset and why, and the norm ops it runs."""
+    ops = {op: sum(1 for n in model_ir.graph if n.op_type == op and n.domain == "") for op in NORM_OPS}
+    return {**choice.to_dict(), "norm_ops": {k: v for k, v in ops.items() if v},
+            "norms_fused_by_taperfold": fused}
+
+
+def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, norm_kind: str,
+                     graphs: dict) -> None:
+    """baseline.onnx in its fused form and, for RMSNorm, baseline.decomposed.onnx with the plain ops.
+
+    Below opset 23 the export is the decomposed form, fused afterwards (for ONNX Runtime; TensorRT's parser
+    takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused
+    it, and the decomposed file is the fused graph expanded back (passes/fuse_norm.py).
+    """
+    from taperfold.passes.fuse_norm import expand_rms_norms
+
+    key, decomposed_key = (exportdir.artifact_key(v, decoder) for v in ("baseline", exportdir.DECOMPOSED_BASELINE))
+    if norm_kind != "rms":  # LayerNorm exports as LayerNormalization at every opset: nothing to fuse
+        graphs[key] = _graph_info(model_ir, choice, 0)
+        _save(model_ir, folder / onnx_file("baseline", decoder))
+        return
+    if choice.opset >= 23:
+        graphs[key] = _graph_info(model_ir, choice, 0)
+        _save(model_ir, folder / onnx_file("baseline", decoder))
+        expand_rms_norms(model_ir)
+        graphs[decomposed_key] = _graph_info(model_ir, choice, 0)
+        _save(model_ir, folder / onnx_file(exportdir.DECOMPOSED_BASELINE, decoder))
+        return
+    if not fuses_norms(target):
+        graphs[key] = _graph_info(model_ir, choice, 0)
+        _save(model_ir, folder / onnx_file("baseline", decoder))
+        return
+    graphs[decomposed_key] = _graph_info(model_ir, choice, 0)
+    _save(model_ir, folder / onnx_file(exportdir.DECOMPOSED_BASELINE, decoder))
+    graphs[key] = _graph_info(model_ir, choice, _fuse(model_ir, target))
+    _save(model_ir, folder / onnx_file("baseline", decoder))
 
 
 def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
@@ -167,13 +258,17 @@ def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
 
 
 def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Path, reports: dict,
-              timings: dict) -> dict:
+              timings: dict, graphs: dict) -> dict:
+    artifacts = exportdir.describe_artifacts(folder)
+    for key, info in graphs.items():
+        artifacts[key].update(info)
     return exportdir.new_manifest(
         checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": ckpt.step},
         config=ckpt.config.to_dict(), gate=ckpt.gate, forced_gate0=ckpt.gate != 0.0 and ckpt.config.taper != "none",
-        export={"logits": opts.logits, "dtype": opts.dtype, "opset": opts.opset, "kv_cache": opts.kv_cache,
-                "inputs": [INPUT], "outputs": [OUTPUT]},
-        versions=package_versions(), artifacts=exportdir.describe_artifacts(folder),
+        export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
+                "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
+                "kv_cache": opts.kv_cache, "inputs": [INPUT], "outputs": [OUTPUT]},
+        versions=package_versions(), artifacts=artifacts,
         fold_report=reports.get("unfolded"), decoder_fold_report=reports.get("unfolded.decoder"), timings=timings)
 
 

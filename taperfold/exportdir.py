@@ -1,15 +1,17 @@
 """The export directory's contract: what `taperfold export` writes and everything else reads.
 
     DIR/manifest.json          what was exported, from which checkpoint, with which options (format_version 1)
-    DIR/baseline.onnx          ordinary RMSNorm / LayerNorm: the benchmark's reference
+    DIR/baseline.onnx          ordinary RMSNorm / LayerNorm in its fused form: the benchmark's reference
+    DIR/baseline.decomposed.onnx  the same RMSNorm as plain ops (what hand-written norms export to)
     DIR/unfolded.onnx          tapered norms at g = 0 as explicit constant multiplies
     DIR/model.onnx             those constants folded into their readers (the "folded" variant)
     DIR/*.decoder.onnx         KV-cached decoders of each variant (`export --kv-cache`)
     DIR/*.plan                 TensorRT engines (`export --trt`, or built by `bench --engine trt`)
     DIR/*.onnx.data            each graph's weights (external data)
 
-Variant names are `baseline`, `unfolded` and `folded`; `unfused` (the paper's word) is accepted wherever a
-user types a variant. Other modules ask this one for file names, dtypes, decoder tensor names and
+Variant names are `baseline`, `unfolded` and `folded` (bench's default set), and `baseline-decomposed`
+(RMS families; reported apart, speedups are always against `baseline`); `unfused` (the paper's word) is
+accepted wherever a user types a variant. Other modules ask this one for file names, dtypes, decoder tensor names and
 artifact paths instead of spelling them out.
 """
 
@@ -26,10 +28,14 @@ MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
 FORMAT_VERSION = 1
 
-VARIANTS = ("baseline", "unfolded", "folded")
+VARIANTS = ("baseline", "unfolded", "folded")  # the default set of bench and verify
+DECOMPOSED_BASELINE = "baseline-decomposed"  # the baseline's norm as plain ops: a weaker reference, reported apart
+ALL_VARIANTS = (*VARIANTS, DECOMPOSED_BASELINE)
 ALIASES = {"unfused": "unfolded"}
-ONNX_FILES = {"baseline": "baseline.onnx", "unfolded": "unfolded.onnx", "folded": "model.onnx"}
-PLAN_FILES = {"baseline": "baseline.plan", "unfolded": "unfolded.plan", "folded": "model.plan"}
+ONNX_FILES = {"baseline": "baseline.onnx", "unfolded": "unfolded.onnx", "folded": "model.onnx",
+              DECOMPOSED_BASELINE: "baseline.decomposed.onnx"}
+PLAN_FILES = {"baseline": "baseline.plan", "unfolded": "unfolded.plan", "folded": "model.plan",
+              DECOMPOSED_BASELINE: "baseline.decomposed.plan"}
 ENGINE_ARTIFACT = "engine"  # artifacts.engine: the folded model's TensorRT plan
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -42,18 +48,18 @@ OUTPUT = "logits"
 def canonical_variant(name: str) -> str:
     """`name` as the report and the manifest spell it; `unfused` is the paper's word for `unfolded`."""
     name = ALIASES.get(name, name)
-    if name not in VARIANTS:
-        choices = ", ".join([*VARIANTS, *(f"{a} (= {v})" for a, v in ALIASES.items())])
+    if name not in ALL_VARIANTS:
+        choices = ", ".join([*ALL_VARIANTS, *(f"{a} (= {v})" for a, v in ALIASES.items())])
         raise TaperfoldError(f"unknown variant {name!r}; choose from {choices}")
     return name
 
 
 def canonical_variants(names: list[str]) -> list[str]:
     """Canonical names of `names`, in order, without repeats; one error listing every unknown name."""
-    unknown = [n for n in names if n not in VARIANTS and n not in ALIASES]
+    unknown = [n for n in names if n not in ALL_VARIANTS and n not in ALIASES]
     if not names or unknown:
         aliases = ", ".join(f"{a} (= {v})" for a, v in ALIASES.items())
-        raise TaperfoldError(f"unknown {unknown or names}; choose from {', '.join(VARIANTS)}, or {aliases}")
+        raise TaperfoldError(f"unknown {unknown or names}; choose from {', '.join(ALL_VARIANTS)}, or {aliases}")
     return list(dict.fromkeys(ALIASES.get(n, n) for n in names))
 
 
@@ -134,9 +140,12 @@ class Manifest:
         return self.data.get("engines") or {}
 
     def config(self):
+        from taperfold.hf.model import HFModelInfo, is_hf_info
         from taperfold.models import ModelConfig
 
         try:
+            if is_hf_info(self.data["config"]):  # exported from a Hugging Face directory (taperfold.hf)
+                return HFModelInfo.from_dict(self.data["config"])
             return ModelConfig.from_dict(self.data["config"])
         except (TypeError, ValueError) as e:
             raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
@@ -210,16 +219,16 @@ def read_manifest(export_dir: str | Path) -> Manifest:
 
 def describe_artifacts(folder: Path) -> dict:
     """The `artifacts` entry of a manifest: every ONNX graph in `folder`, keyed by variant."""
-    variant_of = {stem: variant for variant, name in ONNX_FILES.items() for stem in [name.removesuffix(".onnx")]}
     out = {}
-    for path in sorted(folder.glob("*.onnx")):
-        stem, _, decoder = path.name.removesuffix(".onnx").partition(".")
-        if stem not in variant_of:
-            continue
-        data = path.with_name(path.name + ".data")
-        out[variant_of[stem] + (f".{decoder}" if decoder else "")] = {
-            "path": path.name, "bytes": path.stat().st_size, "external_data": data.name if data.exists() else None,
-            "external_data_bytes": data.stat().st_size if data.exists() else 0}
+    for variant in ALL_VARIANTS:
+        for decoder in (False, True):
+            path = folder / onnx_file(variant, decoder)
+            if not path.is_file():
+                continue
+            data = path.with_name(path.name + ".data")
+            out[artifact_key(variant, decoder)] = {
+                "path": path.name, "bytes": path.stat().st_size, "external_data": data.name if data.exists() else None,
+                "external_data_bytes": data.stat().st_size if data.exists() else 0}
     return out
 
 

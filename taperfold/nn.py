@@ -67,9 +67,12 @@ def bias_corrected(ema: torch.Tensor, count: torch.Tensor, momentum: float) -> t
 class _Tapered(nn.Module):
     """State shared by TaperNorm and TaperLN: γ, γ̃, the frozen scalar c and the calibration EMAs."""
 
-    def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float):
+    def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float,
+                 gain_offset: float = 0.0):
         super().__init__()
         self.dim, self.eps, self.momentum, self.delta = dim, eps, momentum, delta
+        # The gain applied is offset + weight: 0 for most models, 1 for Gemma's norm, x·(1 + w).
+        self.gain_offset = gain_offset
         # Not a submodule: every layer shares one gate object, and it is not part of the state dict.
         self.gate = gate
         self.weight = nn.Parameter(torch.ones(dim))  # γ
@@ -91,7 +94,7 @@ class _Tapered(nn.Module):
     @torch.no_grad()
     def _track(self, centred: torch.Tensor, scale: torch.Tensor) -> None:
         """Update EMAs of E[‖h̄γ‖²/s(h)] and E[‖h̄γ‖²] (eq. 4 with h̄ = h, s = r; eq. 7 with h̄ = h − μ, s = σ)."""
-        energy = (centred * self.weight.float()).pow(2).sum(-1)
+        energy = (centred * self.gain(self.weight).float()).pow(2).sum(-1)
         num = (energy / scale.squeeze(-1)).mean().double()
         den = energy.mean().double()
         mu = self.momentum
@@ -109,28 +112,34 @@ class _Tapered(nn.Module):
         self.calibrated.fill_(True)
         return float(self.c)
 
+    def gain(self, w: torch.Tensor) -> torch.Tensor:
+        """The per-feature gain stored as `w` (γ or γ̃): w itself, or offset + w (Gemma)."""
+        return w + self.gain_offset if self.gain_offset else w
+
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, gate={self.gate.value:g}"
+        offset = f", gain_offset={self.gain_offset:g}" if self.gain_offset else ""
+        return f"{self.dim}, eps={self.eps}{offset}, gate={self.gate.value:g}"
 
 
 class TaperNorm(_Tapered):
     """RMSNorm variant (eq. 3)."""
 
-    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-6, momentum: float = 0.01, delta: float = 1e-8):
-        super().__init__(dim, gate, eps, momentum, delta)
+    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-6, momentum: float = 0.01, delta: float = 1e-8,
+                 gain_offset: float = 0.0):
+        super().__init__(dim, gate, eps, momentum, delta, gain_offset)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         g = self.gate.value
         if g == 0.0:
-            return h * self.c * self.weight_tilde  # constant diagonal map: no per-token statistics
-        normed = F.rms_norm(h, (self.dim,), self.weight, self.eps)
+            return h * self.c * self.gain(self.weight_tilde)  # constant diagonal map: no per-token statistics
+        normed = F.rms_norm(h, (self.dim,), self.gain(self.weight), self.eps)
         if self.training and self.gate.calibrating:
             x = h.float()
             rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
             self._track(x, rms)
         if g == 1.0:
             return normed
-        return g * normed + (1.0 - g) * (h * self.c * self.weight_tilde)
+        return g * normed + (1.0 - g) * (h * self.c * self.gain(self.weight_tilde))
 
 
 class TaperLN(_Tapered):

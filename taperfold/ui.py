@@ -77,12 +77,16 @@ def print_inspect(info: dict) -> None:
 
 def print_export(manifest: dict, out_dir) -> None:
     table = Table(title=f"exported to {out_dir}")
-    for col in ("variant", "file", "size (MB)"):
+    for col in ("variant", "file", "size (MB)", "opset", "norm ops"):
         table.add_column(col)
     for name, art in manifest["artifacts"].items():
         size = (art["bytes"] + art["external_data_bytes"]) / 1e6
-        table.add_row(name, art["path"], f"{size:.2f}")
+        opset = f"{art['opset']} ({art['opset_source']})" if "opset" in art else ""
+        norms = ", ".join(f"{op} ×{n}" for op, n in (art.get("norm_ops") or {}).items())
+        table.add_row(name, art["path"], f"{size:.2f}", opset, norms)
     out.print(table)
+    if manifest.get("note"):
+        out.print(manifest["note"], highlight=False)
     report = manifest.get("fold_report") or {}
     summary = report.get("summary", {})
     if summary:

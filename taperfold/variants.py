@@ -1,5 +1,7 @@
-"""Variants of one tapered model, built in PyTorch: the benchmark's baseline (plain norms), the torch-level
-fold (the ONNX passes' counterpart), and a random-weight model at g = 0 for timing without training."""
+"""Variants of one tapered model, built in PyTorch: the benchmark's baseline (plain norms: `nn.RMSNorm`, whose
+forward is the fused `F.rms_norm`, or `nn.LayerNorm`), the same with hand-written norms (Hugging Face's
+RMSNorm: the `baseline-decomposed` variant), the torch-level fold (the ONNX passes' counterpart), and a
+random-weight model at g = 0 for timing without training."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from taperfold.models import CausalLM, build_model, preset_config
 from taperfold.nn import TaperLN, TaperNorm
 
 
-
 def baseline_of(model: CausalLM) -> CausalLM:
     """The same architecture and weights with ordinary RMSNorm / LayerNorm where the model tapers (γ, β kept)."""
     cfg = replace(model.cfg, taper="none", aux=False)
@@ -22,6 +23,48 @@ def baseline_of(model: CausalLM) -> CausalLM:
     state = {k: v for k, v in model.state_dict().items() if k in base.state_dict()}
     base.load_state_dict(state, strict=True)
     return base.to(next(model.parameters()).dtype)
+
+
+class HandWrittenRMSNorm(nn.Module):
+    """Hugging Face's `LlamaRMSNorm`: float32 statistics by elementwise ops, then the weight in the input dtype.
+    Its ops run one kernel each (no fused F.rms_norm); the exporter writes it as plain ops below opset 23."""
+
+    def __init__(self, norm: nn.RMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class HandWrittenLayerNorm(nn.Module):
+    """LayerNorm as elementwise ops (mean, variance, scale, shift), the way hand-written LN code computes it."""
+
+    def __init__(self, norm: nn.LayerNorm):
+        super().__init__()
+        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
+
+    def forward(self, h):
+        mean = h.mean(-1, keepdim=True)
+        var = (h - mean).pow(2).mean(-1, keepdim=True)
+        out = (h - mean) * torch.rsqrt(var + self.eps) * self.weight
+        return out + self.bias if self.bias is not None else out
+
+
+def decomposed_baseline_of(model: CausalLM) -> CausalLM:
+    """`baseline_of(model)` with every norm hand-written (same weights): the `baseline-decomposed` variant."""
+    base = baseline_of(model)
+    for name, module in list(base.named_modules()):
+        if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
+            parent_name, _, attr = name.rpartition(".")
+            parent = base.get_submodule(parent_name) if parent_name else base
+            hand = HandWrittenRMSNorm(module) if isinstance(module, nn.RMSNorm) else HandWrittenLayerNorm(module)
+            setattr(parent, attr, hand)
+    return base
 
 
 @torch.no_grad()
@@ -62,11 +105,12 @@ def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None
 
 
 @torch.no_grad()
-def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0) -> CausalLM:
-    """A preset at g = 0 with random weights, and random c and γ̃ in every tapered norm (never all ones:
-    graph tools delete a multiply by ones, which would make the unfolded graph look like the folded one)."""
+def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overrides) -> CausalLM:
+    """A preset (with config `overrides`) at g = 0 with random weights, and random c and γ̃ in every tapered
+    norm (never all ones: graph tools delete a multiply by ones, which would make the unfolded graph look
+    like the folded one)."""
     torch.manual_seed(seed)
-    model = build_model(preset_config(preset, arch=arch))
+    model = build_model(preset_config(preset, arch=arch, **overrides))
     for norm in model.tapered_norms().values():
         norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
         norm.weight_tilde.copy_(1 + 0.1 * torch.randn_like(norm.weight_tilde))
@@ -79,7 +123,12 @@ def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0) -> Causa
 def build_variants(tapered: CausalLM, names: list[str], dtype: torch.dtype) -> dict[str, CausalLM]:
     """The variants in `names` (canonical: baseline, unfolded, folded) of a tapered model at g = 0, all built
     from the fp32 model before any is cast (the fold runs in float64 and casts once)."""
+    if getattr(tapered, "hf", None) is not None:  # a transformers model (taperfold.hf)
+        from taperfold.hf.variants import build_variants as hf_variants
+
+        return hf_variants(tapered, names, dtype)
     build = {"baseline": lambda: baseline_of(tapered), "unfolded": lambda: tapered,
-             "folded": lambda: fold_model_in_torch(tapered)}
+             "folded": lambda: fold_model_in_torch(tapered),
+             "baseline-decomposed": lambda: decomposed_baseline_of(tapered)}
     models = {name: build[name]() for name in names}
     return {name: m.to(dtype).eval() for name, m in models.items()}

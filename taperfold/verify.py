@@ -6,8 +6,16 @@ gate. Pairs (reference -> candidate):
 - checkpoint -> unfolded: the exporter's own fidelity (unfolded.onnx, ONNX Runtime)
 - checkpoint -> folded: what a user gets (model.onnx)
 - unfolded -> folded: the fold alone, held to a tighter bound in fp32
+- baseline (torch) -> baseline: the plain-norm model (`variants.baseline_of`) against baseline.onnx, and
+  baseline-decomposed -> baseline: the fused norm against the plain ops it replaced (fold bound)
 - checkpoint -> engine: the TensorRT plan, when the export has one; skipped, with the reason, when
   TensorRT or a GPU is missing
+- with decoders (`export --kv-cache`), every `*.decoder.onnx` against the same torch model decoding:
+  a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's logits compared
+
+Every graph runs on shapes far from the one the exporter traced (export.TRACE_SHAPE, TRACE_PAST):
+batch 1 and 4, sequence 1 to the model's longest, past 0 to the longest, so a graph that only works
+at its tracing shape (a fused op that fixed a dynamic dimension) fails here.
 
 An export made with --force-gate0 comes from a checkpoint whose gate is not 0, so folding changed the
 function on purpose. Its reference is then the checkpoint built at g = 0, which the export must match,
@@ -28,12 +36,15 @@ from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolera
 from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
 from taperfold.export import checkpoint_digest
-from taperfold.exportdir import ENGINE_ARTIFACT, INPUT, OUTPUT, Manifest, read_manifest
+from taperfold.exportdir import (DECOMPOSED_BASELINE, ENGINE_ARTIFACT, INPUT, OUTPUT, Manifest, artifact_key,
+                                 decoder_io_names, read_manifest)
 from taperfold.runners.base import Runner
 
 REPORT = "verify.json"
-BATCH_SIZES = (1, 4)
-SHORT_SEQUENCE = 16
+BATCH_SIZES = (1, 4)  # the export traces batch 2
+SHORT_SEQUENCE = 16  # and sequence 8
+DECODE_STEPS = 4  # KV-cached steps after each prompt
+TORCH_BASELINE = "baseline (torch)"
 
 
 @dataclass
@@ -121,6 +132,17 @@ def _checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer
         raise TaperfoldError(f"{batch.label}: sequence of {ids.shape[1]} tokens is longer than the model allows "
                              f"({max_seq_len}); shorten it")
     return ids.astype(np.int64)
+
+
+def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
+    """Prompts for the decoders (past 0 at the prompt, then DECODE_STEPS steps), far from the tracing shape
+    (batch 2, 8 tokens, past 5): one short prompt at batch 1, and batch 4 up to the model's longest context.
+    The ids hold the prompt and then the token fed at each step (the same for reference and candidate)."""
+    rng = np.random.default_rng(seed + 1)
+    prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - DECODE_STEPS), max_seq_len - DECODE_STEPS})
+    return [InputBatch(f"decode {b}x{p}+{DECODE_STEPS}", rng.integers(0, vocab_size, size=(b, p + DECODE_STEPS),
+                                                                      dtype=np.int64))
+            for b, p in zip(BATCH_SIZES, prompts) if p >= 1]
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -249,9 +271,22 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
 
     overrides = tolerances or {}
     export_tol = default_tolerance(dtype, "export").override(**overrides)
+    fold_tol = default_tolerance(dtype, "fold").override(**overrides)
     pairs = [PairResult(reference, "unfolded", "export", export_tol),
              PairResult(reference, "folded", "export", export_tol),
-             PairResult("unfolded", "folded", "fold", default_tolerance(dtype, "fold").override(**overrides))]
+             PairResult("unfolded", "folded", "fold", fold_tol)]
+    baselines = [v for v in ("baseline", DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
+    if baselines:
+        from taperfold.variants import baseline_of
+
+        torch_baseline = baseline_of(ckpt.build(gate=0.0))
+        runners[TORCH_BASELINE] = torch_engine.runner(torch_baseline, device="cpu", logits=logits,
+                                                      name=f"{ckpt.path} with plain norms (reference)")
+        for variant in baselines:
+            runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
+            pairs.append(PairResult(TORCH_BASELINE, variant, "export", export_tol))
+        if len(baselines) == 2:  # the fused norm against the plain ops it replaced
+            pairs.append(PairResult(DECOMPOSED_BASELINE, "baseline", "fuse", fold_tol))
     if "folded" in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
         engine_pair = PairResult(reference, ENGINE_ARTIFACT, "export", export_tol)
         pairs.append(engine_pair)
@@ -263,8 +298,10 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     if forced:
         pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", "folded", "cost", None, status="info"))
 
-    _run(list(zip(batches, id_arrays)), runners, pairs, threads,
-         on_progress or (lambda done, total, description: None))
+    progress = on_progress or (lambda done, total, description: None)
+    _run(list(zip(batches, id_arrays)), runners, pairs, threads, progress)
+    if any(manifest.has_artifact(v, decoder=True) for v in ("unfolded", "baseline")):
+        pairs += _verify_decoders(manifest, ckpt, forced, dtype, device, threads, export_tol, seed, progress)
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
                         checkpoint={"path": str(ckpt.path), "sha256": manifest.checkpoint_sha256,
                                     "gate": ckpt.gate, "reference_gate": 0.0 if forced else ckpt.gate},
@@ -330,3 +367,77 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
         pair.violations = violations(pair.metrics, pair.tolerance)
         if pair.violations:
             pair.status = "fail"
+
+
+# ---- decoders ------------------------------------------------------------------------------------------
+
+
+def _verify_decoders(manifest: Manifest, ckpt, forced: bool, dtype: str, device: str, threads: int | None,
+                     tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
+    """Every *.decoder.onnx against its torch model decoding the same tokens (see decode_cases)."""
+    from taperfold.exportdir import numpy_dtype
+    from taperfold.variants import baseline_of
+
+    cfg = ckpt.config
+    variants = [v for v in ("baseline", DECOMPOSED_BASELINE, "unfolded", "folded")
+                if manifest.has_artifact(v, decoder=True)]
+    reference = "checkpoint@g=0" if forced else "checkpoint"
+    refs = {v: TORCH_BASELINE if v in ("baseline", DECOMPOSED_BASELINE) else reference for v in variants}
+    pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
+    if dtype == "bf16":
+        for pair in pairs.values():
+            pair.status, pair.reason = "skipped", "bf16: numpy has no bfloat16 to feed the KV cache from the host"
+        return list(pairs.values())
+    numpy_dtype(dtype)
+    tapered = ckpt.build(gate=0.0 if forced else None)
+    torch_models = {reference: tapered}
+    if TORCH_BASELINE in refs.values():
+        torch_models[TORCH_BASELINE] = baseline_of(ckpt.build(gate=0.0))
+    torch_engine, graph_engine = ENGINES["torch"], ENGINES["ort"]
+    runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
+                                  for name, model in torch_models.items()}
+    runners.update({v: graph_engine.runner(manifest.artifact(v, decoder=True), device=device, threads=threads,
+                                           decoder=True) for v in variants})
+    cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
+    collected: dict[str, list[Metrics]] = {v: [] for v in variants}
+    total, done = len(cases) * len(runners), 0
+    loaded = []
+    try:
+        for runner in runners.values():
+            runner.load()
+            loaded.append(runner)
+        for case in cases:
+            steps = {}
+            for name, runner in runners.items():
+                progress(done, total, f"{name} decoding {case.label}")
+                kv_dtype = "fp32" if name in torch_models else dtype
+                steps[name] = _decode_logits(runner, case.ids, cfg, kv_dtype)
+                done += 1
+            for variant, pair in pairs.items():
+                for k, (ref, cand) in enumerate(zip(steps[refs[variant]], steps[variant])):
+                    label = f"{case.label} {'prompt' if k == 0 else f'step {k}'}"
+                    _compare_one(pair, InputBatch(label, case.ids), ref, cand, collected[variant])
+    finally:
+        for runner in loaded:
+            runner.close()
+    for variant, pair in pairs.items():
+        _conclude(pair, collected[variant])
+    return list(pairs.values())
+
+
+def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str) -> list[np.ndarray]:
+    """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past) and of each KV-cached step
+    fed the next column of ids; the presents stay in the runner's own form between steps."""
+    from taperfold.bench.decode import empty_cache
+
+    past_names, present_names = (names[1:] for names in decoder_io_names(cfg.n_layers))
+    prompt = ids.shape[1] - DECODE_STEPS
+    feeds = {INPUT: ids[:, :prompt], **empty_cache(cfg, ids.shape[0], kv_dtype)}
+    logits = []
+    for k in range(DECODE_STEPS + 1):
+        out = runner.infer(feeds)
+        logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
+        if k < DECODE_STEPS:
+            feeds = {INPUT: ids[:, prompt + k:prompt + k + 1],
+                     **{past: out[present] for past, present in zip(past_names, present_names)}}
+    return logits

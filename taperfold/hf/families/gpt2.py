@@ -1,0 +1,22 @@
+"""GPT-2: LayerNorm ln_1 before attention, ln_2 before the MLP, ln_f before the tied head.
+Its readers are Conv1D layers, weight stored [in, out]."""
+
+from taperfold.hf.families import Family, register
+
+
+def _check(config):
+    if getattr(config, "add_cross_attention", False):
+        return "add_cross_attention is true (an encoder-decoder block): only decoder-only GPT-2 is supported"
+    return None
+
+
+FAMILY = register(Family(
+    name="gpt2",
+    model_types=("gpt2",),
+    norm="ln",
+    layers="transformer.h",
+    internal={"ln_1": ("attn.c_attn",), "ln_2": ("mlp.c_fc",)},
+    final="transformer.ln_f",
+    reader_layout="conv1d",
+    check=_check,
+))

@@ -1,0 +1,133 @@
+"""A transformers causal LM behind taperfold's model interface, for export, verify and bench.
+
+taperfold's runners and exporter call `model(input_ids, logits="last"|"all", past_key_values=[(k, v), ...],
+use_cache=...)` and read `model.cfg` (vocabulary, context, layers, KV heads). `HFCausalLM` gives a
+transformers model that interface and nothing more: every layer runs transformers' own code.
+
+Two ways to get last-token logits, on purpose:
+- the reference (`reference=True`, what `taperfold verify` holds the exports to) is transformers'
+  own forward, `model(input_ids, logits_to_keep=1).logits`;
+- the exported graph takes the last position *before* the final norm (a per-token map, so the result is
+  the same) so that a tapered final norm feeds the head directly and folds into it, as in taperfold's
+  own models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from taperfold.hf.families import Family
+
+SOURCE = "transformers"
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """What taperfold's tools read of a model's shape (the `config` of a manifest for an HF export)."""
+
+    arch: str  # config.json's model_type
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    taper: str  # "none" | "internal" | "all"
+    norm_kind: str
+    tie_embeddings: bool
+    aux: bool = False
+    tokenizer: str = "bytes"  # "bytes" (ids are byte values) or "hf" (the directory's own tokenizer)
+    source: str = SOURCE
+
+    @classmethod
+    def from_config(cls, config, family: Family, taper: str, aux: bool, tokenizer: str) -> "HFModelInfo":
+        heads = config.num_attention_heads
+        return cls(arch=config.model_type, family=family.name, vocab_size=config.vocab_size,
+                   d_model=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   max_seq_len=config.max_position_embeddings, taper=taper, norm_kind=family.norm,
+                   tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), aux=aux, tokenizer=tokenizer)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HFModelInfo":
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_hf_info(config: dict) -> bool:
+    """Whether a manifest's `config` describes a transformers model (else a taperfold ModelConfig)."""
+    return isinstance(config, dict) and config.get("source") == SOURCE
+
+
+@contextlib.contextmanager
+def _detached(model: nn.Module, path: str):
+    """Run `model` with the module at `path` replaced by Identity; yields the module."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    module = getattr(parent, attr)
+    setattr(parent, attr, nn.Identity())
+    try:
+        yield module
+    finally:
+        setattr(parent, attr, module)
+
+
+class HFCausalLM(nn.Module):
+    """taperfold's interface over a transformers `*ForCausalLM` (see the module docstring)."""
+
+    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True, checkpoint=None):
+        super().__init__()
+        self.hf, self.cfg, self.family, self.reference = hf, cfg, family, reference
+        self.checkpoint = checkpoint  # the HFCheckpoint it was built from, if any (its baseline comes from there)
+
+    @property
+    def tapering(self):
+        return getattr(self.hf, "tapering", None)
+
+    @property
+    def gate(self):
+        return self.tapering.gate if self.tapering is not None else None
+
+    def tapered_norms(self) -> dict[str, nn.Module]:
+        return dict(self.tapering.norms) if self.tapering is not None else {}
+
+    def set_gate(self, value: float, calibrating: bool = False) -> None:
+        if self.tapering is not None:
+            self.tapering.set_gate(value, calibrating)
+
+    def for_export(self) -> "HFCausalLM":
+        return HFCausalLM(self.hf, self.cfg, self.family, reference=False, checkpoint=self.checkpoint)
+
+    def _cache(self, past_key_values):
+        from transformers import DynamicCache
+
+        if past_key_values is None:
+            return None
+        return DynamicCache(ddp_cache_data=[(k, v) for k, v in past_key_values], config=self.hf.config)
+
+    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False):
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        if self.reference and past_key_values is None and not use_cache:
+            out = self.hf(input_ids=input_ids, logits_to_keep=1 if logits == "last" else 0, use_cache=False)
+            return out.logits[:, -1, :] if logits == "last" else out.logits
+        cache = self._cache(past_key_values)
+        with _detached(self.hf, self.family.final) as final_norm:
+            out = self.hf.base_model(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
+            h = out.last_hidden_state
+            if logits == "last":
+                h = h[:, -1, :]
+            result = self.hf.get_output_embeddings()(final_norm(h))
+        if not use_cache:
+            return result
+        present = tuple((layer.keys, layer.values) for layer in out.past_key_values.layers)
+        return result, present

@@ -1,0 +1,64 @@
+"""The benchmark's torch variants of a tapered HF directory: baseline, unfused (g = 0) and folded.
+
+`fold_in_torch` is the fold the ONNX passes do, on the transformers model itself: each g = 0 tapered
+norm's constant map goes into the linear layers the family says read it (float64, cast once), and the
+norm becomes Identity. It is also an independent check of the passes (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from taperfold.hf.model import HFCausalLM
+from taperfold.nn import TaperLN
+
+
+@torch.no_grad()
+def fold_in_torch(model: HFCausalLM) -> HFCausalLM:
+    tapering = model.tapering
+    if tapering is None or tapering.gate.value != 0.0:
+        raise ValueError("fold_in_torch needs a tapered model at gate 0: only then are its norms constant maps")
+    hf = copy.deepcopy(model.hf)
+    tapering = hf.tapering
+    conv1d = tapering.family.reader_layout == "conv1d"
+    for path, readers in tapering.readers.items():
+        norm = hf.get_submodule(path)
+        scale = norm.c.double() * norm.gain(norm.weight_tilde.double())
+        beta = norm.bias.double() if isinstance(norm, TaperLN) else None
+        for reader_path in readers:
+            reader = hf.get_submodule(reader_path)
+            if reader.weight is hf.get_input_embeddings().weight:  # a tied head: the embedding stays as it is
+                reader.weight = nn.Parameter(reader.weight.detach().clone())
+            _fold_into(reader, scale, beta, conv1d and not isinstance(reader, nn.Linear))
+        parent, _, attr = path.rpartition(".")
+        setattr(hf.get_submodule(parent) if parent else hf, attr, nn.Identity())
+    object.__setattr__(hf, "tapering", None)
+    return HFCausalLM(hf, model.cfg, model.family, reference=model.reference, checkpoint=model.checkpoint).eval()
+
+
+def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None, conv1d: bool) -> None:
+    """y = (c·(h − μ)·γ̃ + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W."""
+    w = reader.weight.double() if conv1d else reader.weight.double().T  # as [in, out]
+    new_w = scale[:, None] * w
+    if beta is not None:
+        new_w = new_w - new_w.mean(dim=0, keepdim=True)
+        shift = beta @ w
+        if reader.bias is None:
+            reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=reader.weight.dtype, device=w.device))
+        reader.bias.copy_((reader.bias.double() + shift).to(reader.bias.dtype))
+    reader.weight.copy_((new_w if conv1d else new_w.T).to(reader.weight.dtype))
+
+
+def build_variants(tapered: HFCausalLM, names: list[str], dtype: torch.dtype) -> dict[str, HFCausalLM]:
+    """`names` ⊆ {baseline, unfolded, folded} of a tapered HF model at g = 0, built in fp32 then cast; all
+    run the exported graphs' forward (the last position taken before the final norm)."""
+    if tapered.checkpoint is None:
+        raise ValueError("the baseline needs the directory the model came from (HFCheckpoint.build)")
+    tapered = tapered.for_export()
+    build = {"baseline": lambda: tapered.checkpoint.build_baseline().for_export(), "unfolded": lambda: tapered,
+             "folded": lambda: fold_in_torch(tapered)}
+    models = {name: build[name]() for name in names}
+    return {name: m.to(dtype).eval() for name, m in models.items()}

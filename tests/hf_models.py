@@ -1,0 +1,29 @@
+"""Tiny random transformers configs, one per family taperfold tapers (no download: built from configs)."""
+
+COMMON = dict(vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+RMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON)
+
+
+def tiny_config(model_type: str):
+    import transformers as t
+
+    configs = {
+        "llama": lambda: t.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **RMS),
+        "mistral": lambda: t.MistralConfig(num_key_value_heads=2, sliding_window=16, **RMS),
+        "qwen2": lambda: t.Qwen2Config(num_key_value_heads=2, **RMS),
+        "qwen3": lambda: t.Qwen3Config(num_key_value_heads=2, head_dim=8, **RMS),
+        "phi3": lambda: t.Phi3Config(num_key_value_heads=2, original_max_position_embeddings=32, **RMS),
+        "gemma": lambda: t.GemmaConfig(num_key_value_heads=2, head_dim=8, **RMS),
+        "phi": lambda: t.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   partial_rotary_factor=0.5, **COMMON),
+        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=32,
+                                     bos_token_id=1, eos_token_id=2),
+        "gpt_neox": lambda: t.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, rotary_pct=0.5, **COMMON),
+        "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                   word_embed_proj_dim=32, **COMMON),
+    }
+    return configs[model_type]()
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")

@@ -1,0 +1,254 @@
+"""Hugging Face models, each family end to end: taper, train to g = 0, save, export, verify, fold.
+
+Tiny random models built from configs (tests/hf_models.py, nothing downloaded). One training run and one
+export per family, shared by the tests of that family through a module-scoped fixture.
+"""
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # each family trains and exports a model
+
+from hf_models import FAMILIES, tiny_config  # noqa: E402
+
+from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
+from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
+from taperfold.hf.training import TaperHook, trainer_callback, train_hf_directory  # noqa: E402
+from taperfold.hf.variants import fold_in_torch  # noqa: E402
+from taperfold.nn import GateSchedule, TaperLN, TaperNorm  # noqa: E402
+from taperfold.train import TrainOptions  # noqa: E402
+from taperfold.verify import verify_export  # noqa: E402
+
+# The fold passes keep these families' norms until the passes branch lands its fixes (issue 10):
+# GPT-2 reads each norm through Conv1D, exported as Reshape -> MatMul; GPT-NeoX's parallel residual
+# shares one ReduceMean / Sub between its two LayerNorms. Strict: the tests flip loudly once fixed.
+PENDING_FOLD = {
+    "gpt2": "needs the passes branch's fold through Reshape-then-MatMul readers (GPT-2 Conv1D)",
+    "gpt_neox": "needs the passes branch's fold of LayerNorms sharing ReduceMean/Sub (parallel residual)",
+}
+# Families tapered with "all" (final norm too): the tied-head and final-norm paths get exercised.
+TAPER = {"llama": "all", "gemma": "all", "opt": "all", "phi": "all"}
+KV_CACHE = {"llama"}  # one family also exports KV-cache decoders
+
+
+def _randomise_norms(model, seed=0):
+    """Norm weights away from 1 (tools skip a multiply by one) so a wrong gain cannot pass unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if "norm" in type(module).__name__.lower() and isinstance(w, torch.Tensor):
+                w.copy_(torch.rand(w.shape, generator=gen) * 0.5 + 0.75)
+                b = getattr(module, "bias", None)
+                if isinstance(b, torch.Tensor):
+                    b.copy_(torch.rand(b.shape, generator=gen) * 0.2 - 0.1)
+
+
+def plain_model(family, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    _randomise_norms(model, seed)
+    return model
+
+
+class Family:
+    """One family's shared artifacts: the plain and the tapered directory, the export."""
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    f = Family()
+    f.name, f.taper = family, TAPER.get(family, "internal")
+    f.plain = root / "plain"
+    plain_model(family).save_pretrained(f.plain)
+    opts = TrainOptions(steps=12, batch_size=2, seq_len=16, eval_batches=1, lr=1e-3)
+    f.result = train_hf_directory(f.plain, opts, taper=f.taper)
+    f.tapered = save_hf_directory(f.result.model, root / "tapered", step=opts.steps, schedule=f.result.schedule)
+    f.export = export_checkpoint(f.tapered, root / "export",
+                                 ExportOptions(baseline=False, kv_cache=family in KV_CACHE)).out_dir
+    f.manifest = json.loads((f.export / "manifest.json").read_text())
+    return f
+
+
+def test_tapering_keeps_the_function_at_gate_1_and_the_hf_names(fam):
+    model = plain_model(fam.name)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    names_before = set(model.state_dict())
+    tapering = taper_model(model, fam.taper)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    norms = tapering.norms
+    assert norms and all(isinstance(n, (TaperNorm, TaperLN)) for n in norms.values())
+    assert len({id(n.gate) for n in norms.values()}) == 1  # one gate shared by every tapered norm
+    added = set(model.state_dict()) - names_before
+    assert names_before <= set(model.state_dict())  # Hugging Face's names are all still there
+    assert {k.rpartition(".")[2] for k in added} == {"weight_tilde", "c", "ema_num", "ema_den", "ema_count",
+                                                     "calibrated"}
+    final = tapering.family.final
+    assert (final in norms) == (fam.taper == "all")
+
+
+def test_training_runs_the_schedule_to_gate_0(fam):
+    tapering = fam.result.model.tapering
+    assert tapering.gate.value == 0.0 and not tapering.gate.calibrating
+    for norm in tapering.norms.values():
+        assert bool(norm.calibrated) and int(norm.ema_count) == fam.result.schedule.taper_start
+        assert 0 < float(norm.c) < 1e4
+    assert np.isfinite(fam.result.val_loss)
+    block = json.loads((fam.tapered / "config.json").read_text())["taperfold"]
+    assert block["gate"] == 0.0 and block["taper"] == fam.taper and block["step"] == 12
+    assert block["schedule"] == {"taper_start": fam.result.schedule.taper_start,
+                                 "taper_end": fam.result.schedule.taper_end}
+
+
+def test_saved_directory_loads_to_the_same_model(fam):
+    ckpt = load_hf_directory(fam.tapered)
+    assert ckpt.gate == 0.0 and ckpt.config.taper == fam.taper
+    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = fam.result.model(ids).logits
+        got = ckpt.build()(ids, logits="all")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_torch_fold_equals_the_tapered_model(fam):
+    tapered = load_hf_directory(fam.tapered).build(gate=0.0)
+    folded = fold_in_torch(tapered)
+    ids = torch.randint(3, 256, (3, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, out = tapered(ids, logits="all"), folded(ids, logits="all")
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5
+    assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in folded.modules())
+
+
+def test_export_verifies_against_the_transformers_forward(fam):
+    report = verify_export(fam.export, threads=1)
+    pairs = {p.name: p for p in report.pairs}
+    assert report.passed, report.failure_message()
+    for name in ("checkpoint -> unfolded", "checkpoint -> folded", "unfolded -> folded"):
+        assert pairs[name].metrics.max_rel <= 1e-5, name
+        assert pairs[name].metrics.top1 == 1.0, name
+    assert fam.manifest["config"]["source"] == "transformers"
+    assert fam.manifest["source"]["family"] == fam.name
+
+
+def test_every_tapered_norm_is_folded(fam, request):
+    if fam.name in PENDING_FOLD:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=PENDING_FOLD[fam.name]))
+    # Counted, not named: where two norms share their mean subtraction (GPT-NeoX), the report may name
+    # both after the node's module. The op count below says no tapered norm's statistics are left.
+    report = fam.manifest["fold_report"]
+    tapered = len(fam.result.model.tapering.norms)
+    assert report["summary"]["folded"] == tapered, [(n["name"], n["status"], n["reason"]) for n in report["norms"]]
+    ops = Counter(n.op_type for n in onnx.load(str(fam.export / "model.onnx"), load_external_data=False).graph.node)
+    kept_norms = len(fam.manifest["source"]["untapered"])  # the final norm (internal), Qwen3's q/k norms
+    per_norm = {"rms": ops["Sqrt"], "ln": ops["LayerNormalization"] + ops["Sqrt"]}
+    assert per_norm[fam.result.model.tapering.family.norm] == kept_norms
+
+
+@pytest.mark.parametrize("fam", ["qwen3"], indirect=True)
+def test_qwen3_qk_norms_are_reported_never_tapered(fam):
+    untapered = fam.manifest["source"]["untapered"]
+    qk = [name for name in untapered if name.endswith(("q_norm", "k_norm"))]
+    assert len(qk) == 4 and all("RoPE" in untapered[name] for name in qk)
+    assert not any(name.endswith(("q_norm", "k_norm")) for name in fam.result.model.tapering.norms)
+
+
+@pytest.mark.parametrize("fam", sorted(KV_CACHE), indirect=True)
+def test_kv_cache_decoder_matches_the_full_forward(fam):
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
+    full = ort.InferenceSession(str(fam.export / "model.onnx"), providers=["CPUExecutionProvider"])
+    decoder = ort.InferenceSession(str(fam.export / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in decoder.get_inputs()]
+    n_layers = fam.manifest["config"]["n_layers"]
+    assert names == ["input_ids"] + [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    outputs = [o.name for o in decoder.get_outputs()]
+    assert outputs == ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    cfg = fam.manifest["config"]
+    past = {n: np.zeros((2, cfg["kv_heads"], 0, cfg["head_dim"]), np.float32) for n in names[1:]}
+    out = decoder.run(None, {"input_ids": ids[:, :7], **past})
+    for step in range(7, 12):  # one token at a time, each against the full forward on the prefix
+        past = dict(zip(names[1:], out[1:]))
+        out = decoder.run(None, {"input_ids": ids[:, step:step + 1], **past})
+        ref = full.run(["logits"], {"input_ids": ids[:, :step + 1]})[0]
+        assert np.abs(out[0] - ref).max() / np.abs(ref).max() <= 1e-5
+    assert out[1].shape == (2, cfg["kv_heads"], 12, cfg["head_dim"])
+
+
+# ---- without a family fixture -----------------------------------------------------------------------
+
+
+def test_gemma_gain_is_one_plus_weight():
+    model = plain_model("gemma")
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = norm(x)
+        tapering = taper_model(model, "internal")
+        tapered = model.model.layers[0].input_layernorm
+        torch.testing.assert_close(tapered(x), expected)
+        tapered.c.fill_(0.5)
+        tapering.set_gate(0.0)
+        torch.testing.assert_close(tapered(x), x * 0.5 * (1 + tapered.weight_tilde))
+
+
+def test_step_hook_and_trainer_callback_drive_the_same_schedule():
+    from transformers import TrainerControl, TrainerState
+
+    runs = {}
+    for driver in ("hook", "callback"):
+        model = plain_model("llama").train()
+        taper_model(model, "internal")
+        hook = TaperHook(model, GateSchedule(taper_start=3, taper_end=7))
+        callback = trainer_callback(hook)
+        state, gates = TrainerState(), []
+        ids = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        for step in range(9):
+            if driver == "hook":
+                hook.step(step)
+            else:
+                state.global_step = step
+                callback.on_step_begin(None, state, TrainerControl())
+            gates.append(model.tapering.gate.value)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        if driver == "callback":
+            state.global_step = 9
+            callback.on_train_end(None, state, TrainerControl())
+        runs[driver] = (gates, [float(n.c) for n in model.tapering.norms.values()])
+        assert model.tapering.gate.value == 0.0
+        assert all(int(n.ema_count) == 3 and bool(n.calibrated) for n in model.tapering.norms.values())
+    assert runs["hook"] == runs["callback"]
+    gates = runs["hook"][0]
+    assert gates[:3] == [1.0] * 3 and gates[3] == 1.0 and 0 < gates[5] < 1 and gates[7:] == [0.0, 0.0]
+
+
+def test_scale_anchoring_loss_is_added_to_the_models_loss():
+    model = plain_model("llama").train()
+    tapering = taper_model(model, "all", aux=True)
+    hook = TaperHook(model, GateSchedule(taper_start=2, taper_end=4))
+    ids = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        hook.step(step)
+        out = model(input_ids=ids, labels=ids)
+    assert bool(tapering.scale_loss.frozen) and float(hook.last_aux.detach()) > 0
+    model.eval()
+    with torch.no_grad():
+        ce = model(input_ids=ids, labels=ids).loss  # eval: no aux term
+    model.train()
+    with torch.no_grad():
+        total = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(total, ce + hook.last_aux)
+    assert out.loss is not None

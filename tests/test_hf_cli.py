@@ -1,0 +1,214 @@
+"""Hugging Face directories through the command line: bad input (one line, exit 2, nothing written),
+a plain directory (baseline only), inspect, and `taperfold train --from` with the directory's tokenizer."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import tiny_config  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from taperfold.hf import save_hf_directory, taper_model  # noqa: E402
+
+
+def _tapered_model(gate=0.0):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    tapering = taper_model(model, "internal")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.fill_(0.7)
+            norm.calibrated.fill_(True)
+    tapering.set_gate(gate)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tapered_dir(tmp_path_factory):
+    return save_hf_directory(_tapered_model(), tmp_path_factory.mktemp("hf") / "tapered", step=3)
+
+
+@pytest.fixture
+def broken(tapered_dir, tmp_path):
+    """A private copy of the tapered directory, free to break."""
+    return shutil.copytree(tapered_dir, tmp_path / "in")
+
+
+def _config(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+def _write_config(folder, config):
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _refused(cli, tmp_path, folder, *needles, command="export"):
+    out = tmp_path / "out"
+    args = {"export": ["export", folder, "-o", out], "inspect": ["inspect", folder],
+            "train-from": ["train", "--from", folder, "--steps", "10", "--out", out]}[command]
+    result = cli(*args)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("taperfold: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists()  # nothing written
+    return lines[0]
+
+
+def test_directory_without_config(cli, tmp_path, broken):
+    (broken / "config.json").unlink()
+    _refused(cli, tmp_path, broken, "config.json", "missing")
+
+
+def test_directory_without_weights(cli, tmp_path, broken):
+    (broken / "model.safetensors").unlink()
+    _refused(cli, tmp_path, broken, str(broken), "no weights", "model.safetensors")
+
+
+def test_unknown_model_type(cli, tmp_path, broken):
+    _write_config(broken, {**_config(broken), "model_type": "bert"})
+    line = _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'bert'", "supported")
+    for family in ("llama", "gpt2", "gpt_neox", "opt", "gemma", "qwen3", "phi3"):
+        assert family in line
+
+
+def test_auto_map_is_refused(cli, tmp_path, broken):
+    _write_config(broken, {**_config(broken), "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}})
+    _refused(cli, tmp_path, broken, "config.json", "'auto_map'", "never runs code")
+
+
+@pytest.mark.parametrize("change", ["missing", "misshaped"])
+def test_missing_or_misshaped_tapered_key(cli, tmp_path, broken, change):
+    tensors = load_file(str(broken / "model.safetensors"))
+    key = "model.layers.1.post_attention_layernorm.weight_tilde"
+    if change == "missing":
+        del tensors[key]
+    else:
+        tensors[key] = torch.ones(31)
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    _refused(cli, tmp_path, broken, "model.safetensors", key, "missing" if change == "missing" else "shape [31]")
+
+
+def test_gate_not_zero_needs_force_gate0(cli, tmp_path, broken):
+    config = _config(broken)
+    config["taperfold"]["gate"] = 0.25
+    _write_config(broken, config)
+    _refused(cli, tmp_path, broken, str(broken), "gate is 0.25, not 0", "--force-gate0")
+
+
+@pytest.mark.parametrize("block, key", [
+    ("not an object", "'taperfold'"),
+    ({"gate": "zero"}, "'taperfold.gate'"),
+    ({"gate": 1.5}, "'taperfold.gate'"),
+    ({"taper": "final"}, "'taperfold.taper'"),
+    ({"format_version": 2}, "'taperfold.format_version'"),
+    ({"step": -1}, "'taperfold.step'"),
+    ({"schedule": {"taper_start": 9, "taper_end": 3}}, "'taperfold.schedule'"),
+    ({"aux": {"weight": "big"}}, "'taperfold.aux'"),
+    ({"calibration": {"momentum": 2, "delta": 0}}, "'taperfold.calibration.momentum'"),
+    ({"surprise": 1}, "'taperfold.surprise'"),
+])
+def test_malformed_taperfold_block(cli, tmp_path, broken, block, key):
+    config = _config(broken)
+    config["taperfold"] = block if isinstance(block, str) else {**config["taperfold"], **block}
+    _write_config(broken, config)
+    _refused(cli, tmp_path, broken, "config.json", key)
+
+
+def test_tapered_keys_without_block(cli, tmp_path, broken):
+    config = _config(broken)
+    del config["taperfold"]
+    _write_config(broken, config)
+    _refused(cli, tmp_path, broken, "model.safetensors", "holds tapered key", "no 'taperfold' block")
+
+
+def test_sharded_checkpoint_with_a_missing_shard(cli, tmp_path):
+    folder = save_hf_directory(_tapered_model(), tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    _refused(cli, tmp_path, folder, "model.safetensors.index.json", "'weight_map.", shards[-1].name, "missing")
+
+
+def test_sharded_checkpoint_loads(tmp_path, tapered_dir):
+    from taperfold.hf import load_hf_directory
+
+    folder = save_hf_directory(_tapered_model(), tmp_path / "sharded", max_shard_size="40KB")
+    ids = torch.randint(3, 256, (2, 9))
+    with torch.no_grad():
+        a = load_hf_directory(folder).build()(ids)
+        b = load_hf_directory(tapered_dir).build()(ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_without_transformers_one_line_names_the_extra(cli, tmp_path, tapered_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    for command in ("export", "inspect"):
+        _refused(cli, tmp_path, tapered_dir, "needs transformers", "pip install 'taperfold[hf]'", command=command)
+
+
+def test_inspect_lists_tapered_and_kept_norms(cli, tapered_dir):
+    result = cli("inspect", tapered_dir, "--json")
+    assert result.exit_code == 0, result.stderr
+    info = json.loads(result.stdout)
+    tapered = [n for n in info["norms"] if n["tapered"]]
+    assert len(tapered) == 4 and all(n["foldable"] and n["c"] == pytest.approx(0.7) for n in tapered)
+    assert tapered[0]["folds_into"] == [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
+    kept = [n for n in info["norms"] if not n["tapered"]]
+    assert [n["name"] for n in kept] == ["model.norm"]
+
+
+def test_plain_directory_exports_the_baseline_only(cli, tmp_path):
+    folder = tmp_path / "plain"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(folder)
+    result = cli("export", folder, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    assert "nothing to fold" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.onnx")) == ["baseline.onnx"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["fold_report"] is None and manifest["config"]["taper"] == "none"
+
+
+def _word_tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def test_train_from_directory_with_its_tokenizer(cli, tmp_path):
+    words = [f"w{i}" for i in range(100)]
+    folder = tmp_path / "plain"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2")).save_pretrained(folder)
+    _word_tokenizer(words).save_pretrained(folder)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(words[(i * 7) % 97] for i in range(4000)))
+    out = tmp_path / "tapered"
+    result = cli("train", "--from", folder, "--data", data, "--steps", "10", "--batch-size", "2", "--out", out,
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["tokenizer"] == "hf" and summary["gate"] == 0.0
+    assert (out / "tokenizer.json").is_file()
+    block = json.loads((out / "config.json").read_text())["taperfold"]
+    assert block["gate"] == 0.0 and block["step"] == 10 and block["schedule"] == {"taper_start": 1, "taper_end": 8}
+    # a tapered directory is not trained again, and --out never replaces the source
+    _refused(cli, tmp_path, out, "already tapered", command="train-from")
+
+
+def test_train_from_refuses_bytes_that_do_not_fit(cli, tmp_path):
+    folder = tmp_path / "plain"
+    config = tiny_config("llama")
+    config.vocab_size = 128
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    _refused(cli, tmp_path, folder, "'vocab_size'", "byte tokens", command="train-from")
