@@ -99,7 +99,7 @@ def fold_command(src: str, dst: str, report_path: str | None, as_json: bool) -> 
               help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.")
 @click.option("--from", "source", type=click.Path(), metavar="HF_DIR",
               help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
-                   "--preset are ignored); --out is then a tapered Hugging Face directory.")
+                   "--preset are ignored); -o is then a tapered Hugging Face directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
