@@ -9,7 +9,7 @@ for seed in "$@"; do
     set -- $variant
     out="runs/llama-$1$2-seed$seed.pt"
     [ -e "$out" ] && continue
-    taperfold train --arch llama --preset tiny --taper "$1" "$2" --steps "$steps" --seed "$seed" --out "$out" --json \
+    taperfold train --arch llama --preset tiny --taper "$1" "$2" --steps "$steps" --seed "$seed" -o "$out" --json \
       | python3 -c 'import json,sys; d=json.load(sys.stdin); d["seed"]='"$seed"'; print(json.dumps(d))'
   done
 done

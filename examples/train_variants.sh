@@ -11,7 +11,7 @@ for arch in $archs; do
     set -- $variant
     out="runs/$arch-$1$2.pt"
     [ -e "$out" ] && continue
-    taperfold train --arch "$arch" --preset tiny --taper "$1" "$2" --steps "$steps" --out "$out" --json \
+    taperfold train --arch "$arch" --preset tiny --taper "$1" "$2" --steps "$steps" -o "$out" --json \
       | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))'
   done
 done

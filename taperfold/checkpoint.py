@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +20,8 @@ import torch
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import family
-from taperfold.fsutil import atomic_path, read_json_object
-from taperfold.models import CausalLM, ModelConfig, build_model
+from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
+from taperfold.models import CausalLM, ModelConfig, build_model, implied_parameters
 
 FORMAT = "taperfold-checkpoint"
 FORMAT_VERSION = 1
@@ -79,12 +78,21 @@ def save_checkpoint(ckpt: Checkpoint, path: str | Path) -> Path:
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
     else:
-        path.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path / "model.safetensors") as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-        with atomic_path(path / "config.json") as tmp:
-            tmp.write_text(json.dumps(header, indent=2) + "\n")
+        with atomic_dir(path) as tmp:  # both files or neither; an earlier checkpoint there is replaced whole
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(header, indent=2) + "\n")
     return path
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def checkpoint_output(path: str | Path, option: str) -> Output:
+    """What `save_checkpoint(ckpt, path)` will write, for checking before a long training run."""
+    if Path(path).suffix in (".pt", ".safetensors"):
+        return Output(path, option)
+    return Output(path, option, directory="taperfold checkpoint", owned=is_checkpoint_dir)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -112,6 +120,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def _read_pt(path: Path) -> tuple[dict, dict]:
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TaperfoldError(f"{path}: cannot read ({e.strerror})") from None
+    if not magic.startswith((b"PK", b"\x80")):  # a zip archive (torch.save) or a pickle (the legacy format)
+        raise TaperfoldError(f"{path}: not a readable checkpoint: not a PyTorch file (neither a zip archive nor a "
+                             "pickle); taperfold reads .pt, .safetensors and checkpoint directories")
+    try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Unsupported global" in str(e) or "GLOBAL" in str(e):
@@ -119,7 +135,7 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
                                  "run code; taperfold only loads tensors and plain data") from None
         detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
         raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+    except Exception as e:  # weights_only=True ran nothing; whatever the parser raised, the file is corrupt
         raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first_line(e)})") from None
     if not isinstance(obj, dict):
         raise TaperfoldError(f"{path}: not a taperfold checkpoint (top level is {type(obj).__name__}, not a dict)")
@@ -190,7 +206,18 @@ def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     return Checkpoint(config, tensors, float(gate), header["step"], header.get("meta") or {}, path)
 
 
+# c ≈ 1 / RMS of the norm's input at taper start; 1e6 would mean a residual stream of RMS 1e-6.
+C_RANGE = (0.0, 1e6)
+
+
 def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
+    present = sum(t.numel() for t in ckpt.state_dict.values())
+    implied = implied_parameters(ckpt.config)
+    # Before building anything, even on the meta device (a config of 10^9 layers would hang there): a config
+    # far larger than the tensors is refused here; smaller mismatches get the exact key below.
+    if implied > 2 * present:
+        raise TaperfoldError(f"{path}: key 'config' describes a model of at least {implied:,} parameters, but the "
+                             f"file holds {present:,} values; the config does not match the tensors")
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = build_model(ckpt.config).state_dict()
     optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
@@ -205,8 +232,11 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
         if tuple(value.shape) != tuple(expected[key].shape):
             raise TaperfoldError(f"{path}: key '{key}' has shape {list(value.shape)}, "
                                  f"expected {list(expected[key].shape)}")
-        if key.rsplit(".", 1)[0] in norms and value.is_floating_point() and not torch.isfinite(value).all():
+        if value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{path}: key '{key}' contains NaN or Inf")
+        if key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
+            raise TaperfoldError(f"{path}: key '{key}' is {float(value):g}; a tapered norm's scale c must lie in "
+                                 f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
 
 
 def _load_into(model: CausalLM, state: dict, path) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from taperfold.clickutil import AliasedOption
 from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
@@ -25,8 +28,8 @@ def cli() -> None:
 
     \b
     Typical flow:
-      taperfold train --preset tiny --out tiny.pt
-      taperfold export tiny.pt --onnx -o out/
+      taperfold train --preset tiny -o tiny.pt
+      taperfold export tiny.pt -o out/
       taperfold verify out/
       taperfold bench out/ --engine ort
     """
@@ -40,7 +43,8 @@ def cli() -> None:
 @click.argument("src", metavar="IN.onnx", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "dst", metavar="OUT.onnx", required=True, type=click.Path(dir_okay=False),
               help="The folded model; its weights go to OUT.onnx.data.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False),
+              help="Also write the report as JSON here ('-': stdout).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of a table.")
 @click.option("--merge-norm-weights", is_flag=True,
               help="Also move the gain (γ, β) of real RMSNorm/LayerNorm layers into the layers that read them, "
@@ -57,36 +61,42 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
     See docs/folding.md for which graph shapes fold and why. Exit 0: written (and, with --verify,
     within tolerance); 1: --verify found a mismatch; 2: bad input.
     """
+    from taperfold.fsutil import Output, check_outputs, onnx_external_files
     from taperfold.passes import NormStatus, fold_onnx_file
     from taperfold.passes.check_fold import check_fold, parse_shapes
+    from taperfold.ui import err, out
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
+    plan = check_outputs([Output(dst, "-o", sidecars=(".data",)), Output(report_path, "--report", stream=True)],
+                         inputs=[src, *onnx_external_files(src)])
+    if as_json and plan.uses_stdout:
+        raise click.UsageError("--json and --report - both write to stdout; pass one")
     report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights)
     check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
     if as_json:
         _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
     else:
-        _print_fold_report(src, dst, report, NormStatus)
+        console = err if plan.uses_stdout else out  # stdout holds the JSON report
+        _print_fold_report(src, dst, report, NormStatus, console)
         if check:
-            _print_fold_check(check)
+            _print_fold_check(check, console)
     if check and not check.passed:
         raise NumericMismatch(check.failure_message())
 
 
-def _print_fold_report(src, dst, report, NormStatus) -> None:
-    from rich.console import Console
+def _print_fold_report(src, dst, report, NormStatus, console) -> None:
     from rich.table import Table
 
-    console = Console()
     s = report.summary()
     found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
     if not any(entry.status in found for entry in report.norms):
         real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
-        click.echo(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged")
+        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
+                      highlight=False, markup=False, soft_wrap=True)
         return
     table = Table(title=f"taperfold fold {src}")
     for column in ("norm", "kind", "status", "consumers", "reason"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=column == "norm", overflow="fold")
     for entry in report.norms:
         table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
     console.print(table)
@@ -105,11 +115,9 @@ def _print_fold_report(src, dst, report, NormStatus) -> None:
         console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
 
 
-def _print_fold_check(check) -> None:
-    from rich.console import Console
+def _print_fold_check(check, console) -> None:
     from rich.table import Table
 
-    console = Console()
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
     table = Table(title=f"unfolded -> folded in ONNX Runtime (CPU), inputs {shapes}")
     for col in ("output", "status", "max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL",
@@ -142,19 +150,21 @@ def _print_fold_check(check) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--data", "data", type=click.Path(dir_okay=False), multiple=True,
               help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.")
-@click.option("--out", "-o", type=click.Path(), required=True,
+@click.option("-o", "--output", "--out", "out", type=click.Path(), required=True, cls=AliasedOption, aliases=("--out",),
               help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.")
 @click.option("--from", "source", type=click.Path(), metavar="HF_DIR",
               help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
-                   "--preset are ignored); --out is then a tapered Hugging Face directory.")
+                   "--preset are ignored); -o is then a tapered Hugging Face directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
-    from taperfold.checkpoint import save_checkpoint
+    from taperfold.checkpoint import checkpoint_output, save_checkpoint
+    from taperfold.fsutil import check_outputs
     from taperfold.models import preset_config
     from taperfold.train import TrainOptions, train as run_training
     from taperfold.ui import train_progress
 
+    check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
     opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     if source:
         from taperfold.hf.cli import train_from
@@ -194,11 +204,13 @@ def inspect(checkpoint, as_json):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--onnx", "to_onnx", is_flag=True,
-              help="Write ONNX models: the default output, always written (accepted for explicitness).")
+@click.option("--onnx", "to_onnx", is_flag=True, hidden=True)  # ONNX is always written; kept for old scripts
 @click.option("--trt", "to_trt", is_flag=True,
               help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU).")
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-out", show_default=True)
+@click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-out",
+              show_default=True, cls=AliasedOption, aliases=("--out",),
+              help="The export directory; an existing one is replaced whole.")
+@click.option("--overwrite", is_flag=True, help="Replace -o even if it is a non-empty directory of other files.")
 @click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
               help="last: logits of the final position only (the paper's benchmark mode).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
@@ -215,20 +227,29 @@ def inspect(checkpoint, as_json):
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
+def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
            trt_batch, trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
+    from taperfold import interrupts
     from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.exportdir import is_export_dir
+    from taperfold.fsutil import Output, check_outputs
     from taperfold.ui import print_export, stage_status
 
+    check_outputs([Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
+                  inputs=[checkpoint])
     if to_trt:
         from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
     opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
                          kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline)
-    with stage_status(quiet=as_json) as on_stage:
+    with stage_status(quiet=as_json) as show_stage:
+        def on_stage(name: str) -> None:
+            interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
+            show_stage(name)
+
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
         if to_trt:
             from taperfold.trt_build import build_engine_for_export, make_profile
@@ -276,12 +297,15 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 @click.option("--max-kl", type=click.FloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
-    from taperfold.fsutil import write_json_atomic
+    from taperfold.exportdir import read_manifest
+    from taperfold.fsutil import Output, check_outputs, write_json_atomic
     from taperfold.ui import print_verify, step_progress
     from taperfold.verify import REPORT, tokens_from_file, tokens_from_text, verify_export
 
     if tokens_file and text_file:
         raise click.UsageError("pass --tokens or --text, not both")
+    read_manifest(export_dir)  # the clearest message for a directory that is not an export
+    check_outputs([Output(Path(export_dir) / REPORT, REPORT)], inputs=[tokens_file, text_file])
     inputs = tokens_from_file(tokens_file) if tokens_file else tokens_from_text(text_file) if text_file else None
     overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl}
     with step_progress("verifying", quiet=as_json) as on_step:
@@ -352,8 +376,10 @@ def _engine_options(command):
 @click.option("--arch", type=click.Choice(["llama", "gpt2"]), default="llama", show_default=True,
               help="Architecture for --preset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input tokens.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every timing, stats and the machine.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write one row per variant, cell and phase.")
+@click.option("--report", "--json", "json_path", type=click.Path(dir_okay=False), cls=AliasedOption, aliases=("--json",),
+              help="Write every timing, stats and the machine as JSON ('-': stdout).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False),
+              help="Write one row per variant, cell and phase ('-': stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
 def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, dtype,
           device, threads, checkpoint, preset, arch, seed, json_path, csv_path, plot_path, **engine_options):
@@ -364,14 +390,14 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
-    Writes DIR/bench.json when DIR is given.
+    Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
     from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
     from taperfold.bench.report import require_matplotlib, write_csv, write_plot
     from taperfold.bench.source import resolve_source
     from taperfold.engines import changed_options
     from taperfold.exportdir import canonical_variants
-    from taperfold.fsutil import write_json_atomic
+    from taperfold.fsutil import Output, check_outputs, write_json_atomic
     from taperfold.ui import bench_progress, print_bench
 
     try:
@@ -383,6 +409,10 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     if plot_path:
         require_matplotlib()
     source = resolve_source(export_dir, checkpoint, preset, arch)
+    dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
+    plan = check_outputs([Output(json_path, "--report", stream=True), Output(csv_path, "--csv", stream=True),
+                          Output(plot_path, "--plot", stream=True), Output(dir_report, BENCH_REPORTS[mode])],
+                         inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)])
     engine = engine or ("ort" if export_dir else "torch")
     opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches),
                         seqs=_int_list("--seq", seqs), warmup=warmup, iters=iters, rounds=rounds or min(5, iters),
@@ -392,19 +422,31 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     total = len(cells(opts)) * len(names) * opts.schedule.calls_per_variant()
     with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
         report = run_bench(loaded, on_call)
-    print_bench(report)
-    for path, write in ((json_path, write_json_atomic), (csv_path, write_csv), (plot_path, write_plot)):
+    with plan.human_output():
+        print_bench(report)
+    for path, write in ((json_path, write_json_atomic), (csv_path, write_csv), (plot_path, write_plot),
+                        (dir_report, write_json_atomic)):
         if path:
             write(path, report)
-    if export_dir:
-        write_json_atomic(Path(export_dir) / "bench.json", report)
+
+
+BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json"}  # in the export directory
+
+
+def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
+    """An export directory's files: inputs of bench that its outputs must not overwrite."""
+    folder = Path(export_dir) if export_dir else None
+    if folder is None or not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if p.is_file() and p != keep]
 
 
 # ---- demo --------------------------------------------------------------------------------------------
 
 
 @cli.command()
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-demo", show_default=True)
+@click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-demo",
+              show_default=True, cls=AliasedOption, aliases=("--out",))
 @click.option("--steps", type=click.IntRange(min=10), default=300, show_default=True, help="Training steps.")
 @click.pass_context
 def demo(ctx, out_dir, steps):
@@ -412,10 +454,18 @@ def demo(ctx, out_dir, steps):
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
     from rich.rule import Rule
 
+    from taperfold.exportdir import is_export_dir
+    from taperfold.fsutil import Output, check_outputs, write_errors
     from taperfold.ui import out
 
     root = Path(out_dir)
     ckpt, export_dir = root / "tiny.safetensors", root / "export"
+    if root.is_dir():  # every output checked before the training, as each command does for its own
+        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
+    else:
+        check_outputs([Output(root, "-o", directory="taperfold demo")])
+        with write_errors(root):
+            root.mkdir(parents=True)
     stages = [
         ("1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper", train,
          dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),
@@ -428,21 +478,34 @@ def demo(ctx, out_dir, steps):
               threads=1)),
         ("6/6 bench: KV-cached decoding, ONNX Runtime CPU", bench,
          dict(export_dir=str(export_dir), engine="ort", mode="decode", batches="1", prompt=32, new_tokens=32,
-              warmup=2, iters=4, threads=1, json_path=str(root / "bench-decode.json"))),
+              warmup=2, iters=4, threads=1)),
     ]
+    rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
     for title, command, kwargs in stages:
-        out.print(Rule(title))
+        out.print(Rule(title), width=rule_width)
         ctx.invoke(command, **kwargs)
-    out.print(Rule())
-    out.print(f"done: checkpoint {ckpt}, export {export_dir} (manifest.json, verify.json, bench.json)")
+    out.print(Rule(), width=rule_width)
+    written = ", ".join(sorted(p.name for p in export_dir.glob("*.json")))
+    out.print(f"done: checkpoint {ckpt}, export {export_dir} ({written})")
 
 
 def main() -> None:
+    from taperfold import interrupts
+
+    previous = interrupts.install()  # SIGTERM like SIGINT: temporaries removed, exit 143 (SIGINT: 130)
+    try:
+        _run()
+    finally:
+        interrupts.restore(previous)
+
+
+def _run() -> None:
     try:
         cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("taperfold: aborted", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort as e:
+        signum = getattr(e.__cause__, "signum", None)
+        click.echo("taperfold: aborted" if signum is None else f"taperfold: interrupted ({e.__cause__})", err=True)
+        sys.exit(getattr(e.__cause__, "exit_code", 130))
     except click.ClickException as e:
         e.show()
         sys.exit(2 if e.exit_code == 2 else e.exit_code)
@@ -452,9 +515,17 @@ def main() -> None:
     except NumericMismatch as e:
         click.echo(f"taperfold: FAILED: {e}", err=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         click.echo("taperfold: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(getattr(e, "exit_code", 130))
+    except BrokenPipeError:  # stdout closed early (`| head`): nothing left to say, and no flush error at exit
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except OSError as e:  # a write the checks could not foresee (disk full, I/O error): one line, exit 2
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"taperfold: error: {where}{e.strerror or e}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,14 @@ class Manifest:
         write_json_atomic(self.path, self.data)
 
 
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` holds a taperfold export, which a new export may replace whole."""
+    try:
+        return read_json_object(path / MANIFEST).get("format") == FORMAT
+    except TaperfoldError:
+        return False
+
+
 def read_manifest(export_dir: str | Path) -> Manifest:
     """Read and check DIR/manifest.json; every problem is one line naming the file and the key."""
     export_dir = Path(export_dir)

@@ -1,17 +1,44 @@
-"""Atomic writes: a failed step never leaves a half-written artifact behind."""
+"""Safe outputs: checked before the work, written whole or not at all, never clobbering (docs/guarantees.md).
+
+- `check_outputs` is called by every command before any work: each output's directory must exist and
+  take a new file, no output may be (or overwrite, through a sidecar such as `.data`) an input or
+  another output, and devices, FIFOs and directories are only accepted where they make sense.
+- `atomic_path` writes to a temporary file beside the destination and renames it into place; a
+  symlink is written through (its target is replaced, the link stays), a character device or FIFO is
+  written directly once the content is complete, and `-` means stdout.
+- `atomic_dir` builds a directory in a temporary sibling and swaps it in whole, so that a directory
+  describes exactly one run (no stale files from an earlier one).
+- Any write failure (disk full, quota, file-size limit, I/O error) becomes one `TaperfoldError`
+  naming the destination, which is left as it was; commits run with SIGINT / SIGTERM held.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
+from taperfold import interrupts
 from taperfold.errors import TaperfoldError
+
+STDOUT = "-"
+SPECIAL = {stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFIFO: "FIFO"}
+# Messages of write failures that libraries raise as something other than OSError: torch.save's zip writer
+# ("PytorchStreamWriter failed writing file", "[enforce fail at inline_container.cc] unexpected pos",
+# "basic_ios::clear: iostream error"), safetensors' "IoError(Os { code: 28 ... })".
+_WRITE_FAILURE = re.compile(r"no space left|disk quota|file too large|write failed|failed writing|inline_container|"
+                            r"iostream error|i/?o ?error|errno \d+|os error \d+", re.IGNORECASE)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -22,64 +49,342 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def ensure_writable_dir(path: str | os.PathLike) -> Path:
-    """Create `path` if needed and check we can write there; raise one clear error if not."""
-    p = Path(path)
+def resolve(path: str | os.PathLike) -> Path:
+    """Where a write to `path` lands: symlinks followed (a dangling one to its target's path)."""
+    return Path(os.path.realpath(path))
+
+
+def _kind(path: Path) -> str | None:
+    """None (absent), 'file', 'directory', one of SPECIAL's names, or 'socket'; symlinks followed."""
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     except OSError as e:
-        raise TaperfoldError(f"{p}: cannot create output directory ({e.strerror or e})") from None
-    if not p.is_dir():
-        raise TaperfoldError(f"{p}: output path exists and is not a directory")
-    if not os.access(p, os.W_OK):
-        raise TaperfoldError(f"{p}: output directory is not writable")
-    return p
+        raise TaperfoldError(f"{path}: cannot stat ({e.strerror})") from None
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return SPECIAL.get(stat.S_IFMT(mode), "socket")
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+# ---- checking a command's outputs before any work ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of a command, as the command will write it."""
+
+    path: str | os.PathLike | None  # None: not requested
+    option: str  # how errors name it: "-o", "--report", "verify.json"
+    sidecars: tuple[str, ...] = ()  # files written beside it: ".data" for an ONNX model's weights
+    stream: bool = False  # written in one piece (JSON, CSV, PNG): "-" is stdout; a device or FIFO is written to
+    directory: str | None = None  # a directory written whole: what it holds, e.g. "taperfold export"
+    owned: Callable[[Path], bool] | None = None  # for a directory: is an existing one of ours (replaceable)?
+    overwrite: bool | None = None  # for a directory: replace a non-empty one that is not ours (None: no such option)
+
+
+class OutputPlan:
+    """The checked outputs of one command."""
+
+    def __init__(self, outputs: list[Output]):
+        self.outputs = outputs
+
+    @property
+    def uses_stdout(self) -> bool:
+        return any(str(o.path) == STDOUT for o in self.outputs)
+
+    def human_output(self):
+        """Tables and messages go to stderr while an output is stdout, so that stdout stays parseable."""
+        return contextlib.redirect_stdout(sys.stderr) if self.uses_stdout else contextlib.nullcontext()
+
+
+def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike | None] = ()) -> OutputPlan:
+    """Raise one `TaperfoldError` for the first output that cannot or must not be written."""
+    outputs = [o for o in outputs if o.path is not None]
+    sources = [(str(i), resolve(i)) for i in inputs if i is not None and str(i) != STDOUT]
+    if sum(str(o.path) == STDOUT for o in outputs) > 1:
+        names = " and ".join(o.option for o in outputs if str(o.path) == STDOUT)
+        raise TaperfoldError(f"{names} are both '-' (stdout); give one of them a file name")
+    targets: list[tuple[Path, str]] = []  # every file a regular-file output will replace, and who writes it
+    for o in outputs:
+        if str(o.path) == STDOUT:
+            if not o.stream:
+                raise TaperfoldError(f"{o.option} -: stdout is only for text and JSON outputs; name a file")
+            continue
+        if o.directory:
+            _check_directory(o, sources)
+            continue
+        real = _check_file(o)
+        if real is None:  # a device or FIFO: written to, never replaced
+            continue
+        files = [(real, "", o.option), *((Path(str(real) + s), f"its {s} file ", f"{o.option}'s {s} file")
+                                         for s in o.sidecars)]
+        for path, subject, who in files:
+            for label, source in sources:
+                if _same(path, source):
+                    raise TaperfoldError(f"{o.option} {o.path}: {subject}would overwrite the input {label}; "
+                                         "choose another output path")
+            for other, other_who in targets:
+                if _same(path, other):
+                    raise TaperfoldError(f"{o.option} {o.path}: {subject}is the same file as {other_who} ({path}); "
+                                         "give each output its own path")
+            targets.append((path, who))
+    return OutputPlan(outputs)
+
+
+def _check_file(o: Output) -> Path | None:
+    """The regular file `o` will replace (its real path), or None for a device or FIFO written directly."""
+    name = f"{o.option} {o.path}"
+    link = Path(o.path)
+    if o.sidecars and link.is_symlink():  # readers find the sidecar beside the link, writers beside the target
+        raise TaperfoldError(f"{name}: is a symlink; this output and its {', '.join(o.sidecars)} file must be "
+                             "written as regular files; name the target instead")
+    real = resolve(link)
+    kind = _kind(real)
+    if kind == "directory":
+        raise TaperfoldError(f"{name}: is a directory; name a file")
+    if kind in SPECIAL.values():
+        if not o.stream:
+            raise TaperfoldError(f"{name}: is a {kind}; this output needs a regular file"
+                                 + (f" (its {', '.join(o.sidecars)} file goes beside it)" if o.sidecars else ""))
+        if not os.access(real, os.W_OK):
+            raise TaperfoldError(f"{name}: {kind} is not writable")
+        return None
+    if kind == "socket":
+        raise TaperfoldError(f"{name}: is a socket; name a regular file")
+    if kind == "file" and not os.access(real, os.W_OK):
+        raise TaperfoldError(f"{name}: is read-only; refusing to replace it")
+    _check_can_create_in(real.parent, name)
+    for suffix in o.sidecars:
+        side = Path(str(real) + suffix)
+        if side.is_symlink():
+            raise TaperfoldError(f"{name}: its {suffix} file {side} is a symlink; refusing to replace it")
+        if _kind(side) not in (None, "file"):
+            raise TaperfoldError(f"{name}: its {suffix} file {side} exists and is not a regular file")
+    return real
+
+
+def _check_can_create_in(folder: Path, name: str) -> None:
+    kind = _kind(folder)
+    if kind is None:
+        raise TaperfoldError(f"{name}: directory {folder} does not exist")
+    if kind != "directory":
+        raise TaperfoldError(f"{name}: cannot create output directory {folder}: a file is in the way")
+    try:  # the only test that holds everywhere (/proc, read-only mounts, ACLs, root): create a file
+        fd, probe = tempfile.mkstemp(prefix=".taperfold-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TaperfoldError(f"{name}: cannot create files in {folder} ({e.strerror})") from None
+
+
+def _check_directory(o: Output, sources: list[tuple[str, Path]]) -> None:
+    name = f"{o.option} {o.path}"
+    real = resolve(o.path)
+    kind = _kind(real)
+    if kind is None:
+        ancestor = next(p for p in real.parents if _kind(p) is not None)
+        _check_can_create_in(ancestor, name)
+        return
+    if kind != "directory":
+        raise TaperfoldError(f"{name}: exists and is not a directory")
+    for label, source in sources:
+        if _inside(source, real):
+            raise TaperfoldError(f"{name}: holds the input {label}; writing the {o.directory} directory there "
+                                 "would replace it; choose another directory")
+    if _inside(Path.cwd().resolve(), real):
+        raise TaperfoldError(f"{name}: is the current directory or holds it; choose another directory")
+    if any(real.iterdir()) and not (o.owned and o.owned(real)) and not o.overwrite:
+        raise TaperfoldError(f"{name}: is not empty and is not a {o.directory} directory; choose another"
+                             + (", or pass --overwrite to replace it whole" if o.overwrite is not None else ""))
+    _check_can_create_in(real.parent, name)
+
+
+def onnx_external_files(path: str | os.PathLike) -> list[Path]:
+    """The files an ONNX model keeps initializer data in: inputs that its outputs must not overwrite."""
+    try:
+        import onnx
+
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # unreadable: the loader says why, in one line
+        return []
+
+    def tensors(graph):
+        yield from graph.initializer
+        yield from (s.values for s in graph.sparse_initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                yield from ([attr.t] if attr.HasField("t") else [])
+                for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                    yield from tensors(sub)
+
+    files = {entry.value for t in tensors(proto.graph) for entry in t.external_data if entry.key == "location"}
+    return [Path(path).parent / f for f in sorted(files)]
+
+
+# ---- writing -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def write_errors(dest: str | os.PathLike) -> Iterator[None]:
+    """Any failure to write `dest` (disk full, quota, file-size limit, I/O error) → one TaperfoldError."""
+    try:
+        yield
+    except (TaperfoldError, KeyboardInterrupt):
+        raise
+    except OSError as e:
+        raise TaperfoldError(f"{dest}: cannot write ({e.strerror or e})") from None
+    except Exception as e:
+        text = str(e).strip()
+        if not _WRITE_FAILURE.search(text):
+            raise
+        raise TaperfoldError(f"{dest}: cannot write ({text.splitlines()[-1][:200]})") from None
+
+
+@contextlib.contextmanager
+def _scratch_file(dest) -> Iterator[Path]:
+    """A private temporary file for content that is then written to stdout, a device or a FIFO."""
+    folder = Path(tempfile.mkdtemp(prefix="taperfold-"))
+    try:
+        yield folder / Path(str(dest)).name
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iterator[Path]:
-    """Yield a temporary path in dest's directory; on success rename it (and sidecars) over dest.
+    """Yield a temporary path; once the body is done, put its content at dest (see the module docstring).
 
     `sidecars` are suffixes of files written next to the temporary path that must travel with it,
     e.g. ".data" for an ONNX model's external data (`tmp.onnx.data` -> `dest.onnx.data`).
     On any exception every temporary file is removed and dest is left as it was.
     """
-    dest = Path(dest)
-    ensure_writable_dir(dest.parent if str(dest.parent) else ".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    if sidecars and Path(dest).is_symlink():
+        raise TaperfoldError(f"{dest}: is a symlink; a file with a {', '.join(sidecars)} file beside it is written "
+                             "as a regular file; name the target instead")
+    real = None if str(dest) == STDOUT else resolve(dest)
+    kind = None if real is None else _kind(real)
+    if real is None or kind in SPECIAL.values():
+        if sidecars:
+            raise TaperfoldError(f"{dest}: is {'stdout' if real is None else 'a ' + kind}; this output needs a "
+                                 "regular file")
+        with _scratch_file(dest) as tmp, write_errors(dest):
+            yield tmp
+            data = tmp.read_bytes() if tmp.exists() else b""
+            with interrupts.deferred():
+                _write_stream(real, data)
+        return
+    if kind == "directory":
+        raise TaperfoldError(f"{dest}: is a directory")
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TaperfoldError(f"{dest}: cannot create output directory {real.parent} ({e.strerror})") from None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+    except OSError as e:
+        raise TaperfoldError(f"{dest}: cannot write in {real.parent} ({e.strerror})") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        umask = os.umask(0)
-        os.umask(umask)
-        for suffix in sidecars:
-            side, final = Path(str(tmp_path) + suffix), Path(str(dest) + suffix)
-            if side.exists():
-                os.replace(side, final)
-            elif final.exists():  # the new file has no sidecar: a stale one would mislead
-                final.unlink()
-        if tmp_path.exists():
-            os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the usual mode
-        os.replace(tmp_path, dest)
+        with write_errors(dest):
+            yield tmp_path
+            umask = os.umask(0)
+            os.umask(umask)
+            if tmp_path.exists():
+                os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the usual mode
+            with interrupts.deferred():  # all renames or none
+                for suffix in sidecars:
+                    side, final = Path(str(tmp_path) + suffix), Path(str(real) + suffix)
+                    if side.exists():
+                        os.replace(side, final)
+                    elif final.exists():  # the new file has no sidecar: a stale one would mislead
+                        final.unlink()
+                os.replace(tmp_path, real)
     finally:
         for p in [tmp_path, *(Path(str(tmp_path) + s) for s in sidecars)]:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 
 
+def _write_stream(real: Path | None, data: bytes) -> None:
+    if real is None:
+        sys.stdout.flush()
+        buffer = getattr(sys.stdout, "buffer", None)
+        if buffer is not None:
+            buffer.write(data)
+            buffer.flush()
+        else:  # a text stream (captured in tests)
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+        return
+    with open(real, "wb") as f:  # a device or FIFO: written, never replaced
+        f.write(data)
+
+
 @contextlib.contextmanager
 def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
-    """Build a directory's files in a temporary sibling, then move each into dest on success."""
-    dest = Path(dest)
-    ensure_writable_dir(dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent if str(dest.parent) else "."))
+    """Build a directory in a temporary sibling; on success it replaces dest whole (an existing dest's
+    files do not survive). On any exception dest is left as it was and the temporary is removed."""
+    real = resolve(dest)
     try:
-        yield tmp
-        for item in sorted(tmp.iterdir()):
-            os.replace(item, dest / item.name)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
+    except OSError as e:
+        raise TaperfoldError(f"{dest}: cannot create a directory in {real.parent} ({e.strerror})") from None
+    try:
+        with write_errors(dest):
+            yield tmp
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+            with interrupts.deferred():
+                if _kind(real) is None:
+                    os.rename(tmp, real)
+                elif not real.is_dir():
+                    raise TaperfoldError(f"{dest}: exists and is not a directory")
+                else:
+                    _swap(tmp, real)  # tmp now holds the old contents, removed below
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(a: Path, b: Path) -> None:
+    """Exchange two directories: atomically where the kernel can (renameat2), else in two renames."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(code, os.strerror(code), str(b))
+    old = Path(tempfile.mkdtemp(prefix=f".{b.name}.", suffix=".old", dir=b.parent))
+    os.rename(b, old / b.name)
+    try:
+        os.rename(a, b)
+    except OSError:
+        os.rename(old / b.name, b)
+        raise
+    os.rename(old / b.name, a)  # the old contents take a's name, as after an exchange
+    os.rmdir(old)
 
 
 def read_json_object(path: str | os.PathLike) -> dict:

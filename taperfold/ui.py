@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -12,8 +13,8 @@ from taperfold.bench.report import UNIT, report_phases, report_variants
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
-if not out.is_terminal:  # piped or captured: don't squeeze tables into 80 columns
-    out.width = 160
+if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or captured: no 80-column squeeze, no wrapping
+    out.width, out.soft_wrap = 240, True
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def print_inspect(info: dict) -> None:
               + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else ""))
     table = Table(show_lines=False)
     for col in ("norm", "kind", "gate", "c", "γ̃ min", "γ̃ max", "folds into", "foldable"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "norm")
     for n in info["norms"]:
         readers = ", ".join(r.rsplit(".", 1)[-1] for r in n["folds_into"]) or "-"
         verdict = "[green]yes[/]" if n["foldable"] else f"[yellow]no[/]: {n['reason']}"

@@ -13,5 +13,7 @@ def test_demo_runs_every_stage(cli, tmp_path):
     assert json.loads((export / "verify.json").read_text())["passed"] is True
     manifest = json.loads((export / "manifest.json").read_text())
     assert manifest["gate"] == 0.0 and manifest["fold_report"]["summary"]["folded"] == 8
-    decode = json.loads((out / "bench-decode.json").read_text())
+    decode = json.loads((export / "bench-decode.json").read_text())
     assert {r["phase"] for r in decode["results"]} == {"prefill", "decode"}
+    assert json.loads((export / "bench.json").read_text())["mode"] == "prefill"  # not overwritten by decode
+    assert "(bench-decode.json, bench.json, manifest.json, verify.json)" in result.stdout.splitlines()[-1]
