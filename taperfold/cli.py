@@ -239,16 +239,19 @@ def _int_list(option: str, text: str) -> list[int]:
 
 
 def _engine_options(command):
-    """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph)."""
-    for engine in reversed(ENGINES.values()):
-        for option in reversed(engine.options):
-            help_text = f"--engine {engine.name}: {option.help}"
-            if option.choices:
-                decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
-                                        default=option.default, show_default=True, help=help_text)
-            else:
-                decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
-            command = decorate(command)
+    """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph); an option
+    several engines share (--cuda-graph) is one flag."""
+    from taperfold.engines import all_options
+
+    for option in reversed(all_options().values()):
+        owners = "/".join(e.name for e in ENGINES.values() if option in e.options)
+        help_text = f"--engine {owners}: {option.help}"
+        if option.choices:
+            decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
+                                    default=option.default, show_default=True, help=help_text)
+        else:
+            decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
+        command = decorate(command)
     return command
 
 
