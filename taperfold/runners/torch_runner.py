@@ -22,6 +22,7 @@ copies nothing. Outputs are the graph's buffers: valid until the next call with 
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 from dataclasses import dataclass
@@ -197,6 +198,9 @@ class TorchRunner(Runner):
 
     def _compile_call(self, prepared) -> None:
         """The first call on a shape compiles (dynamo, then inductor); dynamo's errors become one line."""
+        dynamo_log = logging.getLogger("torch._dynamo")
+        level = dynamo_log.level
+        dynamo_log.setLevel(logging.ERROR)  # its multi-line recompile warnings: the error below says it in one
         try:
             self._forward(prepared)
         except Exception as e:  # dynamo raises many types (Unsupported, FailOnRecompileLimitHit, BackendCompilerFailed)
@@ -204,6 +208,8 @@ class TorchRunner(Runner):
                 raise self.error(f"torch.compile failed instead of falling back to eager "
                                  f"({type(e).__name__}: {first_line(e)})") from None
             raise
+        finally:
+            dynamo_log.setLevel(level)
 
     def _capture(self, prepared: dict[str, torch.Tensor]) -> _Graph:
         """Warm up on a side stream, then capture one call (torch.cuda.graphs, 'whole network capture')."""
