@@ -192,7 +192,7 @@ def print_bench(report: dict) -> None:
     out.print(f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
               f"first run reported apart; {report['seconds']:.0f} s")
     if report.get("cuda_graph"):
-        out.print("rows marked [cuda graph] time replays of one captured CUDA graph per shape; the others run "
+        out.print("rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run "
                   "plainly", highlight=False)
     if report.get("compile"):
         out.print(f"every model torch.compile'd on its own (mode {report['compile_mode']}, no fallback to eager)",

@@ -105,7 +105,7 @@ def shape_count(opts: BenchOptions) -> int:
     return len(cells(opts)) * (1 + opts.new_tokens if opts.mode == "decode" else 1)
 
 
-GRAPH_LABEL = " [cuda graph]"
+GRAPH_LABEL = " (cuda graph)"
 
 
 def runner_label(variant: str, execution: str) -> str:

@@ -20,19 +20,19 @@ def report_phases(report: dict) -> list[str]:
 
 
 def row_label(row: dict) -> str:
-    """The variant, marked " [cuda graph]" when the row times CUDA-graph replays (rows before labels: the variant)."""
+    """The variant, marked " (cuda graph)" when the row times CUDA-graph replays (rows before labels: the variant)."""
     return row.get("label", row["variant"])
 
 
 def report_variants(report: dict) -> list[str]:
-    """The runners of a report, by label: `folded`, `folded [cuda graph]`, ..."""
+    """The runners of a report, by label: `folded`, `folded (cuda graph)`, ..."""
     return list(dict.fromkeys(row_label(r) for r in report["results"]))
 
 
 def baseline_label(label: str) -> str:
     """The label of the baseline a runner's speedup is measured against (same execution)."""
-    variant, marked, rest = label.partition(" [")
-    return "baseline" + (f" [{rest}" if marked else "")
+    variant, marked, rest = label.partition(" (")
+    return "baseline" + (f" ({rest}" if marked else "")
 
 
 def csv_rows(report: dict) -> list[dict]:
