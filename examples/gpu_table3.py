@@ -87,15 +87,22 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     from taperfold.exportdir import torch_dtype
     from taperfold.variants import without_norms
 
+    import onnx
+
     manifest_path = export_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     exported = manifest["export"]
-    opts = ExportOptions(logits=exported["logits"], dtype=exported["dtype"], opset=exported.get("opset", 20))
-    model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(opts.dtype)).eval()
+    model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(exported["dtype"])).eval()
     with torch.no_grad():
-        for decoder, key, name in ((False, "nonorm", "nonorm.onnx"), (True, "nonorm.decoder", "nonorm.decoder.onnx")):
+        for decoder, key in ((False, "nonorm"), (True, "nonorm.decoder")):
+            folded = export_dir / manifest["artifacts"]["folded.decoder" if decoder else "folded"]["path"]
+            # the same opset as the folded graph it is compared with (export may pick one per graph)
+            opset = next(o.version for o in onnx.load(folded, load_external_data=False).opset_import
+                         if o.domain in ("", "ai.onnx"))
+            opts = ExportOptions(logits=exported["logits"], dtype=exported["dtype"], opset=opset)
+            name = key + ".onnx"
             ir.save(export_to_ir(model, opts, decoder), export_dir / name, external_data=name + ".data")
-            manifest["artifacts"][key] = {"path": name}
+            manifest["artifacts"][key] = {"path": name, "opset": opset}
     manifest_path.write_text(json.dumps(manifest, indent=2))
 
 

@@ -92,3 +92,18 @@ def test_every_planned_command_parses(table3, tmp_path, cli):
         r = cli(*argv[3:])
         assert r.exit_code == 2 and r.stderr.startswith("taperfold: error: "), (name, r.stderr)
         assert "No such option" not in r.stderr and r.stderr.count("\n") == 1, (name, r.stderr)
+
+
+@pytest.mark.slow
+def test_add_nonorm_exports_the_reference_that_bench_runs(table3, tiny_export, tiny_checkpoint, tmp_path, cli):
+    import json
+
+    export = shutil.copytree(tiny_export, tmp_path / "export")
+    table3.add_nonorm(export, tiny_checkpoint)
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["artifacts"]["nonorm"]["path"] == "nonorm.onnx"
+    assert manifest["artifacts"]["nonorm.decoder"]["path"] == "nonorm.decoder.onnx"
+    r = cli("bench", export, "--engine", "ort", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8",
+            "--iters", "1", "--warmup", "0", "--threads", "1", "--json", tmp_path / "b.json")
+    assert r.exit_code == 0, r.stderr
+    assert [row["variant"] for row in json.loads((tmp_path / "b.json").read_text())["results"]] == ["folded", "nonorm"]

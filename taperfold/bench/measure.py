@@ -178,9 +178,9 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
             samples = run_rounds(jobs, schedule, on_call)
             rows = [_row("prefill", name, batch, seq, samples.first[name], samples.timed[name]) for name in runners]
         for row in rows:
-            runner = runners[row.pop("runner")]
-            row["execution"] = execution_of(runner)
-            row["setup_s"] = _setup_since(runner, marks[runner_label(row["variant"], row["execution"])])
+            name = row.pop("runner")
+            row["execution"] = execution_of(runners[name])
+            row["setup_s"] = _setup_since(runners[name], marks[name])
         results += rows
     _add_speedups(results)
     threshold = cv_threshold_pct(opts.device)
