@@ -362,3 +362,117 @@ def test_nonorm_reference_has_no_tapered_norm_and_benches_next_to_folded(tmp_pat
             "--warmup", "0", "--json", tmp_path / "n.json")
     assert r.exit_code == 0, r.stderr
     assert [row["variant"] for row in json.loads((tmp_path / "n.json").read_text())["results"]] == ["folded", "nonorm"]
+
+
+class _ReplayOnCpu:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay recomputes from the static inputs into the static
+    outputs, as a replayed graph does, so the runner's bookkeeping (static buffers per shape, copies, the decode
+    chain) can be checked without a GPU."""
+
+    def __init__(self, runner, inputs, outputs):
+        self.runner, self.inputs, self.outputs = runner, inputs, outputs
+
+    def replay(self):
+        fresh = self.runner._forward(self.inputs)
+        with torch.inference_mode():
+            for name, t in self.outputs.items():
+                t.copy_(fresh[name])
+
+
+def _graph_runner_on_cpu(model, **kwargs):
+    from taperfold.runners import torch_runner
+
+    runner = TorchRunner(model, **kwargs)
+    runner.cuda_graph = True  # the constructor refuses it off CUDA; the capture below needs no CUDA
+
+    def capture(prepared):
+        outputs = runner._forward(prepared)
+        return torch_runner._Graph(_ReplayOnCpu(runner, dict(prepared), outputs), dict(prepared), outputs)
+
+    runner._capture = capture
+    return runner
+
+
+def test_graph_bookkeeping_prefill_copies_new_inputs_into_the_static_ones(tiny_model):
+    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+    with _graph_runner_on_cpu(model) as runner:
+        assert runner.execution == "cuda-graph"
+        statics = []
+        for seed in (0, 1, 2):
+            ids = _ids(model.cfg.vocab_size, (2, 12), seed)
+            prepared = runner.prepare({"input_ids": ids})
+            out, _ = runner.timed_run(prepared)
+            statics.append(prepared["input_ids"])
+            np.testing.assert_allclose(out["logits"].numpy(), _cpu_logits(model, ids), rtol=1e-5, atol=1e-6)
+        assert statics[1] is statics[0] and statics[2] is statics[0]  # one static input buffer for the shape
+        assert [kind for kind, _, _ in runner.setup_log] == ["capture"]
+
+
+def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_model):
+    model = build_variants(tiny_model, ["baseline"], torch.float32)["baseline"]
+    prompt = _ids(model.cfg.vocab_size, (2, 7))
+    with TorchRunner(model, decoder=True) as eager:
+        expected = generate(eager, prompt, steps=4, cfg=model.cfg, dtype="fp32")
+    with _graph_runner_on_cpu(model, decoder=True) as runner:
+        for _ in range(2):
+            gen = generate(runner, prompt, steps=4, cfg=model.cfg, dtype="fp32")
+            np.testing.assert_array_equal(gen.tokens, expected.tokens)
+            np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
+        assert len(runner.setup_log) == 5  # prompt + 4 step shapes, captured in the first generation only
+        graphs = list(runner._graphs.values())
+        for before, after in zip(graphs, graphs[1:]):  # each step reads the previous step's presents in place
+            assert all(after.inputs[f"past_key_values.{i}.key"] is before.outputs[f"present.{i}.key"]
+                       for i in range(model.cfg.n_layers))
+
+
+def _ort_slots_on_cpu(path):
+    from taperfold.runners.ort import OrtRunner
+
+    runner = OrtRunner(path, device="cpu", threads=1)
+    load = runner._load
+
+    def load_on_cpu():  # a plain CPU session (no enable_cuda_graph), then slots kept on the CPU
+        load()
+        runner.cuda_graph, runner._slot_device = True, "cpu"  # the CPU EP ignores gpu_graph_id
+
+    runner._load = load_on_cpu
+    return runner
+
+
+def test_ort_slot_bookkeeping_prefill(tiny_export):
+    from taperfold.runners.ort import GraphSlot, OrtRunner
+
+    ids = [_ids(256, (2, 10), seed) for seed in (0, 1, 2)]
+    with OrtRunner(tiny_export / "model.onnx", threads=1) as plain:
+        expected = [plain.infer({"input_ids": x})["logits"] for x in ids]
+    with _ort_slots_on_cpu(tiny_export / "model.onnx") as runner:
+        slots = []
+        for x, want in zip(ids, expected):
+            prepared = runner.prepare({"input_ids": x})
+            out, _ = runner.timed_run(prepared)
+            np.testing.assert_allclose(runner.to_numpy(out["logits"]), want, rtol=1e-5, atol=1e-6)
+            slots.append(prepared)
+        assert isinstance(slots[1], GraphSlot) and slots[2] is slots[1]  # one slot per shape, new values written in
+        assert [kind for kind, _, _ in runner.setup_log] == ["capture"]
+        assert slots[1].run_options.get_run_config_entry("gpu_graph_id") == "1"
+
+
+def test_ort_slot_bookkeeping_decode_chains_steps(tiny_export):
+    from taperfold.models import ModelConfig
+    from taperfold.runners.ort import OrtRunner
+
+    cfg = ModelConfig.from_dict(json.loads((tiny_export / "manifest.json").read_text())["config"])
+    prompt = _ids(cfg.vocab_size, (2, 7))
+    path = tiny_export / "model.decoder.onnx"
+    with OrtRunner(path, threads=1) as plain:
+        expected = generate(plain, prompt, steps=4, cfg=cfg, dtype="fp32")
+    with _ort_slots_on_cpu(path) as runner:
+        for _ in range(2):
+            gen = generate(runner, prompt, steps=4, cfg=cfg, dtype="fp32")
+            np.testing.assert_array_equal(gen.tokens, expected.tokens)
+            np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
+        assert len(runner.setup_log) == 5  # the prompt and 4 step shapes, each with its own graph id
+        slots = list(runner._slots.values())
+        assert [s.run_options.get_run_config_entry("gpu_graph_id") for s in slots] == ["1", "2", "3", "4", "5"]
+        for before, after in zip(slots, slots[1:]):  # each step's cache inputs are the previous step's outputs
+            assert after.inputs["past_key_values.0.key"] is before.outputs["present.0.key"]

@@ -136,10 +136,11 @@ class TorchRunner(Runner):
             out[name] = t.to(self.device, non_blocking=True)
         captured = self._graphs.get(_signature(out)) if self.cuda_graph else None
         if captured is not None:
-            for name, t in out.items():
-                static = captured.inputs[name]
-                if t.data_ptr() != static.data_ptr():  # a fed-back present is the static input already
-                    static.copy_(t)
+            with torch.inference_mode():  # static inputs may be a graph's outputs: inference tensors
+                for name, t in out.items():
+                    static = captured.inputs[name]
+                    if t.data_ptr() != static.data_ptr():  # a fed-back present is the static input already
+                        static.copy_(t)
             return dict(captured.inputs)
         return out
 
