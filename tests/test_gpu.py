@@ -279,6 +279,21 @@ def test_compile_on_cuda_without_fallback(tiny_model, mode):
 
 
 @pytest.mark.gpu
+@needs_cuda
+def test_compile_reduce_overhead_decoding_matches_eager(tiny_model):
+    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+    prompt = _ids(model.cfg.vocab_size, (2, 9))
+    with TorchRunner(model, device="cuda", decoder=True) as eager:
+        expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+    with TorchRunner(model, device="cuda", decoder=True, compile=True, compile_mode="reduce-overhead",
+                     shapes=7) as runner:
+        for _ in range(2):
+            gen = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+            np.testing.assert_array_equal(gen.tokens, expected.tokens)
+            np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
 @needs_ort_cuda
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_ort_cuda_with_iobinding_matches_the_cpu(tiny_export, cuda_graph):

@@ -107,3 +107,24 @@ def test_add_nonorm_exports_the_reference_that_bench_runs(table3, tiny_export, t
             "--iters", "1", "--warmup", "0", "--threads", "1", "--json", tmp_path / "b.json")
     assert r.exit_code == 0, r.stderr
     assert [row["variant"] for row in json.loads((tmp_path / "b.json").read_text())["results"]] == ["folded", "nonorm"]
+
+
+def test_a_failed_graph_run_is_rerun_eager_only_and_indexed(table3, tmp_path, monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    calls = []
+
+    def fake_run(argv, stdout, stderr, env):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1 if "--cuda-graph" in argv else 0)
+
+    monkeypatch.setattr(table3.subprocess, "run", fake_run)
+    argv = [sys.executable, "-m", "taperfold", "bench", "DIR", "--cuda-graph", "--json", str(tmp_path / "x.json")]
+    index = table3.run_benches(tmp_path, [("ort-bf16-prefill-eager-graph", argv)], env={})
+    assert calls[1] == [a for a in argv[:-1] if a != "--cuda-graph"] + [str(tmp_path / "ort-bf16-prefill-eager-only.json")]
+    assert {n: r["exit_code"] for n, r in index.items()} == {"ort-bf16-prefill-eager-graph": 1,
+                                                             "ort-bf16-prefill-eager-only": 0}
+    assert json.loads((tmp_path / "runs.json").read_text()) == index
+    assert index["ort-bf16-prefill-eager-only"]["command"].startswith("taperfold bench DIR --json")
