@@ -297,6 +297,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
+      taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
+      taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
     Writes DIR/bench.json when DIR is given.
     """
     from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
@@ -322,7 +324,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
                         mode=mode, prompt=prompt, new_tokens=new_tokens, dtype=dtype,
                         device=device or ENGINES[engine].default_device, threads=threads,
                         engine_options=changed_options(engine_options), seed=seed)
-    total = len(cells(opts)) * len(names) * opts.schedule.calls_per_variant()
+    runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
+    total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
     with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
         report = run_bench(loaded, on_call)
     print_bench(report)
