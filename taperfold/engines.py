@@ -146,8 +146,12 @@ def _trt_unavailable(device: str) -> str | None:
 
 def _plan_files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
     """Engines of `variants`, built from their ONNX graphs when missing or stale."""
+    from taperfold.exportdir import REFERENCE_VARIANTS
     from taperfold.trt_build import ensure_engines
 
+    for variant in variants:
+        if variant in REFERENCE_VARIANTS:
+            raise TaperfoldError(f"--engine trt builds no engine for the reference variant {variant!r}")
     _onnx_files(manifest, variants, decoder=False)  # the engines are built from these: name a missing one
     return ensure_engines(manifest.directory, variants)
 
