@@ -31,12 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
 from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names
 from taperfold.models import CausalLM
 from taperfold.runners.base import InputSpec, Runner
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 @dataclass
