@@ -332,16 +332,19 @@ def _int_list(option: str, text: str) -> list[int]:
 
 
 def _engine_options(command):
-    """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph)."""
-    for engine in reversed(ENGINES.values()):
-        for option in reversed(engine.options):
-            help_text = f"--engine {engine.name}: {option.help}"
-            if option.choices:
-                decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
-                                        default=option.default, show_default=True, help=help_text)
-            else:
-                decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
-            command = decorate(command)
+    """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph); an option
+    several engines share (--cuda-graph) is one flag."""
+    from taperfold.engines import all_options
+
+    for option in reversed(all_options().values()):
+        owners = "/".join(e.name for e in ENGINES.values() if option in e.options)
+        help_text = f"--engine {owners}: {option.help}"
+        if option.choices:
+            decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
+                                    default=option.default, show_default=True, help=help_text)
+        else:
+            decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
+        command = decorate(command)
     return command
 
 
@@ -390,6 +393,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
+      taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
+      taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
     from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
@@ -419,7 +424,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
                         mode=mode, prompt=prompt, new_tokens=new_tokens, dtype=dtype,
                         device=device or ENGINES[engine].default_device, threads=threads,
                         engine_options=changed_options(engine_options), seed=seed)
-    total = len(cells(opts)) * len(names) * opts.schedule.calls_per_variant()
+    runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
+    total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
     with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
         report = run_bench(loaded, on_call)
     with plan.human_output():

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from taperfold.bench.report import UNIT, report_phases, report_variants
+from taperfold.bench.report import UNIT, baseline_label, report_phases, report_variants, row_label
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -163,10 +163,10 @@ def throughput_table(report: dict, phase: str) -> Table:
     variants = report_variants(report)
     for v in variants:
         table.add_column(v, justify="right")
-    speedup_of = [v for v in variants if v != "baseline"] if "baseline" in variants else []
+    speedup_of = [v for v in variants if not v.startswith("baseline") and baseline_label(v) in variants]
     for v in speedup_of:
         table.add_column(f"{v} ×", justify="right")
-    rows = {(r["batch"], r["seq"], r["variant"]): r for r in report["results"] if r["phase"] == phase}
+    rows = {(r["batch"], r["seq"], row_label(r)): r for r in report["results"] if r["phase"] == phase}
     for batch, seq in dict.fromkeys((b, s) for b, s, _ in rows):
         cells = [f"{rows[batch, seq, v]['tokens_per_s'] / scale:.1f}" for v in variants]
         cells += [f"{rows[batch, seq, v]['speedup_vs_baseline']:.3f}" for v in speedup_of]
@@ -183,7 +183,7 @@ def detail_table(report: dict) -> Table:
     for r in report["results"]:
         s = r["stats_ms"]
         cv = f"{s['cv_pct']:.1f}"
-        table.add_row(r["phase"], r["variant"], str(r["batch"]), str(r["seq"]), str(s["n"]),
+        table.add_row(r["phase"], row_label(r), str(r["batch"]), str(r["seq"]), str(s["n"]),
                       *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
                       f"[yellow]{cv}[/]" if s["cv_pct"] > threshold else cv, f"{r['first_run_ms']:.3f}")
     return table
@@ -198,6 +198,15 @@ def print_bench(report: dict) -> None:
     s = report["settings"]
     out.print(f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
               f"first run reported apart; {report['seconds']:.0f} s")
+    if report.get("cuda_graph"):
+        out.print("rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run "
+                  "plainly", highlight=False)
+    if report.get("compile"):
+        out.print(f"every model torch.compile'd on its own (mode {report['compile_mode']}, no fallback to eager)",
+                  highlight=False)
+    for label, kinds in report.get("setup_s", {}).items():
+        spent = ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in kinds.items())
+        out.print(f"{label}: {spent} (one-off, not in the timings)", highlight=False)
     for warning in report["warnings"]:
         err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     if report["warnings"]:

@@ -104,6 +104,18 @@ def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None
     reader.weight.copy_((new_w if conv else new_w.T).to(reader.weight.dtype))
 
 
+def without_norms(model: CausalLM) -> CausalLM:
+    """The zero-residue reference (variant `nonorm`): the model with nothing where it has a tapered norm, its weights
+    copied unscaled. A timing reference, not the same function; norms that do not taper (Internal-Taper's final
+    norm) stay, as they stay in the folded model, so that folded vs nonorm measures what the fold leaves behind."""
+    bare = copy.deepcopy(model)
+    modules = dict(bare.named_modules())
+    for name in model.tapered_norms():
+        parent_name, _, attr = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else bare, attr, nn.Identity())
+    return bare
+
+
 @torch.no_grad()
 def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overrides) -> CausalLM:
     """A preset (with config `overrides`) at g = 0 with random weights, and random c and γ̃ in every tapered
@@ -129,6 +141,6 @@ def build_variants(tapered: CausalLM, names: list[str], dtype: torch.dtype) -> d
         return hf_variants(tapered, names, dtype)
     build = {"baseline": lambda: baseline_of(tapered), "unfolded": lambda: tapered,
              "folded": lambda: fold_model_in_torch(tapered),
-             "baseline-decomposed": lambda: decomposed_baseline_of(tapered)}
+             "baseline-decomposed": lambda: decomposed_baseline_of(tapered), "nonorm": lambda: without_norms(tapered)}
     models = {name: build[name]() for name in names}
     return {name: m.to(dtype).eval() for name, m in models.items()}

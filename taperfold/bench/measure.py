@@ -91,7 +91,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     runners = open_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
-                           dtype=dtype, threads=threads, options=opts.engine_options)
+                           dtype=dtype, threads=threads, options=opts.engine_options, shapes=shape_count(opts))
     try:
         yield LoadedBench(source, opts, source.config, dtype, threads, runners)
     finally:
@@ -99,10 +99,30 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
             runner.close()
 
 
+def shape_count(opts: BenchOptions) -> int:
+    """Distinct input shapes one runner sees: a cell each in prefill; in decode the prompt and every step
+    (the cache grows by one each step) per batch size."""
+    return len(cells(opts)) * (1 + opts.new_tokens if opts.mode == "decode" else 1)
+
+
+GRAPH_LABEL = " (cuda graph)"
+
+
+def runner_label(variant: str, execution: str) -> str:
+    """How reports name a runner: the variant, marked when its rows are CUDA-graph replays."""
+    return variant + (GRAPH_LABEL if execution == "cuda-graph" else "")
+
+
+def execution_of(runner: Runner) -> str:
+    return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
+
+
 def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool, device: str, dtype: str,
-                 threads: int, options: dict) -> dict[str, Runner]:
-    """Build and load one runner per variant, all up front, before anything is timed."""
-    check_options(engine, options)
+                 threads: int, options: dict, shapes: int | None = None) -> dict[str, Runner]:
+    """Build and load one runner per variant, all up front, before anything is timed. With `cuda_graph`, two per
+    variant: the plain one and one that replays CUDA graphs (keyed `runner_label(variant, "cuda-graph")`),
+    measured side by side."""
+    check_options(engine, options, device)
     engine.require(device)
     if decoder and not engine.decodes:
         others = " or ".join(f"--engine {e}" for e, spec in ENGINES.items() if spec.decodes)
@@ -117,9 +137,14 @@ def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder
         targets = engine.files(source.manifest, variants, decoder)
     else:
         targets = build_variants(source.tapered_model(), variants, torch_dtype(dtype))
-    runners = {name: engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
-                                   name=f"{name} ({source.label})", **options)
-               for name, target in targets.items()}
+    kinds = [False, True] if options.get("cuda_graph") else [False]
+    runners = {}
+    for name, target in targets.items():
+        for graph in kinds:
+            kind = {**options, "cuda_graph": True} if graph else {k: v for k, v in options.items() if k != "cuda_graph"}
+            runner = engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
+                                   name=f"{name} ({source.label})", shapes=shapes, **kind)
+            runners[runner_label(name, "cuda-graph" if graph else "eager")] = runner
     loaded = []
     try:
         for runner in runners.values():
@@ -141,17 +166,22 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
     started = time.time()
     for batch, seq in cells(opts):
         ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
+        marks = {name: len(getattr(r, "setup_log", ())) for name, r in runners.items()}
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
             jobs = {name: (lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype)) for name, r in runners.items()}
-            results += _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
+            rows = _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
         else:
             prepared = {name: r.prepare({INPUT: ids}) for name, r in runners.items()}
             jobs = {name: (lambda r=r, p=prepared[name]: r.timed_run(p)[1]) for name, r in runners.items()}
             samples = run_rounds(jobs, schedule, on_call)
-            results += [_row("prefill", name, batch, seq, samples.first[name], samples.timed[name])
-                        for name in runners]
+            rows = [_row("prefill", name, batch, seq, samples.first[name], samples.timed[name]) for name in runners]
+        for row in rows:
+            name = row.pop("runner")
+            row["execution"] = execution_of(runners[name])
+            row["setup_s"] = _setup_since(runners[name], marks[name])
+        results += rows
     _add_speedups(results)
     threshold = cv_threshold_pct(opts.device)
     return {
@@ -165,6 +195,11 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "dtype": bench.dtype,
         "threads": bench.threads,
         "compile": bool(opts.engine_options.get("compile")),
+        "compile_mode": opts.engine_options.get("compile_mode", "default") if opts.engine_options.get("compile")
+        else None,
+        "cuda_graph": bool(opts.engine_options.get("cuda_graph")),
+        "executions": list(dict.fromkeys(r["execution"] for r in results)),
+        "setup_s": _setup_totals(results),
         "engine_options": opts.engine_options,
         "source": bench.source.to_dict(),
         "config": cfg.to_dict(),
@@ -181,9 +216,34 @@ def _ms(seconds) -> list:
     return [round(s * 1e3, 6) for s in seconds]
 
 
-def _row(phase: str, variant: str, batch: int, seq: int, first_s: float, times_s: list[float]) -> dict:
+def _setup_since(runner: Runner, mark: int) -> dict:
+    """One-off work of `runner` (compiles, graph captures) logged since `mark`, seconds per kind: never timed."""
+    totals: dict[str, float] = {}
+    for kind, _, seconds in getattr(runner, "setup_log", [])[mark:]:
+        totals[kind] = round(totals.get(kind, 0.0) + seconds, 6)
+    return totals
+
+
+def _setup_totals(rows: list[dict]) -> dict:
+    """Seconds of one-off work per runner label and kind, over every cell (a decode cell's work counted once)."""
+    totals: dict[str, dict] = {}
+    seen = set()
+    for r in rows:
+        key = (r["label"], r["batch"], r["seq"])
+        if key in seen:
+            continue
+        seen.add(key)
+        for kind, seconds in r["setup_s"].items():
+            per = totals.setdefault(r["label"], {})
+            per[kind] = round(per.get(kind, 0.0) + seconds, 6)
+    return totals
+
+
+def _row(phase: str, label: str, batch: int, seq: int, first_s: float, times_s: list[float]) -> dict:
     stats = summarize(times_s)
-    return {"phase": phase, "variant": variant, "batch": batch, "seq": seq, "tokens": batch * seq,
+    variant = label.removesuffix(GRAPH_LABEL)
+    return {"phase": phase, "variant": variant, "label": label, "runner": label, "batch": batch, "seq": seq,
+            "tokens": batch * seq,
             "first_run_ms": round(first_s * 1e3, 6), "times_ms": _ms(times_s),
             "stats_ms": stats.scaled(1e3).to_dict(), "tokens_per_s": batch * seq / stats.median}
 
@@ -195,7 +255,8 @@ def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
         rows.append(_row("prefill", name, batch, prompt, first.prefill_s, [g.prefill_s for g in gens]))
         totals = [sum(g.step_s) for g in gens]
         per_token = summarize([s for g in gens for s in g.step_s])
-        rows.append({"phase": "decode", "variant": name, "batch": batch, "seq": prompt, "new_tokens": steps,
+        rows.append({"phase": "decode", "variant": name.removesuffix(GRAPH_LABEL), "label": name, "runner": name,
+                     "batch": batch, "seq": prompt, "new_tokens": steps,
                      "tokens": batch * steps, "first_run_ms": round(sum(first.step_s) * 1e3, 6),
                      "times_ms": [_ms(g.step_s) for g in gens], "generation_ms": _ms(totals),
                      "stats_ms": per_token.scaled(1e3).to_dict(),
@@ -204,13 +265,17 @@ def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    """speedup = variant throughput / baseline throughput in the same cell and phase (None without a baseline)."""
-    base = {(r["phase"], r["batch"], r["seq"]): r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
+    """speedup = variant throughput / baseline throughput in the same cell, phase and execution (graph replays
+    against the baseline's graph replays), None without a baseline."""
+    def key(r):
+        return r["phase"], r["batch"], r["seq"], r["execution"]
+
+    base = {key(r): r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
     for r in rows:
-        ref = base.get((r["phase"], r["batch"], r["seq"]))
+        ref = base.get(key(r))
         r["speedup_vs_baseline"] = r["tokens_per_s"] / ref if ref else None
 
 
 def _cv_warning(row: dict, threshold: float) -> str:
-    return (f"{row['variant']} B{row['batch']} T{row['seq']} {row['phase']}: CV {row['stats_ms']['cv_pct']:.1f} % "
+    return (f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']}: CV {row['stats_ms']['cv_pct']:.1f} % "
             f"> {threshold:g} %")

@@ -8,7 +8,7 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_path
 
-CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "phase", "variant", "batch", "seq", "new_tokens",
+CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "phase", "variant", "execution", "batch", "seq", "new_tokens",
                "iters", "first_run_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "min_ms", "max_ms", "std_ms",
                "cv_pct", "tokens_per_s", "speedup_vs_baseline"]
 # Prefill throughput in thousands of tokens per second, as the paper's Table 3; decode in tokens per second.
@@ -19,8 +19,20 @@ def report_phases(report: dict) -> list[str]:
     return list(dict.fromkeys(r["phase"] for r in report["results"]))
 
 
+def row_label(row: dict) -> str:
+    """The variant, marked " (cuda graph)" when the row times CUDA-graph replays (rows before labels: the variant)."""
+    return row.get("label", row["variant"])
+
+
 def report_variants(report: dict) -> list[str]:
-    return list(dict.fromkeys(r["variant"] for r in report["results"]))
+    """The runners of a report, by label: `folded`, `folded (cuda graph)`, ..."""
+    return list(dict.fromkeys(row_label(r) for r in report["results"]))
+
+
+def baseline_label(label: str) -> str:
+    """The label of the baseline a runner's speedup is measured against (same execution)."""
+    variant, marked, rest = label.partition(" (")
+    return "baseline" + (f" ({rest}" if marked else "")
 
 
 def csv_rows(report: dict) -> list[dict]:
@@ -29,7 +41,8 @@ def csv_rows(report: dict) -> list[dict]:
         s = r["stats_ms"]
         rows.append({"mode": report["mode"], "engine": report["engine"], "device": report["device"],
                      "dtype": report["dtype"], "threads": report["threads"], "phase": r["phase"],
-                     "variant": r["variant"], "batch": r["batch"], "seq": r["seq"],
+                     "variant": r["variant"], "execution": r.get("execution", "eager"), "batch": r["batch"],
+                     "seq": r["seq"],
                      "new_tokens": r.get("new_tokens", ""), "iters": len(r["times_ms"]),
                      "first_run_ms": r["first_run_ms"], **{f"{k}_ms": s[k] for k in
                                                            ("median", "mean", "p90", "p99", "min", "max", "std")},
@@ -67,12 +80,12 @@ def write_plot(path: str | Path, report: dict) -> None:
         scale, unit = UNIT[phase]
         results = [r for r in report["results"] if r["phase"] == phase]
         shapes = list(dict.fromkeys((r["batch"], r["seq"]) for r in results))
-        by_key = {(r["batch"], r["seq"], r["variant"]): r for r in results}
+        by_key = {(r["batch"], r["seq"], row_label(r)): r for r in results}
         labels = [f"B{b} T{s}" for b, s in shapes]
         for i, v in enumerate(variants):
             xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(shapes))]
             axes[row][0].bar(xs, [by_key[b, s, v]["tokens_per_s"] / scale for b, s in shapes], width, label=v)
-            if v != "baseline" and "baseline" in variants:
+            if not v.startswith("baseline") and baseline_label(v) in variants:
                 axes[row][1].plot(labels, [by_key[b, s, v]["speedup_vs_baseline"] for b, s in shapes],
                                   marker="o", label=v)
         axes[row][0].set_xticks(range(len(shapes)), labels)

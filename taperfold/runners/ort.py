@@ -1,7 +1,18 @@
-"""ONNX Runtime runner: the CPU execution provider, or CUDA with IOBinding (`device="cuda"`).
+"""ONNX Runtime runner: the CPU execution provider, or CUDA with IOBinding (`device="cuda"`), optionally replaying
+CUDA graphs (`cuda_graph=True`).
 
 Session construction (options, providers, the checks around it) and IOBinding set-up are functions of
-their own, so that other code (a CUDA-graph runner, a tool) can open a session the same way."""
+their own, so that other code (a tool) can open a session the same way.
+
+CUDA graphs (the CUDA execution provider's `enable_cuda_graph`): a graph replays fixed device addresses, so each
+input shape gets its own slot: an IOBinding with device inputs and outputs at fixed addresses and its own graph
+id (RunOptions `gpu_graph_id`, 1, 2, ...). A slot is made on the first call with its shape: one run without
+capture (`gpu_graph_id` -1) lets ONNX Runtime allocate the outputs, which the slot then keeps as its fixed
+output buffers; then runs with the slot's id until ONNX Runtime has captured it (it wants regular runs first to
+settle its memory arena; 1.31 captures on the third). Later calls write new values into the slot's inputs
+(`update_inplace`, in `prepare`, untimed) and replay. A decode step feeds back the previous step's outputs: those
+are the next slot's inputs already, so steady-state decoding copies nothing. Session creation fails when a node
+would run on the CPU; that is reported as one line."""
 
 from __future__ import annotations
 
@@ -45,26 +56,33 @@ def session_options(optimization: str = "all", threads: int | None = None):
     return options
 
 
-def providers_for(device: str) -> list[str]:
+def providers_for(device: str, cuda_graph: bool = False) -> list:
     import onnxruntime as ort
 
     if device == "cpu":
+        if cuda_graph:
+            raise TaperfoldError("--cuda-graph needs --device cuda")
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise TaperfoldError("--device cuda: this onnxruntime build has no CUDA execution provider "
                              "(install onnxruntime-gpu)")
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    cuda = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if cuda_graph else "CUDAExecutionProvider"
+    return [cuda, "CPUExecutionProvider"]
 
 
-def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None):
+def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None,
+                 cuda_graph: bool = False):
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
     import onnxruntime as ort
 
     check_onnx_file(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(optimization, threads),
-                                       providers=providers_for(device))
+                                       providers=providers_for(device, cuda_graph))
     except _ort_errors() as e:
+        if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
+            raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
+                                 f"(every node must run on the GPU; {first_line(e)})") from None
         raise TaperfoldError(f"{path}: onnxruntime cannot load the model ({first_line(e)})") from None
     # ORT falls back to CPU with only a log line when the CUDA libraries or the GPU are missing.
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
@@ -103,7 +121,8 @@ class OrtRunner(Runner):
 
     name = "onnxruntime"
 
-    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, optimization: str = "all"):
+    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, optimization: str = "all",
+                 cuda_graph: bool = False):
         if device not in DEVICES:
             raise TaperfoldError(f"onnxruntime device must be one of {DEVICES}, got {device!r}")
         if optimization not in OPTIMIZATION_LEVELS:
@@ -111,14 +130,24 @@ class OrtRunner(Runner):
                                  f"got {optimization!r}")
         if threads is not None and threads < 1:
             raise TaperfoldError(f"onnxruntime threads must be at least 1, got {threads}")
+        if cuda_graph and device != "cuda":
+            raise TaperfoldError("--cuda-graph needs --device cuda")
         super().__init__(str(path), device)
         self.path = Path(path)
         self.threads = threads
         self.optimization = optimization
+        self.cuda_graph = cuda_graph
         self.session = None
+        self.setup_log: list[tuple[str, tuple, float]] = []  # ("capture", shape signature, seconds) per slot
+        self._slots: dict[tuple, GraphSlot] = {}
+        self._slot_device = "cuda"  # where slots keep their buffers (tests check the bookkeeping on the CPU)
+
+    @property
+    def execution(self) -> str:
+        return "cuda-graph" if self.cuda_graph else "eager"
 
     def _load(self) -> None:
-        self.session = open_session(self.path, self.device, self.optimization, self.threads)
+        self.session = open_session(self.path, self.device, self.optimization, self.threads, self.cuda_graph)
         inputs = self.session.get_inputs()
         self._inputs = [i.name for i in inputs]
         self._outputs = [o.name for o in self.session.get_outputs()]
@@ -127,13 +156,20 @@ class OrtRunner(Runner):
     def _prepare(self, feeds: dict[str, np.ndarray]) -> Any:
         import onnxruntime as ort
 
+        if self.cuda_graph:
+            return self._prepare_slot(feeds)
         if self.device == "cpu":
             return {name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
                     for name, value in feeds.items()}
         return bind_on_cuda(self.session, feeds, self._outputs)
 
     def _run(self, prepared: Any) -> dict[str, Any]:
+        if isinstance(prepared, NewShape):
+            prepared = self._slot_for(prepared)
         try:
+            if isinstance(prepared, GraphSlot):
+                self.session.run_with_iobinding(prepared.binding, prepared.run_options)
+                return dict(prepared.outputs)
             if self.device == "cpu":
                 return dict(zip(self._outputs, self.session.run(None, prepared)))
             self.session.run_with_iobinding(prepared.binding)
@@ -144,12 +180,76 @@ class OrtRunner(Runner):
     def _timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
         """Wall time around one run. On CUDA, ORT exposes no CUDA events: `run_with_iobinding` returns
         only after the execution provider synchronised its stream, and `synchronize_outputs` makes sure
-        of it, so the wall time covers the GPU work and no host/device copies."""
+        of it, so the wall time covers the GPU work and no host/device copies. A new CUDA-graph shape is
+        captured first, untimed."""
+        if isinstance(prepared, NewShape):
+            prepared = self._slot_for(prepared)
         start = time.perf_counter()
         outputs = self._run(prepared)
         if self.device == "cuda":
             prepared.binding.synchronize_outputs()
         return outputs, time.perf_counter() - start
+
+    # ---- CUDA graphs: one slot per input shape ----
+
+    def _prepare_slot(self, feeds: dict[str, Any]):
+        """The captured slot of this shape with `feeds` written into its inputs, or a NewShape to capture."""
+        import onnxruntime as ort
+
+        signature = tuple((name, _shape_of(value), _type_of(value)) for name, value in feeds.items())
+        slot = self._slots.get(signature)
+        if slot is None:
+            device_inputs = {name: value if isinstance(value, ort.OrtValue)
+                             else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self._slot_device, 0)
+                             for name, value in feeds.items()}
+            return NewShape(signature, device_inputs)
+        for name, value in feeds.items():
+            fixed = slot.inputs[name]
+            if isinstance(value, ort.OrtValue):
+                if value.data_ptr() != fixed.data_ptr():  # a fed-back output is usually the fixed input already
+                    fixed.update_inplace(value.numpy())  # no device-to-device copy in ORT's Python API
+            elif value.size:
+                fixed.update_inplace(np.ascontiguousarray(value))
+        return slot
+
+    def _slot_for(self, new: "NewShape") -> "GraphSlot":
+        slot = self._slots.get(new.signature)
+        if slot is None:
+            start = time.perf_counter()
+            slot = self._slots[new.signature] = self._capture(new.inputs)
+            self.setup_log.append(("capture", new.signature, time.perf_counter() - start))
+        return slot
+
+    def _capture(self, device_inputs: dict) -> "GraphSlot":
+        import onnxruntime as ort
+
+        def bound(outputs: dict | None):
+            binding = self.session.io_binding()
+            for name, value in device_inputs.items():
+                binding.bind_ortvalue_input(name, value)
+            for name in self._outputs:
+                if outputs is None:
+                    binding.bind_output(name, self._slot_device, 0)
+                else:
+                    binding.bind_ortvalue_output(name, outputs[name])
+            return binding
+
+        try:
+            first = bound(None)  # ORT allocates the outputs; the slot keeps them as its fixed buffers
+            no_capture = ort.RunOptions()
+            no_capture.add_run_config_entry("gpu_graph_id", "-1")
+            self.session.run_with_iobinding(first, no_capture)
+            first.synchronize_outputs()
+            outputs = dict(zip(self._outputs, first.get_outputs()))
+            run_options = ort.RunOptions()
+            run_options.add_run_config_entry("gpu_graph_id", str(len(self._slots) + 1))  # 0 is ORT's default id
+            binding = bound(outputs)
+            for _ in range(CAPTURE_RUNS):
+                self.session.run_with_iobinding(binding, run_options)
+                binding.synchronize_outputs()
+        except _ort_errors() as e:
+            raise self.error(f"CUDA graph capture failed ({first_line(e)})") from None
+        return GraphSlot(binding, run_options, dict(device_inputs), outputs)
 
     def to_numpy(self, value: Any) -> np.ndarray:
         import onnxruntime as ort
@@ -157,4 +257,34 @@ class OrtRunner(Runner):
         return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
     def _close(self) -> None:
+        self._slots.clear()
         self.session = None
+
+
+# Runs with a slot's graph id before timing: ORT needs regular runs first (its min_num_runs_before_cuda_graph_capture,
+# 1 or 2 depending on the version), then captures and replays in the same run.
+CAPTURE_RUNS = 3
+
+
+@dataclass
+class NewShape:
+    """Inputs of a shape that has no CUDA-graph slot yet (on the device already); captured before it is timed."""
+
+    signature: tuple
+    inputs: dict
+
+
+@dataclass
+class GraphSlot:
+    binding: Any
+    run_options: Any  # carries the slot's gpu_graph_id
+    inputs: dict  # name -> OrtValue at a fixed device address
+    outputs: dict
+
+
+def _shape_of(value) -> tuple:
+    return tuple(value.shape()) if callable(getattr(value, "shape", None)) else tuple(value.shape)
+
+
+def _type_of(value) -> str:
+    return value.data_type() if callable(getattr(value, "data_type", None)) else str(value.dtype)

@@ -1,0 +1,130 @@
+"""examples/gpu_table3.py without a GPU: the physical floors (taperfold.bench.floors) against hand arithmetic, and the
+markdown and plot rendered from fixture reports (tests/data/gpu_table3: invented numbers in the bench JSON format)."""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+from taperfold.bench.floors import decode_floor, gpu_spec, prefill_floor, prefill_work
+from taperfold.models import preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "data" / "gpu_table3"
+
+
+@pytest.fixture(scope="module")
+def table3():
+    spec = importlib.util.spec_from_file_location("gpu_table3", ROOT / "examples" / "gpu_table3.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_specs_are_found_by_device_name():
+    assert gpu_spec("NVIDIA H100 80GB HBM3").name == "H100 SXM5"
+    assert gpu_spec("NVIDIA H100 PCIe").memory_tb_s == 2.0
+    assert gpu_spec("NVIDIA H100 NVL").name == "H100 NVL"
+    assert gpu_spec("NVIDIA H200").memory_tb_s == 4.8 and gpu_spec("NVIDIA H200 NVL").name == "H200 NVL"
+    assert gpu_spec("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_prefill_floor_of_paper_30m_by_hand():
+    cfg = preset_config("paper-30m")  # d 512, 8 layers, d_ff 2048, vocab 10k, no GQA
+    linear = 8 * (2 * 512 * 512 + 2 * 512 * 512 + 3 * 512 * 2048)  # q, o, k, v; gate, up, down
+    head = 10_000 * 512
+    nbytes, flops = prefill_work(cfg, 1, 128, "bf16")
+    assert nbytes == 2 * (linear + head) + 2 * 128 * 512  # weights + the gathered embedding rows
+    assert flops == 2 * 128 * linear + 2 * head + 8 * 2 * 128 * 128 * 512
+    floor = prefill_floor(cfg, gpu_spec("NVIDIA H100 80GB HBM3"), 1, 128, "bf16")
+    assert floor.bound == "memory" and floor.seconds == pytest.approx(nbytes / 3.35e12)
+    assert floor.tokens_per_s == pytest.approx(128 * 3.35e12 / nbytes)
+    big = prefill_floor(cfg, gpu_spec("NVIDIA H100 80GB HBM3"), 4, 512, "bf16")
+    assert big.bound == "compute" and big.seconds == pytest.approx(prefill_work(cfg, 4, 512, "bf16")[1] / 989.5e12)
+
+
+def test_decode_floor_reads_the_weights_every_step():
+    cfg = preset_config("paper-30m")
+    spec = gpu_spec("NVIDIA H200")
+    one, many = decode_floor(cfg, spec, 1, 128, 1, "fp16"), decode_floor(cfg, spec, 1, 128, 32, "fp16")
+    assert one.bound == "memory" and many.tokens == 32
+    assert 32 * one.memory_s < many.memory_s < 33 * one.memory_s  # the cache grows by one position per step
+
+
+def test_markdown_from_fixture_reports(table3):
+    reports = table3.load_reports(FIXTURE)
+    assert len(reports) == 2  # runs.json is not a report
+    md = table3.render_markdown(reports, table3.json.loads((FIXTURE / "runs.json").read_text()))
+    assert "Measured on **NVIDIA H100 80GB HBM3**" in md and "H100 SXM5, 3.35 TB/s" in md
+    # B1 T128 bf16: paper 48.7 (1.20x); floor 128 tokens / (77,479,936 B / 3.35 TB/s) = 5,534 k tok/s;
+    # torch eager folded 26.0 k (26 / 24 = 1.083x), CUDA graph 210 k (1.050x); fastest / paper = 210 / 48.7
+    assert "| 1 | 128 | 48.7 (1.20×) | 5,534 (memory) | 26.0 (1.083×) | 210.0 (1.050×) | 4.31× |" in md
+    assert "| 4 | 512 | 615.9 (1.13×) | 13,873 (compute) |" in md
+    assert "| B | prompt | floor | ORT CUDA | ORT CUDA graph |" in md  # decode: no paper column (bf16 prefill only)
+    assert "**not met** (4.31–5.03×)" in md
+    assert "folded within 1 % of nonorm on every engine: **met** (worst 0.990: ORT CUDA, fp16 decode B1 T128)" in md
+    assert "Failed runs (their .log says why): ort-fp16-decode-eager-graph." in md
+    assert "max 2.5 %" in md
+
+
+def test_plot_and_render_write_files(table3, tmp_path):
+    folder = shutil.copytree(FIXTURE, tmp_path / "gpu")
+    table3.render(folder, folder / "t.md", folder / "t.png")
+    assert (folder / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (folder / "t.md").read_text().startswith("Measured on")
+
+
+def test_plan_covers_every_configuration(table3, tmp_path):
+    names = [name for name, _ in table3.plan(tmp_path, iters=50, warmup=10, rounds=5)]
+    assert names == ["torch-bf16-prefill-eager-graph", "torch-bf16-prefill-compile", "ort-bf16-prefill-eager-graph",
+                     "torch-bf16-decode-eager-graph", "torch-bf16-decode-compile",
+                     "torch-fp16-prefill-eager-graph", "torch-fp16-prefill-compile", "ort-fp16-prefill-eager-graph",
+                     "torch-fp16-decode-eager-graph", "torch-fp16-decode-compile", "ort-fp16-decode-eager-graph"]
+    argv = dict(table3.plan(tmp_path, 50, 10, 5))["torch-bf16-prefill-compile"]
+    assert argv[1:3] == ["-m", "taperfold"] and "--compile-mode" in argv and "reduce-overhead" in argv
+    assert argv[-2:] == ["--json", str(tmp_path / "torch-bf16-prefill-compile.json")]
+
+
+def test_every_planned_command_parses(table3, tmp_path, cli):
+    """No GPU here, so each command stops at its first check of the machine or files, never at click's parsing."""
+    for name, argv in table3.plan(tmp_path, 50, 10, 5):
+        r = cli(*argv[3:])
+        assert r.exit_code == 2 and r.stderr.startswith("taperfold: error: "), (name, r.stderr)
+        assert "No such option" not in r.stderr and r.stderr.count("\n") == 1, (name, r.stderr)
+
+
+@pytest.mark.slow
+def test_add_nonorm_exports_the_reference_that_bench_runs(table3, tiny_export, tiny_checkpoint, tmp_path, cli):
+    import json
+
+    export = shutil.copytree(tiny_export, tmp_path / "export")
+    table3.add_nonorm(export, tiny_checkpoint)
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["artifacts"]["nonorm"]["path"] == "nonorm.onnx"
+    assert manifest["artifacts"]["nonorm.decoder"]["path"] == "nonorm.decoder.onnx"
+    r = cli("bench", export, "--engine", "ort", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8",
+            "--iters", "1", "--warmup", "0", "--threads", "1", "--json", tmp_path / "b.json")
+    assert r.exit_code == 0, r.stderr
+    assert [row["variant"] for row in json.loads((tmp_path / "b.json").read_text())["results"]] == ["folded", "nonorm"]
+
+
+def test_a_failed_graph_run_is_rerun_eager_only_and_indexed(table3, tmp_path, monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    calls = []
+
+    def fake_run(argv, stdout, stderr, env):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1 if "--cuda-graph" in argv else 0)
+
+    monkeypatch.setattr(table3.subprocess, "run", fake_run)
+    argv = [sys.executable, "-m", "taperfold", "bench", "DIR", "--cuda-graph", "--json", str(tmp_path / "x.json")]
+    index = table3.run_benches(tmp_path, [("ort-bf16-prefill-eager-graph", argv)], env={})
+    assert calls[1] == [a for a in argv[:-1] if a != "--cuda-graph"] + [str(tmp_path / "ort-bf16-prefill-eager-only.json")]
+    assert {n: r["exit_code"] for n, r in index.items()} == {"ort-bf16-prefill-eager-graph": 1,
+                                                             "ort-bf16-prefill-eager-only": 0}
+    assert json.loads((tmp_path / "runs.json").read_text()) == index
+    assert index["ort-bf16-prefill-eager-only"]["command"].startswith("taperfold bench DIR --json")
