@@ -63,7 +63,7 @@ def canonical_variants(names: list[str]) -> list[str]:
     unknown = [n for n in names if n not in NAMEABLE_VARIANTS and n not in ALIASES]
     if not names or unknown:
         aliases = ", ".join(f"{a} (= {v})" for a, v in ALIASES.items())
-        raise TaperfoldError(f"unknown {unknown or names}; choose from {', '.join(ALL_VARIANTS)}, or {aliases}")
+        raise TaperfoldError(f"unknown {unknown or names}; choose from {', '.join(NAMEABLE_VARIANTS)}, or {aliases}")
     return list(dict.fromkeys(ALIASES.get(n, n) for n in names))
 
 
