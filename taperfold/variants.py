@@ -84,14 +84,15 @@ def fold_model_in_torch(model: CausalLM) -> CausalLM:
             reader = modules[reader_name]
             if reader_name == "lm_head" and folded.cfg.tie_embeddings:
                 reader.weight = nn.Parameter(reader.weight.detach().clone())  # untie: the embedding stays
-            _fold_into(reader, scale, norm.bias.double() if isinstance(norm, TaperLN) else None)
+            fold_into_reader(reader, scale, norm.bias.double() if isinstance(norm, TaperLN) else None)
         parent_name, _, attr = norm_name.rpartition(".")
         setattr(modules[parent_name] if parent_name else folded, attr, nn.Identity())
     return folded
 
 
-def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None) -> None:
-    """y = (c·(h − μ)·γ̃ + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W."""
+def fold_into_reader(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None) -> None:
+    """y = (c·(h − μ)·γ̃ + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W.
+    Also the Hugging Face fold's (taperfold.hf.variants): transformers' Conv1D is not an nn.Linear either."""
     conv = not isinstance(reader, nn.Linear)  # nn.Linear stores [out, in]; GPT-2's Conv1D [in, out]
     w = reader.weight.double() if conv else reader.weight.double().T  # as [in, out]
     new_w = scale[:, None] * w

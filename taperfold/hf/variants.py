@@ -14,6 +14,7 @@ from torch import nn
 
 from taperfold.hf.model import HFCausalLM
 from taperfold.nn import TaperLN
+from taperfold.variants import fold_into_reader
 
 
 @torch.no_grad()
@@ -23,7 +24,6 @@ def fold_in_torch(model: HFCausalLM) -> HFCausalLM:
         raise ValueError("fold_in_torch needs a tapered model at gate 0: only then are its norms constant maps")
     hf = copy.deepcopy(model.hf)
     tapering = hf.tapering
-    conv1d = tapering.family.reader_layout == "conv1d"
     for path, readers in tapering.readers.items():
         norm = hf.get_submodule(path)
         scale = norm.c.double() * norm.gain(norm.weight_tilde.double())
@@ -32,24 +32,11 @@ def fold_in_torch(model: HFCausalLM) -> HFCausalLM:
             reader = hf.get_submodule(reader_path)
             if reader.weight is hf.get_input_embeddings().weight:  # a tied head: the embedding stays as it is
                 reader.weight = nn.Parameter(reader.weight.detach().clone())
-            _fold_into(reader, scale, beta, conv1d and not isinstance(reader, nn.Linear))
+            fold_into_reader(reader, scale, beta)
         parent, _, attr = path.rpartition(".")
         setattr(hf.get_submodule(parent) if parent else hf, attr, nn.Identity())
     object.__setattr__(hf, "tapering", None)
     return HFCausalLM(hf, model.cfg, model.family, reference=model.reference, checkpoint=model.checkpoint).eval()
-
-
-def _fold_into(reader: nn.Module, scale: torch.Tensor, beta: torch.Tensor | None, conv1d: bool) -> None:
-    """y = (c·(h − μ)·γ̃ + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W."""
-    w = reader.weight.double() if conv1d else reader.weight.double().T  # as [in, out]
-    new_w = scale[:, None] * w
-    if beta is not None:
-        new_w = new_w - new_w.mean(dim=0, keepdim=True)
-        shift = beta @ w
-        if reader.bias is None:
-            reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=reader.weight.dtype, device=w.device))
-        reader.bias.copy_((reader.bias.double() + shift).to(reader.bias.dtype))
-    reader.weight.copy_((new_w if conv1d else new_w.T).to(reader.weight.dtype))
 
 
 def build_variants(tapered: HFCausalLM, names: list[str], dtype: torch.dtype) -> dict[str, HFCausalLM]:

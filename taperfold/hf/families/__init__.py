@@ -26,7 +26,6 @@ class Family:
     internal: dict[str, tuple[str, ...]]
     final: str  # path of the final norm, read by the output head
     gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
-    reader_layout: str = "linear"  # "linear": weight [out, in]; "conv1d": GPT-2's Conv1D, weight [in, out]
     parallel: bool = False  # attention and MLP read the same residual stream (GPT-NeoX, Phi-1/2)
     # module name (last path component) -> why it is never tapered
     untapered: dict[str, str] = field(default_factory=dict)

@@ -17,6 +17,5 @@ FAMILY = register(Family(
     layers="transformer.h",
     internal={"ln_1": ("attn.c_attn",), "ln_2": ("mlp.c_fc",)},
     final="transformer.ln_f",
-    reader_layout="conv1d",
     check=_check,
 ))
