@@ -253,6 +253,17 @@ def test_verify_checks_verify_json_before_running(work):
     refused_untouched(work, ["verify", "exp"], "verify.json", "is a directory")
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["fold", "exp/unfolded.onnx", "-o", "exp"], ["'-o'", "directory", "taperfold fold --help"]),
+    (["export"], ["CHECKPOINT", "taperfold export --help"]),
+    (["bench", "exp", "--batch"], ["--batch", "argument"]),
+    (["verify", "exp", "--no-such-flag"], ["--no-such-flag"]),
+])
+def test_usage_errors_are_one_line(work, args, needles):
+    """click's own usage block (Usage:, Try ..., Error: ...) is three lines: one line like every bad input."""
+    refused_untouched(work, args, *needles)
+
+
 def test_one_stdout_output_at_most(work):
     refused_untouched(work, ["bench", "exp", "--report", "-", "--csv", "-"], "both '-'")
 
