@@ -70,6 +70,23 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
                              "use --engine torch --dtype bf16")
 
 
+def _check_exported(manifest, variants: list[str], decoder: bool) -> None:
+    """Every asked variant has a graph; a plain model's export (baseline only) says so in one line."""
+    from taperfold.exportdir import artifact_key
+
+    missing = [v for v in variants if not manifest.has_artifact(v, decoder=decoder)]
+    if not missing:
+        return
+    present = [v for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
+               if manifest.has_artifact(v, decoder=decoder)]
+    can = f"it can time --variants {','.join(present)}" if present else "it has nothing to time"
+    if present and set(present) <= {"baseline", "baseline-decomposed"}:
+        raise TaperfoldError(f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
+                             f"or folded), so {', '.join(missing)} cannot be timed; {can}")
+    raise TaperfoldError(f"{manifest.path}: missing key 'artifacts.{artifact_key(missing[0], decoder)}' "
+                         f"({', '.join(missing)} not exported); {can}")
+
+
 @dataclass
 class LoadedBench:
     source: Source
@@ -88,6 +105,8 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     exported = source.manifest.dtype if chosen.runs == GRAPHS and source.manifest else "fp32"
     dtype = opts.dtype or exported
     _check(opts, source.config, dtype)
+    if chosen.runs == GRAPHS and source.manifest:
+        _check_exported(source.manifest, opts.variants, decoder=opts.mode == "decode")
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     runners = open_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
