@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # trains and exports a model
 import accelerate  # noqa: E402,F401  Trainer needs it; the [hf] extra installs it with transformers, so no skip
 
 from hf_models import tiny_config  # noqa: E402
