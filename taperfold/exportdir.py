@@ -105,7 +105,9 @@ def decoder_io_names(n_layers: int) -> tuple[list[str], list[str]]:
 
 # Keys every format_version 1 manifest has (dotted paths); others are optional.
 _REQUIRED = ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
-             "export.dtype", "artifacts.unfolded.path", "artifacts.folded.path")
+             "export.dtype", "artifacts")
+_FOLDED_ARTIFACTS = ("artifacts.unfolded.path", "artifacts.folded.path")
+_BASELINE_ONLY = ("artifacts.baseline.path",)  # the export of a plain (untapered) model: nothing to fold
 
 
 @dataclass
@@ -207,7 +209,9 @@ def read_manifest(export_dir: str | Path) -> Manifest:
     data = read_json_object(path)
     if data.get("format") != FORMAT:
         raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not '{FORMAT}')")
-    for key in _REQUIRED:
+    artifacts = data.get("artifacts")
+    baseline_only = isinstance(artifacts, dict) and not {"unfolded", "folded"} & set(artifacts)
+    for key in (*_REQUIRED, *(_BASELINE_ONLY if baseline_only else _FOLDED_ARTIFACTS)):
         node = data
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:

@@ -135,6 +135,8 @@ def print_verify(report: dict) -> None:
     out.print(f"{verdict}: {len(judged) - len(failed)} of {len(judged)} pairs within tolerance")
     if report.get("closer"):
         out.print(report["closer"], highlight=False)
+    if report.get("note"):
+        out.print(report["note"], highlight=False)
 
 
 # ---- bench -------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ gate. Pairs (reference -> candidate):
 - unfolded -> folded: the fold alone, held to a tighter bound in fp32
 - baseline (torch) -> baseline: the plain-norm model (`variants.baseline_of`) against baseline.onnx, and
   baseline-decomposed -> baseline: the fused norm against the plain ops it replaced (fold bound)
+- an export of a plain (untapered) checkpoint has its baseline only: checkpoint -> baseline, and the
+  report's note says there is nothing folded to verify
 - checkpoint -> engine: the TensorRT plan, when the export has one; skipped, with the reason, when
   TensorRT or a GPU is missing
 - with decoders (`export --kv-cache`), every `*.decoder.onnx` against the same torch model decoding:
@@ -45,6 +47,8 @@ BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
 DECODE_STEPS = 4  # KV-cached steps after each prompt
 TORCH_BASELINE = "baseline (torch)"
+NOTHING_FOLDED = ("nothing folded to verify: {checkpoint} is a plain model (no tapered norms); checked its "
+                  "baseline graph against its own forward")
 
 
 @dataclass
@@ -194,6 +198,7 @@ class VerifyReport:
     forced_gate0: bool
     inputs: list[dict]
     pairs: list[PairResult]
+    note: str | None = None  # e.g. NOTHING_FOLDED
 
     @property
     def passed(self) -> bool:
@@ -232,7 +237,7 @@ class VerifyReport:
         return _finite_or_none({"export_dir": self.export_dir, "passed": self.passed, "closer": self.closer(),
                                 "checkpoint": self.checkpoint,
                                 "dtype": self.dtype, "logits": self.logits, "device": self.device,
-                                "forced_gate0": self.forced_gate0, "inputs": self.inputs,
+                                "forced_gate0": self.forced_gate0, "note": self.note, "inputs": self.inputs,
                                 "pairs": [p.to_dict() for p in self.pairs]})
 
 
@@ -250,6 +255,20 @@ def _load_reference_checkpoint(manifest: Manifest):
         raise TaperfoldError(f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
                              f"says {manifest.checkpoint_sha256[:12]}...); export it again")
     return load_checkpoint(path)
+
+
+def _baseline_only(manifest: Manifest) -> bool:
+    """An export of a plain (untapered) checkpoint: baseline graphs and nothing tapered or folded."""
+    return not any(manifest.has_artifact(v) for v in ("unfolded", "folded"))
+
+
+def _torch_baseline(ckpt):
+    """The checkpoint with its plain norms, in torch: a transformers directory's own original norms."""
+    if hasattr(ckpt, "build_baseline"):  # taperfold.hf.directory.HFCheckpoint
+        return ckpt.build_baseline()
+    from taperfold.variants import baseline_of
+
+    return baseline_of(ckpt.build(gate=0.0))
 
 
 # ---- verification --------------------------------------------------------------------------------------
@@ -279,25 +298,27 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     if forced:
         runners[f"checkpoint@g={ckpt.gate:g}"] = torch_engine.runner(ckpt.build(), device="cpu", logits=logits,
                                                                      name=f"{ckpt.path} at g = {ckpt.gate:g}")
-    for variant in ("unfolded", "folded"):
-        runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
-
+    baseline_only = _baseline_only(manifest)
     overrides = tolerances or {}
     export_tol = default_tolerance(dtype, "export").override(**overrides)
     fold_tol = default_tolerance(dtype, "fold").override(**overrides)
-    pairs = [PairResult(reference, "unfolded", "export", export_tol),
-             PairResult(reference, "folded", "export", export_tol),
-             PairResult("unfolded", "folded", "fold", fold_tol)]
+    pairs = []
+    if not baseline_only:
+        for variant in ("unfolded", "folded"):
+            runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
+        pairs += [PairResult(reference, "unfolded", "export", export_tol),
+                  PairResult(reference, "folded", "export", export_tol),
+                  PairResult("unfolded", "folded", "fold", fold_tol)]
     baselines = [v for v in ("baseline", DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
     if baselines:
-        from taperfold.variants import baseline_of
-
-        torch_baseline = baseline_of(ckpt.build(gate=0.0))
-        runners[TORCH_BASELINE] = torch_engine.runner(torch_baseline, device="cpu", logits=logits,
-                                                      name=f"{ckpt.path} with plain norms (reference)")
+        # a plain checkpoint is its own baseline: its forward is the reference, built once
+        baseline_ref = reference if baseline_only else TORCH_BASELINE
+        if not baseline_only:
+            runners[TORCH_BASELINE] = torch_engine.runner(_torch_baseline(ckpt), device="cpu", logits=logits,
+                                                          name=f"{ckpt.path} with plain norms (reference)")
         for variant in baselines:
             runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
-            pairs.append(PairResult(TORCH_BASELINE, variant, "export", export_tol))
+            pairs.append(PairResult(baseline_ref, variant, "export", export_tol))
         if len(baselines) == 2:  # the fused norm against the plain ops it replaced
             pairs.append(PairResult(DECOMPOSED_BASELINE, "baseline", "fuse", fold_tol))
     if "folded" in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
@@ -316,6 +337,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     if any(manifest.has_artifact(v, decoder=True) for v in ("unfolded", "baseline")):
         pairs += _verify_decoders(manifest, ckpt, forced, dtype, device, threads, export_tol, seed, progress)
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
+                        note=NOTHING_FOLDED.format(checkpoint=ckpt.path) if baseline_only else None,
                         checkpoint={"path": str(ckpt.path), "sha256": manifest.checkpoint_sha256,
                                     "gate": ckpt.gate, "reference_gate": 0.0 if forced else ckpt.gate},
                         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
@@ -389,23 +411,22 @@ def _verify_decoders(manifest: Manifest, ckpt, forced: bool, dtype: str, device:
                      tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
     """Every *.decoder.onnx against its torch model decoding the same tokens (see decode_cases)."""
     from taperfold.exportdir import numpy_dtype
-    from taperfold.variants import baseline_of
 
     cfg = ckpt.config
     variants = [v for v in ("baseline", DECOMPOSED_BASELINE, "unfolded", "folded")
                 if manifest.has_artifact(v, decoder=True)]
     reference = "checkpoint@g=0" if forced else "checkpoint"
-    refs = {v: TORCH_BASELINE if v in ("baseline", DECOMPOSED_BASELINE) else reference for v in variants}
+    baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
+    refs = {v: baseline_ref if v in ("baseline", DECOMPOSED_BASELINE) else reference for v in variants}
     pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
     if dtype == "bf16":
         for pair in pairs.values():
             pair.status, pair.reason = "skipped", "bf16: numpy has no bfloat16 to feed the KV cache from the host"
         return list(pairs.values())
     numpy_dtype(dtype)
-    tapered = ckpt.build(gate=0.0 if forced else None)
-    torch_models = {reference: tapered}
+    torch_models = {reference: ckpt.build(gate=0.0 if forced else None)}
     if TORCH_BASELINE in refs.values():
-        torch_models[TORCH_BASELINE] = baseline_of(ckpt.build(gate=0.0))
+        torch_models[TORCH_BASELINE] = _torch_baseline(ckpt)
     torch_engine, graph_engine = ENGINES["torch"], ENGINES["ort"]
     runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
                                   for name, model in torch_models.items()}

@@ -165,15 +165,37 @@ def test_inspect_lists_tapered_and_kept_norms(cli, tapered_dir):
     assert [n["name"] for n in kept] == ["model.norm"]
 
 
-def test_plain_directory_exports_the_baseline_only(cli, tmp_path):
-    folder = tmp_path / "plain"
+def test_plain_directory_exports_verifies_and_benches_the_baseline_only(cli, tmp_path):
+    folder, out = tmp_path / "plain", tmp_path / "out"
     transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(folder)
-    result = cli("export", folder, "-o", tmp_path / "out")
+    result = cli("export", folder, "-o", out, "--kv-cache")
     assert result.exit_code == 0, result.stderr
     assert "nothing to fold" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "out").glob("*.onnx")) == ["baseline.onnx"]
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["baseline.decoder.onnx", "baseline.onnx"]
+    manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["fold_report"] is None and manifest["config"]["taper"] == "none"
+
+    # verify: the transformers forward (the reference) against the baseline graph and its decoder
+    result = cli("verify", out, "--threads", "1")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert "nothing folded to verify" in " ".join(result.stdout.split())
+    report = json.loads((out / "verify.json").read_text())
+    assert report["passed"] and "nothing folded to verify" in report["note"]
+    pairs = {p["name"]: p for p in report["pairs"]}
+    assert sorted(pairs) == ["checkpoint -> baseline", "checkpoint -> baseline.decoder"]
+    assert all(p["status"] == "pass" and p["metrics"]["max_rel"] <= 1e-4 for p in pairs.values())
+
+    # bench: one line saying only the baseline exists and what it can time; the baseline alone when asked
+    fast = ["--batch", "1", "--seq", "8", "--warmup", "1", "--iters", "2", "--threads", "1"]
+    result = cli("bench", out, *fast)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "only the baseline was exported" in lines[0] and "--variants baseline" in lines[0]
+    assert not (out / "bench.json").exists()
+    result = cli("bench", out, "--variants", "baseline", *fast)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    bench = json.loads((out / "bench.json").read_text())
+    assert {row["variant"] for row in bench["results"]} == {"baseline"}
 
 
 def _word_tokenizer(words):

@@ -70,6 +70,18 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
                              "use --engine torch --dtype bf16")
 
 
+def _check_exported(manifest, variants: list[str], decoder: bool) -> None:
+    """A plain model's export has its baseline only: asking for anything else is one line saying what it can time.
+    (Other missing graphs are named by `Manifest.artifact` when the runners open.)"""
+    present = [v for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
+               if manifest.has_artifact(v, decoder=decoder)]
+    missing = [v for v in variants if v not in present]
+    if missing and present and set(present) <= {"baseline", "baseline-decomposed"}:
+        raise TaperfoldError(f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
+                             f"or folded), so {', '.join(missing)} cannot be timed; it can time --variants "
+                             f"{','.join(present)}")
+
+
 @dataclass
 class LoadedBench:
     source: Source
@@ -88,6 +100,8 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     exported = source.manifest.dtype if chosen.runs == GRAPHS and source.manifest else "fp32"
     dtype = opts.dtype or exported
     _check(opts, source.config, dtype)
+    if chosen.runs == GRAPHS and source.manifest:
+        _check_exported(source.manifest, opts.variants, decoder=opts.mode == "decode")
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     runners = open_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,

@@ -70,6 +70,13 @@ def providers_for(device: str, cuda_graph: bool = False) -> list:
     return [cuda, "CPUExecutionProvider"]
 
 
+def _has_bf16_outputs(path: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for o in graph.output)
+
+
 def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None,
                  cuda_graph: bool = False):
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
@@ -83,6 +90,10 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
         if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
             raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
                                  f"(every node must run on the GPU; {first_line(e)})") from None
+        if device == "cpu" and _has_bf16_outputs(path):  # e.g. "Could not find an implementation for Mul(14)"
+            raise TaperfoldError(f"{path}: a bf16 graph: onnxruntime's CPU provider has no bf16 kernels for it "
+                                 f"({first_line(e)}); run it with --device cuda, or check an fp16 or fp32 export "
+                                 "on the CPU") from None
         raise TaperfoldError(f"{path}: onnxruntime cannot load the model ({first_line(e)})") from None
     # ORT falls back to CPU with only a log line when the CUDA libraries or the GPU are missing.
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
