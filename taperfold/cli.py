@@ -512,6 +512,9 @@ def _run() -> None:
         signum = getattr(e.__cause__, "signum", None)
         click.echo("taperfold: aborted" if signum is None else f"taperfold: interrupted ({e.__cause__})", err=True)
         sys.exit(getattr(e.__cause__, "exit_code", 130))
+    except click.exceptions.NoArgsIsHelpError as e:  # a bare `taperfold` or `taperfold fold`: the help, as asked
+        e.show()
+        sys.exit(2)
     except click.UsageError as e:  # click's own usage block is several lines: one line, as for any bad input
         command = e.ctx.command_path if e.ctx else "taperfold"
         click.echo(f"taperfold: error: {' '.join(e.format_message().split())} (see '{command} --help')", err=True)

@@ -264,6 +264,11 @@ def test_usage_errors_are_one_line(work, args, needles):
     refused_untouched(work, args, *needles)
 
 
+def test_no_arguments_shows_the_help():
+    result = run_cli()
+    assert result.exit_code == 2 and "Commands:" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_one_stdout_output_at_most(work):
     refused_untouched(work, ["bench", "exp", "--report", "-", "--csv", "-"], "both '-'")
 
