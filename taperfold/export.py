@@ -135,14 +135,19 @@ def _load(path: Path):
     return ir.load(path)
 
 
-def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
-                      on_stage=lambda name: None) -> ExportResult:
-    """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
+def check_options(opts: ExportOptions) -> None:
+    """A bad --dtype, --logits, --target or --opset fails before any work."""
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
-    choose_opset(opts.target, "prefill", opts.opset)  # a bad --target or --opset fails before any work
+    choose_opset(opts.target, "prefill", opts.opset)
+
+
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
+                      on_stage=lambda name: None) -> ExportResult:
+    """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
+    check_options(opts)
     ckpt_path = Path(ckpt_path)
     from taperfold.hf.directory import is_hf_directory
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from taperfold.errors import TaperfoldError
-from taperfold.export import ExportOptions, ExportResult, _check_gate, _manifest, export_graphs
-from taperfold.exportdir import DTYPES, LOGITS, MANIFEST, torch_dtype
+from taperfold.export import ExportOptions, ExportResult, _check_gate, _manifest, check_options, export_graphs
+from taperfold.exportdir import MANIFEST, torch_dtype
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.hf.directory import load_hf_directory
 
@@ -32,10 +31,7 @@ def _hf_names(report: dict) -> dict:
 
 def export_hf_directory(path: str | Path, out_dir: str | Path, opts: ExportOptions,
                         on_stage=lambda name: None) -> ExportResult:
-    if opts.dtype not in DTYPES:
-        raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
-    if opts.logits not in LOGITS:
-        raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
+    check_options(opts)
     path = Path(path)
     ckpt = load_hf_directory(path)
     if ckpt.tapered:

@@ -53,6 +53,18 @@ def require_constants_folded(model: ir.Model) -> None:
             f"{describe(left[0])} computes a constant at run time: run FoldConstantsPass first")
 
 
+class AfterConstantsPass(ir.passes.InPlacePass):
+    """What the passes that rewrite norms share: the report they write into, and their precondition
+    (constants folded, else a norm whose scale is computed at run time is missed)."""
+
+    def __init__(self, report: FoldReport | None = None):
+        super().__init__()
+        self.report = report if report is not None else FoldReport()
+
+    def requires(self, model: ir.Model) -> None:
+        require_constants_folded(model)
+
+
 class FoldConstantsPass(ir.passes.InPlacePass):
     """Replace small constant computations by their values; the report counts them and lists what is left."""
 

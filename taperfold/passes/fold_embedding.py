@@ -13,10 +13,10 @@ import numpy as np
 import onnx_ir as ir
 
 from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, describe, folded_source, is_fixed, remove_if_dead
-from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
 from taperfold.passes.readers import Blocked
-from taperfold.passes.report import FoldReport, NormStatus
+from taperfold.passes.report import NormStatus
 
 
 def _lookup(match: NormMatch) -> ir.Node | None:
@@ -47,18 +47,11 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
     return table
 
 
-class FoldIntoEmbeddingPass(ir.passes.InPlacePass):
+class FoldIntoEmbeddingPass(AfterConstantsPass):
     """For every candidate norm whose input is an embedding lookup, rewrite the table's rows.
 
     Requires: constants folded (FoldConstantsPass).
     """
-
-    def __init__(self, report: FoldReport | None = None):
-        super().__init__()
-        self.report = report if report is not None else FoldReport()
-
-    def requires(self, model: ir.Model) -> None:
-        require_constants_folded(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False

@@ -9,25 +9,18 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from taperfold.passes._graph import remove_if_dead
-from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
 from taperfold.passes.readers import Blocked, move_into_readers, readers_of
-from taperfold.passes.report import FoldReport, NormStatus
+from taperfold.passes.report import NormStatus
 
 
-class FoldIntoReadersPass(ir.passes.InPlacePass):
+class FoldIntoReadersPass(AfterConstantsPass):
     """Fold every candidate norm whose readers all take it (linear layers with constant weights, shape
     readers, channel-keeping reshapes in front of those); keep the rest, with the first blocker as reason.
 
     Requires: constants folded (FoldConstantsPass), else a norm whose scale is computed at run time is missed.
     """
-
-    def __init__(self, report: FoldReport | None = None):
-        super().__init__()
-        self.report = report if report is not None else FoldReport()
-
-    def requires(self, model: ir.Model) -> None:
-        require_constants_folded(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False

@@ -11,10 +11,10 @@ import numpy as np
 import onnx_ir as ir
 
 from taperfold.passes._graph import remove_if_dead, write_const
-from taperfold.passes.constants import require_constants_folded
+from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import RealNorm, detect_norms
 from taperfold.passes.readers import Blocked, move_into_readers, readers_of
-from taperfold.passes.report import FoldReport, NormStatus
+from taperfold.passes.report import NormStatus
 
 
 def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
@@ -27,15 +27,8 @@ def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
                         base=node.inputs[index].name or node.name)
 
 
-class MergeNormWeightsPass(ir.passes.InPlacePass):
+class MergeNormWeightsPass(AfterConstantsPass):
     """For every real norm with a constant gain whose readers all take it, move the gain into the readers."""
-
-    def __init__(self, report: FoldReport | None = None):
-        super().__init__()
-        self.report = report if report is not None else FoldReport()
-
-    def requires(self, model: ir.Model) -> None:
-        require_constants_folded(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
