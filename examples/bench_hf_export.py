@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_export import weight_bytes  # examples/ is on sys.path when this script runs
+
 MODELS = {
     # GPT-2 small's shape; tiny: the test suite's shape
     "gpt2-tiny": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=32)),
@@ -67,19 +69,6 @@ def child(directory: str, out: str) -> None:
     print(json.dumps({**result.timings, "total_s": total, "rewritten": summary["bytes_rewritten"],
                       "folded": summary["folded"], "norms": summary["norms"],
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-
-
-def weight_bytes(path: Path) -> int:
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    total = 0
-    for init in model.graph.initializer:
-        size = 1
-        for d in init.dims:
-            size *= d
-        total += size * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
-    return total
 
 
 def measure(name: str, repeats: int, workdir: Path) -> dict:

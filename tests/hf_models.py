@@ -27,3 +27,22 @@ def tiny_config(model_type: str):
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+
+
+def tapered_tiny_model(model_type: str):
+    """A tiny Internal-Taper model at g = 0 with norm parameters away from their defaults (no training needed)."""
+    import torch
+    import transformers
+
+    from taperfold.hf import taper_model
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    tapering = taper_model(model, "internal")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.fill_(0.7)
+            norm.calibrated.fill_(True)
+    tapering.set_gate(0.0)
+    return model

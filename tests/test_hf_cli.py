@@ -10,28 +10,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import tiny_config  # noqa: E402
+from hf_models import tapered_tiny_model, tiny_config  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from taperfold.hf import save_hf_directory, taper_model  # noqa: E402
-
-
-def _tapered_model(gate=0.0):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-    tapering = taper_model(model, "internal")
-    with torch.no_grad():
-        for norm in tapering.norms.values():
-            norm.weight_tilde.uniform_(0.5, 1.5)
-            norm.c.fill_(0.7)
-            norm.calibrated.fill_(True)
-    tapering.set_gate(gate)
-    return model
+from taperfold.hf import save_hf_directory  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tapered_dir(tmp_path_factory):
-    return save_hf_directory(_tapered_model(), tmp_path_factory.mktemp("hf") / "tapered", step=3)
+    return save_hf_directory(tapered_tiny_model("llama"), tmp_path_factory.mktemp("hf") / "tapered", step=3)
 
 
 @pytest.fixture
@@ -130,7 +117,7 @@ def test_tapered_keys_without_block(cli, tmp_path, broken):
 
 
 def test_sharded_checkpoint_with_a_missing_shard(cli, tmp_path):
-    folder = save_hf_directory(_tapered_model(), tmp_path / "sharded", max_shard_size="40KB")
+    folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "sharded", max_shard_size="40KB")
     shards = sorted(folder.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
@@ -140,7 +127,7 @@ def test_sharded_checkpoint_with_a_missing_shard(cli, tmp_path):
 def test_sharded_checkpoint_loads(tmp_path, tapered_dir):
     from taperfold.hf import load_hf_directory
 
-    folder = save_hf_directory(_tapered_model(), tmp_path / "sharded", max_shard_size="40KB")
+    folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "sharded", max_shard_size="40KB")
     ids = torch.randint(3, 256, (2, 9))
     with torch.no_grad():
         a = load_hf_directory(folder).build()(ids)

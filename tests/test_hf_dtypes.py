@@ -4,33 +4,22 @@ family; bf16 graphs, which ONNX Runtime's CPU provider cannot load, refused by v
 import json
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # exports a model
 
-from hf_models import tiny_config  # noqa: E402
+from hf_models import tapered_tiny_model  # noqa: E402
 
 from taperfold.compare import default_tolerance  # noqa: E402
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
-from taperfold.hf import save_hf_directory, taper_model  # noqa: E402
+from taperfold.hf import save_hf_directory  # noqa: E402
 from taperfold.verify import verify_export  # noqa: E402
 
 FAMILIES = ("llama", "opt")  # RMS norms, LayerNorms
 
 
 def tapered_directory(family, folder):
-    """A tiny tapered model at g = 0 with norm parameters away from their defaults (no training needed)."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
-    tapering = taper_model(model, "internal")
-    with torch.no_grad():
-        for norm in tapering.norms.values():
-            norm.weight_tilde.uniform_(0.5, 1.5)
-            norm.c.fill_(0.7)
-            norm.calibrated.fill_(True)
-    tapering.set_gate(0.0)
-    return save_hf_directory(model, folder, step=1)
+    return save_hf_directory(tapered_tiny_model(family), folder, step=1)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
