@@ -5,6 +5,7 @@ On a machine with a CUDA GPU (H100 / H200), from the repository root (see docs/b
     python examples/gpu_table3.py run OUT            # about 30-60 minutes; every JSON lands in OUT/
     python examples/gpu_table3.py render OUT         # OUT/gpu_table3.md and OUT/gpu_table3.png from the JSONs
     python examples/gpu_table3.py plan OUT           # print the commands `run` would run, run nothing
+    python examples/gpu_table3.py prepare OUT        # only the checkpoint and exports (e.g. while the GPU is busy)
 
 `run` writes a paper-30m checkpoint (random weights at g = 0), exports it in fp16 and bf16 with KV-cached decoders,
 adds the `nonorm` reference (no tapered norm at all) to each export, then runs `taperfold bench` once per
@@ -56,12 +57,14 @@ def taperfold_cmd() -> list[str]:
     return [sys.executable, "-m", "taperfold"]
 
 
-def plan(out: Path, iters: int, warmup: int, rounds: int) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every bench run; each writes OUT/NAME.json."""
+def plan(out: Path, iters: int, warmup: int, rounds: int, batches: tuple[int, ...] = BATCHES
+         ) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every bench run; each writes OUT/NAME.json (NAME ends in -b1 etc. for a subset of batches,
+    so that a long configuration can be run in parts)."""
     ckpt = out / "work" / "paper30m.pt"
     timing = ["--iters", str(iters), "--warmup", str(warmup), "--rounds", str(rounds), "--variants", VARIANTS]
-    prefill = ["--batch", ",".join(map(str, BATCHES)), "--seq", ",".join(map(str, SEQS))]
-    decode = ["--mode", "decode", "--batch", ",".join(map(str, BATCHES)), "--prompt", str(PROMPT),
+    prefill = ["--batch", ",".join(map(str, batches)), "--seq", ",".join(map(str, SEQS))]
+    decode = ["--mode", "decode", "--batch", ",".join(map(str, batches)), "--prompt", str(PROMPT),
               "--new-tokens", str(NEW_TOKENS)]
     runs = []
     for dtype in DTYPES:
@@ -73,6 +76,8 @@ def plan(out: Path, iters: int, warmup: int, rounds: int) -> list[tuple[str, lis
                          ["--compile", "--compile-mode", "reduce-overhead"]))
             if not (mode == "decode" and dtype == "bf16"):
                 runs.append((f"ort-{dtype}-{mode}-eager-graph", ort_src + shape + timing + ["--cuda-graph"]))
+    if tuple(batches) != BATCHES:
+        runs = [(name + "-b" + "-".join(map(str, batches)), argv) for name, argv in runs]
     return [(name, taperfold_cmd() + argv + ["--json", str(out / f"{name}.json")]) for name, argv in runs]
 
 
@@ -106,24 +111,32 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     manifest_path.write_text(json.dumps(manifest, indent=2))
 
 
-def run(out: Path, iters: int, warmup: int, rounds: int, only: str | None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def prepare(out: Path, dtypes: tuple[str, ...] = DTYPES) -> dict:
+    """The checkpoint and, for each dtype, its export with the `nonorm` reference added; what exists is reused.
+    Returns the environment the bench processes run in."""
     work = out / "work"  # checkpoint and exports: large, not meant for docs/ (kept so that reruns reuse them)
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH", "")])}
     ckpt = work / "paper30m.pt"
     if not ckpt.exists():
         subprocess.run([sys.executable, str(Path(__file__).with_name("random_checkpoint.py")), "paper-30m", str(ckpt)],
                        check=True, env=env)
-    for dtype in DTYPES:
+    for dtype in dtypes:
         export_dir = work / f"export-{dtype}"
         if not (export_dir / "manifest.json").exists():
             subprocess.run(taperfold_cmd() + ["export", str(ckpt), "-o", str(export_dir), "--dtype", dtype,
                                               "--kv-cache"], check=True, env=env)
         if "nonorm" not in json.loads((export_dir / "manifest.json").read_text())["artifacts"]:
             add_nonorm(export_dir, ckpt)
-    run_benches(out, [(n, a) for n, a in plan(out, iters, warmup, rounds) if not only or only in n], env)
+    return env
+
+
+def run(out: Path, iters: int, warmup: int, rounds: int, only: str | None, batches: tuple[int, ...]) -> None:
+    runs = [(n, a) for n, a in plan(out, iters, warmup, rounds, batches) if not only or only in n]
+    # torch runs need only the checkpoint; exports are made for the dtypes whose ORT runs are selected
+    env = prepare(out, tuple(d for d in DTYPES if any(n.startswith(f"ort-{d}-") for n, _ in runs)))
+    run_benches(out, runs, env)
 
 
 def run_benches(out: Path, runs: list[tuple[str, list[str]]], env: dict) -> dict:
@@ -324,9 +337,16 @@ def render(folder: Path, markdown: Path, plot: Path | None) -> None:
     print(f"wrote {markdown}" + (f" and {plot}" if plot and reports else ""))
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    return tuple(int(b) for b in text.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="only write the checkpoint and the exports that `run` uses")
+    p.add_argument("out", type=Path)
+    p.add_argument("--dtypes", default=",".join(DTYPES))
     for name in ("run", "plan"):
         p = sub.add_parser(name)
         p.add_argument("out", type=Path, help="folder for every JSON and log (keep the JSONs under docs/gpu/)")
@@ -334,16 +354,20 @@ def main() -> None:
         p.add_argument("--warmup", type=int, default=10)
         p.add_argument("--rounds", type=int, default=5)
         p.add_argument("--only", help="run only the configurations whose name contains this")
+        p.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                       help="a subset of Table 3's batch sizes (names get a -bN suffix)")
     p = sub.add_parser("render")
     p.add_argument("out", type=Path)
     p.add_argument("--markdown", type=Path)
     p.add_argument("--plot", type=Path)
     args = parser.parse_args()
     if args.command == "plan":
-        for name, argv in plan(args.out, args.iters, args.warmup, args.rounds):
+        for name, argv in plan(args.out, args.iters, args.warmup, args.rounds, _batches(args.batches)):
             print(f"{name}: taperfold {' '.join(argv[3:])}")
+    elif args.command == "prepare":
+        prepare(args.out, tuple(args.dtypes.split(",")))
     elif args.command == "run":
-        run(args.out, args.iters, args.warmup, args.rounds, args.only)
+        run(args.out, args.iters, args.warmup, args.rounds, args.only, _batches(args.batches))
     else:
         render(args.out, args.markdown or args.out / "gpu_table3.md", args.plot or args.out / "gpu_table3.png")
 

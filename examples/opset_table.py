@@ -56,7 +56,10 @@ parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--iters", type=int, default=30, help="timed calls (prefill) or generations (decode) per graph")
 parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--threads", type=int, help="ORT intra-op threads (default: torch's thread count)")
-parser.add_argument("--work", help="keep the exports here (default: a temporary directory)")
+parser.add_argument("--work", help="keep the exports here and reuse those already there (default: a temporary "
+                                     "directory)")
+parser.add_argument("--export-only", action="store_true",
+                    help="write the exports into --work and stop: export while something else uses the GPU")
 parser.add_argument("--out", required=True, help="JSON to write")
 args = parser.parse_args()
 
@@ -67,23 +70,30 @@ if unknown:
 threads = args.threads or torch.get_num_threads()
 schedule = Schedule(args.warmup, args.iters, args.rounds)
 ort_engine = ENGINES["ort"]
-ort_engine.require(args.device)
+if args.export_only and not args.work:
+    sys.exit("--export-only needs --work")
+if not args.export_only:
+    ort_engine.require(args.device)
 
 work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="opset-table-"))
 work.mkdir(parents=True, exist_ok=True)
 ckpt = work / f"{args.preset}-{args.arch}.pt"
-save_checkpoint(checkpoint_from_model(random_gate0_model(args.preset, args.arch), step=0,
-                                      meta={"random_weights": True}), ckpt)
+if not ckpt.exists():
+    save_checkpoint(checkpoint_from_model(random_gate0_model(args.preset, args.arch), step=0,
+                                          meta={"random_weights": True}), ckpt)
 exports, graphs = {}, {}
 for opset in args.opsets:
     t0 = time.perf_counter()
-    out_dir = work / f"opset{opset}"
-    export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, kv_cache=True))
+    out_dir = work / f"opset{opset}-{args.dtype}"
+    if not (out_dir / "manifest.json").exists():  # an earlier --export-only run's export is reused
+        export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, kv_cache=True))
     manifest = read_manifest(out_dir)
     exports[opset] = manifest
     graphs[opset] = {key: {k: v for k, v in entry.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
                      for key, entry in manifest.artifacts.items()}
     print(f"exported opset {opset} in {time.perf_counter() - t0:.0f} s -> {out_dir}", file=sys.stderr)
+if args.export_only:
+    sys.exit(0)
 
 cfg = exports[args.opsets[0]].config()
 rng = np.random.default_rng(0)
