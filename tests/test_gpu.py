@@ -6,6 +6,7 @@ and skip elsewhere, saying why. The rest check on the CPU what can be checked wi
 how CUDA-graph rows are paired with eager rows and labelled (a fake runner), error lines, `python -m taperfold`.
 """
 
+import copy
 import csv
 import json
 import shutil
@@ -112,7 +113,7 @@ def test_ort_cuda_graph_session_failure_is_one_line(tiny_export, monkeypatch):
     path = tiny_export / "model.onnx"
     with pytest.raises(TaperfoldError) as info:
         ort_runner.open_session(path, device="cuda", cuda_graph=True)
-    assert seen["providers"][0] == ("CUDAExecutionProvider", {"enable_cuda_graph": "1"})
+    assert seen["providers"][0] == ("CUDAExecutionProvider", {"enable_cuda_graph": "1", "use_tf32": "0"})
     assert str(info.value) == (f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
                                "(every node must run on the GPU; This session cannot use the graph capture feature "
                                "as requested by the user as all compute graph nodes have not been partitioned to "
@@ -210,8 +211,9 @@ def _ids(vocab, shape, seed=0):
 
 
 def _cpu_logits(model, ids):
+    """The reference on the CPU, from a copy: a runner moves the model it runs to its device."""
     with torch.no_grad():
-        return model(torch.from_numpy(ids)).numpy()
+        return copy.deepcopy(model).cpu()(torch.from_numpy(ids)).numpy()
 
 
 @pytest.mark.gpu

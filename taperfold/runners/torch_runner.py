@@ -93,6 +93,8 @@ class TorchRunner(Runner):
             raise self.error("choose torch.compile or CUDA graphs, not both")
         self.model, self.compile, self.decoder, self.logits = model, compile, decoder, logits
         self.compile_mode, self.cuda_graph, self.shapes = compile_mode, cuda_graph, shapes or 8
+        self._outputs_in_graph_pool = (compile and compile_mode in ("reduce-overhead", "max-autotune")
+                                       and self.device.startswith("cuda"))
         if decoder:
             self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers)
         else:
@@ -150,6 +152,11 @@ class TorchRunner(Runner):
             n = self.model.cfg.n_layers
             past = [(prepared[f"past_key_values.{i}.key"], prepared[f"past_key_values.{i}.value"]) for i in range(n)]
             logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True)
+            if self._outputs_in_graph_pool:
+                # reduce-overhead / max-autotune replay CUDA graphs whose outputs live in a pool that the next
+                # replay may overwrite ("accessing tensor output of CUDAGraphs that has been overwritten"); the
+                # cache is the next step's input, so it is copied out, inside the timing: it is part of the cost
+                present = [(k.clone(), v.clone()) for k, v in present]
         out = {OUTPUT: logits}
         for i, (k, v) in enumerate(present):
             out[f"present.{i}.key"], out[f"present.{i}.value"] = k, v
