@@ -207,9 +207,15 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
     gpu_name = env.get("gpu", {}).get("name", "unknown GPU")
     spec = gpu_spec(gpu_name)
     cfg = ModelConfig.from_dict(reports[0]["config"])
-    versions = env.get("versions", {})
+    versions = {}  # what ran: torch, and the onnxruntime build of the ORT runs (the GPU build beside a CPU one)
+    for report in reports:
+        found = report["environment"].get("versions", {})
+        runtime = "onnxruntime-gpu" if report["engine"] == "ort" and "onnxruntime-gpu" in found else "onnxruntime"
+        for key in ("torch", runtime) if report["engine"] == "ort" else ("torch",):
+            if found.get(key):
+                versions.setdefault(key, found[key])
     lines = [f"Measured on **{gpu_name}** ({env.get('cpu', '?')}), "
-             + ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "onnxruntime")) + ". "
+             + ", ".join(f"{k} {v}" for k, v in versions.items()) + ". "
              + f"paper-30m, random weights at g = 0; medians of {reports[0]['settings']['iters']} timed calls per "
              f"cell in {reports[0]['settings']['rounds']} alternating rounds. "
              + (f"Floor: {spec.name}, {spec.memory_tb_s} TB/s, {spec.dense_tflops_16} dense BF16/FP16 TFLOPS "

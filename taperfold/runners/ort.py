@@ -12,7 +12,9 @@ output buffers; then runs with the slot's id until ONNX Runtime has captured it 
 settle its memory arena; 1.31 captures on the third). Later calls write new values into the slot's inputs
 (`update_inplace`, in `prepare`, untimed) and replay. A decode step feeds back the previous step's outputs: those
 are the next slot's inputs already, so steady-state decoding copies nothing. Session creation fails when a node
-would run on the CPU; that is reported as one line."""
+would run on the CPU; that is reported as one line. taperfold's own KV-cached decoders always fail so in
+ONNX Runtime 1.31 (measured on an H100: 5 shape nodes on the CPU at opset 23, 45 at opset 20): their
+past length changes every step, so decode slots serve graphs whose every node runs on the GPU."""
 
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def session_options(optimization: str = "all", threads: int | None = None):
               "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
     options = ort.SessionOptions()
     options.graph_optimization_level = levels[optimization]
-    options.log_severity_level = 3  # errors only: ORT's warnings go to stderr and would break our output
+    # fatal only: warnings would break our output, and ORT's errors come back as exceptions that we report in one
+    # line (on an H100 a refused graph capture printed ORT's own error line above ours)
+    options.log_severity_level = 4
     if threads is not None:
         options.intra_op_num_threads = threads
     return options
@@ -72,6 +76,13 @@ def providers_for(device: str, cuda_graph: bool = False) -> list:
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
+def _is_kv_cached_decoder(path: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(i.name.startswith("past_key_values.") for i in graph.input)
+
+
 def _has_bf16_outputs(path: Path) -> bool:
     import onnx
 
@@ -90,8 +101,12 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
                                        providers=providers_for(device, cuda_graph))
     except _ort_errors() as e:
         if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
+            why = ("a KV-cached decoder: its past grows every step, and ONNX Runtime keeps the shape arithmetic "
+                   "that follows from it on the CPU; CUDA graphs are for prefill graphs, see "
+                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_kv_cached_decoder(path)
+                   else "every node must run on the GPU")
             raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
-                                 f"(every node must run on the GPU; {first_line(e)})") from None
+                                 f"({why}; {first_line(e)})") from None
         if device == "cpu" and _has_bf16_outputs(path):  # e.g. "Could not find an implementation for Mul(14)"
             raise TaperfoldError(f"{path}: a bf16 graph: onnxruntime's CPU provider has no bf16 kernels for it "
                                  f"({first_line(e)}); run it with --device cuda, or check an fp16 or fp32 export "
