@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from taperfold.bench.floors import decode_floor, gpu_spec, prefill_floor
+from taperfold.errors import TaperfoldError
 from taperfold.models import ModelConfig
 
 # Table 3 of the paper (/work/shared/papers/tapernorm-kanavalau-2026.txt): k tokens/s, H100 80GB, bf16, torch eager,
@@ -329,22 +330,32 @@ def render_plot(reports: list[dict], path: Path) -> None:
         ax.set_title(f"{dtype}: folded, last-token logits")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
 def render(folder: Path, markdown: Path, plot: Path | None) -> None:
+    from taperfold.fsutil import atomic_path
+
     reports = load_reports(folder)
     runs_path = folder / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else None
-    markdown.write_text(render_markdown(reports, runs))
+    with atomic_path(markdown) as tmp:
+        tmp.write_text(render_markdown(reports, runs))
     if plot and reports:
-        render_plot(reports, plot)
+        with atomic_path(plot) as tmp:
+            render_plot(reports, tmp)
     print(f"wrote {markdown}" + (f" and {plot}" if plot and reports else ""))
 
 
 def _batches(text: str) -> tuple[int, ...]:
-    return tuple(int(b) for b in text.split(","))
+    try:
+        batches = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,4, got {text!r}")
+    return batches
 
 
 def main() -> None:
@@ -360,7 +371,7 @@ def main() -> None:
         p.add_argument("--warmup", type=int, default=10)
         p.add_argument("--rounds", type=int, default=5)
         p.add_argument("--only", help="run only the configurations whose name contains this")
-        p.add_argument("--batches", default=",".join(map(str, BATCHES)),
+        p.add_argument("--batches", type=_batches, default=BATCHES,
                        help="a subset of Table 3's batch sizes (names get a -bN suffix)")
     p = sub.add_parser("render")
     p.add_argument("out", type=Path)
@@ -368,14 +379,19 @@ def main() -> None:
     p.add_argument("--plot", type=Path)
     args = parser.parse_args()
     if args.command == "plan":
-        for name, argv in plan(args.out, args.iters, args.warmup, args.rounds, _batches(args.batches)):
+        for name, argv in plan(args.out, args.iters, args.warmup, args.rounds, args.batches):
             print(f"{name}: taperfold {' '.join(argv[3:])}")
     elif args.command == "prepare":
         prepare(args.out, tuple(args.dtypes.split(",")))
     elif args.command == "run":
-        run(args.out, args.iters, args.warmup, args.rounds, args.only, _batches(args.batches))
+        run(args.out, args.iters, args.warmup, args.rounds, args.only, args.batches)
     else:
-        render(args.out, args.markdown or args.out / "gpu_table3.md", args.plot or args.out / "gpu_table3.png")
+        if not args.out.is_dir():
+            parser.error(f"{args.out}: no such directory (the folder `run` wrote its JSONs to)")
+        try:
+            render(args.out, args.markdown or args.out / "gpu_table3.md", args.plot or args.out / "gpu_table3.png")
+        except TaperfoldError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from taperfold.bench.stats import summarize
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.engines import ENGINES
 from taperfold.environment import machine_info, package_versions
+from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, INPUT, read_manifest
 from taperfold.fsutil import write_json_atomic
@@ -71,7 +72,7 @@ threads = args.threads or torch.get_num_threads()
 schedule = Schedule(args.warmup, args.iters, args.rounds)
 ort_engine = ENGINES["ort"]
 if args.export_only and not args.work:
-    sys.exit("--export-only needs --work")
+    parser.error("--export-only needs --work")
 if not args.export_only:
     ort_engine.require(args.device)
 
@@ -85,9 +86,12 @@ exports, graphs = {}, {}
 for opset in args.opsets:
     t0 = time.perf_counter()
     out_dir = work / f"opset{opset}-{args.dtype}"
-    if not (out_dir / "manifest.json").exists():  # an earlier --export-only run's export is reused
-        export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, kv_cache=True))
-    manifest = read_manifest(out_dir)
+    try:
+        if not (out_dir / "manifest.json").exists():  # an earlier --export-only run's export is reused
+            export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, kv_cache=True))
+        manifest = read_manifest(out_dir)
+    except TaperfoldError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     exports[opset] = manifest
     graphs[opset] = {key: {k: v for k, v in entry.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
                      for key, entry in manifest.artifacts.items()}
