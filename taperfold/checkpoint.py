@@ -43,6 +43,12 @@ class Checkpoint:
         model.set_gate(self.gate if gate is None else gate)
         return model.eval()
 
+    def build_baseline(self) -> CausalLM:
+        """The same weights with ordinary norms (`variants.baseline_of` at g = 0): what the paper compares with."""
+        from taperfold.variants import baseline_of
+
+        return baseline_of(self.build(gate=0.0))
+
 
 def checkpoint_from_model(model: CausalLM, step: int, meta: dict | None = None) -> Checkpoint:
     return Checkpoint(model.cfg, model.state_dict(), model.gate.value, step, dict(meta or {}))

@@ -93,9 +93,12 @@ def numpy_dtype(name: str):
     return {"fp32": np.float32, "fp16": np.float16}[name]
 
 
+PAST = "past_key_values."  # the prefix of a decoder's cache inputs
+
+
 def decoder_io_names(n_layers: int) -> tuple[list[str], list[str]]:
     """Input and output names of a KV-cached decoder, as optimum and onnxruntime-genai name them."""
-    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    past = [f"{PAST}{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     return [INPUT, *past], [OUTPUT, *present]
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError, first_line
 
 
-def check_onnx_file(path: str | Path) -> None:
-    """Raise a TaperfoldError naming the file if the model or any of its external data is missing or cut short.
+def check_onnx_file(path: str | Path):
+    """The model's graph (an onnx ModelProto without its weights), or a TaperfoldError naming the file if the model
+    or any of its external data is missing or cut short.
 
     Runtimes fail too, but with a message about the first tensor they trip on; this names the file to fix.
     Only the graph is parsed (weights stay on disk), so it is cheap even for large models.
@@ -37,3 +38,4 @@ def check_onnx_file(path: str | Path) -> None:
         if data_file.stat().st_size < end:
             raise TaperfoldError(f"{data_file}: external data of {path.name} is truncated "
                                  f"({data_file.stat().st_size} bytes, the model reads up to byte {end})")
+    return model

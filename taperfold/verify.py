@@ -262,15 +262,6 @@ def _baseline_only(manifest: Manifest) -> bool:
     return not any(manifest.has_artifact(v) for v in ("unfolded", "folded"))
 
 
-def _torch_baseline(ckpt):
-    """The checkpoint with its plain norms, in torch: a transformers directory's own original norms."""
-    if hasattr(ckpt, "build_baseline"):  # taperfold.hf.directory.HFCheckpoint
-        return ckpt.build_baseline()
-    from taperfold.variants import baseline_of
-
-    return baseline_of(ckpt.build(gate=0.0))
-
-
 # ---- verification --------------------------------------------------------------------------------------
 
 
@@ -293,12 +284,17 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     # The torch references run in fp32 on the CPU, whatever the export's dtype: they are the truth.
     torch_engine, graph_engine, plan_engine = ENGINES["torch"], ENGINES["ort"], ENGINES["trt"]
     reference = "checkpoint@g=0" if forced else "checkpoint"
-    runners = {reference: torch_engine.runner(ckpt.build(gate=0.0 if forced else None), device="cpu", logits=logits,
+    baseline_only = _baseline_only(manifest)
+    # each torch model is built once and shared by the prefill and the decoder checks
+    models = {reference: ckpt.build(gate=0.0 if forced else None)}
+    if not baseline_only and any(manifest.has_artifact(v, decoder=d) for v in ("baseline", DECOMPOSED_BASELINE)
+                                 for d in (False, True)):
+        models[TORCH_BASELINE] = ckpt.build_baseline()  # a transformers directory's own original norms
+    runners = {reference: torch_engine.runner(models[reference], device="cpu", logits=logits,
                                               name=f"{ckpt.path} (reference)")}
     if forced:
         runners[f"checkpoint@g={ckpt.gate:g}"] = torch_engine.runner(ckpt.build(), device="cpu", logits=logits,
                                                                      name=f"{ckpt.path} at g = {ckpt.gate:g}")
-    baseline_only = _baseline_only(manifest)
     overrides = tolerances or {}
     export_tol = default_tolerance(dtype, "export").override(**overrides)
     fold_tol = default_tolerance(dtype, "fold").override(**overrides)
@@ -314,7 +310,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
         # a plain checkpoint is its own baseline: its forward is the reference, built once
         baseline_ref = reference if baseline_only else TORCH_BASELINE
         if not baseline_only:
-            runners[TORCH_BASELINE] = torch_engine.runner(_torch_baseline(ckpt), device="cpu", logits=logits,
+            runners[TORCH_BASELINE] = torch_engine.runner(models[TORCH_BASELINE], device="cpu", logits=logits,
                                                           name=f"{ckpt.path} with plain norms (reference)")
         for variant in baselines:
             runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
@@ -335,7 +331,8 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     progress = on_progress or (lambda done, total, description: None)
     _run(list(zip(batches, id_arrays)), runners, pairs, threads, progress)
     if any(manifest.has_artifact(v, decoder=True) for v in ("unfolded", "baseline")):
-        pairs += _verify_decoders(manifest, ckpt, forced, dtype, device, threads, export_tol, seed, progress)
+        pairs += _verify_decoders(manifest, ckpt.config, models, reference, dtype, device, threads, export_tol, seed,
+                                  progress)
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
                         note=NOTHING_FOLDED.format(checkpoint=ckpt.path) if baseline_only else None,
                         checkpoint={"path": str(ckpt.path), "sha256": manifest.checkpoint_sha256,
@@ -407,15 +404,12 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
 # ---- decoders ------------------------------------------------------------------------------------------
 
 
-def _verify_decoders(manifest: Manifest, ckpt, forced: bool, dtype: str, device: str, threads: int | None,
-                     tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
-    """Every *.decoder.onnx against its torch model decoding the same tokens (see decode_cases)."""
-    from taperfold.exportdir import numpy_dtype
-
-    cfg = ckpt.config
+def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtype: str, device: str,
+                     threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
+    """Every *.decoder.onnx against its torch model (`models`: name -> model, as verify_export built them)
+    decoding the same tokens (see decode_cases)."""
     variants = [v for v in ("baseline", DECOMPOSED_BASELINE, "unfolded", "folded")
                 if manifest.has_artifact(v, decoder=True)]
-    reference = "checkpoint@g=0" if forced else "checkpoint"
     baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
     refs = {v: baseline_ref if v in ("baseline", DECOMPOSED_BASELINE) else reference for v in variants}
     pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
@@ -423,10 +417,7 @@ def _verify_decoders(manifest: Manifest, ckpt, forced: bool, dtype: str, device:
         for pair in pairs.values():
             pair.status, pair.reason = "skipped", "bf16: numpy has no bfloat16 to feed the KV cache from the host"
         return list(pairs.values())
-    numpy_dtype(dtype)
-    torch_models = {reference: ckpt.build(gate=0.0 if forced else None)}
-    if TORCH_BASELINE in refs.values():
-        torch_models[TORCH_BASELINE] = _torch_baseline(ckpt)
+    torch_models = {name: models[name] for name in set(refs.values())}
     torch_engine, graph_engine = ENGINES["torch"], ENGINES["ort"]
     runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
                                   for name, model in torch_models.items()}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from taperfold.errors import TaperfoldError, first_line
+from taperfold.exportdir import PAST
 from taperfold.onnx_files import check_onnx_file
 from taperfold.runners.base import InputSpec, Runner
 
@@ -76,18 +77,14 @@ def providers_for(device: str, cuda_graph: bool = False) -> list:
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
-def _is_kv_cached_decoder(path: Path) -> bool:
+def _is_kv_cached_decoder(model) -> bool:
+    return any(i.name.startswith(PAST) for i in model.graph.input)
+
+
+def _has_bf16_outputs(model) -> bool:
     import onnx
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return any(i.name.startswith("past_key_values.") for i in graph.input)
-
-
-def _has_bf16_outputs(path: Path) -> bool:
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return any(o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for o in graph.output)
+    return any(o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for o in model.graph.output)
 
 
 def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None,
@@ -95,7 +92,7 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
     import onnxruntime as ort
 
-    check_onnx_file(path)
+    header = check_onnx_file(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(optimization, threads),
                                        providers=providers_for(device, cuda_graph))
@@ -103,11 +100,11 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
         if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
             why = ("a KV-cached decoder: its past grows every step, and ONNX Runtime keeps the shape arithmetic "
                    "that follows from it on the CPU; CUDA graphs are for prefill graphs, see "
-                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_kv_cached_decoder(path)
+                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_kv_cached_decoder(header)
                    else "every node must run on the GPU")
             raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
                                  f"({why}; {first_line(e)})") from None
-        if device == "cpu" and _has_bf16_outputs(path):  # e.g. "Could not find an implementation for Mul(14)"
+        if device == "cpu" and _has_bf16_outputs(header):  # e.g. "Could not find an implementation for Mul(14)"
             raise TaperfoldError(f"{path}: a bf16 graph: onnxruntime's CPU provider has no bf16 kernels for it "
                                  f"({first_line(e)}); run it with --device cuda, or check an fp16 or fp32 export "
                                  "on the CPU") from None

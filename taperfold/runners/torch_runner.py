@@ -149,18 +149,15 @@ class TorchRunner(Runner):
         with torch.inference_mode():
             if not self.decoder:
                 return {OUTPUT: self._module(prepared[INPUT], logits=self.logits)}
-            n = self.model.cfg.n_layers
-            past = [(prepared[f"past_key_values.{i}.key"], prepared[f"past_key_values.{i}.value"]) for i in range(n)]
+            keys, values = self._inputs[1::2], self._inputs[2::2]  # decoder_io_names: key, value per layer
+            past = [(prepared[k], prepared[v]) for k, v in zip(keys, values)]
             logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True)
             if self._outputs_in_graph_pool:
                 # reduce-overhead / max-autotune replay CUDA graphs whose outputs live in a pool that the next
                 # replay may overwrite ("accessing tensor output of CUDAGraphs that has been overwritten"); the
                 # cache is the next step's input, so it is copied out, inside the timing: it is part of the cost
                 present = [(k.clone(), v.clone()) for k, v in present]
-        out = {OUTPUT: logits}
-        for i, (k, v) in enumerate(present):
-            out[f"present.{i}.key"], out[f"present.{i}.value"] = k, v
-        return out
+        return {OUTPUT: logits, **dict(zip(self._outputs[1:], (t for kv in present for t in kv)))}
 
     def _run(self, prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         launch = self._launcher(prepared)
