@@ -85,31 +85,25 @@ def plan(out: Path, iters: int, warmup: int, rounds: int, batches: tuple[int, ..
 def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     """Export the `nonorm` reference (taperfold.variants.without_norms) next to the others and list it in
     manifest.json (artifacts.nonorm, artifacts.nonorm.decoder), as export would with the same options."""
-    import onnx_ir as ir
     import torch
 
     from taperfold.checkpoint import load_checkpoint
     from taperfold.export import ExportOptions, export_to_ir
-    from taperfold.exportdir import torch_dtype
+    from taperfold.exportdir import artifact_key, read_manifest, torch_dtype
+    from taperfold.passes.onnx_io import save_model
     from taperfold.variants import without_norms
 
-    import onnx
-
-    manifest_path = export_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    exported = manifest["export"]
-    model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(exported["dtype"])).eval()
+    manifest = read_manifest(export_dir)
+    model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(manifest.dtype)).eval()
     with torch.no_grad():
-        for decoder, key in ((False, "nonorm"), (True, "nonorm.decoder")):
-            folded = export_dir / manifest["artifacts"]["folded.decoder" if decoder else "folded"]["path"]
-            # the same opset as the folded graph it is compared with (export may pick one per graph)
-            opset = next(o.version for o in onnx.load(folded, load_external_data=False).opset_import
-                         if o.domain in ("", "ai.onnx"))
-            opts = ExportOptions(logits=exported["logits"], dtype=exported["dtype"], opset=opset)
-            name = key + ".onnx"
-            ir.save(export_to_ir(model, opts, decoder), export_dir / name, external_data=name + ".data")
-            manifest["artifacts"][key] = {"path": name, "opset": opset}
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+        for decoder in (False, True):
+            # the same opset as the folded graph it is compared with (export picks one per graph)
+            opset = manifest.artifacts[artifact_key("folded", decoder)]["opset"]
+            opts = ExportOptions(logits=manifest.logits, dtype=manifest.dtype, opset=opset)
+            key = "nonorm" + (".decoder" if decoder else "")
+            save_model(export_to_ir(model, opts, decoder), export_dir / f"{key}.onnx")
+            manifest.artifacts[key] = {"path": f"{key}.onnx", "opset": opset}
+    manifest.write()
 
 
 def prepare(out: Path, dtypes: tuple[str, ...] = DTYPES) -> dict:

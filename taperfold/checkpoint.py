@@ -151,18 +151,26 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
     return {k: v for k, v in obj.items() if k != "state_dict"}, tensors
 
 
-def _read_safetensors_file(path: Path) -> tuple[dict, dict]:
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or one line naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise TaperfoldError(f"{path}: not a readable safetensors file: truncated or corrupt ({e})") from None
+
+
+def _read_safetensors_file(path: Path) -> tuple[dict, dict]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise TaperfoldError(f"{path}: not a readable safetensors file: truncated or corrupt ({e})") from None
+    tensors = read_safetensors(path)
     return meta, tensors
 
 

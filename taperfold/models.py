@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taperfold.families import ARCHS
 from taperfold.nn import ScaleAnchorLoss, TaperGate, TaperLN, TaperNorm
 
-ARCHS = ("llama", "gpt2")  # the families in taperfold.families
 TAPERS = ("none", "internal", "all")
 
 

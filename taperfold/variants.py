@@ -60,10 +60,8 @@ def decomposed_baseline_of(model: CausalLM) -> CausalLM:
     base = baseline_of(model)
     for name, module in list(base.named_modules()):
         if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
-            parent_name, _, attr = name.rpartition(".")
-            parent = base.get_submodule(parent_name) if parent_name else base
             hand = HandWrittenRMSNorm(module) if isinstance(module, nn.RMSNorm) else HandWrittenLayerNorm(module)
-            setattr(parent, attr, hand)
+            base.set_submodule(name, hand)
     return base
 
 
@@ -85,8 +83,7 @@ def fold_model_in_torch(model: CausalLM) -> CausalLM:
             if reader_name == "lm_head" and folded.cfg.tie_embeddings:
                 reader.weight = nn.Parameter(reader.weight.detach().clone())  # untie: the embedding stays
             fold_into_reader(reader, scale, norm.bias.double() if isinstance(norm, TaperLN) else None)
-        parent_name, _, attr = norm_name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else folded, attr, nn.Identity())
+        folded.set_submodule(norm_name, nn.Identity())
     return folded
 
 
@@ -110,10 +107,8 @@ def without_norms(model: CausalLM) -> CausalLM:
     copied unscaled. A timing reference, not the same function; norms that do not taper (Internal-Taper's final
     norm) stay, as they stay in the folded model, so that folded vs nonorm measures what the fold leaves behind."""
     bare = copy.deepcopy(model)
-    modules = dict(bare.named_modules())
     for name in model.tapered_norms():
-        parent_name, _, attr = name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else bare, attr, nn.Identity())
+        bare.set_submodule(name, nn.Identity())
     return bare
 
 

@@ -3,7 +3,7 @@
 A family module defines its `CausalLM` subclass and a `FAMILY` entry: how its norms are computed
 (`norm_kind`), the config defaults its presets use, and which linear layers read each norm's output
 (`norm_readers`: what a fold rewrites, and what `taperfold inspect` lists). Adding a family is a new
-module plus one line in `_MODULES`.
+module plus its name in `ARCHS`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-_MODULES = ("llama", "gpt2")
+ARCHS = ("llama", "gpt2")  # ModelConfig.arch values, each also the name of its module here
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Family:
 
 
 def _load() -> dict[str, Family]:
-    families = [importlib.import_module(f"taperfold.families.{name}").FAMILY for name in _MODULES]
+    families = [importlib.import_module(f"taperfold.families.{name}").FAMILY for name in ARCHS]
     return {f.arch: f for f in families}
 
 

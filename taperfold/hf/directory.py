@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from taperfold.checkpoint import read_safetensors
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_dir, read_json_object
 from taperfold.hf.families import Family, family_for
@@ -133,23 +134,13 @@ def parse_block(raw, where: Path) -> TaperBlock:
 # ---- weights --------------------------------------------------------------------------------------------
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise TaperfoldError(f"{path}: not a readable safetensors file: truncated or corrupt ({e})") from None
-
-
 def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors of a directory, single file or sharded, and the file each came from."""
     single, index = folder / WEIGHTS, folder / INDEX
     if index.is_file():
         return _read_sharded(folder, index)
     if single.is_file():
-        tensors = _read_safetensors(single)
+        tensors = read_safetensors(single)
         return tensors, {key: single for key in tensors}
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise TaperfoldError(f"{folder}: holds PyTorch pickle weights only; taperfold reads safetensors "
@@ -169,7 +160,7 @@ def _read_sharded(folder: Path, index: Path) -> tuple[dict[str, torch.Tensor], d
         shard = folder / shard_name
         if not shard.is_file():
             raise TaperfoldError(f"{index}: key 'weight_map.{key}': shard {shard_name} is missing")
-        for name, tensor in _read_safetensors(shard).items():
+        for name, tensor in read_safetensors(shard).items():
             tensors[name], origin[name] = tensor, shard
     for key, shard_name in weight_map.items():
         if key not in tensors:

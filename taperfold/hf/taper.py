@@ -89,11 +89,6 @@ def _tapered_copy(norm: nn.Module, family: Family, gate: TaperGate, momentum: fl
     return new
 
 
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)
-
-
 def _check(model: nn.Module, family: Family, where: str) -> None:
     why_not = family.check(model.config)
     if why_not:
@@ -123,7 +118,7 @@ def taper_model(model: nn.Module, taper: str = "internal", *, aux: bool = True, 
         except AttributeError:
             raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
         norms[path] = _tapered_copy(original, family, shared, momentum, delta)
-        _set(model, path, norms[path])
+        model.set_submodule(path, norms[path])
     untapered = {}
     for name, module in model.named_modules():
         if name in norms or isinstance(module, TAPERED) or "norm" not in type(module).__name__.lower():

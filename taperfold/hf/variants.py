@@ -33,8 +33,7 @@ def fold_in_torch(model: HFCausalLM) -> HFCausalLM:
             if reader.weight is hf.get_input_embeddings().weight:  # a tied head: the embedding stays as it is
                 reader.weight = nn.Parameter(reader.weight.detach().clone())
             fold_into_reader(reader, scale, beta)
-        parent, _, attr = path.rpartition(".")
-        setattr(hf.get_submodule(parent) if parent else hf, attr, nn.Identity())
+        hf.set_submodule(path, nn.Identity())
     object.__setattr__(hf, "tapering", None)
     return HFCausalLM(hf, model.cfg, model.family, reference=model.reference, checkpoint=model.checkpoint).eval()
 

@@ -111,8 +111,7 @@ def constant_norms(model: nn.Module, seed: int = 0) -> tuple[nn.Module, list[str
             new = ConstantLayerNorm(norm.weight, getattr(norm, "bias", None), c)
         else:
             new = ConstantRMSNorm(norm.weight, c, unit_offset="Gemma" in type(norm).__name__)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        model.set_submodule(name, new)
         names.append(name)
     return model, names
 
