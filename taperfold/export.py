@@ -250,26 +250,18 @@ def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice,
     """
     from taperfold.passes.fuse_norm import expand_rms_norms
 
-    key, decomposed_key = (exportdir.artifact_key(v, decoder) for v in ("baseline", exportdir.DECOMPOSED_BASELINE))
-    if norm_kind != "rms":  # LayerNorm exports as LayerNormalization at every opset: nothing to fuse
-        graphs[key] = _graph_info(model_ir, choice, 0)
-        _save(model_ir, folder / onnx_file("baseline", decoder))
-        return
-    if choice.opset >= 23:
-        graphs[key] = _graph_info(model_ir, choice, 0)
-        _save(model_ir, folder / onnx_file("baseline", decoder))
+    def write(variant: str, fused: int = 0) -> None:
+        graphs[exportdir.artifact_key(variant, decoder)] = _graph_info(model_ir, choice, fused)
+        _save(model_ir, folder / onnx_file(variant, decoder))
+
+    rms = norm_kind == "rms"  # LayerNorm exports as LayerNormalization at every opset: nothing to fuse
+    fuse_after_export = rms and choice.opset < 23 and fuses_norms(target)
+    if fuse_after_export:
+        write(exportdir.DECOMPOSED_BASELINE)
+    write("baseline", _fuse(model_ir, target) if fuse_after_export else 0)
+    if rms and choice.opset >= 23:
         expand_rms_norms(model_ir)
-        graphs[decomposed_key] = _graph_info(model_ir, choice, 0)
-        _save(model_ir, folder / onnx_file(exportdir.DECOMPOSED_BASELINE, decoder))
-        return
-    if not fuses_norms(target):
-        graphs[key] = _graph_info(model_ir, choice, 0)
-        _save(model_ir, folder / onnx_file("baseline", decoder))
-        return
-    graphs[decomposed_key] = _graph_info(model_ir, choice, 0)
-    _save(model_ir, folder / onnx_file(exportdir.DECOMPOSED_BASELINE, decoder))
-    graphs[key] = _graph_info(model_ir, choice, _fuse(model_ir, target))
-    _save(model_ir, folder / onnx_file("baseline", decoder))
+        write(exportdir.DECOMPOSED_BASELINE)
 
 
 def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:

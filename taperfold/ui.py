@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from taperfold.bench.report import UNIT, baseline_label, report_phases, report_variants, row_label
+from taperfold.bench.report import UNIT, report_phases, report_variants, row_label, speedup_labels
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -165,7 +165,7 @@ def throughput_table(report: dict, phase: str) -> Table:
     variants = report_variants(report)
     for v in variants:
         table.add_column(v, justify="right")
-    speedup_of = [v for v in variants if not v.startswith("baseline") and baseline_label(v) in variants]
+    speedup_of = speedup_labels(variants)
     for v in speedup_of:
         table.add_column(f"{v} ×", justify="right")
     rows = {(r["batch"], r["seq"], row_label(r)): r for r in report["results"] if r["phase"] == phase}

@@ -31,8 +31,13 @@ def report_variants(report: dict) -> list[str]:
 
 def baseline_label(label: str) -> str:
     """The label of the baseline a runner's speedup is measured against (same execution)."""
-    variant, marked, rest = label.partition(" (")
+    _, marked, rest = label.partition(" (")
     return "baseline" + (f" ({rest}" if marked else "")
+
+
+def speedup_labels(labels: list[str]) -> list[str]:
+    """The runners that get a speedup: every one but a baseline, whose own baseline ran in the same report."""
+    return [v for v in labels if not v.startswith("baseline") and baseline_label(v) in labels]
 
 
 def csv_rows(report: dict) -> list[dict]:
@@ -82,10 +87,11 @@ def write_plot(path: str | Path, report: dict) -> None:
         shapes = list(dict.fromkeys((r["batch"], r["seq"]) for r in results))
         by_key = {(r["batch"], r["seq"], row_label(r)): r for r in results}
         labels = [f"B{b} T{s}" for b, s in shapes]
+        speedups = speedup_labels(variants)
         for i, v in enumerate(variants):
             xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(shapes))]
             axes[row][0].bar(xs, [by_key[b, s, v]["tokens_per_s"] / scale for b, s in shapes], width, label=v)
-            if not v.startswith("baseline") and baseline_label(v) in variants:
+            if v in speedups:
                 axes[row][1].plot(labels, [by_key[b, s, v]["speedup_vs_baseline"] for b, s in shapes],
                                   marker="o", label=v)
         axes[row][0].set_xticks(range(len(shapes)), labels)
