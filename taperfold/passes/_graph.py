@@ -139,11 +139,11 @@ def derived_tensor(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape:
     return ir.LazyTensor(lambda: ir.tensor(compute().astype(dtype.numpy())), dtype=dtype, shape=ir.Shape(shape))
 
 
-def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol) -> ir.Value:
-    """Register `tensor` as a new initializer with a name derived from `base` that is not taken yet."""
-    name, i = f"{base}.folded", 1
+def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol, suffix: str = ".folded") -> ir.Value:
+    """Register `tensor` as a new initializer named `base + suffix`, numbered if that name is taken."""
+    name, i = f"{base}{suffix}", 1
     while name in graph.initializers:
-        name, i = f"{base}.folded_{i}", i + 1
+        name, i = f"{base}{suffix}_{i}", i + 1
     tensor.name = name
     value = ir.val(name, tensor.dtype, tensor.shape, const_value=tensor)
     graph.register_initializer(value)
@@ -187,3 +187,23 @@ def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
                     if value.is_initializer() and not value.uses() and not value.is_graph_output() \
                             and not value.is_graph_input():
                         graph.initializers.pop(value.name)
+
+
+def sole_use(value: ir.Value) -> tuple[ir.Node, int] | None:
+    """(node, input index) of the only reader of `value`, None if it has several or is a graph output."""
+    uses = list(value.uses())
+    return None if value.is_graph_output() or len(uses) != 1 else tuple(uses[0])
+
+
+def reduces_last_axis_only(node: ir.Node, rank: int | None) -> bool:
+    """A Reduce* node over the last axis alone, keeping it (axes as input or attribute; `rank` of its input)."""
+    if node.attributes.get_int("keepdims", 1) != 1:
+        return False
+    axes = const_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if axes is None:
+        attr = node.attributes.get_ints("axes")
+        axes = None if attr is None else np.array(attr)
+    if axes is None or axes.size != 1:
+        return False
+    axis = int(axes.reshape(-1)[0])
+    return axis == -1 or (rank is not None and axis == rank - 1)

@@ -31,6 +31,8 @@ from taperfold.passes._graph import (
     const_array,
     const_producers,
     is_const,
+    reduces_last_axis_only,
+    sole_use,
 )
 
 TAPER_CLASSES = {"TaperNorm": "rms", "TaperLN": "ln"}
@@ -140,21 +142,16 @@ def _from_integers(value: ir.Value) -> bool:
     return dtype is not None and dtype not in FLOAT_TYPES
 
 
-def _sole_use(value: ir.Value) -> tuple[ir.Node, int] | None:
-    uses = list(value.uses())
-    return None if value.is_graph_output() or len(uses) != 1 else tuple(uses[0])
-
-
 def _continues(node: ir.Node) -> bool:
     """Whether `node` is a chain step whose data input is the sole output of another chain step."""
     i = _data_index(node)
     prev = node.inputs[i].producer() if i is not None else None
-    return prev is not None and _data_index(prev) is not None and _sole_use(prev.outputs[0]) is not None
+    return prev is not None and _data_index(prev) is not None and sole_use(prev.outputs[0]) is not None
 
 
 def _chain_from(start: ir.Node) -> list[ir.Node]:
     chain = [start]
-    while (use := _sole_use(chain[-1].outputs[0])) is not None and _data_index(use[0]) == use[1]:
+    while (use := sole_use(chain[-1].outputs[0])) is not None and _data_index(use[0]) == use[1]:
         chain.append(use[0])
     return chain
 
@@ -177,11 +174,7 @@ def _chain_scale(chain: list[ir.Node]) -> np.ndarray | None:
 def _is_last_axis_mean(node: ir.Node | None, h: ir.Value) -> bool:
     if node is None or node.op_type != "ReduceMean" or node.domain != "" or node.inputs[0] is not h:
         return False
-    if node.attributes.get_int("keepdims", 1) != 1:
-        return False
-    axes = const_array(node.inputs[1]) if len(node.inputs) > 1 else node.attributes.get_ints("axes")
-    axes = None if axes is None else [int(a) for a in np.ravel(axes)]
-    return axes == [-1] or (h.shape is not None and axes == [len(h.shape) - 1])
+    return reduces_last_axis_only(node, len(h.shape) if h.shape is not None else None)
 
 
 def _centering(x: ir.Value) -> list[ir.Node] | None:
@@ -203,7 +196,7 @@ def _centering(x: ir.Value) -> list[ir.Node] | None:
 
 def _with_bias(match: NormMatch) -> NormMatch:
     """The match extended by an Add of a per-channel constant (LN's beta) that alone reads its output."""
-    use = _sole_use(match.output)
+    use = sole_use(match.output)
     if use is None or use[0].op_type != "Add" or use[0].domain != "":
         return match
     add, i = use

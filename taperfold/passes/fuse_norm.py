@@ -33,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from taperfold.passes._graph import cast_to, const_array
+from taperfold.passes._graph import add_initializer, cast_to, const_array, reduces_last_axis_only, sole_use
 
 _FLOAT = ir.DataType.FLOAT
 
@@ -50,12 +50,9 @@ class RMSMatch:
 
 def _only_user(value: ir.Value, op_type: str | tuple[str, ...]) -> ir.Node | None:
     """The single node reading `value` if it has `op_type` and `value` is no graph output."""
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    node = uses[0].node
+    use = sole_use(value)
     ops = (op_type,) if isinstance(op_type, str) else op_type
-    return node if node.domain == "" and node.op_type in ops else None
+    return use[0] if use is not None and use[0].domain == "" and use[0].op_type in ops else None
 
 
 def _other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
@@ -67,20 +64,6 @@ def _other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
 def _scalar(value: ir.Value | None) -> float | None:
     array = const_array(value)
     return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
-
-
-def _last_axis(node: ir.Node, rank: int | None) -> bool:
-    """ReduceMean over the last axis only, keeping it."""
-    if node.attributes.get_int("keepdims", 1) != 1:
-        return False
-    axes = const_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    if axes is None:
-        attr = node.attributes.get_ints("axes")
-        axes = None if attr is None else np.array(attr)
-    if axes is None or axes.size != 1:
-        return False
-    axis = int(axes.reshape(-1)[0])
-    return axis == -1 or (rank is not None and axis == rank - 1)
 
 
 def _weight(value: ir.Value | None, x: ir.Value) -> np.ndarray | None:
@@ -101,7 +84,7 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
     stats_input = pow_node.inputs[0]
     rank = len(stats_input.shape) if stats_input.shape is not None else None
     mean = _only_user(pow_node.outputs[0], "ReduceMean")
-    if mean is None or not _last_axis(mean, rank):
+    if mean is None or not reduces_last_axis_only(mean, rank):
         return None
     add = _only_user(mean.outputs[0], "Add")
     eps = _scalar(_other_input(add, mean.outputs[0])) if add is not None else None
@@ -143,15 +126,6 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
     return RMSMatch(input=x, output=out, nodes=nodes, epsilon=eps, weight=weight, last=nodes[-1])
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    base, i = name, 1
-    while name in graph.initializers:
-        name, i = f"{base}_{i}", i + 1
-    value = ir.val(name, ir.DataType.from_numpy(array.dtype), array.shape, const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
 def _opset(model: ir.Model) -> int:
     return model.opset_imports.get("", 0)
 
@@ -182,7 +156,7 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
                     continue  # a scale of unknown width: leave this norm decomposed
                 weight = np.full(width, 1.0 if weight is None else weight[0])
             stem = match.output.name or "rms_norm"
-            scale = _initializer(graph, f"{stem}.scale", weight.astype(dtype))
+            scale = add_initializer(graph, f"{stem}.scale", ir.tensor(weight.astype(dtype)), suffix="")
             fused = ir.node(op, [match.input, scale], {"axis": -1, "epsilon": float(match.epsilon), "stash_type": 1},
                             name=f"{stem}.fused", metadata_props=dict(match.last.metadata_props))
             ir.convenience.replace_nodes_and_values(graph, match.last, match.nodes, [fused], [match.output],
@@ -217,7 +191,7 @@ class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
             meta = dict(node.metadata_props)
 
             def const(suffix, array):
-                return _initializer(graph, f"{stem}.{suffix}", np.asarray(array))
+                return add_initializer(graph, f"{stem}.{suffix}", ir.tensor(np.asarray(array)), suffix="")
 
             def op(op_type, *inputs, **attrs):
                 return ir.node(op_type, list(inputs), attrs or None, name=f"{stem}.{len(new)}_{op_type.lower()}",
