@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import nn
 
 from taperfold.hf.families import Family

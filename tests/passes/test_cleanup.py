@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 import pytest
 from _graphs import D, F32, N, X, build, n, ops, rand
