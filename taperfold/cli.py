@@ -62,9 +62,9 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
     within tolerance); 1: --verify found a mismatch; 2: bad input.
     """
     from taperfold.fsutil import Output, check_outputs, onnx_external_files
-    from taperfold.passes import NormStatus, fold_onnx_file
+    from taperfold.passes import fold_onnx_file
     from taperfold.passes.check_fold import check_fold, parse_shapes
-    from taperfold.ui import err, out
+    from taperfold.ui import err, out, print_fold_check, print_fold_report
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
     plan = check_outputs([Output(dst, "-o", sidecars=(".data",)), Output(report_path, "--report", stream=True)],
@@ -77,62 +77,11 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
         _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
     else:
         console = err if plan.uses_stdout else out  # stdout holds the JSON report
-        _print_fold_report(src, dst, report, NormStatus, console)
+        print_fold_report(src, dst, report, console)
         if check:
-            _print_fold_check(check, console)
+            print_fold_check(check, console)
     if check and not check.passed:
         raise NumericMismatch(check.failure_message())
-
-
-def _print_fold_report(src, dst, report, NormStatus, console) -> None:
-    from rich.table import Table
-
-    s = report.summary()
-    found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
-    if not any(entry.status in found for entry in report.norms):
-        real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
-        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
-                      highlight=False, markup=False, soft_wrap=True)
-        return
-    table = Table(title=f"taperfold fold {src}")
-    for column in ("norm", "kind", "status", "consumers", "reason"):
-        table.add_column(column, no_wrap=column == "norm", overflow="fold")
-    for entry in report.norms:
-        table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
-    console.print(table)
-    merged = f", {s['weights_merged']} real norm gain(s) merged" if s["weights_merged"] else ""
-    console.print(
-        f"{s['folded']} of {s['folded'] + s['kept']} constant-scale norms folded, {s['kept']} kept, "
-        f"{s['not_foldable']} not foldable, {s['real_norm']} real norms untouched{merged}; "
-        f"{s['bytes_rewritten'] / 2**20:.2f} MiB of weights rewritten, {s['initializers_copied']} copied; "
-        f"nodes {s['nodes_before']} -> {s['nodes_after']}; wrote {dst}",
-        highlight=False,
-    )
-    if report.constants_left:
-        console.print(f"note: {len(report.constants_left)} node(s) still compute constants at run time "
-                      f"(too large to fold), e.g. {report.constants_left[0]}", highlight=False)
-    if s["check_output"] != "passed":
-        console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
-
-
-def _print_fold_check(check, console) -> None:
-    from rich.table import Table
-
-    shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
-    table = Table(title=f"unfolded -> folded in ONNX Runtime (CPU), inputs {shapes}")
-    for col in ("output", "status", "max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL",
-                "note"):
-        table.add_column(col)
-    for o in check.outputs:
-        m = o.metrics
-        cells = ["", "", "", "", "", "", "", ""] if m is None else [
-            f"{m.max_abs:.3g}", f"{m.max_rel:.3g}", f"{o.tolerance.rtol:g}", f"{m.mean_abs:.3g}", f"{m.cosine:.6f}",
-            f"{m.top1:.4f}", f"{m.top5:.4f}", f"{m.kl:.3g}"]
-        table.add_row(o.name, "[green]PASS[/]" if o.passed else "[bold red]FAIL[/]", *cells, "; ".join(o.violations))
-    console.print(table)
-    failed = [o for o in check.outputs if not o.passed]
-    verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
-    console.print(f"{verdict}: {len(check.outputs) - len(failed)} of {len(check.outputs)} outputs within tolerance")
 
 
 # ---- train -------------------------------------------------------------------------------------------

@@ -109,14 +109,16 @@ def step_progress(label: str, quiet: bool = False):
                                                                 description=description)
 
 
+METRIC_COLUMNS = ("max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL")
+
+
 def print_verify(report: dict) -> None:
     """One row per pair, pooled over the input batches (worst case for maxima, means over rows)."""
     styles = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "info": "[cyan]INFO[/]",
               "skipped": "[yellow]SKIPPED[/]"}
     table = Table(title=f"{report['export_dir']}: {report['dtype']}, logits={report['logits']}, "
                         f"{len(report['inputs'])} input batch(es), device {report['device']}")
-    for col in ("pair", "status", "max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL",
-                "worst input / note"):
+    for col in ("pair", "status", *METRIC_COLUMNS, "worst input / note"):
         table.add_column(col)
     for pair in report["pairs"]:
         m, tol = pair["metrics"] or {}, pair["tolerance"] or {}
@@ -140,6 +142,56 @@ def print_verify(report: dict) -> None:
 
 
 # ---- bench -------------------------------------------------------------------------------------------
+
+
+def print_fold_report(src, dst, report, console: Console) -> None:
+    """`taperfold fold`: one row per norm found, then the totals (or one line when there was nothing to fold)."""
+    from taperfold.passes import NormStatus
+
+    s = report.summary()
+    found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
+    if not any(entry.status in found for entry in report.norms):
+        real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
+        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
+                      highlight=False, markup=False, soft_wrap=True)
+        return
+    table = Table(title=f"taperfold fold {src}")
+    for column in ("norm", "kind", "status", "consumers", "reason"):
+        table.add_column(column, no_wrap=column == "norm", overflow="fold")
+    for entry in report.norms:
+        table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
+    console.print(table)
+    merged = f", {s['weights_merged']} real norm gain(s) merged" if s["weights_merged"] else ""
+    console.print(
+        f"{s['folded']} of {s['folded'] + s['kept']} constant-scale norms folded, {s['kept']} kept, "
+        f"{s['not_foldable']} not foldable, {s['real_norm']} real norms untouched{merged}; "
+        f"{s['bytes_rewritten'] / 2**20:.2f} MiB of weights rewritten, {s['initializers_copied']} copied; "
+        f"nodes {s['nodes_before']} -> {s['nodes_after']}; wrote {dst}",
+        highlight=False,
+    )
+    if report.constants_left:
+        console.print(f"note: {len(report.constants_left)} node(s) still compute constants at run time "
+                      f"(too large to fold), e.g. {report.constants_left[0]}", highlight=False)
+    if s["check_output"] != "passed":
+        console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
+
+
+def print_fold_check(check, console: Console) -> None:
+    """`taperfold fold --verify`: the metrics of each output, unfolded against folded."""
+    shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
+    table = Table(title=f"unfolded -> folded in ONNX Runtime (CPU), inputs {shapes}")
+    for col in ("output", "status", *METRIC_COLUMNS, "note"):
+        table.add_column(col)
+    for o in check.outputs:
+        m = o.metrics
+        cells = ["", "", "", "", "", "", "", ""] if m is None else [
+            f"{m.max_abs:.3g}", f"{m.max_rel:.3g}", f"{o.tolerance.rtol:g}", f"{m.mean_abs:.3g}", f"{m.cosine:.6f}",
+            f"{m.top1:.4f}", f"{m.top5:.4f}", f"{m.kl:.3g}"]
+        table.add_row(o.name, "[green]PASS[/]" if o.passed else "[bold red]FAIL[/]", *cells, "; ".join(o.violations))
+    console.print(table)
+    failed = [o for o in check.outputs if not o.passed]
+    verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
+    console.print(f"{verdict}: {len(check.outputs) - len(failed)} of {len(check.outputs)} outputs within tolerance")
 
 
 @contextlib.contextmanager
