@@ -203,9 +203,13 @@ def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | No
     (`trt.timing-cache`) is shared by all builds in the folder.
     """
     require_tensorrt()
-    out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
-    profile = _resolve_profile(manifest, profile)
+    return _build_engines(manifest, variants, _resolve_profile(manifest, profile), on_stage)
+
+
+def _build_engines(manifest: Manifest, variants, profile: Profile, on_stage: Callable[[str], None]) -> dict:
+    """build_engine_for_export's work, on a manifest already read and a profile already resolved."""
+    out_dir = manifest.directory
     engines = dict(manifest.engines)
     for variant in variants:
         if variant not in PLAN_FILES or not manifest.has_artifact(variant):
@@ -245,5 +249,5 @@ def ensure_engines(out_dir, variants, profile: Profile | None = None,
 
     stale = [v for v in variants if not fresh(v)]
     if stale:
-        build_engine_for_export(out_dir, variants=stale, profile=profile, on_stage=on_stage)
+        _build_engines(manifest, stale, profile, on_stage)
     return {v: out_dir / PLAN_FILES[v] for v in variants}
