@@ -36,10 +36,10 @@ REFERENCE_VARIANTS = ("nonorm",)  # the model with no tapered norm at all: what 
 ALL_VARIANTS = (*VARIANTS, DECOMPOSED_BASELINE)  # every variant `taperfold export` writes
 NAMEABLE_VARIANTS = (*ALL_VARIANTS, *REFERENCE_VARIANTS)  # what a user may name
 ALIASES = {"unfused": "unfolded"}
-ONNX_FILES = {"baseline": "baseline.onnx", "unfolded": "unfolded.onnx", "folded": "model.onnx",
-              DECOMPOSED_BASELINE: "baseline.decomposed.onnx"}
-PLAN_FILES = {"baseline": "baseline.plan", "unfolded": "unfolded.plan", "folded": "model.plan",
-              DECOMPOSED_BASELINE: "baseline.decomposed.plan"}
+# file stems: the folded model is the deployable one, model.onnx / model.plan
+FILE_STEMS = {"baseline": "baseline", "unfolded": "unfolded", "folded": "model",
+              DECOMPOSED_BASELINE: "baseline.decomposed"}
+PLAN_FILES = {variant: f"{stem}.plan" for variant, stem in FILE_STEMS.items()}
 ENGINE_ARTIFACT = "engine"  # artifacts.engine: the folded model's TensorRT plan
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -74,7 +74,7 @@ def artifact_key(variant: str, decoder: bool = False) -> str:
 
 def onnx_file(variant: str, decoder: bool = False) -> str:
     """`model.onnx`, `unfolded.decoder.onnx`, ...: the file name export writes for a variant."""
-    stem = ONNX_FILES[canonical_variant(variant)].removesuffix(".onnx")
+    stem = FILE_STEMS[canonical_variant(variant)]
     return f"{stem}.decoder.onnx" if decoder else f"{stem}.onnx"
 
 

@@ -168,13 +168,19 @@ def describe(node: ir.Node) -> str:
     return f"{node.op_type} '{node.name}'"
 
 
-def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
-    """Remove those of `nodes` (and of the constants they read) that nothing reads any more, last first."""
-    candidates = list(nodes)
+def with_const_producers(nodes: Sequence[ir.Node]) -> list[ir.Node]:
+    """`nodes` followed by the nodes that compute the constants they read."""
+    found = list(nodes)
     for node in nodes:
         for value in node.inputs:
             if value is not None and is_const(value):
-                candidates.extend(const_producers(value))
+                found.extend(const_producers(value))
+    return found
+
+
+def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
+    """Remove those of `nodes` (and of the constants they read) that nothing reads any more, last first."""
+    candidates = with_const_producers(nodes)
     removed = True
     while removed:
         removed = False

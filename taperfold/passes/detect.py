@@ -29,10 +29,10 @@ from taperfold.passes._graph import (
     cast_to,
     channel_const,
     const_array,
-    const_producers,
     is_const,
     reduces_last_axis_only,
     sole_use,
+    with_const_producers,
 )
 
 TAPER_CLASSES = {"TaperNorm": "rms", "TaperLN": "ln"}
@@ -366,12 +366,7 @@ def norm_name(nodes: list[ir.Node]) -> str:
 
 def _owned_nodes(match: NormMatch) -> set[ir.Node]:
     """The match's nodes and the nodes that compute the constants they read."""
-    owned = set(match.nodes)
-    for node in match.nodes:
-        for value in node.inputs:
-            if value is not None and is_const(value):
-                owned.update(const_producers(value))
-    return owned
+    return set(with_const_producers(match.nodes))
 
 
 def detect_norms(model: ir.Model) -> NormAnalysis:
