@@ -23,7 +23,7 @@ from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.models import num_parameters
 from taperfold.passes import fold_onnx_file
-from taperfold.variants import random_gate0_model
+from taperfold.models import random_gate0_model
 
 ARCH = {"tiny": "llama", "paper-30m": "llama", "gpt2-124m": "gpt2"}
 

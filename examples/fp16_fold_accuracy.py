@@ -19,7 +19,7 @@ from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.models import preset_config
 from taperfold.train import TrainOptions, train
-from taperfold.variants import random_gate0_model
+from taperfold.models import random_gate0_model
 from taperfold.verify import verify_export
 
 

@@ -5,7 +5,7 @@ prefill (last-token logits) and KV-cached decode; medians, CV and the ratios bet
     python examples/opset_table.py --out docs/opsets/cpu.json                       # ORT CPU
     python examples/opset_table.py --device cuda --dtype fp16 --out docs/opsets/h100.json   # a GPU machine
 
-The model is a preset at g = 0 with random weights (random c and γ̃: `variants.random_gate0_model`), exported
+The model is a preset at g = 0 with random weights (random c and γ̃: `models.random_gate0_model`), exported
 with `taperfold export --kv-cache --opset N` (so the baseline is the fused form taperfold writes, and
 baseline-decomposed the plain ops). Prefill timings are one call per sample; decode timings are the
 median per-token step time of a --new-tokens generation after a --prompt prompt.
@@ -34,7 +34,7 @@ from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, INPUT, read_manifest
 from taperfold.fsutil import write_json_atomic
 from taperfold.models import PRESETS
-from taperfold.variants import random_gate0_model
+from taperfold.models import random_gate0_model
 
 
 def ints(text: str) -> list[int]:

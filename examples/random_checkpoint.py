@@ -10,7 +10,7 @@ import argparse
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.models import PRESETS
-from taperfold.variants import random_gate0_model
+from taperfold.models import random_gate0_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("preset", choices=sorted(PRESETS))

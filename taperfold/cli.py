@@ -14,7 +14,9 @@ from taperfold.clickutil import AliasedOption
 from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
-from taperfold.exportdir import DTYPES, LOGITS, VARIANTS
+from taperfold.exportdir import DTYPES, LOGITS, VARIANT_TABLE, VARIANTS
+from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
+from taperfold.presets import ARCHS, PRESETS
 
 
 def _print_json(obj) -> None:
@@ -88,8 +90,8 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
 
 
 @cli.command()
-@click.option("--arch", type=click.Choice(["llama", "gpt2"]), default="llama", show_default=True)
-@click.option("--preset", type=click.Choice(["tiny", "paper-30m", "gpt2-124m"]), default="tiny", show_default=True)
+@click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True)
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
 @click.option("--taper", type=click.Choice(["internal", "all", "none"]), default="internal", show_default=True,
               help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.")
 @click.option("--aux/--no-aux", default=True, show_default=True, help="Fixed-target scale anchoring loss (eq. 5).")
@@ -107,29 +109,46 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
-    from taperfold.checkpoint import checkpoint_output, save_checkpoint
+    from taperfold.checkpoint import checkpoint_output
     from taperfold.fsutil import check_outputs
     from taperfold.models import preset_config
-    from taperfold.train import TrainOptions, train as run_training
+    from taperfold.train import TrainOptions, train as train_preset
     from taperfold.ui import train_progress
 
     check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
-    opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     if source:
-        from taperfold.hf.cli import train_from
-        return train_from(source, out, taper, aux, opts, [Path(d) for d in data] or None, as_json)
-    cfg = preset_config(preset, arch=arch, taper=taper, aux=aux)
+        _check_fine_tune(source, out, taper)
+    opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    files = [Path(d) for d in data] or None
     with train_progress(steps, quiet=as_json) as on_step:
-        result = run_training(cfg, opts, [Path(d) for d in data] or None, on_step=on_step)
-    save_checkpoint(result.checkpoint, out)
-    summary = {"checkpoint": out, "arch": arch, "preset": preset, "taper": taper, "aux": aux and taper != "none",
-               "steps": steps, "gate": result.checkpoint.gate, "val_loss": round(result.val_loss, 4),
-               "seconds": round(result.seconds, 1)}
+        if source:
+            from taperfold.sources import fine_tune
+
+            result = fine_tune(source, opts, files, taper=taper, aux=aux, on_step=on_step)
+        else:
+            result = train_preset(preset_config(preset, arch=arch, taper=taper, aux=aux), opts, files, on_step=on_step)
+    result.save(out)
+    gate = result.gate
+    summary = {"checkpoint": out, **({"from": source} if source else {"arch": arch, "preset": preset}),
+               "taper": taper, "aux": aux and taper != "none", "steps": steps, "gate": gate,
+               "val_loss": round(result.val_loss, 4), "seconds": round(result.seconds, 1),
+               "tokenizer": result.tokenizer_name}
     if as_json:
         _print_json(summary)
     else:
-        click.echo(f"validation loss {result.val_loss:.4f} (gate {result.checkpoint.gate:g}, {steps} steps, "
+        click.echo(f"validation loss {result.val_loss:.4f} (gate {gate:g}, {steps} steps, "
                    f"{result.seconds:.0f} s) -> {out}")
+
+
+def _check_fine_tune(source: str, out: str, taper: str) -> None:
+    """`train --from`: what can be refused before anything is read."""
+    out_path = Path(out)
+    if taper == "none":
+        raise TaperfoldError("--taper none with --from: nothing to train through; choose internal or all")
+    if out_path.suffix in (".pt", ".safetensors") or (out_path.exists() and not out_path.is_dir()):
+        raise TaperfoldError(f"{out}: --out with --from is a directory (a tapered save_pretrained directory)")
+    if out_path.resolve() == Path(source).resolve():
+        raise TaperfoldError(f"{out}: --out must differ from --from (the source directory is never overwritten)")
 
 
 # ---- inspect -----------------------------------------------------------------------------------------
@@ -140,11 +159,11 @@ def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, sour
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
 def inspect(checkpoint, as_json):
     """Architecture, parameters, every norm layer and whether export can fold it."""
-    from taperfold.checkpoint import load_checkpoint
-    from taperfold.describe import describe_checkpoint
+    from taperfold.describe import describe
+    from taperfold.sources import open_source
     from taperfold.ui import print_inspect
 
-    info = describe_checkpoint(load_checkpoint(checkpoint))
+    info = describe(open_source(checkpoint))
     _print_json(info) if as_json else print_inspect(info)
 
 
@@ -163,10 +182,10 @@ def inspect(checkpoint, as_json):
 @click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
               help="last: logits of the final position only (the paper's benchmark mode).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--target", type=click.Choice(["ort", "trt"]),
+@click.option("--target", type=click.Choice(TARGETS),
               help="What runs the graphs: ONNX Runtime or TensorRT; picks each graph's opset and the baseline's "
                    "norm form (docs/opsets.md).  [default: trt with --trt, else ort]")
-@click.option("--opset", type=click.IntRange(18, 23),
+@click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET),
               help="One opset for every graph, instead of the per-graph table (docs/opsets.md).")
 @click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
@@ -302,8 +321,8 @@ def _engine_options(command):
 @click.option("--engine", type=click.Choice(list(ENGINES)),
               help="Default: ort with DIR, torch with --checkpoint or --preset.")
 @click.option("--variants", default=",".join(VARIANTS), show_default=True,
-              help="Any of baseline, unfolded (also spelt unfused, as in the paper), folded, and baseline-decomposed "
-                   "(the norm as plain ops; speedups are always against baseline).")
+              help="Any of " + ", ".join(v.name + "".join(f" (also spelt {a})" for a in v.aliases) for v in VARIANT_TABLE)
+                   + "; speedups are always against baseline.")
 @click.option("--batch", "batches", default="1,4", show_default=True)
 @click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
@@ -323,9 +342,9 @@ def _engine_options(command):
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (torch and ORT intra-op). Default: torch's.")
 @_engine_options
 @click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
-@click.option("--preset", type=click.Choice(["tiny", "paper-30m", "gpt2-124m"]),
+@click.option("--preset", type=click.Choice(list(PRESETS)),
               help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
-@click.option("--arch", type=click.Choice(["llama", "gpt2"]), default="llama", show_default=True,
+@click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True,
               help="Architecture for --preset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input tokens.")
 @click.option("--report", "--json", "json_path", type=click.Path(dir_okay=False), cls=AliasedOption, aliases=("--json",),

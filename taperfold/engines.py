@@ -1,23 +1,30 @@
-"""The engines taperfold runs models on, one registry entry each: what an engine runs, where by default,
-whether it decodes with a KV cache, which options its runner takes, and how to open one.
+"""The engines taperfold runs models on: one table, a row per engine, each naming its runner module.
+
+A row says what the engine runs, where by default, whether it decodes with a KV cache and which options
+its runner takes; the CLI's `--engine` choices and option flags come from this table. The runner module
+(taperfold.runners.NAME) does the rest, imported only when the engine is used (so `taperfold --help` loads
+no torch, onnxruntime or tensorrt). It defines:
+
+    open_runner(target, *, device, threads, decoder, logits, name, shapes, **options) -> Runner
+    unavailable(device) -> why the engine cannot run here, or None
+    files(manifest, variants, decoder) -> {variant: file}      (engines that run exported graphs)
 
 Two kinds of engine:
 - MODELS: runs PyTorch models that taperfold builds itself (from a checkpoint or a preset);
 - GRAPHS: runs the files of an export directory (ONNX graphs, or engines built from them).
 
-The CLI's `--engine` choices and engine option flags come from ENGINES; bench and verify open runners
-through it. Adding an engine is one `Engine(...)` entry (and its runner module).
-Engines import their libraries (torch, onnxruntime, tensorrt) only when a runner is opened.
+Adding an engine is its runner module plus one row here (docs/extending.md). `open_runners` loads the
+runners of a run (bench, verify, fold --verify) up front and closes them all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterator
 
 from taperfold.errors import TaperfoldError
-from taperfold.runners.ort import OPTIMIZATION_LEVELS  # imports no runtime: cheap enough for the CLI's choices
 
 MODELS, GRAPHS = "torch models", "exported graphs"
 
@@ -44,17 +51,25 @@ class Engine:
     devices: tuple[str, ...]
     decodes: bool  # runs KV-cached decoders (bench --mode decode)
     options: tuple[Option, ...]
-    open_runner: Callable  # (target, device=, threads=, decoder=, logits=, name=, **options) -> Runner
-    unavailable: Callable[[str], str | None]  # (device) -> why this engine cannot run here, or None
-    # GRAPHS only: (manifest, variants, decoder) -> {variant: file the runner opens}
-    files: Callable | None = None
+    module: Any  # its runner module's dotted name (imported on first use), or the module itself
+
+    def _runner_module(self):
+        return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
 
     def runner(self, target, *, device: str | None = None, threads: int | None = None, decoder: bool = False,
                logits: str = "last", name: str | None = None, shapes: int | None = None, **options):
         """A Runner (not loaded yet) for `target`: a torch model (MODELS) or a file (GRAPHS). `shapes`: how many
         distinct input shapes the caller will run (bench: its cells), for runners that compile per shape."""
-        return self.open_runner(target, device=device or self.default_device, threads=threads, decoder=decoder,
-                                logits=logits, name=name, shapes=shapes, **options)
+        return self._runner_module().open_runner(target, device=device or self.default_device, threads=threads,
+                                                 decoder=decoder, logits=logits, name=name, shapes=shapes, **options)
+
+    def unavailable(self, device: str) -> str | None:
+        """Why this engine cannot run on `device` here (a library or the device missing), or None."""
+        return self._runner_module().unavailable(device)
+
+    def files(self, manifest, variants: list[str], decoder: bool) -> dict:
+        """GRAPHS engines: {variant: the file its runner opens} in an export directory."""
+        return self._runner_module().files(manifest, variants, decoder)
 
     def require(self, device: str) -> None:
         why = self.unavailable(device)
@@ -93,70 +108,23 @@ def check_options(engine: Engine, options: dict[str, Any], device: str | None = 
                              "CUDA graphs of the compiled model itself)")
 
 
-# ---- torch -----------------------------------------------------------------------------------------------
-
-
-def _open_torch(model, *, device, threads, decoder, logits, name, shapes=None, compile=False,
-                compile_mode="default", cuda_graph=False):
-    from taperfold.runners.torch_runner import TorchRunner
-
-    return TorchRunner(model, device=device, compile=compile, compile_mode=compile_mode, cuda_graph=cuda_graph,
-                       shapes=shapes, decoder=decoder, logits=logits, name=name or "torch model")
-
-
-def _torch_unavailable(device: str) -> str | None:
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return "--device cuda: torch sees no CUDA device on this machine"
-    return None
-
-
-# ---- ONNX Runtime ----------------------------------------------------------------------------------------
-
-
-def _open_ort(path, *, device, threads, decoder, logits, name, shapes=None, optimization="all", cuda_graph=False):
-    from taperfold.runners.ort import OrtRunner
-
-    return OrtRunner(path, device=device, threads=threads, optimization=optimization, cuda_graph=cuda_graph)
-
-
-def _onnx_files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
-    return {v: manifest.artifact(v, decoder=decoder) for v in variants}
-
-
-# ---- TensorRT --------------------------------------------------------------------------------------------
-
-
-def _open_trt(path, *, device, threads, decoder, logits, name, shapes=None, cuda_graph=False):
-    from taperfold.runners.trt import TrtRunner
-
-    return TrtRunner(path, device=device, cuda_graph=cuda_graph)
-
-
-def _trt_unavailable(device: str) -> str | None:
-    from taperfold.trt_build import require_tensorrt
-
+@contextlib.contextmanager
+def open_runners(runners: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Load every runner of a run up front, before anything is timed or compared; close them all afterwards
+    (those loaded so far, when one fails to load)."""
+    loaded = []
     try:
-        require_tensorrt()
-    except TaperfoldError as e:
-        return str(e)
-    return None
-
-
-def _plan_files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
-    """Engines of `variants`, built from their ONNX graphs when missing or stale."""
-    from taperfold.exportdir import REFERENCE_VARIANTS
-    from taperfold.trt_build import ensure_engines
-
-    for variant in variants:
-        if variant in REFERENCE_VARIANTS:
-            raise TaperfoldError(f"--engine trt builds no engine for the reference variant {variant!r}")
-    _onnx_files(manifest, variants, decoder=False)  # the engines are built from these: name a missing one
-    return ensure_engines(manifest.directory, variants)
+        for runner in runners.values():
+            runner.load()
+            loaded.append(runner)
+        yield runners
+    finally:
+        for runner in loaded:
+            runner.close()
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ONNX Runtime's graph optimization levels
 # torch and ONNX Runtime: measured next to eager, as rows of their own; TensorRT: instead of plain enqueues
 CUDA_GRAPH = Option("cuda_graph", "--cuda-graph", "Also time every shape as a replayed CUDA graph: rows of their own, "
                     "measured next to the plain runs.", needs_cuda=True)
@@ -167,15 +135,22 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
                     Option("compile_mode", "--compile-mode", "torch.compile mode.", default="default",
                            choices=COMPILE_MODES, requires="compile"),
                     CUDA_GRAPH),
-           open_runner=_open_torch, unavailable=_torch_unavailable),
+           module="taperfold.runners.torch_runner"),
     Engine("ort", "ONNX Runtime", GRAPHS, default_device="cpu", devices=("cpu", "cuda"), decodes=True,
            options=(Option("optimization", "--ort-optimization", "ONNX Runtime graph optimization level.",
                            default="all", choices=OPTIMIZATION_LEVELS), CUDA_GRAPH),
-           open_runner=_open_ort, unavailable=lambda device: None, files=_onnx_files),
+           module="taperfold.runners.ort"),
     Engine("trt", "TensorRT", GRAPHS, default_device="cuda", devices=("cuda",), decodes=False,
            options=(CUDA_GRAPH,),
-           open_runner=_open_trt, unavailable=_trt_unavailable, files=_plan_files),
+           module="taperfold.runners.trt"),
 )}
+
+
+def register(engine: Engine) -> Engine:
+    """Add (or replace) an engine: library calls take it at once; the CLI's choices are those known when
+    taperfold.cli is imported."""
+    ENGINES[engine.name] = engine
+    return engine
 
 
 def engine(name: str) -> Engine:

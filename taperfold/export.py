@@ -1,12 +1,13 @@
-"""`taperfold export`: checkpoint → ONNX (baseline, unfolded, folded) + manifest.json.
+"""`taperfold export`: a model source (taperfold.sources) → ONNX (baseline, unfolded, folded) + manifest.json.
 
 The tapered model is exported once at g = 0 with the torch dynamo exporter; its graph holds each
 tapered norm as plain ops (`Mul` by c, `Mul` by γ̃; LN adds mean subtraction and `Add` β) tagged with
 the module path in the node metadata. That graph is written as `unfolded.onnx`, then the passes in
 `taperfold.passes` fold the norms into their readers and the result is written as `model.onnx`.
-`baseline.onnx` is the same architecture with ordinary RMSNorm / LayerNorm in the fastest form the
+`baseline.onnx` is the same weights with the model's own untapered norms, in the fastest form the
 target runs (one fused norm op: the benchmark's reference); `baseline.decomposed.onnx` keeps RMSNorm as
-the plain ops hand-written norms export to (docs/opsets.md).
+the plain ops hand-written norms export to (docs/opsets.md). A plain (untapered) model gets its baseline
+only: there is nothing to fold.
 
 Each graph's opset comes from `taperfold.opsets` (per graph: prefill or decoder; per target: ONNX
 Runtime or TensorRT) unless `--opset` overrides it; the manifest records the choice per artifact.
@@ -30,14 +31,15 @@ import torch
 from torch import nn
 
 from taperfold import exportdir
-from taperfold.checkpoint import Checkpoint, load_checkpoint
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
-from taperfold.fsutil import atomic_dir, sha256_file, write_json_atomic
-from taperfold.models import CausalLM
-from taperfold.opsets import OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
-from taperfold.variants import baseline_of
+from taperfold.fsutil import atomic_dir, write_json_atomic
+from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
+from taperfold.sources import ModelSource, open_source
+from taperfold.taper import TaperedLM
+
+NOTHING_TO_FOLD = "nothing to fold: {path} has no tapered norms (a plain model); wrote the baseline only"
 
 
 # The example inputs the exporter traces with: (batch, sequence), and the decoders' past length. The graphs
@@ -67,7 +69,9 @@ class ExportResult:
 class _Decoder(nn.Module):
     """Flattens the KV cache into named tensors for export."""
 
-    def __init__(self, model: CausalLM):
+    prefix = "model."  # what it adds to the module paths of the model it wraps
+
+    def __init__(self, model: TaperedLM):
         super().__init__()
         self.model = model
 
@@ -91,7 +95,7 @@ def _quiet():
             logger.setLevel(level)
 
 
-def export_to_ir(model: CausalLM, opts: ExportOptions, decoder: bool = False, opset: int | None = None):
+def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool = False, opset: int | None = None):
     """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
     one `opts` chooses for this graph)."""
     opset = opset or choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset).opset
@@ -149,21 +153,19 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
     check_options(opts)
     ckpt_path = Path(ckpt_path)
-    from taperfold.hf.directory import is_hf_directory
-
-    if is_hf_directory(ckpt_path):  # exported with transformers' own modeling code
-        from taperfold.hf.export import export_hf_directory
-
-        return export_hf_directory(ckpt_path, out_dir, opts, on_stage)
-    ckpt = load_checkpoint(ckpt_path)
-    _check_gate(ckpt, opts)
-    tapered = ckpt.build(gate=0.0).to(torch_dtype(opts.dtype))
-    sources = [("baseline", baseline_of(tapered)), ("unfolded", tapered)] if opts.baseline else [("unfolded", tapered)]
+    source = open_source(ckpt_path)
+    _check_gate(source, opts)
+    dtype = torch_dtype(opts.dtype)
+    sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
+    if opts.baseline or not source.tapered:
+        sources.append(("baseline", source.build_baseline(reference=False).to(dtype)))
+    if source.tapered:
+        sources.append(("unfolded", source.build(gate=0.0, reference=False).to(dtype)))
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         exported = export_graphs(sources, tmp, opts, on_stage)
         on_stage("writing manifest")
-        manifest = _manifest(ckpt, ckpt_path, opts, tmp, exported)
+        manifest = _manifest(source, ckpt_path, opts, tmp, exported)
         write_json_atomic(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, exported.timings)
 
@@ -180,8 +182,8 @@ class ExportedGraphs:
 def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions,
                   on_stage=lambda name: None) -> ExportedGraphs:
     """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
-    KV-cache decoders with `opts.kv_cache`; an unfolded graph is also folded and written as `folded`.
-    Shared by taperfold's own checkpoints and Hugging Face directories (taperfold.hf.export)."""
+    KV-cache decoders with `opts.kv_cache`; an unfolded graph is also folded and written as `folded`. The fold
+    reports name norms by their paths in the model's `network`, as the family does."""
     from taperfold.passes import fold_model
 
     out = ExportedGraphs()
@@ -200,7 +202,7 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
             timings["torch_export_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if variant == "baseline":
-                _write_baselines(model_ir, folder, decoder, choice, opts.target, model.cfg.norm_kind, out.graphs)
+                _write_baselines(model_ir, folder, decoder, choice, opts.target, out.graphs)
                 timings["write_s"] += time.perf_counter() - t0
                 continue
             # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
@@ -210,7 +212,7 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
             timings["write_s"] += time.perf_counter() - t0
             on_stage(f"folding {name}")
             t0 = time.perf_counter()
-            out.reports[name] = fold_model(model_ir).to_dict()
+            out.reports[name] = _network_names(fold_model(model_ir).to_dict(), model, decoder)
             timings["passes_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
@@ -221,6 +223,14 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
                 path.unlink()
             timings["write_s"] += time.perf_counter() - t0
     return out
+
+
+def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
+    """Norm names as paths in the model's network: without what the export wrappers put in front."""
+    prefix = (_Decoder.prefix if decoder else "") + (f"{model.network_path}." if model.network_path else "")
+    for entry in report["norms"]:
+        entry["name"] = entry["name"].removeprefix(prefix)
+    return report
 
 
 NORM_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization")
@@ -240,61 +250,53 @@ def _graph_info(model_ir, choice: OpsetChoice, fused: int) -> dict:
             "norms_fused_by_taperfold": fused}
 
 
-def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, norm_kind: str,
-                     graphs: dict) -> None:
-    """baseline.onnx in its fused form and, for RMSNorm, baseline.decomposed.onnx with the plain ops.
+def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict) -> None:
+    """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
+    baseline.decomposed.onnx with those.
 
-    Below opset 23 the export is the decomposed form, fused afterwards (for ONNX Runtime; TensorRT's parser
-    takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused
-    it, and the decomposed file is the fused graph expanded back (passes/fuse_norm.py).
+    Below opset 23 the export holds RMSNorm as plain ops, fused afterwards (for ONNX Runtime; TensorRT's parser
+    takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused it,
+    and the decomposed file is the fused graph expanded back (passes/fuse_norm.py). LayerNorm exports as
+    LayerNormalization at every opset: nothing to fuse or expand.
     """
-    from taperfold.passes.fuse_norm import expand_rms_norms
+    from taperfold.passes.fuse_norm import count_rms_norms, expand_rms_norms
 
     def write(variant: str, fused: int = 0) -> None:
         graphs[exportdir.artifact_key(variant, decoder)] = _graph_info(model_ir, choice, fused)
         _save(model_ir, folder / onnx_file(variant, decoder))
 
-    rms = norm_kind == "rms"  # LayerNorm exports as LayerNormalization at every opset: nothing to fuse
-    fuse_after_export = rms and choice.opset < 23 and fuses_norms(target)
+    fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(target) and count_rms_norms(model_ir) > 0
     if fuse_after_export:
         write(exportdir.DECOMPOSED_BASELINE)
     write("baseline", _fuse(model_ir, target) if fuse_after_export else 0)
-    if rms and choice.opset >= 23:
-        expand_rms_norms(model_ir)
+    if choice.opset >= FUSING_OPSET and expand_rms_norms(model_ir):
         write(exportdir.DECOMPOSED_BASELINE)
 
 
-def _check_gate(ckpt: Checkpoint, opts: ExportOptions) -> None:
-    if ckpt.config.taper == "none" or ckpt.gate == 0.0:
+def _check_gate(source: ModelSource, opts: ExportOptions) -> None:
+    if not source.tapered or source.gate == 0.0:
         return
     if not opts.force_gate0:
-        raise TaperfoldError(f"{ckpt.path}: gate is {ckpt.gate:g}, not 0: its tapered norms still use per-token "
+        raise TaperfoldError(f"{source.path}: gate is {source.gate:g}, not 0: its tapered norms still use per-token "
                              "statistics, so folding changes the function; train to the end of the taper, or "
                              "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)")
 
 
-def _manifest(ckpt: Checkpoint, ckpt_path: Path, opts: ExportOptions, folder: Path, exported: ExportedGraphs) -> dict:
+def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder: Path,
+              exported: ExportedGraphs) -> dict:
     artifacts = exportdir.describe_artifacts(folder)
     for key, info in exported.graphs.items():
         artifacts[key].update(info)
-    return exportdir.new_manifest(
-        checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": ckpt.step},
-        config=ckpt.config.to_dict(), gate=ckpt.gate, forced_gate0=ckpt.gate != 0.0 and ckpt.config.taper != "none",
+    manifest = exportdir.new_manifest(
+        checkpoint={"path": str(ckpt_path.resolve()), "sha256": source.digest(), "step": source.step},
+        config=source.config.to_dict(), gate=source.gate, forced_gate0=source.tapered and source.gate != 0.0,
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
                 "kv_cache": opts.kv_cache, "inputs": [INPUT], "outputs": [OUTPUT]},
         versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get("unfolded"),
         decoder_fold_report=exported.reports.get("unfolded.decoder"),
         timings=exported.timings)
-
-
-def checkpoint_digest(path: Path) -> str:
-    """sha256 of the checkpoint file; for a directory, of its files in name order."""
-    if path.is_file():
-        return sha256_file(path)
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
-    return h.hexdigest()
+    manifest.update(source.manifest_block())
+    if not source.tapered:
+        manifest["note"] = NOTHING_TO_FOLD.format(path=ckpt_path)
+    return manifest

@@ -9,10 +9,9 @@
     DIR/*.plan                 TensorRT engines (`export --trt`, or built by `bench --engine trt`)
     DIR/*.onnx.data            each graph's weights (external data)
 
-Variant names are `baseline`, `unfolded` and `folded` (bench's default set), and `baseline-decomposed`
-(RMS families; reported apart, speedups are always against `baseline`); `unfused` (the paper's word) is
-accepted wherever a user types a variant. Other modules ask this one for file names, dtypes, decoder tensor names and
-artifact paths instead of spelling them out.
+`VARIANT_TABLE` names every variant with its files and meaning; `unfused` (the paper's word) is accepted
+wherever a user types `unfolded`. Other modules ask this one for file names, dtypes, decoder tensor names and
+artifact paths instead of spelling them out (CLI choices and docs/design.md's variant table come from it).
 """
 
 from __future__ import annotations
@@ -28,18 +27,38 @@ MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
 FORMAT_VERSION = 1
 
-VARIANTS = ("baseline", "unfolded", "folded")  # the default set of bench and verify
-DECOMPOSED_BASELINE = "baseline-decomposed"  # the baseline's norm as plain ops: a weaker reference, reported apart
-# Timing references a user may name where a variant is asked for; export does not write them (variants.py builds
-# them for torch; examples/gpu_table3.py exports one and lists it in the manifest as artifacts.nonorm).
-REFERENCE_VARIANTS = ("nonorm",)  # the model with no tapered norm at all: what a fold with zero residue matches
-ALL_VARIANTS = (*VARIANTS, DECOMPOSED_BASELINE)  # every variant `taperfold export` writes
-NAMEABLE_VARIANTS = (*ALL_VARIANTS, *REFERENCE_VARIANTS)  # what a user may name
-ALIASES = {"unfused": "unfolded"}
-# file stems: the folded model is the deployable one, model.onnx / model.plan
-FILE_STEMS = {"baseline": "baseline", "unfolded": "unfolded", "folded": "model",
-              DECOMPOSED_BASELINE: "baseline.decomposed"}
-PLAN_FILES = {variant: f"{stem}.plan" for variant, stem in FILE_STEMS.items()}
+@dataclass(frozen=True)
+class Variant:
+    """One row of the variant table: what a variant is, and what its files are called."""
+
+    name: str
+    stem: str  # its files: STEM.onnx, STEM.decoder.onnx (with --kv-cache), STEM.plan (TensorRT)
+    meaning: str
+    default: bool = False  # in the set bench and verify take when none is named
+    exported: bool = True  # written by `taperfold export` (else a reference built for timing only)
+    aliases: tuple[str, ...] = ()  # other spellings a user may type
+
+
+# The variants, in report order. The folded model is the deployable one: model.onnx / model.plan.
+VARIANT_TABLE = (
+    Variant("baseline", "baseline", "the same weights with the model's own untapered norms, in their fused form: "
+            "the reference every speedup is measured against", default=True),
+    Variant("unfolded", "unfolded", "the tapered model at g = 0: each tapered norm an explicit constant map (the "
+            "paper's Internal-Taper unfused)", default=True, aliases=("unfused",)),
+    Variant("folded", "model", "those constant maps folded into the layers that read them: what you deploy",
+            default=True),
+    Variant("baseline-decomposed", "baseline.decomposed", "the baseline with RMSNorm as plain ops, as hand-written "
+            "norms export (RMS families; a weaker reference, reported apart)"),
+    Variant("nonorm", "nonorm", "the tapered norms deleted, weights unscaled: not the same function, the timing a "
+            "fold with zero residue matches", exported=False),
+)
+VARIANTS_BY_NAME = {v.name: v for v in VARIANT_TABLE}
+VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.default)  # the default set of bench and verify
+DECOMPOSED_BASELINE = "baseline-decomposed"
+ALL_VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.exported)  # every variant `taperfold export` may write
+NAMEABLE_VARIANTS = tuple(VARIANTS_BY_NAME)  # what a user may name
+ALIASES = {alias: v.name for v in VARIANT_TABLE for alias in v.aliases}
+PLAN_FILES = {v.name: f"{v.stem}.plan" for v in VARIANT_TABLE if v.exported}
 ENGINE_ARTIFACT = "engine"  # artifacts.engine: the folded model's TensorRT plan
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -74,7 +93,7 @@ def artifact_key(variant: str, decoder: bool = False) -> str:
 
 def onnx_file(variant: str, decoder: bool = False) -> str:
     """`model.onnx`, `unfolded.decoder.onnx`, ...: the file name export writes for a variant."""
-    stem = FILE_STEMS[canonical_variant(variant)]
+    stem = VARIANTS_BY_NAME[canonical_variant(variant)].stem
     return f"{stem}.decoder.onnx" if decoder else f"{stem}.onnx"
 
 
@@ -149,13 +168,11 @@ class Manifest:
         return self.data.get("engines") or {}
 
     def config(self):
-        from taperfold.hf.model import HFModelInfo, is_hf_info
-        from taperfold.models import ModelConfig
+        """The exported model's shape, read by the kind of source that wrote it (taperfold.sources)."""
+        from taperfold.sources import config_from_dict
 
         try:
-            if is_hf_info(self.data["config"]):  # exported from a Hugging Face directory (taperfold.hf)
-                return HFModelInfo.from_dict(self.data["config"])
-            return ModelConfig.from_dict(self.data["config"])
+            return config_from_dict(self.data["config"])
         except (TypeError, ValueError) as e:
             raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
 

@@ -166,33 +166,32 @@ class TaperLN(_Tapered):
         return g * normed + (1.0 - g) * (centred * self.c * self.weight_tilde + self.bias)
 
 
-def token_scale(h: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
-    """s(h) of eq. 5 per token: r(h) for RMS models, σ_h for LayerNorm models. Shape h.shape[:-1]."""
+def token_scale(h: torch.Tensor, centered: bool, eps: float) -> torch.Tensor:
+    """s(h) of eq. 5 per token: r(h) for RMS models, σ_h for LayerNorm models (`centered`). Shape h.shape[:-1]."""
     x = h.float()
-    if kind == "ln":
+    if centered:
         x = x - x.mean(-1, keepdim=True)
     return torch.sqrt(x.pow(2).mean(-1) + eps)
 
 
 class ScaleAnchorLoss(nn.Module):
-    """Fixed-target scale anchoring (eq. 5): λ · E_{b,t}[(s(h_bt) − s_tgt)²] over non-padding tokens.
+    """Fixed-target scale anchoring (eq. 5): λ · E_{b,t}[(s(h_bt) − s_tgt)²] over non-padding tokens, s = σ_h
+    when the model's norms are `centered` (LayerNorm), else r(h).
 
     During warm-up it tracks an EMA of the batch-mean scale; `freeze()` (taper start) fixes s_tgt to the
     bias-corrected EMA. The loss is zero until the target is frozen: before that there is no target.
     """
 
-    def __init__(self, kind: str, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
+    def __init__(self, centered: bool, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
         super().__init__()
-        if kind not in ("rms", "ln"):
-            raise ValueError(f"kind must be 'rms' or 'ln', got {kind!r}")
-        self.kind, self.weight, self.eps, self.momentum = kind, weight, eps, momentum
+        self.centered, self.weight, self.eps, self.momentum = centered, weight, eps, momentum
         self.register_buffer("ema", torch.tensor(0.0, dtype=torch.float64))
         self.register_buffer("ema_count", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("target", torch.tensor(0.0))
         self.register_buffer("frozen", torch.tensor(False))
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None, track: bool = False) -> torch.Tensor:
-        s = token_scale(h, self.kind, self.eps)
+        s = token_scale(h, self.centered, self.eps)
         keep = torch.ones_like(s, dtype=torch.bool) if mask is None else mask.bool()
         if track and not bool(self.frozen):
             with torch.no_grad():

@@ -23,6 +23,7 @@ from taperfold.errors import TaperfoldError
 TARGETS = ("ort", "trt")
 GRAPHS = ("prefill", "decoder")
 MIN_OPSET, MAX_OPSET = 18, 23  # the torch exporter's base opset is 18; 23 is the newest it writes
+FUSING_OPSET = 23  # the only opset at which the exporter fuses RMSNorm, RoPE and attention into one op each
 TRT_MIN_VERSION = (10, 15)  # what the "trt" rows assume: RMSNormalization and Attention in the parser
 
 
@@ -72,7 +73,7 @@ def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice
     """The opset to export again at when a graph exported at the table's opset came out with a fused
     `RotaryEmbedding` (transformers' RoPE; taperfold's own RoPE is never fused), else None. An --opset
     override is kept as given: verify then shows whether the graph runs on other shapes."""
-    if choice.source != "table" or choice.opset < 23 or "RotaryEmbedding" not in op_types:
+    if choice.source != "table" or choice.opset < FUSING_OPSET or "RotaryEmbedding" not in op_types:
         return None
     return OpsetChoice(ROTARY_FALLBACK_OPSET, "table", ROTARY_REASON)
 

@@ -1,4 +1,5 @@
-"""`taperfold train`: train a preset through the whole taper schedule and save a g = 0 checkpoint.
+"""Training through the taper: the one loop behind `taperfold train --preset` (a new model of taperfold's own)
+and `taperfold train --from` (a plain model tapered, then fine-tuned; taperfold.sources).
 
 The recipe is the paper's (Appendix C), shortened: AdamW β = (0.9, 0.95), no weight decay, gradient
 clipping at 1.0, linear LR warm-up then cosine decay to 0. The gate is 1 through warm-up (tapered
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from taperfold.checkpoint import Checkpoint, checkpoint_from_model
 from taperfold.errors import TaperfoldError
-from taperfold.models import CausalLM, ModelConfig, build_model
+from taperfold.models import ModelConfig, build_model
 from taperfold.nn import GateSchedule
+from taperfold.sources.builtin import Checkpoint, checkpoint_from_model, save_checkpoint
+from taperfold.taper import GateDriver, TaperedLM
 
 
 @dataclass
@@ -47,6 +49,15 @@ class TrainResult:
     val_loss: float
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+
+    tokenizer_name = "bytes"
+
+    @property
+    def gate(self) -> float:
+        return self.checkpoint.gate
+
+    def save(self, path: str | Path) -> Path:
+        return save_checkpoint(self.checkpoint, path)
 
 
 def default_corpus_files() -> list[Path]:
@@ -105,7 +116,8 @@ def gate_schedule(opts: TrainOptions) -> GateSchedule:
 
 
 @torch.no_grad()
-def evaluate(model: CausalLM, tokens: torch.Tensor, opts: TrainOptions, seq: int) -> float:
+def evaluate(model: TaperedLM, tokens: torch.Tensor, opts: TrainOptions, seq: int) -> float:
+    """Mean cross-entropy on `opts.eval_batches` fixed windows of held-out tokens."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
     losses = [model.loss(*random_windows(tokens, opts.batch_size, seq, gen))[0].item() for _ in range(opts.eval_batches)]
@@ -113,26 +125,30 @@ def evaluate(model: CausalLM, tokens: torch.Tensor, opts: TrainOptions, seq: int
     return sum(losses) / len(losses)
 
 
-def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = None,
-          on_step=None) -> TrainResult:
-    """Train `cfg` from scratch; `on_step(step, record)` is called after every step (for progress)."""
-    torch.manual_seed(opts.seed)
-    tokens, corpus_info = load_corpus(data_files, opts.max_corpus_bytes)
-    if int(tokens.max()) >= cfg.vocab_size:
-        raise TaperfoldError(f"token id {int(tokens.max())} does not fit vocab_size {cfg.vocab_size}")
+@dataclass
+class LoopResult:
+    val_loss: float
+    history: list[dict]  # a record every `log_every` steps and the last
+    seconds: float
+    schedule: GateSchedule | None  # None: a plain model, nothing tapered
+
+
+def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: TrainOptions,
+                        on_step=None) -> LoopResult:
+    """Train `model` (tapered or plain) on windows of `seq` tokens through the whole gate schedule: the gate
+    is 1 through warm-up, c and the scale target freeze at taper start, the gate reaches 0 before the last
+    step. `on_step(step, record)` is called after every step (for progress)."""
     train_tokens, val_tokens = split_corpus(tokens)
-    seq = opts.seq_len or cfg.max_seq_len
-    model = build_model(cfg).train()
-    tapered = cfg.taper != "none"
-    schedule = gate_schedule(opts) if tapered else None
+    if len(val_tokens) <= seq + 1:
+        raise TaperfoldError(f"training data too small for windows of {seq} tokens")
+    model.train()
+    driver = GateDriver(model.tapering, gate_schedule(opts)) if model.tapering is not None else None
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(opts.seed)
     history, t0 = [], time.perf_counter()
     for step in range(opts.steps):
-        if tapered:
-            if step == schedule.taper_start:
-                model.start_taper()
-            model.set_gate(schedule(step), calibrating=step < schedule.taper_start)
+        if driver is not None:
+            driver.step(step)
         for group in optim.param_groups:
             group["lr"] = lr_at(step, opts)
         x, y = random_windows(train_tokens, opts.batch_size, seq, gen)
@@ -151,12 +167,24 @@ def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = 
             history.append(record)
         if on_step:
             on_step(step + 1, record)
-    if tapered:
-        model.set_gate(schedule(opts.steps))  # == 0: the schedule ended before the last step
+    if driver is not None:
+        driver.finish(opts.steps)  # g = 0: the schedule ended before the last step
     val_loss = evaluate(model, val_tokens, opts, seq)
-    seconds = time.perf_counter() - t0
-    meta = {"val_loss": val_loss, "train_seconds": round(seconds, 1), "corpus": corpus_info,
-            "options": {k: v for k, v in vars(opts).items()}, "history": history,
-            "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if tapered else None}
+    return LoopResult(val_loss, history, time.perf_counter() - t0, driver.schedule if driver else None)
+
+
+def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = None,
+          on_step=None) -> TrainResult:
+    """Train a new model of `cfg` from scratch on byte tokens (`taperfold train --preset`)."""
+    torch.manual_seed(opts.seed)
+    tokens, corpus_info = load_corpus(data_files, opts.max_corpus_bytes)
+    if int(tokens.max()) >= cfg.vocab_size:
+        raise TaperfoldError(f"token id {int(tokens.max())} does not fit vocab_size {cfg.vocab_size}")
+    model = build_model(cfg)
+    loop = train_through_taper(model, tokens, opts.seq_len or cfg.max_seq_len, opts, on_step)
+    schedule = loop.schedule
+    meta = {"val_loss": loop.val_loss, "train_seconds": round(loop.seconds, 1), "corpus": corpus_info,
+            "options": {k: v for k, v in vars(opts).items()}, "history": loop.history,
+            "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if schedule else None}
     ckpt = checkpoint_from_model(model.eval(), opts.steps, meta)
-    return TrainResult(ckpt, val_loss, history, seconds)
+    return TrainResult(ckpt, loop.val_loss, loop.history, loop.seconds)

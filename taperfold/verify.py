@@ -35,12 +35,12 @@ from typing import Callable
 import numpy as np
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
-from taperfold.engines import ENGINES
+from taperfold.engines import ENGINES, open_runners
 from taperfold.errors import TaperfoldError
-from taperfold.export import checkpoint_digest
 from taperfold.exportdir import (DECOMPOSED_BASELINE, ENGINE_ARTIFACT, INPUT, OUTPUT, Manifest, artifact_key,
                                  decoder_io_names, read_manifest)
 from taperfold.runners.base import Runner
+from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
 REPORT = "verify.json"
 BATCH_SIZES = (1, 4)  # the export traces batch 2
@@ -244,9 +244,7 @@ class VerifyReport:
 # ---- the reference -------------------------------------------------------------------------------------
 
 
-def _load_reference_checkpoint(manifest: Manifest):
-    from taperfold.checkpoint import load_checkpoint
-
+def _load_reference_checkpoint(manifest: Manifest) -> ModelSource:
     path = manifest.checkpoint
     if not path.exists():
         raise TaperfoldError(f"{path}: checkpoint named in {manifest.path} is missing")
@@ -254,7 +252,7 @@ def _load_reference_checkpoint(manifest: Manifest):
     if digest != manifest.checkpoint_sha256:
         raise TaperfoldError(f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
                              f"says {manifest.checkpoint_sha256[:12]}...); export it again")
-    return load_checkpoint(path)
+    return open_source(path)
 
 
 def _baseline_only(manifest: Manifest) -> bool:
@@ -350,25 +348,20 @@ def _run(batches: list[tuple[InputBatch, np.ndarray]], runners: dict[str, Runner
     collected: dict[str, list[Metrics]] = {p.name: [] for p in judged}
     total, done = len(batches) * len(runners), 0
     torch_threads = torch.get_num_threads()
-    loaded = []
     try:
         if threads:
             torch.set_num_threads(threads)
-        for runner in runners.values():
-            runner.load()
-            loaded.append(runner)
-        for batch, ids in batches:
-            outputs = {}
-            for name, runner in runners.items():
-                progress(done, total, f"{name} on {batch.label}")
-                outputs[name] = runner.infer({INPUT: ids})[OUTPUT].astype(np.float32)
-                done += 1
-            for pair in judged:
-                _compare_one(pair, batch, outputs[pair.reference], outputs[pair.candidate], collected[pair.name])
+        with open_runners(runners):
+            for batch, ids in batches:
+                outputs = {}
+                for name, runner in runners.items():
+                    progress(done, total, f"{name} on {batch.label}")
+                    outputs[name] = runner.infer({INPUT: ids})[OUTPUT].astype(np.float32)
+                    done += 1
+                for pair in judged:
+                    _compare_one(pair, batch, outputs[pair.reference], outputs[pair.candidate], collected[pair.name])
     finally:
         torch.set_num_threads(torch_threads)
-        for runner in loaded:
-            runner.close()
     for pair in judged:
         _conclude(pair, collected[pair.name])
 
@@ -426,11 +419,7 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
     cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
     collected: dict[str, list[Metrics]] = {v: [] for v in variants}
     total, done = len(cases) * len(runners), 0
-    loaded = []
-    try:
-        for runner in runners.values():
-            runner.load()
-            loaded.append(runner)
+    with open_runners(runners):
         for case in cases:
             steps = {}
             for name, runner in runners.items():
@@ -442,9 +431,6 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
                 for k, (ref, cand) in enumerate(zip(steps[refs[variant]], steps[variant])):
                     label = f"{case.label} {'prompt' if k == 0 else f'step {k}'}"
                     _compare_one(pair, InputBatch(label, case.ids), ref, cand, collected[variant])
-    finally:
-        for runner in loaded:
-            runner.close()
     for variant, pair in pairs.items():
         _conclude(pair, collected[variant])
     return list(pairs.values())

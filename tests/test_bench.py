@@ -96,7 +96,7 @@ def _full_forward_logits(model, prompt, gen):
 
 @pytest.mark.parametrize("variant", ["unfolded", "baseline"])
 def test_torch_kv_decoding_matches_the_full_forward_pass(tiny_model, variant):
-    from taperfold.variants import baseline_of
+    from taperfold.models import baseline_of
 
     model = tiny_model if variant == "unfolded" else baseline_of(tiny_model)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 7), dtype=np.int64)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from taperfold.errors import TaperfoldError
+from taperfold.checkpoint import checkpoint_from_model
 from taperfold.models import ModelConfig, build_model
 from taperfold.runners.torch_runner import TorchRunner, own_forward
 from taperfold.variants import build_variants
@@ -23,7 +24,7 @@ def variants():
         norm.weight_tilde.data.uniform_(0.5, 1.5)
         norm.calibrated.fill_(True)
     model.set_gate(0.0)
-    return build_variants(model, ["baseline", "folded"], torch.float32)
+    return build_variants(checkpoint_from_model(model, step=0), ["baseline", "folded"], torch.float32)
 
 
 def test_own_forward_is_a_new_code_object_that_computes_the_same(variants):

@@ -17,7 +17,7 @@ from taperfold.fsutil import sha256_file
 from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
 from taperfold.train import TrainOptions, train
-from taperfold.variants import fold_model_in_torch
+from taperfold.variants import fold_in_torch
 
 # a plain norm's op: fused at opset 23 by the exporter, below by taperfold (passes/fuse_norm.py), or decomposed
 NORM_OPS = {"rms": ("RMSNormalization", "SimplifiedLayerNormalization", "Pow"), "ln": ("LayerNormalization",)}
@@ -67,7 +67,7 @@ def check_export(out, ckpt_path, arch, taper, tol=1e-5):
 
     model = load_checkpoint(ckpt_path).build(gate=0.0)
     logits = json.loads((out / "manifest.json").read_text())["export"]["logits"]
-    norm_free = export_to_ir(fold_model_in_torch(model), ExportOptions(logits=logits))
+    norm_free = export_to_ir(fold_in_torch(model), ExportOptions(logits=logits))
     expected = Counter(n.op_type for n in norm_free.graph)
     assert op_counts(out / "model.onnx") == expected
     # Internal-Taper keeps exactly its final norm; All-Taper keeps none

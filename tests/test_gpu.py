@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,6 +49,11 @@ needs_ort_cuda = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def tiny_model(tiny_checkpoint):
     return load_checkpoint(tiny_checkpoint).build(gate=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint)
 
 
 # ---- what the CPU can check -------------------------------------------------------------------------------
@@ -168,7 +174,7 @@ def fake_engine(monkeypatch):
         return FakeRunner(name.split(" ")[0], cuda_graph, model.cfg.vocab_size)
 
     fake = Engine("fake", "Fake", MODELS, default_device="cuda", devices=("cpu", "cuda"), decodes=False,
-                  options=(CUDA_GRAPH,), open_runner=open_fake, unavailable=lambda device: None)
+                  options=(CUDA_GRAPH,), module=SimpleNamespace(open_runner=open_fake, unavailable=lambda device: None))
     monkeypatch.setitem(ENGINES, "fake", fake)
     return fake
 
@@ -223,8 +229,8 @@ def _cpu_logits(model, ids):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_torch_on_cuda_times_with_events_and_matches_the_cpu(tiny_model):
-    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+def test_torch_on_cuda_times_with_events_and_matches_the_cpu(tiny_source):
+    model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     ids = _ids(model.cfg.vocab_size, (2, 16))
     expected = _cpu_logits(model, ids)
     with TorchRunner(model, device="cuda") as runner:
@@ -235,8 +241,8 @@ def test_torch_on_cuda_times_with_events_and_matches_the_cpu(tiny_model):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_torch_cuda_graph_replays_new_inputs_of_a_shape(tiny_model):
-    model = build_variants(tiny_model, ["baseline"], torch.float32)["baseline"]
+def test_torch_cuda_graph_replays_new_inputs_of_a_shape(tiny_source):
+    model = build_variants(tiny_source, ["baseline"], torch.float32)["baseline"]
     with TorchRunner(model, device="cuda", cuda_graph=True) as runner:
         assert runner.execution == "cuda-graph"
         for seed in (0, 1):  # the second set is copied into the static input and replayed
@@ -250,8 +256,8 @@ def test_torch_cuda_graph_replays_new_inputs_of_a_shape(tiny_model):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_torch_cuda_graph_decoding_matches_eager(tiny_model):
-    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+def test_torch_cuda_graph_decoding_matches_eager(tiny_source):
+    model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
     with TorchRunner(model, device="cuda", decoder=True) as eager:
         expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
@@ -268,10 +274,10 @@ def test_torch_cuda_graph_decoding_matches_eager(tiny_model):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compile_on_cuda_without_fallback(tiny_model, mode):
+def test_compile_on_cuda_without_fallback(tiny_source, mode):
     from torch._dynamo.utils import counters
 
-    models = build_variants(tiny_model, ["baseline", "folded"], torch.float32)
+    models = build_variants(tiny_source, ["baseline", "folded"], torch.float32)
     before = counters["stats"]["unique_graphs"]
     for name, model in models.items():
         with TorchRunner(model, device="cuda", compile=True, compile_mode=mode, shapes=2, name=name) as runner:
@@ -287,8 +293,8 @@ def test_compile_on_cuda_without_fallback(tiny_model, mode):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_compile_reduce_overhead_decoding_matches_eager(tiny_model):
-    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+def test_compile_reduce_overhead_decoding_matches_eager(tiny_source):
+    model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
     with TorchRunner(model, device="cuda", decoder=True) as eager:
         expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
@@ -370,10 +376,11 @@ def test_bench_ort_cuda_graph_end_to_end(tiny_export, tmp_path, cli):
 
 def test_nonorm_reference_has_no_tapered_norm_and_benches_next_to_folded(tmp_path, cli):
     from taperfold.nn import TaperLN, TaperNorm
-    from taperfold.variants import random_gate0_model
+    from taperfold.checkpoint import checkpoint_from_model
+    from taperfold.models import random_gate0_model
 
     tapered = random_gate0_model("tiny")
-    bare = build_variants(tapered, ["nonorm"], torch.float32)["nonorm"]
+    bare = build_variants(checkpoint_from_model(tapered, step=0), ["nonorm"], torch.float32)["nonorm"]
     assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in bare.modules())
     assert isinstance(bare.model.norm, torch.nn.RMSNorm)  # Internal-Taper's final norm stays, as in folded
     assert sum(isinstance(m, torch.nn.Identity) for m in bare.modules()) == len(tapered.tapered_norms())
@@ -412,8 +419,8 @@ def _graph_runner_on_cpu(model, **kwargs):
     return runner
 
 
-def test_graph_bookkeeping_prefill_copies_new_inputs_into_the_static_ones(tiny_model):
-    model = build_variants(tiny_model, ["folded"], torch.float32)["folded"]
+def test_graph_bookkeeping_prefill_copies_new_inputs_into_the_static_ones(tiny_source):
+    model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     with _graph_runner_on_cpu(model) as runner:
         assert runner.execution == "cuda-graph"
         statics = []
@@ -427,8 +434,8 @@ def test_graph_bookkeeping_prefill_copies_new_inputs_into_the_static_ones(tiny_m
         assert [kind for kind, _, _ in runner.setup_log] == ["capture"]
 
 
-def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_model):
-    model = build_variants(tiny_model, ["baseline"], torch.float32)["baseline"]
+def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_source):
+    model = build_variants(tiny_source, ["baseline"], torch.float32)["baseline"]
     prompt = _ids(model.cfg.vocab_size, (2, 7))
     with TorchRunner(model, decoder=True) as eager:
         expected = generate(eager, prompt, steps=4, cfg=model.cfg, dtype="fp32")

@@ -21,7 +21,7 @@ from hf_models import FAMILIES, tiny_config  # noqa: E402
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
 from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
 from taperfold.hf.training import TaperHook, trainer_callback, train_hf_directory  # noqa: E402
-from taperfold.hf.variants import fold_in_torch  # noqa: E402
+from taperfold.variants import fold_in_torch  # noqa: E402
 from taperfold.nn import GateSchedule, TaperLN, TaperNorm  # noqa: E402
 from taperfold.train import TrainOptions  # noqa: E402
 from taperfold.verify import verify_export  # noqa: E402

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from taperfold.families import families, family
-from taperfold.models import ARCHS, build_model, num_parameters, preset_config
+from taperfold.families import family_for
+from taperfold.models import ARCHS, MODEL_CLASSES, baseline_of, build_model, num_parameters, preset_config
 from taperfold.nn import TaperLN, TaperNorm
 from taperfold.train import TrainOptions, train
-from taperfold.variants import baseline_of, fold_model_in_torch
+from taperfold.variants import fold_in_torch
 
 
 def random_tapered(arch, taper, seed=0, **kw):
@@ -58,7 +58,7 @@ def test_kv_cache_matches_full_forward(arch, kw):
 def test_torch_fold_is_exact_and_leaves_embedding_alone(arch, taper):
     model = random_tapered(arch, taper)
     ids = torch.randint(0, 256, (2, 16))
-    folded = fold_model_in_torch(model)
+    folded = fold_in_torch(model)
     torch.testing.assert_close(folded(ids, logits="all"), model(ids, logits="all"), rtol=1e-4, atol=1e-5)
     assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in folded.modules())
     embed = folded.model.embed_tokens if arch == "llama" else folded.transformer.wte
@@ -71,7 +71,7 @@ def test_fold_refuses_nonzero_gate():
     model = random_tapered("llama", "internal")
     model.set_gate(0.5)
     with pytest.raises(ValueError, match="not 0"):
-        fold_model_in_torch(model)
+        fold_in_torch(model)
 
 
 def test_baseline_keeps_weights_with_plain_norms():
@@ -83,19 +83,20 @@ def test_baseline_keeps_weights_with_plain_norms():
     assert num_parameters(base) < num_parameters(model)
 
 
-def test_every_arch_has_a_family():
-    assert set(families()) == set(ARCHS)
+def test_every_arch_is_described_by_the_transformers_family_of_its_name():
+    assert set(MODEL_CLASSES) == set(ARCHS)
     for arch in ARCHS:
-        assert isinstance(build_model(preset_config("tiny", arch=arch, n_layers=1)), family(arch).model_class)
+        model = build_model(preset_config("tiny", arch=arch, n_layers=1))
+        assert isinstance(model, MODEL_CLASSES[arch]) and model.tapering.family is family_for(arch)
     with pytest.raises(ValueError, match="arch must be one of"):
-        family("mamba")
+        preset_config("tiny", arch="mamba")
 
 
 def test_readers_cover_every_norm():
     for arch in ("llama", "gpt2"):
         model = random_tapered(arch, "all")
         names = {n for n, m in model.named_modules() if isinstance(m, (TaperNorm, TaperLN))}
-        readers = family(arch).norm_readers(model.cfg)
+        readers = family_for(arch).norm_readers(model.cfg.n_layers, "all")
         assert names == set(readers)
         modules = dict(model.named_modules())
         assert all(r in modules for rs in readers.values() for r in rs)

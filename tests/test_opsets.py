@@ -19,7 +19,9 @@ from taperfold.export import TRACE_PAST, TRACE_SHAPE, ExportOptions, export_chec
 from taperfold.exportdir import ALL_VARIANTS, read_manifest
 from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
 from taperfold.passes.fuse_norm import match_rms_norm
-from taperfold.variants import HandWrittenRMSNorm, build_variants, random_gate0_model
+from taperfold.models import random_gate0_model
+from taperfold.norms.rms import HandWrittenRMSNorm
+from taperfold.variants import build_variants
 from taperfold.verify import decode_cases, random_inputs, verify_export
 
 from conftest import run_cli
@@ -159,7 +161,7 @@ def test_layernorm_family_has_no_decomposed_variant(gpt2_20):
 
 def test_torch_variants_baseline_is_fused_and_decomposed_is_hand_written():
     model = random_gate0_model("tiny", "llama", **SMALL)
-    variants = build_variants(model, ["baseline", "baseline-decomposed"], torch.float32)
+    variants = build_variants(checkpoint_from_model(model, step=0), ["baseline", "baseline-decomposed"], torch.float32)
     kinds = {name: {type(m).__name__ for m in v.modules()} for name, v in variants.items()}
     assert "RMSNorm" in kinds["baseline"] and "HandWrittenRMSNorm" not in kinds["baseline"]
     assert "HandWrittenRMSNorm" in kinds["baseline-decomposed"] and "RMSNorm" not in kinds["baseline-decomposed"]

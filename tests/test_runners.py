@@ -2,7 +2,9 @@
 one RunnerError naming the model) hold for every real runner (torch, ONNX Runtime) and for a fake one;
 the engine registry opens each engine's runner. TensorRT's runner is tested in test_trt.py (GPU only)."""
 
+import importlib
 import re
+import shutil
 import time
 
 import numpy as np
@@ -147,8 +149,15 @@ def test_guards_stop_bad_feeds_before_the_engine():
     assert runner.calls["close"] == 1
 
 
-def test_runner_errors_are_taperfold_errors():
-    assert issubclass(RunnerError, TaperfoldError) and RunnerError.exit_code == 2
+def test_a_runner_failure_reaches_the_user_as_one_line_and_exit_2(tiny_export, tmp_path, cli):
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    (export / "model.onnx").write_bytes(b"\x08\x07garbage" * 10)  # the folded graph, corrupt
+    result = cli("bench", export, "--engine", "ort", "--variants", "baseline,folded", "--batch", "1", "--seq", "8",
+                 "--iters", "1", "--warmup", "0", "--report", tmp_path / "bench.json")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert str(export / "model.onnx") in result.stderr and "not a readable ONNX model" in result.stderr
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_torch_runner_matches_the_model(tiny_model):
@@ -163,7 +172,7 @@ def test_torch_runner_matches_the_model(tiny_model):
 def test_ort_session_is_built_apart_from_the_runner(onnx_path, tmp_path):
     session = open_session(onnx_path, optimization="disable", threads=1)
     assert [i.name for i in session.get_inputs()] == ["input_ids"]
-    with pytest.raises(TaperfoldError, match="no such model file"):
+    with pytest.raises(TaperfoldError, match="no such file"):
         open_session(tmp_path / "none.onnx")
 
 
@@ -175,7 +184,9 @@ def test_registry_describes_every_engine():
     for name, engine in ENGINES.items():
         assert engine.name == name and engine.runs in (MODELS, GRAPHS)
         assert engine.default_device in engine.devices
-        assert (engine.files is not None) == (engine.runs == GRAPHS)
+        module = importlib.import_module(engine.module)  # what the row promises, its runner module provides
+        assert callable(module.open_runner) and callable(module.unavailable)
+        assert callable(getattr(module, "files", None)) == (engine.runs == GRAPHS)
     assert ENGINES["trt"].default_device == "cuda" and not ENGINES["trt"].decodes
 
 

@@ -14,7 +14,7 @@ from taperfold.bench.decode import generate
 from taperfold.bench.harness import Schedule, run_rounds
 from taperfold.bench.source import Source
 from taperfold.bench.stats import summarize
-from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine
+from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, open_runners
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import INPUT, torch_dtype
@@ -104,13 +104,10 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         _check_exported(source.manifest, opts.variants, decoder=opts.mode == "decode")
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    runners = open_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
+    runners = make_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
                            dtype=dtype, threads=threads, options=opts.engine_options, shapes=shape_count(opts))
-    try:
+    with open_runners(runners):
         yield LoadedBench(source, opts, source.config, dtype, threads, runners)
-    finally:
-        for runner in runners.values():
-            runner.close()
 
 
 def shape_count(opts: BenchOptions) -> int:
@@ -131,11 +128,10 @@ def execution_of(runner: Runner) -> str:
     return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
 
 
-def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool, device: str, dtype: str,
+def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool, device: str, dtype: str,
                  threads: int, options: dict, shapes: int | None = None) -> dict[str, Runner]:
-    """Build and load one runner per variant, all up front, before anything is timed. With `cuda_graph`, two per
-    variant: the plain one and one that replays CUDA graphs (keyed `runner_label(variant, "cuda-graph")`),
-    measured side by side."""
+    """One runner per variant (not loaded yet). With `cuda_graph`, two per variant: the plain one and one that
+    replays CUDA graphs (keyed `runner_label(variant, "cuda-graph")`), measured side by side."""
     check_options(engine, options, device)
     engine.require(device)
     if decoder and not engine.decodes:
@@ -150,7 +146,7 @@ def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder
                                  f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}")
         targets = engine.files(source.manifest, variants, decoder)
     else:
-        targets = build_variants(source.tapered_model(), variants, torch_dtype(dtype))
+        targets = build_variants(source.model_source(), variants, torch_dtype(dtype))
     kinds = [False, True] if options.get("cuda_graph") else [False]
     runners = {}
     for name, target in targets.items():
@@ -159,15 +155,6 @@ def open_runners(engine: Engine, source: Source, variants: list[str], *, decoder
             runner = engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
                                    name=f"{name} ({source.label})", shapes=shapes, **kind)
             runners[runner_label(name, "cuda-graph" if graph else "eager")] = runner
-    loaded = []
-    try:
-        for runner in runners.values():
-            runner.load()
-            loaded.append(runner)
-    except BaseException:
-        for runner in loaded:
-            runner.close()
-        raise
     return runners
 
 

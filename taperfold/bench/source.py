@@ -2,7 +2,8 @@
 preset (random weights at g = 0 with random c and γ̃: a timing model that needs no training).
 
 Engines that run exported graphs read the directory's files; engines that run torch models build the
-three variants from one tapered model at g = 0: the export's checkpoint, the checkpoint, or the preset.
+variants from one tapered model source (taperfold.sources): the export's checkpoint, the checkpoint, or the
+preset.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from typing import Callable
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import Manifest, read_manifest
-from taperfold.models import CausalLM, ModelConfig
+from taperfold.sources import ModelSource, open_source
 
 
 @dataclass
 class Source:
     label: str  # names it in errors: the directory, the checkpoint, or "--preset NAME"
-    config: ModelConfig
-    tapered_model: Callable[[], CausalLM]  # the tapered model at g = 0, built when a torch engine needs it
+    config: object  # the model's shape (ModelSource.config)
+    model_source: Callable[[], ModelSource]  # a tapered model source, opened when a torch engine needs it
     manifest: Manifest | None  # set for an export directory
     description: dict  # the report's `source`
 
@@ -40,34 +41,28 @@ def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str |
     description = {"export_dir": export_dir and str(Path(export_dir)),
                    "checkpoint": checkpoint and str(Path(checkpoint)), "preset": preset, "arch": arch if preset else None}
     if preset:
-        from taperfold.models import preset_config
-        from taperfold.variants import random_gate0_model
+        from taperfold.models import preset_config, random_gate0_model
+        from taperfold.sources.builtin import checkpoint_from_model
 
         return Source(f"--preset {preset}", preset_config(preset, arch=arch),
-                      lambda: _tapered(random_gate0_model(preset, arch), f"--preset {preset}"), None, description)
+                      lambda: checkpoint_from_model(random_gate0_model(preset, arch), step=0), None, description)
     if checkpoint:
-        from taperfold.checkpoint import load_checkpoint
-
-        ckpt = load_checkpoint(checkpoint)
-        return Source(str(checkpoint), ckpt.config, lambda: _tapered(ckpt.build(gate=0.0), checkpoint), None,
-                      description)
+        model_source = _tapered(open_source(checkpoint), checkpoint)
+        return Source(str(checkpoint), model_source.config, lambda: model_source, None, description)
     manifest = read_manifest(export_dir)
-    return Source(str(export_dir), manifest.config(), lambda: _exported_checkpoint_model(manifest), manifest,
+    return Source(str(export_dir), manifest.config(), lambda: _exported_checkpoint(manifest), manifest,
                   description)
 
 
-def _exported_checkpoint_model(manifest: Manifest) -> CausalLM:
-    from taperfold.checkpoint import load_checkpoint
-
+def _exported_checkpoint(manifest: Manifest) -> ModelSource:
     path = manifest.checkpoint
     if not path.exists():
         raise TaperfoldError(f"{manifest.path}: key 'checkpoint.path': {path} no longer exists; pass "
                              "--checkpoint CKPT instead of DIR for a torch engine")
-    return _tapered(load_checkpoint(path).build(gate=0.0), path)
+    return _tapered(open_source(path), path)
 
 
-def _tapered(model: CausalLM, origin) -> CausalLM:
-    if model.cfg.taper == "none":
+def _tapered(source: ModelSource, origin) -> ModelSource:
+    if not source.tapered:
         raise TaperfoldError(f"{origin}: the checkpoint has no tapered norms (taper=none): nothing to compare")
-    return model
-
+    return source

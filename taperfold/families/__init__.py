@@ -1,9 +1,18 @@
-"""Model families, one module each: the model classes and the facts the rest of taperfold needs about them.
+"""Model families as data, one module each: where a family's norms sit and which linear layers read them.
 
-A family module defines its `CausalLM` subclass and a `FAMILY` entry: how its norms are computed
-(`norm_kind`), the config defaults its presets use, and which linear layers read each norm's output
-(`norm_readers`: what a fold rewrites, and what `taperfold inspect` lists). Adding a family is a new
-module plus its name in `ARCHS`.
+One description serves taperfold's own models (taperfold.models: llama, gpt2) and transformers' alike,
+because taperfold's own models use Hugging Face's module names. A family says, and says only:
+
+- `norm`: the norm kind (taperfold.norms: "rms", "ln"), and `gain_offset` when the norm computes x·(1 + w);
+- `layers`: the ModuleList of decoder layers, and `internal`: each norm of a layer with the linear layers
+  that read its output (what a fold rewrites: AutoAWQ's `get_layers_for_scaling`, llm-compressor's mappings);
+- `final` and `head`: the final norm and the output projection that reads it;
+- `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
+- `untapered`: norm-like modules (by name) that are never tapered, with the reason;
+- `check`: a configuration the family refuses, as a reason (None: fine).
+
+Attention, RoPE, masks and caches are the modeling code's business, never the family's. Adding a family is
+a module here plus its name in `_MODULES`, or `register(Family(...))` from anywhere (examples/plugin_family.py).
 """
 
 from __future__ import annotations
@@ -12,35 +21,64 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-ARCHS = ("llama", "gpt2")  # ModelConfig.arch values, each also the name of its module here
+from taperfold.errors import TaperfoldError
 
 
 @dataclass(frozen=True)
 class Family:
-    arch: str  # ModelConfig.arch
-    model_class: type  # a taperfold.models.CausalLM subclass
-    norm_kind: str  # "rms" (RMSNorm / TaperNorm) | "ln" (LayerNorm / TaperLN)
-    norm_readers: Callable  # (ModelConfig) -> {norm module path: [paths of the linear layers reading it]}
-    config_defaults: dict = field(default_factory=dict)  # ModelConfig fields the presets set for this family
+    name: str
+    model_types: tuple[str, ...]  # config.json's "model_type" values (taperfold's own models: ModelConfig.arch)
+    norm: str  # a norm kind of taperfold.norms
+    layers: str  # path of the ModuleList of decoder layers
+    internal: dict[str, tuple[str, ...]]  # norm in a layer -> the modules reading its output (paths in the layer)
+    final: str  # path of the final norm
+    head: str = "lm_head"  # path of the output projection, which reads the final norm
+    gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
+    parallel: bool = False  # attention and the MLP read the same residual stream
+    untapered: dict[str, str] = field(default_factory=dict)  # module name (last path part) -> why never tapered
+    check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
+
+    def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
+        """The norms `taper` ("internal" | "all") covers, each module path with the paths of its readers."""
+        paths = {f"{self.layers}.{i}.{norm}": [f"{self.layers}.{i}.{r}" for r in readers]
+                 for i in range(n_layers) for norm, readers in self.internal.items()}
+        if taper == "all":
+            paths[self.final] = [self.head]
+        return paths
 
 
-def _load() -> dict[str, Family]:
-    families = [importlib.import_module(f"taperfold.families.{name}").FAMILY for name in ARCHS]
-    return {f.arch: f for f in families}
+# The families taperfold ships, one module each.
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+_REGISTRY: dict[str, Family] = {}
 
 
-_FAMILIES: dict[str, Family] = {}
+def register(family: Family) -> Family:
+    """Make `family` known for each of its model types (a later registration of a type replaces it)."""
+    _load_shipped()
+    for model_type in family.model_types:
+        _REGISTRY[model_type] = family
+    return family
 
 
-def families() -> dict[str, Family]:
-    """arch -> Family, every family taperfold knows (imported on first use: models.py imports this lazily)."""
-    if not _FAMILIES:
-        _FAMILIES.update(_load())
-    return _FAMILIES
+def _load_shipped() -> None:
+    if _REGISTRY:
+        return
+    for name in _MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        for model_type in module.FAMILY.model_types:
+            _REGISTRY.setdefault(model_type, module.FAMILY)
 
 
-def family(arch: str) -> Family:
-    known = families()
-    if arch not in known:
-        raise ValueError(f"arch must be one of {tuple(known)}, got {arch!r}")
-    return known[arch]
+def supported_model_types() -> list[str]:
+    _load_shipped()
+    return sorted(_REGISTRY)
+
+
+def family_for(model_type, where: str = "config.json") -> Family:
+    """The family for `model_type`; one error naming the file, the key and the supported types otherwise."""
+    _load_shipped()
+    family = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise TaperfoldError(f"{where}: key 'model_type' is {model_type!r}, which taperfold cannot taper; "
+                             f"supported: {', '.join(supported_model_types())} (docs/extending.md: adding a family)")
+    return family

@@ -5,12 +5,21 @@ tapered save_pretrained directory, and export / verify / bench it with transform
     model = AutoModelForCausalLM.from_pretrained(DIR)
     taper_model(model, "internal")          # norms -> TaperNorm / TaperLN, one shared gate
 
-Needs the `[hf]` extra (transformers). See docs/hf.md.
+Needs the `[hf]` extra (transformers). See docs/hf.md. The rest of taperfold reaches this package through
+taperfold.sources only, by `KIND`: how a save_pretrained directory is recognised, opened and fine-tuned.
 """
 
-from taperfold.hf.directory import HFCheckpoint, is_hf_directory, load_hf_directory, save_hf_directory
-from taperfold.hf.families import Family, family_for, supported_model_types
-from taperfold.hf.taper import Tapering, taper_model, tapering_of
+from taperfold.families import Family, family_for, supported_model_types
+from taperfold.hf.model import SOURCE, HFModelInfo
+from taperfold.hf.source import HFCheckpoint, is_hf_directory, load_hf_directory, save_hf_directory
+from taperfold.hf.taper import taper_model, tapering_of
+from taperfold.hf.training import TaperHook, train_hf_directory
+from taperfold.sources.base import SourceKind
+from taperfold.taper import Tapering
 
-__all__ = ["Family", "HFCheckpoint", "Tapering", "family_for", "is_hf_directory", "load_hf_directory",
-           "save_hf_directory", "supported_model_types", "taper_model", "tapering_of"]
+__all__ = ["Family", "HFCheckpoint", "KIND", "TaperHook", "Tapering", "family_for", "is_hf_directory",
+           "load_hf_directory", "save_hf_directory", "supported_model_types", "taper_model", "tapering_of"]
+
+KIND = SourceKind(SOURCE, claims=is_hf_directory, open=load_hf_directory,
+                  wrote_config=lambda config: config.get("source") == SOURCE, config_from_dict=HFModelInfo.from_dict,
+                  fine_tune=train_hf_directory)

@@ -15,11 +15,14 @@ Two ways to get last-token logits, on purpose:
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
-from taperfold.hf.families import Family
+from taperfold.families import Family
+from taperfold.taper import TaperedLM
 
 SOURCE = "transformers"
 
@@ -62,11 +65,6 @@ class HFModelInfo:
         return asdict(self)
 
 
-def is_hf_info(config: dict) -> bool:
-    """Whether a manifest's `config` describes a transformers model (else a taperfold ModelConfig)."""
-    return isinstance(config, dict) and config.get("source") == SOURCE
-
-
 @contextlib.contextmanager
 def _detached(model: nn.Module, path: str):
     """Run `model` with the module at `path` replaced by Identity; yields the module."""
@@ -80,31 +78,42 @@ def _detached(model: nn.Module, path: str):
         setattr(parent, attr, module)
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(TaperedLM, nn.Module):
     """taperfold's interface over a transformers `*ForCausalLM` (see the module docstring)."""
 
-    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True, checkpoint=None):
+    network_path = "hf"
+
+    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True):
         super().__init__()
         self.hf, self.cfg, self.family, self.reference = hf, cfg, family, reference
-        self.checkpoint = checkpoint  # the HFCheckpoint it was built from, if any (its baseline comes from there)
+
+    @property
+    def network(self) -> nn.Module:
+        return self.hf
 
     @property
     def tapering(self):
         return getattr(self.hf, "tapering", None)
 
-    @property
-    def gate(self):
-        return self.tapering.gate if self.tapering is not None else None
+    def copy(self) -> "HFCausalLM":
+        return HFCausalLM(copy.deepcopy(self.hf), self.cfg, self.family, self.reference)
 
-    def tapered_norms(self) -> dict[str, nn.Module]:
-        return dict(self.tapering.norms) if self.tapering is not None else {}
-
-    def set_gate(self, value: float, calibrating: bool = False) -> None:
-        if self.tapering is not None:
-            self.tapering.set_gate(value, calibrating)
-
-    def for_export(self) -> "HFCausalLM":
-        return HFCausalLM(self.hf, self.cfg, self.family, reference=False, checkpoint=self.checkpoint)
+    def loss(self, input_ids, targets):
+        """transformers' own cross-entropy (it shifts the labels itself) of next-token `targets`, and the
+        scale-anchoring loss on the final norm's input (zero until its target is frozen)."""
+        window = torch.cat([input_ids, targets[:, -1:]], dim=1)
+        scale_loss = self.tapering.scale_loss if self.tapering is not None else None
+        seen = []
+        final = self.hf.get_submodule(self.family.final)
+        hook = final.register_forward_pre_hook(lambda module, args: seen.append(args[0])) if scale_loss else None
+        try:
+            ce = self.hf(input_ids=window, labels=window).loss
+        finally:
+            if hook is not None:
+                hook.remove()
+        if scale_loss is None:
+            return ce, ce.new_zeros(())
+        return ce, scale_loss.to(seen[0].device)(seen[0], track=self.training and self.gate.calibrating)
 
     def _cache(self, past_key_values):
         from transformers import DynamicCache

@@ -10,19 +10,22 @@ taper start too and λ·E[(s(h) − s_tgt)²] on the final norm's input is added
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from taperfold.errors import TaperfoldError
+from taperfold.fsutil import read_json_object
+from taperfold.hf.model import HFCausalLM, HFModelInfo
+from taperfold.hf.source import CONFIG, TOKENIZER_FILES, HFCheckpoint, load_hf_directory, save_hf_directory
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.nn import GateSchedule
-from taperfold.train import TrainOptions, gate_schedule, load_corpus, lr_at, random_windows, split_corpus
+from taperfold.taper import GateDriver
+from taperfold.train import TrainOptions, gate_schedule, load_corpus, train_through_taper
 
 
-class TaperHook:
+class TaperHook(GateDriver):
     """Drives a tapered model's gate from any training loop: call `hook.step(k)` before step k's forward.
 
         hook = TaperHook(model, GateSchedule(taper_start=25, taper_end=100))
@@ -34,9 +37,8 @@ class TaperHook:
     """
 
     def __init__(self, model, schedule: GateSchedule):
-        self.model, self.schedule = model, schedule
-        self.tapering = tapering_of(model)
-        self.started = all(bool(norm.calibrated) for norm in self.tapering.norms.values())
+        super().__init__(tapering_of(model), schedule)
+        self.model = model
         self.last_aux = torch.zeros(())
         self._handles = []
         if self.tapering.scale_loss is not None:
@@ -44,21 +46,6 @@ class TaperHook:
             self._handles.append(final.register_forward_pre_hook(self._keep_final_input))
             self._handles.append(model.register_forward_hook(self._add_aux, with_kwargs=True))
         self._final_input = None
-
-    def step(self, step: int) -> float:
-        """Set the gate for optimizer step `step` (0-based); at taper start, freeze c and the scale target."""
-        if step >= self.schedule.taper_start and not self.started:
-            self.tapering.start_taper()
-            self.started = True
-        gate = self.schedule(step)
-        self.tapering.set_gate(gate, calibrating=step < self.schedule.taper_start)
-        return gate
-
-    def finish(self, steps: int) -> float:
-        """After the last step: the gate the schedule gives at `steps` (0 when the taper has ended)."""
-        gate = self.schedule(steps)
-        self.tapering.set_gate(gate)
-        return gate
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -106,18 +93,31 @@ def trainer_callback(hook: TaperHook):
 
 @dataclass
 class HFTrainResult:
-    model: object
+    model: object  # the tapered transformers model, at the schedule's end (g = 0)
     tokenizer: object | None
     schedule: GateSchedule
     val_loss: float
+    source: Path  # the plain directory it was tapered from (its tokenizer files are copied along)
+    steps: int
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def gate(self) -> float:
+        return self.model.tapering.gate.value
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "hf" if self.tokenizer is not None else "bytes"
+
+    def save(self, out_dir: str | Path) -> Path:
+        """A tapered save_pretrained directory, with the tokenizer files of the source when it had some."""
+        return save_hf_directory(self.model, out_dir, step=self.steps, schedule=self.schedule,
+                                 tokenizer_from=self.source if self.tokenizer is not None else None)
 
 
 def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_size: int):
     """The corpus as token ids: the directory's tokenizer when it has one, bytes otherwise."""
-    from taperfold.hf.directory import CONFIG, TOKENIZER_FILES, read_json_object
-
     raw, _ = load_corpus(files, opts.max_corpus_bytes)
     tokenizer = None
     if any((folder / f).is_file() for f in TOKENIZER_FILES):
@@ -147,64 +147,21 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
     return tokens, tokenizer
 
 
-@torch.no_grad()
-def _evaluate(model, tokens: torch.Tensor, opts: TrainOptions, seq: int) -> float:
-    model.eval()
-    gen = torch.Generator().manual_seed(1234)
-    losses = []
-    for _ in range(opts.eval_batches):
-        x, y = random_windows(tokens, opts.batch_size, seq, gen)
-        window = torch.cat([x, y[:, -1:]], dim=1)
-        losses.append(float(model(input_ids=window, labels=window).loss))
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def train_hf_directory(source: str | Path, opts: TrainOptions, data_files: list[Path] | None = None,
+def train_hf_directory(source: str | Path | HFCheckpoint, opts: TrainOptions, data_files: list[Path] | None = None,
                        taper: str = "internal", aux: bool = True, on_step=None) -> HFTrainResult:
-    """Fine-tune the plain save_pretrained directory `source` through the whole taper schedule."""
-    from taperfold.hf.directory import load_hf_directory
-
-    source = Path(source)
-    ckpt = load_hf_directory(source)
+    """Taper the plain save_pretrained directory `source` and fine-tune it through the whole taper schedule
+    (taperfold.train's loop, on windows of at most 128 tokens)."""
+    ckpt = source if isinstance(source, HFCheckpoint) else load_hf_directory(source)
     if ckpt.tapered:
-        raise TaperfoldError(f"{source / 'config.json'}: already tapered (key 'taperfold' present, gate "
+        raise TaperfoldError(f"{ckpt.path / CONFIG}: already tapered (key 'taperfold' present, gate "
                              f"{ckpt.gate:g}); train from the plain model")
     torch.manual_seed(opts.seed)
-    model = ckpt.hf_model(tapered=False).train()
-    tokens, tokenizer = _tokens(source, data_files, opts, ckpt.config.vocab_size)
-    train_tokens, val_tokens = split_corpus(tokens)
-    seq = min(opts.seq_len or 128, ckpt.config.max_seq_len - 1)
-    if len(val_tokens) <= seq + 1:
-        raise TaperfoldError(f"training data too small for windows of {seq} tokens")
-    taper_model(model, taper, aux=aux, where=str(source))
-    schedule = gate_schedule(opts)
-    hook = TaperHook(model, schedule)
-    optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(opts.seed)
-    history, t0 = [], time.perf_counter()
-    for step in range(opts.steps):
-        gate = hook.step(step)
-        for group in optim.param_groups:
-            group["lr"] = lr_at(step, opts)
-        x, y = random_windows(train_tokens, opts.batch_size, seq, gen)
-        window = torch.cat([x, y[:, -1:]], dim=1)
-        loss = model(input_ids=window, labels=window).loss  # cross-entropy (+ the scale-anchoring term)
-        if not torch.isfinite(loss):
-            raise TaperfoldError(f"training diverged at step {step + 1} (loss {loss.item():g}, gate {gate:.3f}); "
-                                 "nothing was saved: a longer schedule (--steps) or a lower --lr gives the taper room")
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
-        optim.step()
-        aux_value = float(hook.last_aux.detach())
-        record = {"step": step + 1, "loss": loss.item() - aux_value, "aux": aux_value, "gate": gate,
-                  "lr": optim.param_groups[0]["lr"]}
-        if (step + 1) % opts.log_every == 0 or step + 1 == opts.steps:
-            history.append(record)
-        if on_step:
-            on_step(step + 1, record)
-    hook.finish(opts.steps)
-    hook.remove()
-    val_loss = _evaluate(model, val_tokens, opts, seq)
-    return HFTrainResult(model.eval(), tokenizer, schedule, val_loss, history, time.perf_counter() - t0)
+    hf = ckpt.hf_model(tapered=False)
+    tokens, tokenizer = _tokens(ckpt.path, data_files, opts, ckpt.config.vocab_size)
+    tapering = taper_model(hf, taper, aux=aux, where=str(ckpt.path))
+    info = HFModelInfo(**{**ckpt.config.to_dict(), "taper": taper, "aux": aux})
+    model = HFCausalLM(hf, info, tapering.family)
+    seq = min(opts.seq_len or 128, ckpt.config.max_seq_len - 1)  # the window is seq + 1 positions
+    loop = train_through_taper(model, tokens, seq, opts, on_step)
+    return HFTrainResult(hf.eval(), tokenizer, loop.schedule, loop.val_loss, ckpt.path, opts.steps, loop.history,
+                         loop.seconds)

@@ -53,7 +53,7 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
               FoldIntoEmbeddingPass(report)]
     if merge_norm_weights:
         passes.append(MergeNormWeightsPass(report))
-    ir.passes.PassManager([*passes, CleanupPass(report)])(model)
+    ir.passes.PassManager([*passes, CleanupPass(report, input_check=report.check_input)])(model)
     return report
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
-from taperfold.errors import TaperfoldError, first_line
+from taperfold.errors import TaperfoldError
 
 _DTYPE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.DOUBLE: "fp32", ir.DataType.FLOAT16: "fp16",
                 ir.DataType.BFLOAT16: "bf16"}
@@ -125,22 +125,15 @@ class FoldCheck:
 def check_fold(src: str | os.PathLike, dst: str | os.PathLike, shapes: dict[str, list[int]] | None = None,
                seed: int = 0, threads: int | None = None) -> FoldCheck:
     """Run `src` and `dst` on the same generated inputs and compare every output."""
-    import onnxruntime as ort
-
+    from taperfold.engines import ENGINES, open_runners
     from taperfold.passes.onnx_io import load_model
 
     feeds = make_feeds(load_model(src), shapes or {}, seed)
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    results = []
-    for path in (src, dst):
-        try:
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            names = [o.name for o in session.get_outputs()]
-            results.append(dict(zip(names, session.run(None, feeds))))
-        except Exception as e:  # ORT's errors: a model it cannot load or run with these inputs
-            raise TaperfoldError(f"{path}: ONNX Runtime cannot run it on the generated inputs ({first_line(e)})") from None
+    ort = ENGINES["ort"]
+    runners = {"input": ort.runner(src, device="cpu", threads=threads),
+               "folded": ort.runner(dst, device="cpu", threads=threads)}
+    with open_runners(runners):
+        results = [runner.infer(feeds) for runner in runners.values()]
     reference, candidate = results
     checks = []
     for name, ref in reference.items():

@@ -47,13 +47,15 @@ def check(model: ir.Model) -> str:
 class CleanupPass(ir.passes.InPlacePass):
     """Drop dead nodes and initializers (folded norm chains, weights replaced by copies), sort, check.
 
-    A model that onnx.checker accepted must still pass after folding (PostconditionError otherwise);
-    one it rejected already (ONNX Runtime is more lenient) is folded anyway and the report says so.
+    `input_check`: onnx.checker's verdict on the model before any pass changed it (`check(model)`). A model that
+    passed then must still pass (PostconditionError otherwise); one it rejected already (ONNX Runtime is more
+    lenient), or None, is cleaned up anyway and the report says what the checker says now.
     """
 
-    def __init__(self, report: FoldReport):
+    def __init__(self, report: FoldReport | None = None, input_check: str | None = None):
         super().__init__()
-        self.report = report
+        self.report = report if report is not None else FoldReport()
+        self.input_check = input_check
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         initializers = len(model.graph.initializers)
@@ -65,5 +67,5 @@ class CleanupPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
     def ensures(self, model: ir.Model) -> None:
-        if self.report.check_input == "passed" and self.report.check_output != "passed":
+        if self.input_check == "passed" and self.report.check_output != "passed":
             raise ir.passes.PostconditionError(f"the folded model fails onnx.checker: {self.report.check_output}")

@@ -54,15 +54,23 @@ def require_constants_folded(model: ir.Model) -> None:
 
 
 class AfterConstantsPass(ir.passes.InPlacePass):
-    """What the passes that rewrite norms share: the report they write into, and their precondition
-    (constants folded, else a norm whose scale is computed at run time is missed)."""
+    """What the passes that rewrite norms share: the report they write into, their precondition (constants
+    folded, else a norm whose scale is computed at run time is missed), and their postcondition: every
+    norm a pass rewrote (`self.rewritten`, the outputs it replaced) is read by nothing any more."""
 
     def __init__(self, report: FoldReport | None = None):
         super().__init__()
         self.report = report if report is not None else FoldReport()
+        self.rewritten: list[tuple[str, ir.Value]] = []  # (norm name, the output its readers no longer read)
 
     def requires(self, model: ir.Model) -> None:
         require_constants_folded(model)
+        self.rewritten = []  # a run starts here: requires, call, ensures
+
+    def ensures(self, model: ir.Model) -> None:
+        for name, output in self.rewritten:
+            if output.is_graph_output() or output.uses():
+                raise ir.passes.PostconditionError(f"{name}: its output is still read after the pass rewrote it")
 
 
 class FoldConstantsPass(ir.passes.InPlacePass):
@@ -71,6 +79,9 @@ class FoldConstantsPass(ir.passes.InPlacePass):
     def __init__(self, report: FoldReport | None = None):
         super().__init__()
         self.report = report if report is not None else FoldReport()
+
+    def ensures(self, model: ir.Model) -> None:
+        require_constants_folded(model)  # what the passes after this one require
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.optimizer import fold_constants

@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from taperfold.norms import NormKind, kind_of_class, norm_kinds, tapered_kind_of_class
 from taperfold.passes._graph import (
     FLOAT_TYPES,
     NormMatch,
@@ -35,9 +36,6 @@ from taperfold.passes._graph import (
     with_const_producers,
 )
 
-TAPER_CLASSES = {"TaperNorm": "rms", "TaperLN": "ln"}
-FUSED_NORMS = {"LayerNormalization": "ln", "SkipLayerNormalization": "ln", "RMSNormalization": "rms",
-               "SimplifiedLayerNormalization": "rms", "SkipSimplifiedLayerNormalization": "rms"}
 _REDUCES = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"}
 _ROOTS = {"Sqrt", "Pow", "ReduceL2"}  # a norm divides by a root of a mean square (softmax's sum has none)
 GATE_NOT_ZERO = "gate ≠ 0: the layer still computes per-token statistics; export it at g = 0"
@@ -208,7 +206,9 @@ def _with_bias(match: NormMatch) -> NormMatch:
 
 
 def match_norm(start: ir.Node) -> NormMatch | None:
-    """The constant-scale chain that starts at `start` (with its centering and beta, if any), or None."""
+    """The constant-scale chain that starts at `start`, as the first norm kind whose pattern it fits
+    (taperfold.norms: a centering before it when the kind is `centered`, an Add of β after it when the kind
+    has a `shift`), or None."""
     if _data_index(start) is None or _continues(start):
         return None
     chain = _chain_from(start)
@@ -219,9 +219,13 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     if _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a per-channel scale
         return None
     head = _centering(x)
-    if head is None:
-        return NormMatch("rms", x, chain[-1].outputs[0], chain, scale)
-    return _with_bias(NormMatch("ln", head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True))
+    for kind in norm_kinds():
+        if kind.centered and head is None:
+            continue
+        match = NormMatch(kind.name, head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True) \
+            if kind.centered else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale)
+        return _with_bias(match) if kind.shift else match
+    return None
 
 
 # ---- real norms ------------------------------------------------------------------------------------
@@ -296,19 +300,28 @@ def normalizes(node: ir.Node) -> ir.Value | None:
     return None
 
 
-def _real_norm_at(value: ir.Value) -> tuple[str, str, ir.Node] | None:
+def _fused_kind(node: ir.Node) -> NormKind | None:
+    """The kind of a fused norm op (LayerNormalization, RMSNormalization, ORT's Simplified/Skip variants)."""
+    if node.domain not in ("", "com.microsoft"):
+        return None
+    return next((kind for kind in norm_kinds() if node.op_type in kind.fused_ops), None)
+
+
+def _real_norm_at(value: ir.Value) -> tuple[NormKind, str, ir.Node] | None:
     """(kind, form, node) when `value` is the output of a real norm's normalization, before its gain."""
     node = value.producer()
     if node is None:
         return None
-    if node.op_type in FUSED_NORMS and node.domain in ("", "com.microsoft"):
-        return FUSED_NORMS[node.op_type], node.op_type, node
+    if (kind := _fused_kind(node)) is not None:
+        return kind, node.op_type, node
     x = normalizes(node)
     if x is None:
         return None
-    if _centering_of(x):
-        return "ln", "(x−mean)/sqrt(var+ε)", node
-    return "rms", "x·rsqrt(mean(x²)+ε)", node
+    centered = _centering_of(x)
+    kind = next((k for k in norm_kinds() if k.centered == centered), None)
+    if kind is None:
+        return None
+    return kind, "(x−mean)/sqrt(var+ε)" if centered else "x·rsqrt(mean(x²)+ε)", node
 
 
 def _centering_of(x: ir.Value) -> bool:
@@ -317,38 +330,38 @@ def _centering_of(x: ir.Value) -> bool:
             and _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0]))
 
 
-def _gain_of(value: ir.Value, kind: str, chains: dict[ir.Value, NormMatch]) -> NormMatch | None:
+def _gain_of(value: ir.Value, kind: NormKind, chains: dict[ir.Value, NormMatch]) -> NormMatch | None:
     """The γ chain (and β) reading a real norm's normalized output, seen through nothing but chain steps."""
     match = chains.get(value)
     if match is None:
         return None
-    return _with_bias(match) if kind == "ln" else match
+    return _with_bias(match) if kind.shift else match
 
 
-def _fused_gain(node: ir.Node, kind: str) -> NormMatch | None:
+def _fused_gain(node: ir.Node, kind: NormKind) -> NormMatch | None:
     """A fused norm's scale (and bias) as a gain applied to its output, when they are constant vectors."""
     out = node.outputs[0]
     scale = channel_const(node.inputs[1], out) if len(node.inputs) > 1 else None
     if scale is None or scale.size == 1:
         return None
     bias = None
-    if kind == "ln" and len(node.inputs) > 2 and node.inputs[2] is not None:
+    if kind.fused_ops[node.op_type] and len(node.inputs) > 2 and node.inputs[2] is not None:
         bias = channel_const(node.inputs[2], out)
         if bias is None:
             return None
         bias = np.broadcast_to(bias, scale.shape).copy()
-    return NormMatch("rms", out, out, [], scale, bias)
+    return NormMatch(kind.name, out, out, [], scale, bias)
 
 
 # ---- module metadata -------------------------------------------------------------------------------
 
 
 def _norm_module(node: ir.Node) -> tuple[str, str] | None:
-    """(module path, class name) of the innermost normalization module around `node`:
-    TaperNorm, TaperLN, or any class named *Norm (RMSNorm, LayerNorm, LlamaRMSNorm, ...)."""
+    """(module path, class name) of the innermost normalization module around `node`: a tapered norm, or a
+    class a norm kind claims (RMSNorm, LayerNorm, LlamaRMSNorm, ...)."""
     for path, cls in reversed(scopes(node)):
         name = cls.rpartition(".")[2]
-        if name in TAPER_CLASSES or name.endswith("Norm"):
+        if kind_of_class(name) is not None:
             return path or name, name
     return None
 
@@ -388,16 +401,16 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
             continue
         kind, form, at = real
         module = _norm_module(at)
-        if module is not None and module[1] in TAPER_CLASSES:  # a tapered layer that computes statistics
+        if module is not None and tapered_kind_of_class(module[1]):  # a tapered layer that computes statistics
             real_nodes.add(at)
             continue  # reported from its metadata below
-        fused = at if at.op_type in FUSED_NORMS else None
+        fused = at if _fused_kind(at) is not None else None
         gain = _fused_gain(at, kind) if fused else _gain_of(at.outputs[0], kind, by_input)
         if gain is not None and not fused:
             gains.add(by_input[at.outputs[0]])
         name = norm_name([at, *(gain.nodes if gain else [])])
         real_nodes.add(at)
-        found.append((position[at], RealNorm(name, kind, form, gain, fused)))
+        found.append((position[at], RealNorm(name, kind.name, form, gain, fused)))
 
     # Real norms and tapered layers at g ≠ 0 by metadata: a norm module with nodes outside every matched chain
     # computes per-token statistics, and a chain inside it is just its γ.
@@ -412,11 +425,10 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
     for path, (cls, nodes) in with_stats.items():
         if path in named:
             continue
-        if cls in TAPER_CLASSES:
-            found.append((position[nodes[0]], GateNotZero(path, TAPER_CLASSES[cls])))
+        if (tapered := tapered_kind_of_class(cls)) is not None:
+            found.append((position[nodes[0]], GateNotZero(path, tapered.name)))
         else:
-            kind = "ln" if "Layer" in cls else "rms"
-            found.append((position[nodes[0]], RealNorm(path, kind, cls, None)))
+            found.append((position[nodes[0]], RealNorm(path, kind_of_class(cls).name, cls, None)))
 
     for m in matches:
         if m in gains or stats_nodes.intersection(m.nodes) or real_nodes.intersection(m.nodes):

@@ -15,7 +15,7 @@ import onnx_ir as ir
 from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, describe, folded_source, is_fixed, remove_if_dead
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
-from taperfold.passes.readers import Blocked
+from taperfold.passes.readers import Blocked, readers_of
 from taperfold.passes.report import NormStatus
 
 
@@ -50,7 +50,7 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
 class FoldIntoEmbeddingPass(AfterConstantsPass):
     """For every candidate norm whose input is an embedding lookup, rewrite the table's rows.
 
-    Requires: constants folded (FoldConstantsPass).
+    Requires: constants folded (FoldConstantsPass). Ensures: nothing reads a folded norm's output.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -60,10 +60,12 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             if (gather := _lookup(match)) is None:
                 continue
             entry = self.report.entry(candidate.name, candidate.kind)
+            readers_blocked = _why_readers_cannot(match)
             try:
                 table = _table(gather, match)
             except Blocked as why:
-                entry.reason = f"{entry.reason}; not into the embedding: {why}" if entry.reason else str(why)
+                entry.status = NormStatus.KEPT
+                entry.reason = f"{readers_blocked}; not into the embedding: {why}" if readers_blocked else str(why)
                 continue
             original = table.const_value
 
@@ -81,9 +83,19 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             table.const_value = tensor
             match.output.replace_all_uses_with(folded_source(match))
             remove_if_dead(model.graph, match.nodes)
-            blocked_readers = f" (its readers could not: {entry.reason})" if entry.reason else ""
+            self.rewritten.append((candidate.name, match.output))
             entry.status, entry.into = NormStatus.FOLDED, "embedding"
-            entry.reason = f"folded into embedding table '{table.name}'{blocked_readers}"
+            entry.reason = f"folded into embedding table '{table.name}'" + (
+                f" (its readers could not: {readers_blocked})" if readers_blocked else "")
             entry.bytes_rewritten += tensor.nbytes
             modified = True
         return ir.passes.PassResult(model, modified)
+
+
+def _why_readers_cannot(match: NormMatch) -> str:
+    """Why the norm's readers cannot take the fold (FoldIntoReadersPass kept it), or "" when they could."""
+    try:
+        readers_of(match.output, match)
+    except Blocked as why:
+        return str(why)
+    return ""

@@ -20,6 +20,7 @@ class FoldIntoReadersPass(AfterConstantsPass):
     readers, channel-keeping reshapes in front of those); keep the rest, with the first blocker as reason.
 
     Requires: constants folded (FoldConstantsPass), else a norm whose scale is computed at run time is missed.
+    Ensures: nothing reads a folded norm's output; its readers read its input, their weights rewritten.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -35,6 +36,7 @@ class FoldIntoReadersPass(AfterConstantsPass):
                 continue
             effects = move_into_readers(model.graph, match, readers)
             remove_if_dead(model.graph, match.nodes)
+            self.rewritten.append((candidate.name, match.output))
             entry.status, entry.into, entry.reason = NormStatus.FOLDED, "consumers", ""
             entry.bytes_rewritten += effects.bytes_rewritten
             entry.copied += effects.copied

@@ -36,6 +36,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from taperfold.passes._graph import add_initializer, cast_to, const_array, reduces_last_axis_only, sole_use
 
 _FLOAT = ir.DataType.FLOAT
+RMS_NORMALIZATION_OPSET = 23  # ONNX's RMSNormalization op exists from this opset on
 
 
 @dataclass(eq=False)
@@ -140,7 +141,7 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        op = "RMSNormalization" if _opset(model) >= 23 else "SimplifiedLayerNormalization"
+        op = "RMSNormalization" if _opset(model) >= RMS_NORMALIZATION_OPSET else "SimplifiedLayerNormalization"
         self.fused = 0
         for node in list(graph):
             if node.graph is None:  # removed with an earlier match
@@ -231,3 +232,8 @@ def expand_rms_norms(model: ir.Model) -> int:
     expand = ExpandRMSNormalizationPass()
     expand(model)
     return expand.expanded
+
+
+def count_rms_norms(model: ir.Model) -> int:
+    """The decomposed RMSNorms of `model` that `fuse_rms_norms` would fuse."""
+    return sum(match_rms_norm(node) is not None for node in model.graph)

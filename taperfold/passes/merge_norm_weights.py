@@ -28,7 +28,11 @@ def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
 
 
 class MergeNormWeightsPass(AfterConstantsPass):
-    """For every real norm with a constant gain whose readers all take it, move the gain into the readers."""
+    """For every real norm with a constant gain whose readers all take it, move the gain into the readers.
+
+    Requires: constants folded. Ensures: nothing reads a merged gain chain's output (a fused norm keeps its
+    output, with a neutral scale and bias); the normalization stays.
+    """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -47,6 +51,8 @@ class MergeNormWeightsPass(AfterConstantsPass):
             if norm.fused is not None:
                 _neutral_gain(model.graph, norm)
             remove_if_dead(model.graph, norm.gain.nodes)
+            if norm.fused is None:  # a fused norm's output stays read, its gain now neutral
+                self.rewritten.append((norm.name, norm.gain.output))
             entry.status, entry.into = NormStatus.WEIGHTS_MERGED, "consumers"
             entry.reason = f"real norm ({norm.form}) kept; its gain moved into {len(readers)} reader(s)"
             entry.bytes_rewritten += effects.bytes_rewritten

@@ -10,13 +10,14 @@ import onnx_ir as ir
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.fsutil import atomic_path
+from taperfold.onnx_files import check_onnx_file, initializers
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
-    """Load lazily (external weights stay on disk, memory-mapped when read); check the data files exist."""
+    """Load lazily (external weights stay on disk, memory-mapped when read), after checking the file and its
+    external data (taperfold.onnx_files)."""
     path = Path(path)
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: no such file")
+    check_onnx_file(path)
     try:
         model = ir.load(path)
     except Exception as e:  # protobuf's DecodeError and onnx's parse errors all mean the same here
@@ -25,34 +26,13 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise TaperfoldError(f"{path}: not an ONNX model (no IR version)")
     if not len(model.graph) and not model.graph.outputs:  # a few stray bytes parse as a ModelProto too
         raise TaperfoldError(f"{path}: not an ONNX model (no graph: no nodes and no outputs)")
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if not isinstance(tensor, ir.ExternalTensor):
-                continue
-            data, where = Path(tensor.path), f"external data file '{tensor.location}' (initializer '{value.name}')"
-            location = Path(tensor.location)
-            if location.is_absolute() or ".." in location.parts:
-                raise TaperfoldError(f"{path}: {where} points outside the model's directory; refusing to read it")
-            if not data.is_file():
-                raise TaperfoldError(f"{path}: {where} is missing")
-            if (tensor.offset or 0) + (tensor.length or 0) > data.stat().st_size:
-                raise TaperfoldError(f"{path}: {where} is too short")
     return model
-
-
-def _initializers(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            for subgraph in [attr.g] if attr.HasField("g") else attr.graphs:
-                yield from _initializers(subgraph)
 
 
 def _point_external_data_at(path: Path, location: str) -> None:
     """The model was saved under a temporary name: make its tensors name the final data file."""
     proto = onnx.load(path, load_external_data=False)
-    for tensor in _initializers(proto.graph):
+    for tensor in initializers(proto.graph):
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = location

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from taperfold.engines import OPTIMIZATION_LEVELS
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import PAST
 from taperfold.onnx_files import check_onnx_file
 from taperfold.runners.base import InputSpec, Runner
 
-OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 DEVICES = ("cpu", "cuda")
 
 
@@ -313,3 +313,19 @@ def _shape_of(value) -> tuple:
 
 def _type_of(value) -> str:
     return value.data_type() if callable(getattr(value, "data_type", None)) else str(value.dtype)
+
+
+# ---- the engine (taperfold.engines' "ort" row) ---------------------------------------------------------------
+
+
+def open_runner(path, *, device, threads, decoder, logits, name, shapes=None, optimization="all",
+                cuda_graph=False) -> OrtRunner:
+    return OrtRunner(path, device=device, threads=threads, optimization=optimization, cuda_graph=cuda_graph)
+
+
+def unavailable(device: str) -> str | None:
+    return None  # the CUDA provider's absence is found when a session opens, with the file named
+
+
+def files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
+    return {v: manifest.artifact(v, decoder=decoder) for v in variants}

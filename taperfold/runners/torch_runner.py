@@ -34,7 +34,7 @@ import torch
 from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
 from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names
-from taperfold.models import CausalLM
+from taperfold.taper import TaperedLM
 from taperfold.runners.base import InputSpec, Runner
 
 
@@ -81,7 +81,7 @@ class TorchRunner(Runner):
 
     name = "torch"
 
-    def __init__(self, model: CausalLM, device: str = "cpu", compile: bool = False, decoder: bool = False,
+    def __init__(self, model: TaperedLM, device: str = "cpu", compile: bool = False, decoder: bool = False,
                  logits: str = "last", name: str = "torch model", compile_mode: str = "default",
                  cuda_graph: bool = False, shapes: int | None = None):
         super().__init__(name, device)
@@ -251,3 +251,18 @@ class TorchRunner(Runner):
         self.model.to("cpu")
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+# ---- the engine (taperfold.engines' "torch" row) -------------------------------------------------------------
+
+
+def open_runner(model, *, device, threads, decoder, logits, name, shapes=None, compile=False,
+                compile_mode="default", cuda_graph=False) -> TorchRunner:
+    return TorchRunner(model, device=device, compile=compile, compile_mode=compile_mode, cuda_graph=cuda_graph,
+                       shapes=shapes, decoder=decoder, logits=logits, name=name or "torch model")
+
+
+def unavailable(device: str) -> str | None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA device on this machine"
+    return None

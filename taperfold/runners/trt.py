@@ -169,3 +169,33 @@ class TrtRunner(Runner):
     def _check(self, ok, call: str) -> None:
         if ok is False:  # the bindings return False, not raise, when TensorRT rejects a call
             raise self.error(f"TensorRT {call} failed (its log above says why)")
+
+
+# ---- the engine (taperfold.engines' "trt" row) ---------------------------------------------------------------
+
+
+def open_runner(path, *, device, threads, decoder, logits, name, shapes=None, cuda_graph=False) -> TrtRunner:
+    return TrtRunner(path, device=device, cuda_graph=cuda_graph)
+
+
+def unavailable(device: str) -> str | None:
+    from taperfold.trt_build import require_tensorrt
+
+    try:
+        require_tensorrt()
+    except TaperfoldError as e:
+        return str(e)
+    return None
+
+
+def files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
+    """Engines of `variants`, built from their ONNX graphs when missing or stale."""
+    from taperfold.exportdir import VARIANTS_BY_NAME
+    from taperfold.trt_build import ensure_engines
+
+    for variant in variants:
+        if not VARIANTS_BY_NAME[variant].exported:
+            raise TaperfoldError(f"--engine trt builds no engine for the reference variant {variant!r}")
+    for variant in variants:  # the engines are built from these: name a missing one
+        manifest.artifact(variant)
+    return ensure_engines(manifest.directory, variants)

@@ -83,3 +83,10 @@ def rms_real(gain: bool = True) -> list:
 
 RMS_CONSTS = {"two": np.array(2.0, np.float32), "axes": np.array([-1]), "eps": np.array(1e-6, np.float32),
               "one": np.array(1.0, np.float32)}
+
+
+def real_rms_model():
+    """A real RMSNorm read by two projections."""
+    return build([*rms_real(), n("MatMul", ["h", "Wq"], ["q"]), n("MatMul", ["h", "Wk"], ["k"]),
+                  n("Add", ["q", "k"], ["y"])],
+                 [X], [("y", F32, [2, 3, N])], {**RMS_CONSTS, "g": rand(D), "Wq": rand(D, N), "Wk": rand(D, N)})

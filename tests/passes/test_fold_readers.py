@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _graphs import D, F16, F32, I64, N, V, X, build, mul_matmul, n, ops, rand, rel_err, rng, run, x3
+from _graphs import D, F16, F32, I64, N, V, X, build, mul_matmul, n, ops, rand, real_rms_model, rel_err, rng, run, x3
 
 from taperfold.passes import FoldIntoReadersPass, FoldReport, NormStatus
 
@@ -257,3 +257,12 @@ def test_slice_of_positions_keeps_rows_but_a_slice_of_channels_blocks(axis):
     report, *_ = fold_checked(model, x3())
     expected = NormStatus.FOLDED if axis == 1 else NormStatus.KEPT
     assert report.norms[0].status == expected, report.norms[0].reason
+
+
+def test_fold_passes_leave_a_real_norm_bit_identical():
+    model = real_rms_model()
+    before = run(model, x3_fixed := x3())
+    report = FoldReport()
+    FoldIntoReadersPass(report)(model)
+    assert report.norms == []
+    np.testing.assert_array_equal(before[0], run(model, x3_fixed)[0])

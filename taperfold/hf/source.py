@@ -1,4 +1,5 @@
-"""The tapered Hugging Face directory: what `save_pretrained` writes, plus a `taperfold` block in config.json.
+"""The Hugging Face directory as a model source: what `save_pretrained` writes, plus a `taperfold` block in
+config.json when the model is tapered.
 
     DIR/config.json                      transformers' config + "taperfold": {format_version, gate, taper,
                                          step, schedule, aux, calibration}
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from taperfold.checkpoint import read_safetensors
 from taperfold.errors import TaperfoldError
+from taperfold.families import Family, family_for
 from taperfold.fsutil import atomic_dir, read_json_object
-from taperfold.hf.families import Family, family_for
 from taperfold.hf.model import HFCausalLM, HFModelInfo
-from taperfold.hf.taper import TAPERS, taper_model, tapering_of
+from taperfold.hf.taper import taper_model, tapering_of
+from taperfold.sources.base import ModelSource, read_safetensors
+from taperfold.taper import TAPERS
 
 BLOCK = "taperfold"
 BLOCK_VERSION = 1
@@ -202,8 +204,8 @@ def _taper(model, block: "TaperBlock | None", where: str):
 
 
 @dataclass
-class HFCheckpoint:
-    """A save_pretrained directory, validated; taperfold's tools use it as they use a `Checkpoint`."""
+class HFCheckpoint(ModelSource):
+    """A save_pretrained directory, validated: a model source (taperfold.sources) run by transformers' own code."""
 
     path: Path
     config: HFModelInfo
@@ -212,10 +214,7 @@ class HFCheckpoint:
     block: TaperBlock | None
     state_dict: dict[str, torch.Tensor]
     meta: dict = field(default_factory=dict)
-
-    @property
-    def tapered(self) -> bool:
-        return self.block is not None
+    untapered: dict[str, str] = field(default_factory=dict)  # norm-like modules the tapering leaves alone, and why
 
     @property
     def gate(self) -> float:
@@ -224,6 +223,14 @@ class HFCheckpoint:
     @property
     def step(self) -> int:
         return self.block.step if self.block else 0
+
+    @property
+    def arch(self) -> str:
+        return f"{self.config.arch} (transformers)"
+
+    @property
+    def plain_norm_reason(self) -> str:
+        return f"plain model: no '{BLOCK}' block in config.json"
 
     def hf_model(self, tapered: bool = True, gate: float | None = None):
         """The transformers model with the directory's weights (its original norms when not `tapered`)."""
@@ -238,15 +245,18 @@ class HFCheckpoint:
             tapering.set_gate(gate)
         return model.eval()
 
-    def build(self, gate: float | None = None) -> HFCausalLM:
+    def build(self, gate: float | None = None, reference: bool = True) -> HFCausalLM:
         """The model as taperfold's tools use it (its plain forward is transformers' own), at `gate`."""
-        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family, checkpoint=self).eval()
+        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family, reference).eval()
 
-    def build_baseline(self) -> HFCausalLM:
+    def build_baseline(self, reference: bool = True) -> HFCausalLM:
         """The same directory with its original norms (γ, β kept): the benchmark's baseline."""
         info = HFModelInfo(**{**self.config.to_dict(), "taper": "none", "aux": False})
-        return HFCausalLM(self.hf_model(tapered=False), info, self.family, checkpoint=self).eval()
+        return HFCausalLM(self.hf_model(tapered=False), info, self.family, reference).eval()
 
+    def manifest_block(self) -> dict:
+        return {"source": {"format": "huggingface", "family": self.family.name, "model_type": self.config.arch,
+                           "taper": self.config.taper, "untapered": self.untapered}}
 
 def load_hf_directory(path: str | Path) -> HFCheckpoint:
     """Read and validate a save_pretrained directory (tapered or plain); `TaperfoldError` on any problem."""
@@ -270,13 +280,14 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     tensors, origin = read_weights(path)
     with torch.device("meta"):  # shapes only: no memory, no init
         expected_model = _new_model(hf_config)
-        _taper(expected_model, block, str(config_file))
+        tapering = _taper(expected_model, block, str(config_file))
     tensors, origin = _renamed(expected_model, tensors, origin)
     _check_state(path, tensors, origin, expected_model, block is not None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
     info = HFModelInfo.from_config(hf_config, family, block.taper if block else "none",
                                    bool(block and block.aux is not None), tokenizer)
-    return HFCheckpoint(path, info, config, family, block, tensors, {"schedule": block.schedule if block else None})
+    return HFCheckpoint(path, info, config, family, block, tensors, {"schedule": block.schedule if block else None},
+                        untapered=tapering.untapered if tapering else {})
 
 
 def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict]:

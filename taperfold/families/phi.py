@@ -1,11 +1,11 @@
 """Phi-1/1.5/2: one LayerNorm per layer read by attention (q, k, v) and the MLP (fc1) in parallel."""
 
-from taperfold.hf.families import Family, register
+from taperfold.families import Family
 
 _QK = ("per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds RoPE and the attention "
        "scores, not a linear layer; never tapered")
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="phi",
     model_types=("phi",),
     norm="ln",
@@ -14,4 +14,4 @@ FAMILY = register(Family(
     final="model.final_layernorm",
     parallel=True,
     untapered={"q_layernorm": _QK, "k_layernorm": _QK},
-))
+)

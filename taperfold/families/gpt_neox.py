@@ -1,9 +1,9 @@
 """GPT-NeoX (Pythia): two LayerNorms per layer; with use_parallel_residual (the default) attention and
 the MLP both read the layer's input, each through its own norm."""
 
-from taperfold.hf.families import Family, register
+from taperfold.families import Family
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="gpt_neox",
     model_types=("gpt_neox",),
     norm="ln",
@@ -12,4 +12,4 @@ FAMILY = register(Family(
               "post_attention_layernorm": ("mlp.dense_h_to_4h",)},
     final="gpt_neox.final_layer_norm",
     parallel=True,
-))
+)

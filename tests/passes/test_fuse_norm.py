@@ -141,7 +141,7 @@ def exported_baseline():
     import torch
 
     from taperfold.export import ExportOptions, export_to_ir
-    from taperfold.variants import baseline_of, random_gate0_model
+    from taperfold.models import baseline_of, random_gate0_model
 
     model = baseline_of(random_gate0_model("tiny", "llama", n_layers=2, max_seq_len=32))
     with torch.no_grad():  # random norm weights, so a fused op that dropped them would show

@@ -1,7 +1,7 @@
 """OPT: LayerNorm before attention (self_attn_layer_norm) and before the MLP (the layer's
 final_layer_norm, read by fc1), a final norm, and an lm_head tied to the embedding."""
 
-from taperfold.hf.families import Family, register
+from taperfold.families import Family
 
 
 def _check(config):
@@ -14,7 +14,7 @@ def _check(config):
     return None
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="opt",
     model_types=("opt",),
     norm="ln",
@@ -23,4 +23,4 @@ FAMILY = register(Family(
               "final_layer_norm": ("fc1",)},
     final="model.decoder.final_layer_norm",
     check=_check,
-))
+)

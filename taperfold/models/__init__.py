@@ -1,0 +1,62 @@
+"""taperfold's own models: Llama and GPT-2 as readable PyTorch (one module each), their config and presets.
+
+    build_model(preset_config("tiny", arch="llama"))     # plain norms, then tapered as cfg.taper says
+
+Their norms and the layers that read them are described by the transformers families of the same names
+(taperfold.families), so one tapering, one fold and one export serve them and transformers' models alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from taperfold.families import family_for
+from taperfold.models.base import CausalLM, num_parameters
+from taperfold.models.config import TAPERS, ModelConfig, implied_parameters, preset_config, validate_config
+from taperfold.models.gpt2 import GPT2LMHeadModel
+from taperfold.models.llama import LlamaForCausalLM
+from taperfold.presets import ARCHS, PRESETS
+from taperfold.taper import taper_model
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}  # one per ARCHS entry
+
+__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "baseline_of", "build_model", "implied_parameters",
+           "num_parameters", "preset_config", "random_gate0_model", "validate_config"]
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """The model `cfg` describes, tapered as `cfg.taper` says (at gate 1, before any calibration)."""
+    model = MODEL_CLASSES[cfg.arch](cfg)
+    if cfg.taper != "none":
+        tapering = taper_model(model, family_for(cfg.arch, "config"), cfg.taper, aux=cfg.aux,
+                               aux_weight=cfg.aux_weight, momentum=cfg.ema_momentum, delta=cfg.calib_delta)
+        if tapering.scale_loss is not None:
+            model.scale_loss = tapering.scale_loss  # a submodule: its frozen target is saved with the checkpoint
+    return model
+
+
+def baseline_of(model: CausalLM) -> CausalLM:
+    """The same architecture and weights with plain norms where the model tapers (γ, β kept): the baseline."""
+    cfg = replace(model.cfg, taper="none", aux=False)
+    base = build_model(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k in base.state_dict()}
+    base.load_state_dict(state, strict=True)
+    return base.to(next(model.parameters()).dtype)
+
+
+@torch.no_grad()
+def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overrides) -> CausalLM:
+    """A preset (with config `overrides`) at g = 0 with random weights, and random c and γ̃ in every tapered
+    norm (never all ones: graph tools delete a multiply by ones, which would make the unfolded graph look
+    like the folded one)."""
+    torch.manual_seed(seed)
+    model = build_model(preset_config(preset, arch=arch, **overrides))
+    for norm in model.tapered_norms().values():
+        norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+        norm.weight_tilde.copy_(1 + 0.1 * torch.randn_like(norm.weight_tilde))
+        norm.c.fill_(float(torch.empty(()).uniform_(0.5, 2.0)))
+        norm.calibrated.fill_(True)
+    model.set_gate(0.0)
+    return model.eval()

@@ -1,0 +1,114 @@
+"""What taperfold's own models share: norms, attention, RoPE and the CausalLM base.
+
+The architectures (Llama, GPT-2) are one module each beside this one; their parameter and module names
+follow Hugging Face's, so Hugging Face checkpoints map onto them one to one and the transformers family
+descriptions (taperfold.families) describe them too. A model is built with plain norms and tapered by
+taperfold.taper, which adds `weight_tilde` (γ̃), `c` and its calibration EMAs next to each norm's `weight` (γ).
+
+Forward: `model(input_ids, logits="last" | "all", past_key_values=None, use_cache=False)`.
+"last" materialises only the final position's logits (the paper's benchmark mode); the slice is taken
+before the final norm so that a tapered final norm still feeds the lm_head directly and can fold into it.
+With `use_cache=True` it returns `(logits, present)`, present a tuple of (key, value) per layer shaped
+`[batch, kv_heads, past + seq, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from taperfold.models.config import ModelConfig
+from taperfold.norms import norm_kind
+from taperfold.taper import TaperedLM
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """A plain norm of the family's kind (nn.RMSNorm, nn.LayerNorm); `build_model` tapers the model afterwards."""
+    return norm_kind(cfg.norm_kind).plain(cfg.d_model, cfg.norm_eps)
+
+
+def attend(q, k, v, past, use_cache: bool):
+    """Causal attention over [batch, heads, seq, head_dim]; prepends the cache when given."""
+    if past is not None:
+        k = torch.cat([past[0], k], dim=2)
+        v = torch.cat([past[1], v], dim=2)
+    present = (k, v) if use_cache else None
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if past is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        # Query i sits at absolute position past_len + i and sees keys 0 .. past_len + i.
+        q_len, k_len = q.shape[2], k.shape[2]
+        q_pos = torch.arange(q_len, device=q.device) + (k_len - q_len)
+        mask = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out, present
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalLM(TaperedLM, nn.Module):
+    """What both architectures share: logits, the losses, and the taper's state (`tapering`, set by build_model)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    @property
+    def network(self) -> nn.Module:
+        return self
+
+    def copy(self) -> "CausalLM":
+        return copy.deepcopy(self)
+
+    def _logits(self, h, logits: str):
+        if logits == "last":
+            h = h[:, -1, :]
+        elif logits != "all":
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        return self.lm_head(self.final_norm(h))
+
+    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False):
+        h, present = self.body(input_ids, past_key_values, use_cache)
+        out = self._logits(h, logits)
+        return (out, present) if use_cache else out
+
+    def loss(self, input_ids, targets, mask=None):
+        """Cross-entropy on next-token targets plus the scale anchoring loss on the pre-logit stream."""
+        h, _ = self.body(input_ids, None, False)
+        logits = self.lm_head(self.final_norm(h))
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
+        ce = ce[keep.flatten()].mean()
+        scale_loss = self.tapering.scale_loss if self.tapering is not None else None
+        aux = scale_loss(h, keep, track=self.training and self.gate.calibrating) \
+            if scale_loss is not None else ce.new_zeros(())
+        return ce, aux
+
+
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's initialisation (normal, std 0.02; zero biases), which both families use."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights are counted once

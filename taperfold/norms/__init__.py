@@ -1,0 +1,135 @@
+"""Norm kinds, one module each: what a kind of normalization is in torch, what it becomes at g = 0, and
+how it shows in an exported graph. Everything else asks this registry instead of naming a kind.
+
+    rms   RMSNorm: h / r(h) · diag(γ)                 tapered by TaperNorm (eq. 3)   g = 0: h · diag(s)
+    ln    LayerNorm: (h − μ_h) / σ_h · diag(γ) + β     tapered by TaperLN (eq. 6)     g = 0: (h − μ_h) · diag(s) + β
+
+with s = c·γ̃ (c·(1 + γ̃) for Gemma's gain offset). A kind gives:
+- torch: the tapered module, torch's fused module (the benchmark baseline's norm), the same norm written
+  as element-wise ops (the `baseline-decomposed` variant), and the class names its modules have in any
+  model (LlamaRMSNorm, OlmoLayerNorm, ...);
+- its g = 0 map (`constant_map`): what a fold moves into the linear layers that read the norm;
+- its ONNX pattern, which taperfold.passes.detect reads: at g = 0, [ReduceMean → Sub when `centered`] →
+  Muls by constants (c, γ̃) → [Add β when `shift`]; a real norm of the kind divides by a root-mean
+  statistic of its (centred) input, or is one of its `fused_ops`.
+
+Adding a kind is one module here plus its name in `_MODULES`; docs/extending.md walks through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ConstantMap:
+    """A norm at g = 0, as a fold needs it: y = (h − mean(h) if `centered` else h) · diag(scale) + bias."""
+
+    scale: torch.Tensor  # float64 [d]
+    bias: torch.Tensor | None  # float64 [d], or None
+    centered: bool
+
+
+@dataclass(frozen=True)
+class NormKind:
+    name: str  # how reports, manifests and families spell it
+    title: str
+    tapered: type  # the tapered torch module: (dim, gate, eps, momentum, delta[, gain_offset])
+    plain: type  # torch's fused norm: (dim, eps)
+    hand_written: type  # the plain norm as element-wise ops: (plain module)
+    class_names: Callable[[str], bool]  # whether a norm class of any model (by name) is of this kind
+    centered: bool  # subtracts the mean first: a fold absorbs it as (I − 11ᵀ/d); s(h) of eq. 5 is σ_h, not r(h)
+    shift: bool  # adds a bias β after the gain
+    fused_ops: dict[str, bool] = field(default_factory=dict)  # ONNX op type -> whether input 2 is a bias
+    gain_offset_allowed: bool = False  # the tapered module can compute x·(offset + γ) (Gemma)
+
+    def new_tapered(self, dim: int, gate, eps: float, momentum: float, delta: float,
+                    gain_offset: float = 0.0) -> nn.Module:
+        if gain_offset and not self.gain_offset_allowed:
+            raise ValueError(f"a {self.title} has no gain offset (got {gain_offset:g})")
+        extra = {"gain_offset": gain_offset} if self.gain_offset_allowed else {}
+        return self.tapered(dim, gate, eps, momentum, delta, **extra)
+
+    def taper(self, norm: nn.Module, gate, eps: float, momentum: float, delta: float,
+              gain_offset: float = 0.0) -> nn.Module:
+        """A tapered copy of a model's norm module, with its γ (and β) and on its device and dtype."""
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            raise ValueError(f"{type(norm).__name__}: a norm without a per-feature weight cannot be tapered")
+        new = self.new_tapered(weight.shape[0], gate, eps, momentum, delta, gain_offset)
+        new = new.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(weight)
+            new.weight_tilde.copy_(weight)
+            bias = getattr(norm, "bias", None)
+            if self.shift and isinstance(bias, torch.Tensor):
+                new.bias.copy_(bias)
+        return new
+
+    def constant_map(self, norm: nn.Module) -> ConstantMap:
+        """The map a tapered norm computes at g = 0, in float64: what a fold moves into its readers."""
+        scale = norm.c.double() * norm.gain(norm.weight_tilde.double())
+        bias = norm.bias.double() if self.shift else None
+        return ConstantMap(scale, bias, self.centered)
+
+
+# The kinds taperfold ships, one module each. Order matters to detect: a kind whose ONNX pattern extends
+# another's (LayerNorm: a centering, then an RMS-like chain) comes first.
+_MODULES = ("ln", "rms")
+_KINDS: dict[str, NormKind] = {}
+
+
+def _load_shipped() -> None:
+    if not _KINDS:
+        for name in _MODULES:
+            kind = importlib.import_module(f"{__name__}.{name}").KIND
+            _KINDS[kind.name] = kind
+
+
+def register(kind: NormKind) -> NormKind:
+    """Make `kind` known (after the shipped kinds; a kind of the same name is replaced)."""
+    _load_shipped()
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def norm_kinds() -> list[NormKind]:
+    """Every kind, in the order detect tries their patterns."""
+    _load_shipped()
+    return list(_KINDS.values())
+
+
+def norm_kind(name: str) -> NormKind:
+    kinds = {k.name: k for k in norm_kinds()}
+    if name not in kinds:
+        raise ValueError(f"norm kind must be one of {', '.join(kinds)}, got {name!r}")
+    return kinds[name]
+
+
+def tapered_kind(module: nn.Module) -> NormKind | None:
+    """The kind of a tapered norm module, or None when `module` is not one."""
+    return next((k for k in norm_kinds() if isinstance(module, k.tapered)), None)
+
+
+def plain_kind(module: nn.Module) -> NormKind | None:
+    """The kind of torch's fused norm module (nn.RMSNorm, nn.LayerNorm), or None."""
+    return next((k for k in norm_kinds() if type(module) is k.plain), None)
+
+
+def tapered_kind_of_class(name: str) -> NormKind | None:
+    """The kind whose tapered module class is called `name` (TaperNorm, TaperLN), or None."""
+    return next((k for k in norm_kinds() if k.tapered.__name__ == name), None)
+
+
+def kind_of_class(name: str) -> NormKind | None:
+    """The kind of a norm module class of any model, by its name (LlamaRMSNorm, LayerNorm, TaperLN, ...)."""
+    return next((k for k in norm_kinds() if k.tapered.__name__ == name or k.class_names(name)), None)
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    return kind_of_class(type(module).__name__) is not None

@@ -1,0 +1,90 @@
+"""What every model source is (`ModelSource`) and how a kind of source registers (`SourceKind`)."""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from taperfold.errors import TaperfoldError
+from taperfold.families import Family
+from taperfold.fsutil import sha256_file
+from taperfold.taper import TaperedLM
+
+
+class ModelSource(abc.ABC):
+    """One model, validated, its weights in memory. `config` gives its shape as every tool reads it
+    (arch, vocab_size, d_model, n_layers, n_heads, kv_heads, head_dim, max_seq_len, taper, norm_kind,
+    tie_embeddings, aux, tokenizer; `to_dict()` for manifests and reports)."""
+
+    path: Path | None
+    config: object
+    family: Family
+    gate: float  # the gate the weights were saved at (1 for a plain model)
+    step: int
+    meta: dict  # what training recorded: val_loss, schedule, ...
+
+    @property
+    def tapered(self) -> bool:
+        return self.config.taper != "none"
+
+    @property
+    @abc.abstractmethod
+    def arch(self) -> str:
+        """The architecture as `taperfold inspect` names it."""
+
+    @property
+    @abc.abstractmethod
+    def plain_norm_reason(self) -> str:
+        """Why a plain (untapered) model's norms do not fold."""
+
+    @abc.abstractmethod
+    def build(self, gate: float | None = None, reference: bool = True) -> TaperedLM:
+        """The model in eval mode at the stored gate (or `gate`). `reference`: the forward verify holds exports
+        to; else the forward the exported graphs compute (the same numbers, see taperfold.hf.model)."""
+
+    @abc.abstractmethod
+    def build_baseline(self, reference: bool = True) -> TaperedLM:
+        """The same weights with the model's own untapered norms (γ, β kept): what the paper compares with."""
+
+    def manifest_block(self) -> dict:
+        """Top-level keys a source adds to an export's manifest.json."""
+        return {}
+
+    def digest(self) -> str:
+        return checkpoint_digest(self.path)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or one line naming the file."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise TaperfoldError(f"{path}: not a readable safetensors file: truncated or corrupt ({e})") from None
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 of a checkpoint file; for a directory, of its files in name order."""
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    name: str
+    claims: Callable[[Path], bool]  # is this path one of mine (reads a header at most)
+    open: Callable[[Path], ModelSource]
+    wrote_config: Callable[[dict], bool]  # is this manifest `config` one a source of mine wrote
+    config_from_dict: Callable[[dict], object]
+    # (path, TrainOptions, data files, taper, aux, on_step) -> a result with .save(out): `taperfold train --from`
+    fine_tune: Callable | None = None

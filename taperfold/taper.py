@@ -1,0 +1,158 @@
+"""Taper a model in place: the norms its family names become tapered norms sharing one gate.
+
+Works on any module tree a family describes (taperfold.families): taperfold's own models (built with
+plain norms, then tapered here) and transformers' models alike. Module paths and γ (β) are kept, so a
+state dict keeps its names and gains `weight_tilde`, `c` and the calibration buffers next to each tapered
+norm's `weight`. The result is attached to the tree as `tapering`: which norms were tapered, which modules
+read each (what a fold rewrites), which norm-like modules were left alone and why, the gate, and the
+scale-anchoring loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from taperfold.errors import TaperfoldError
+from taperfold.families import Family
+from taperfold.nn import GateSchedule, ScaleAnchorLoss, TaperGate
+from taperfold.norms import NormKind, is_norm_module, norm_kind, tapered_kind
+
+TAPERS = ("internal", "all")  # internal: every norm but the final one (the paper's default); all: that one too
+FINAL_KEPT = "the final norm (kept as the scale anchor; taper='all' tapers it)"
+
+
+@dataclass
+class Tapering:
+    """What `taper_model` did to a model, attached to it as `model.tapering`."""
+
+    family: Family
+    taper: str
+    gate: TaperGate
+    norms: dict[str, nn.Module]  # module path -> tapered norm
+    readers: dict[str, list[str]]  # module path -> reader module paths (what a fold rewrites)
+    untapered: dict[str, str] = field(default_factory=dict)  # module path -> why it is left alone
+    scale_loss: ScaleAnchorLoss | None = None
+
+    @property
+    def kind(self) -> NormKind:
+        return norm_kind(self.family.norm)
+
+    def set_gate(self, value: float, calibrating: bool = False) -> None:
+        self.gate.value, self.gate.calibrating = float(value), calibrating
+
+    def start_taper(self) -> dict[str, float]:
+        """Taper start: every tapered norm freezes c ← c* and copies γ → γ̃; the scale target is frozen."""
+        cs = {name: norm.calibrate() for name, norm in self.norms.items()}
+        if self.scale_loss is not None:
+            self.scale_loss.freeze()
+        return cs
+
+    @property
+    def calibrated(self) -> bool:
+        return all(bool(norm.calibrated) for norm in self.norms.values())
+
+
+class GateDriver:
+    """Drives a tapering's gate along a schedule from any training loop: `step(k)` before step k's forward
+    (gate 1 and calibrating through warm-up; at taper start c and the scale target freeze), `finish(steps)`
+    after the last step (the gate is exactly 0 once the schedule has ended)."""
+
+    def __init__(self, tapering: Tapering, schedule: GateSchedule):
+        self.tapering, self.schedule = tapering, schedule
+        self.started = tapering.calibrated
+
+    def step(self, step: int) -> float:
+        if step >= self.schedule.taper_start and not self.started:
+            self.tapering.start_taper()
+            self.started = True
+        gate = self.schedule(step)
+        self.tapering.set_gate(gate, calibrating=step < self.schedule.taper_start)
+        return gate
+
+    def finish(self, steps: int) -> float:
+        gate = self.schedule(steps)
+        self.tapering.set_gate(gate)
+        return gate
+
+
+class TaperedLM:
+    """The taper's side of every model taperfold runs (taperfold.models.CausalLM, taperfold.hf.model.HFCausalLM).
+
+    Such a model also has `cfg` (its shape: vocab_size, n_layers, kv_heads, head_dim, max_seq_len, ...),
+    `forward(input_ids, logits="last"|"all", past_key_values=None, use_cache=False)`, `loss(inputs, targets)`
+    -> (cross-entropy, scale-anchoring loss), `copy()`, and `network`: the module tree its family's paths
+    name, to which `taper_model` attaches the tapering (None on a plain model).
+    """
+
+    network: nn.Module
+    network_path = ""  # where `network` sits in the model, as module paths spell it ("": the model itself)
+    tapering: Tapering | None = None
+
+    @property
+    def gate(self) -> TaperGate:
+        """The shared gate; a plain model computes its norms, as a tapered one at g = 1."""
+        return self.tapering.gate if self.tapering is not None else TaperGate(1.0)
+
+    def set_gate(self, value: float, calibrating: bool = False) -> None:
+        if self.tapering is not None:
+            self.tapering.set_gate(value, calibrating)
+
+    def tapered_norms(self) -> dict[str, nn.Module]:
+        return dict(self.tapering.norms) if self.tapering is not None else {}
+
+    def forget_tapering(self) -> None:
+        """After a fold: the model has no tapered norm left to drive."""
+        object.__setattr__(self.network, "tapering", None)
+
+
+def norm_eps(module: nn.Module) -> float:
+    """The epsilon a norm module uses (its attribute names differ by family)."""
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise TaperfoldError(f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy")
+
+
+def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, aux: bool = True,
+                aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8, gate: float = 1.0,
+                where: str = "model") -> Tapering:
+    """Replace the norms `family` names in `model` by tapered ones, in place; return what was done (also
+    attached as `model.tapering`, a plain attribute, so the state dict keeps exactly the model's names).
+
+    `aux`: the fixed-target scale anchoring loss (eq. 5) on the final norm's input. `momentum`: μ of the
+    calibration EMAs. `gate`: the initial gate value.
+    """
+    if taper not in TAPERS:
+        raise TaperfoldError(f"taper must be one of {TAPERS}, got {taper!r}")
+    if getattr(model, "tapering", None) is not None:
+        raise TaperfoldError(f"{where}: already tapered")
+    kind = norm_kind(family.norm)
+    shared = TaperGate(gate)
+    readers = family.norm_readers(len(model.get_submodule(family.layers)), taper)
+    norms = {}
+    for path in readers:
+        try:
+            original = model.get_submodule(path)
+        except AttributeError:
+            raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
+        try:
+            norms[path] = kind.taper(original, shared, norm_eps(original), momentum, delta, family.gain_offset)
+        except ValueError as e:
+            raise TaperfoldError(f"{where}: {path}: {e}") from None
+        model.set_submodule(path, norms[path])
+    untapered = {}
+    for name, module in model.named_modules():
+        if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
+            continue
+        leaf = name.rpartition(".")[2]
+        untapered[name] = family.untapered.get(leaf) or (
+            FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of")
+    scale_loss = None
+    if aux:
+        scale_loss = ScaleAnchorLoss(kind.centered, aux_weight, norm_eps(model.get_submodule(family.final)), momentum)
+    tapering = Tapering(family, taper, shared, norms, readers, untapered, scale_loss)
+    object.__setattr__(model, "tapering", tapering)
+    return tapering

@@ -1,0 +1,48 @@
+"""The docs' tables come from the registries: each table here must list exactly what the code registers."""
+
+import re
+from pathlib import Path
+
+from taperfold import families
+from taperfold.engines import ENGINES
+from taperfold.exportdir import VARIANT_TABLE
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _table_after(text: str, heading: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first markdown table after `heading`, header and rule left out."""
+    section = text[text.index(heading):]
+    rows, started = [], False
+    for line in section.splitlines():
+        if line.startswith("|"):
+            started = True
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif started:
+            break
+    assert rows, f"no table after {heading!r}"
+    return rows[2:]
+
+
+def test_design_variant_table_is_the_variant_table():
+    rows = _table_after((DOCS / "design.md").read_text(), "## Variants of one model")
+    expected = [[v.name, f"`{v.stem}`", "yes" if v.default else "", v.meaning] for v in VARIANT_TABLE]
+    assert rows == expected, "docs/design.md's variant table should read:\n" + "\n".join(
+        "| " + " | ".join(row) + " |" for row in expected)
+
+
+def test_hf_family_table_lists_every_shipped_family():
+    rows = _table_after((DOCS / "hf.md").read_text(), "## Families")
+    documented = {name for row in rows for name in re.findall(r"[a-z0-9_]+", row[0].split("(")[0])}
+    shipped = {module.rpartition(".")[2] for module in families._MODULES}
+    assert documented == shipped
+    for name in shipped:
+        assert families.family_for(name).name == name
+
+
+def test_design_engine_table_is_the_engine_table():
+    rows = _table_after((DOCS / "design.md").read_text(), "The engine table")
+    expected = [[e.name, e.title, e.runs, ", ".join(e.devices), "yes" if e.decodes else "no",
+                 ", ".join(f"`{o.flag}`" for o in e.options), f"`{e.module}`"] for e in ENGINES.values()]
+    assert rows == expected, "docs/design.md's engine table should read:\n" + "\n".join(
+        "| " + " | ".join(row) + " |" for row in expected)
