@@ -36,7 +36,7 @@ def describe(source: ModelSource) -> dict:
     norms = []
     for name, module in model.network.named_modules():
         if tapering is not None and name in tapering.norms:
-            norms.append(tapered_norm_entry(name, module, source.gate, tapering.readers[name]))
+            norms.append(tapered_norm_entry(name, module, source.gate, tapering.folds_into(name)))
         elif is_norm_module(module):
             reason = tapering.untapered.get(name, "") if tapering is not None else source.plain_norm_reason
             norms.append(plain_norm_entry(name, type(module).__name__, reason))

@@ -31,13 +31,18 @@ class Tapering:
     taper: str
     gate: TaperGate
     norms: dict[str, nn.Module]  # module path -> tapered norm
-    readers: dict[str, list[str]]  # module path -> reader module paths (what a fold rewrites)
+    readers: dict[str, list[str]]  # module path -> reader module paths (what a forward fold rewrites)
+    producers: dict[str, str] = field(default_factory=dict)  # post-norm path -> producer path (a backward fold's)
     untapered: dict[str, str] = field(default_factory=dict)  # module path -> why it is left alone
     scale_loss: ScaleAnchorLoss | None = None
 
     @property
     def kind(self) -> NormKind:
         return norm_kind(self.family.norm)
+
+    def folds_into(self, path: str) -> list[str]:
+        """Where the tapered norm at `path` folds: its readers, or the producer of a post-norm."""
+        return self.readers[path] if path in self.readers else [self.producers[path]]
 
     def set_gate(self, value: float, calibrating: bool = False) -> None:
         self.gate.value, self.gate.calibrating = float(value), calibrating
@@ -131,9 +136,10 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
         raise TaperfoldError(f"{where}: already tapered")
     kind = norm_kind(family.norm)
     shared = TaperGate(gate)
-    readers = family.norm_readers(len(model.get_submodule(family.layers)), taper)
+    n_layers = len(model.get_submodule(family.layers))
+    readers, producers = family.norm_readers(n_layers, taper), family.norm_producers(n_layers)
     norms = {}
-    for path in readers:
+    for path in [*readers, *producers]:
         try:
             original = model.get_submodule(path)
         except AttributeError:
@@ -153,6 +159,6 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
     scale_loss = None
     if aux:
         scale_loss = ScaleAnchorLoss(kind.centered, aux_weight, norm_eps(model.get_submodule(family.final)), momentum)
-    tapering = Tapering(family, taper, shared, norms, readers, untapered, scale_loss)
+    tapering = Tapering(family, taper, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

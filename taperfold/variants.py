@@ -7,8 +7,9 @@
     baseline-decomposed  the baseline with its fused norms written as element-wise ops (the kind's hand-written form)
     nonorm               the tapered norms deleted, weights unscaled: what a fold with zero residue matches
 
-One fold for every model: the family says which layers read each norm, the norm kind what the norm
-computes at g = 0 (taperfold.norms.ConstantMap); the ONNX passes do the same on graphs.
+One fold for every model: the family says which layers read each norm (or, for a post-norm, which layer
+produces its input), the norm kind what the norm computes at g = 0 (taperfold.norms.ConstantMap); the ONNX
+passes do the same on graphs (forwards; the backward fold of post-norms is the torch fold's only, so far).
 """
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ def fold_into_reader(reader: nn.Module, folded: ConstantMap) -> None:
     reader.weight.copy_((new_w if conv else new_w.T).to(reader.weight.dtype))
 
 
+def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
+    """z = h W + b, then (z − μ_z)·diag(s) + β  →  h W' + b'  with W' = W (I − 11ᵀ/d) diag(s),
+    b' = (b − mean(b))·s + β: the post-norm's map moves into the producer's output columns (float64, cast once)."""
+    conv = not isinstance(producer, nn.Linear)
+    w = producer.weight.double() if conv else producer.weight.double().T  # as [in, out]
+    b = producer.bias.double() if producer.bias is not None else torch.zeros(w.shape[1], dtype=torch.float64,
+                                                                              device=w.device)
+    if folded.centered:
+        w, b = w - w.mean(dim=1, keepdim=True), b - b.mean()
+    new_w, new_b = w * folded.scale[None, :], b * folded.scale
+    if folded.bias is not None:
+        new_b = new_b + folded.bias
+    producer.weight.copy_((new_w if conv else new_w.T).to(producer.weight.dtype))
+    if producer.bias is None and (folded.centered or folded.bias is not None):
+        producer.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=producer.weight.dtype, device=w.device))
+    if producer.bias is not None:
+        producer.bias.copy_(new_b.to(producer.bias.dtype))
+
+
 def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
     """Whether a module other than the one at `path` holds `weight` too (a head tied to the embedding)."""
     return any(p is weight and not name.startswith(path + ".")
@@ -51,13 +71,16 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
         raise ValueError(f"gate is {model.gate.value:g}, not 0: the tapered norms are not constant maps")
     folded = model.copy()
     network, tapering = folded.network, folded.tapering
-    for path, readers in tapering.readers.items():
+    for path in tapering.norms:
         constant = tapering.kind.constant_map(network.get_submodule(path))
-        for reader_path in readers:
-            reader = network.get_submodule(reader_path)
-            if _shares_weight(network, reader_path, reader.weight):  # untie: the embedding stays as it is
-                reader.weight = nn.Parameter(reader.weight.detach().clone())
-            fold_into_reader(reader, constant)
+        for target in tapering.folds_into(path):
+            layer = network.get_submodule(target)
+            if _shares_weight(network, target, layer.weight):  # untie: the embedding stays as it is
+                layer.weight = nn.Parameter(layer.weight.detach().clone())
+            if path in tapering.readers:
+                fold_into_reader(layer, constant)
+            else:
+                fold_into_producer(layer, constant)
         network.set_submodule(path, nn.Identity())
     folded.forget_tapering()
     return folded

@@ -99,3 +99,49 @@ def test_a_registered_engine_gets_its_runner_from_its_module(registries):
     assert opened[0][1]["device"] == "cpu" and opened[0][1]["threads"] == 2
     with pytest.raises(TaperfoldError, match="needs the CPU"):
         echo.require("cuda")
+
+
+def test_a_family_with_post_norms_folds_them_backwards_into_their_producers(registries):
+    """Gemma 2's post-norms read a projection's output before the residual Add: at g = 0 each is a diagonal map
+    of that projection's output, so it folds into the projection's rows (the torch fold)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from taperfold.hf import taper_model
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
+    from taperfold.nn import TaperNorm
+    from taperfold.variants import fold_in_torch
+
+    gemma2 = families.register(families.Family(
+        name="gemma2", model_types=("gemma2",), norm="rms", gain_offset=1.0, layers="model.layers",
+        internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
+        post={"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"},
+        final="model.norm"))
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tapering = taper_model(hf, "all")
+    assert set(tapering.producers) == {f"model.layers.{i}.post_{n}" for i in range(2)
+                                       for n in ("attention_layernorm", "feedforward_layernorm")}
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(-0.5, 0.5)  # Gemma's gain is 1 + w
+            norm.c.uniform_(0.5, 2.0)
+    tapering.set_gate(0.0)
+    info = HFModelInfo.from_config(config, gemma2, "all", aux=True, tokenizer="bytes")
+    model = HFCausalLM(hf, info, gemma2)
+    folded = fold_in_torch(model)
+    assert not any(isinstance(m, TaperNorm) for m in folded.modules())
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = model(ids, logits="all"), folded(ids, logits="all")
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+    with torch.no_grad():  # and a wrong producer shows: the same fold into the wrong layer is far off
+        wrong = dataclasses.replace(gemma2, post={"post_attention_layernorm": "mlp.down_proj",  # swapped
+                                                  "post_feedforward_layernorm": "self_attn.o_proj"})
+        model.tapering.producers = wrong.norm_producers(2)
+        off = fold_in_torch(model)(ids, logits="all")
+    assert float((off - expected).abs().max() / expected.abs().max()) > 1e-3  # 100 times the bound above

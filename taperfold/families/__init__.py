@@ -6,6 +6,8 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `norm`: the norm kind (taperfold.norms: "rms", "ln"), and `gain_offset` when the norm computes x·(1 + w);
 - `layers`: the ModuleList of decoder layers, and `internal`: each norm of a layer with the linear layers
   that read its output (what a fold rewrites: AutoAWQ's `get_layers_for_scaling`, llm-compressor's mappings);
+  `post`: each post-norm of a layer (it reads a projection's output before the residual Add: Gemma 2/3,
+  OLMo 2) with the linear layer that produces its input, whose output rows the fold rewrites instead;
 - `final` and `head`: the final norm and the output projection that reads it;
 - `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
 - `untapered`: norm-like modules (by name) that are never tapered, with the reason;
@@ -32,6 +34,7 @@ class Family:
     layers: str  # path of the ModuleList of decoder layers
     internal: dict[str, tuple[str, ...]]  # norm in a layer -> the modules reading its output (paths in the layer)
     final: str  # path of the final norm
+    post: dict[str, str] = field(default_factory=dict)  # post-norm in a layer -> the module producing its input
     head: str = "lm_head"  # path of the output projection, which reads the final norm
     gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
     parallel: bool = False  # attention and the MLP read the same residual stream
@@ -39,12 +42,18 @@ class Family:
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
 
     def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
-        """The norms `taper` ("internal" | "all") covers, each module path with the paths of its readers."""
+        """The norms `taper` ("internal" | "all") covers that fold forwards, each module path with the paths of
+        its readers."""
         paths = {f"{self.layers}.{i}.{norm}": [f"{self.layers}.{i}.{r}" for r in readers]
                  for i in range(n_layers) for norm, readers in self.internal.items()}
         if taper == "all":
             paths[self.final] = [self.head]
         return paths
+
+    def norm_producers(self, n_layers: int) -> dict[str, str]:
+        """The post-norms, which fold backwards: each module path with the path of its producer."""
+        return {f"{self.layers}.{i}.{norm}": f"{self.layers}.{i}.{producer}"
+                for i in range(n_layers) for norm, producer in self.post.items()}
 
 
 # The families taperfold ships, one module each.
