@@ -17,7 +17,8 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
     elif gate != 0.0:
         foldable, reason = False, f"gate is {gate:g}, not 0: the layer still uses per-token statistics"
     else:
-        foldable, reason = True, "g = 0: constant " + ("affine" if tapered_kind(module).shift else "diagonal") + " map"
+        kind = tapered_kind(module)
+        foldable, reason = True, "g = 0: constant " + ("affine" if kind.centered or kind.shift else "diagonal") + " map"
     return {"name": name, "kind": type(module).__name__, "tapered": True, "gate": gate, "c": float(module.c),
             "gamma_tilde_min": float(tilde.min()), "gamma_tilde_max": float(tilde.max()), "folds_into": folds_into,
             "foldable": foldable, "reason": reason}
@@ -45,7 +46,7 @@ def describe(source: ModelSource) -> dict:
         "arch": source.arch,
         "family": source.family.name,
         "taper": source.config.taper,
-        "aux": source.config.aux,
+        "aux": source.tapered and source.config.aux,
         "parameters": sum(p.numel() for p in model.parameters()),
         "gate": source.gate,
         "step": source.step,
@@ -57,5 +58,3 @@ def describe(source: ModelSource) -> dict:
         "kept": sum(not n["foldable"] for n in norms),
     }
 
-
-describe_checkpoint = describe  # the name taperfold 0.1 used

@@ -40,6 +40,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     needs_cuda: bool = False  # only meaningful on a CUDA device: refused elsewhere with one line
     requires: str | None = None  # another option (runner keyword) this one only refines, e.g. compile_mode
+    excludes: tuple[str, str] | None = None  # (another option it cannot go with, why)
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ def check_options(engine: Engine, options: dict[str, Any], device: str | None = 
             raise TaperfoldError(f"{option.flag} needs {own[option.requires].flag}")
         if option.needs_cuda and device is not None and not device.startswith("cuda"):
             raise TaperfoldError(f"{option.flag} needs --device cuda")
-    if options.get("compile") and options.get("cuda_graph"):
-        raise TaperfoldError("--compile and --cuda-graph: choose one (--compile-mode reduce-overhead captures "
-                             "CUDA graphs of the compiled model itself)")
+        if option.excludes and options.get(name) and options.get(option.excludes[0]):
+            other, why = option.excludes
+            raise TaperfoldError(f"{option.flag} and {all_options()[other].flag}: choose one ({why})")
 
 
 @contextlib.contextmanager
@@ -131,7 +132,9 @@ CUDA_GRAPH = Option("cuda_graph", "--cuda-graph", "Also time every shape as a re
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("torch", "PyTorch", MODELS, default_device="cpu", devices=("cpu", "cuda"), decodes=True,
-           options=(Option("compile", "--compile", "torch.compile each model on its own (no fallback to eager)."),
+           options=(Option("compile", "--compile", "torch.compile each model on its own (no fallback to eager).",
+                           excludes=("cuda_graph", "--compile-mode reduce-overhead captures CUDA graphs of the "
+                                                   "compiled model itself")),
                     Option("compile_mode", "--compile-mode", "torch.compile mode.", default="default",
                            choices=COMPILE_MODES, requires="compile"),
                     CUDA_GRAPH),

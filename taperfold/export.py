@@ -35,8 +35,9 @@ from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
 from taperfold.fsutil import atomic_dir, write_json_atomic
+from taperfold.norms import norm_kinds
 from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
-from taperfold.sources import ModelSource, open_source
+from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 
 NOTHING_TO_FOLD = "nothing to fold: {path} has no tapered norms (a plain model); wrote the baseline only"
@@ -233,9 +234,6 @@ def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
     return report
 
 
-NORM_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization")
-
-
 def _fuse(model_ir, target: str) -> int:
     """Fuse decomposed RMSNorms into one op for ONNX Runtime; the number fused (0 for TensorRT)."""
     from taperfold.passes.fuse_norm import fuse_rms_norms
@@ -244,8 +242,8 @@ def _fuse(model_ir, target: str) -> int:
 
 
 def _graph_info(model_ir, choice: OpsetChoice, fused: int) -> dict:
-    """The manifest's words on one graph: its opset and why, and the norm ops it runs."""
-    ops = {op: sum(1 for n in model_ir.graph if n.op_type == op and n.domain == "") for op in NORM_OPS}
+    """The manifest's words on one graph: its opset and why, and the fused norm ops it runs."""
+    ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {**choice.to_dict(), "norm_ops": {k: v for k, v in ops.items() if v},
             "norms_fused_by_taperfold": fused}
 
@@ -288,7 +286,7 @@ def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder:
     for key, info in exported.graphs.items():
         artifacts[key].update(info)
     manifest = exportdir.new_manifest(
-        checkpoint={"path": str(ckpt_path.resolve()), "sha256": source.digest(), "step": source.step},
+        checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": source.step},
         config=source.config.to_dict(), gate=source.gate, forced_gate0=source.tapered and source.gate != 0.0,
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)

@@ -27,6 +27,7 @@ MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
 FORMAT_VERSION = 1
 
+
 @dataclass(frozen=True)
 class Variant:
     """One row of the variant table: what a variant is, and what its files are called."""

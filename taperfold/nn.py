@@ -182,7 +182,7 @@ class ScaleAnchorLoss(nn.Module):
     bias-corrected EMA. The loss is zero until the target is frozen: before that there is no target.
     """
 
-    def __init__(self, centered: bool, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
+    def __init__(self, *, centered: bool, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
         super().__init__()
         self.centered, self.weight, self.eps, self.momentum = centered, weight, eps, momentum
         self.register_buffer("ema", torch.tensor(0.0, dtype=torch.float64))

@@ -23,7 +23,8 @@ from taperfold.errors import TaperfoldError
 TARGETS = ("ort", "trt")
 GRAPHS = ("prefill", "decoder")
 MIN_OPSET, MAX_OPSET = 18, 23  # the torch exporter's base opset is 18; 23 is the newest it writes
-FUSING_OPSET = 23  # the only opset at which the exporter fuses RMSNorm, RoPE and attention into one op each
+# The opset of ONNX's RMSNormalization, and the only one at which the exporter fuses RMSNorm, RoPE and attention
+FUSING_OPSET = 23
 TRT_MIN_VERSION = (10, 15)  # what the "trt" rows assume: RMSNormalization and Attention in the parser
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from taperfold.errors import TaperfoldError
@@ -121,6 +122,41 @@ def norm_eps(module: nn.Module) -> float:
     raise TaperfoldError(f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy")
 
 
+def linear_widths(module: nn.Module) -> tuple[int, int]:
+    """(input, output) features of a linear layer: nn.Linear stores its weight [out, in], GPT-2's Conv1D [in, out]."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape
+    return rows, cols
+
+
+def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Module:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TaperfoldError(f"{where}: {path} is a {type(module).__name__}, not a linear layer a norm folds into "
+                             f"(family {family.name})")
+    return module
+
+
+def _check_fold_targets(model: nn.Module, family: Family, path: str, dim: int, readers: list[str],
+                        producer: str | None, where: str) -> None:
+    """The family's readers (or producer) of the norm at `path` exist, are linear layers, and take (give) its width."""
+    for reader in readers:
+        width = linear_widths(_linear(model, reader, family, where))[0]
+        if width != dim:
+            raise TaperfoldError(f"{where}: {reader} takes {width} features, but {path} gives {dim} "
+                                 f"(family {family.name} says it reads {path})")
+    if producer is not None:
+        width = linear_widths(_linear(model, producer, family, where))[1]
+        if width != dim:
+            raise TaperfoldError(f"{where}: {producer} gives {width} features, but {path} takes {dim} "
+                                 f"(family {family.name} says it produces the input of {path})")
+
+
 def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, aux: bool = True,
                 aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8, gate: float = 1.0,
                 where: str = "model") -> Tapering:
@@ -139,7 +175,7 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
     n_layers = len(model.get_submodule(family.layers))
     readers, producers = family.norm_readers(n_layers, taper), family.norm_producers(n_layers)
     norms = {}
-    for path in [*readers, *producers]:
+    for path in family.norm_paths(n_layers, taper):
         try:
             original = model.get_submodule(path)
         except AttributeError:
@@ -148,7 +184,9 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
             norms[path] = kind.taper(original, shared, norm_eps(original), momentum, delta, family.gain_offset)
         except ValueError as e:
             raise TaperfoldError(f"{where}: {path}: {e}") from None
-        model.set_submodule(path, norms[path])
+        _check_fold_targets(model, family, path, norms[path].dim, readers.get(path, []), producers.get(path), where)
+    for path, norm in norms.items():  # swapped in only once every norm and its layers were checked
+        model.set_submodule(path, norm)
     untapered = {}
     for name, module in model.named_modules():
         if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
@@ -158,7 +196,8 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
             FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of")
     scale_loss = None
     if aux:
-        scale_loss = ScaleAnchorLoss(kind.centered, aux_weight, norm_eps(model.get_submodule(family.final)), momentum)
+        scale_loss = ScaleAnchorLoss(centered=kind.centered, weight=aux_weight,
+                                     eps=norm_eps(model.get_submodule(family.final)), momentum=momentum)
     tapering = Tapering(family, taper, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

@@ -206,7 +206,6 @@ def bench_progress(total: int):
         yield lambda: progress.advance(task)
 
 
-
 def throughput_table(report: dict, phase: str) -> Table:
     scale, unit = UNIT[phase]
     title = (f"{phase} throughput ({unit}, median) — {report['engine']} {report['device']} {report['dtype']}, "

@@ -43,6 +43,8 @@ from taperfold.runners.base import Runner
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
 REPORT = "verify.json"
+# The engines verify runs: the torch reference, the ONNX graphs (on --device), and a TensorRT plan if one was built.
+REFERENCE_ENGINE, GRAPH_ENGINE, PLAN_ENGINE = "torch", "ort", "trt"
 BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
 DECODE_STEPS = 4  # KV-cached steps after each prompt
@@ -280,14 +282,14 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     id_arrays = [_checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
 
     # The torch references run in fp32 on the CPU, whatever the export's dtype: they are the truth.
-    torch_engine, graph_engine, plan_engine = ENGINES["torch"], ENGINES["ort"], ENGINES["trt"]
+    torch_engine, graph_engine, plan_engine = (ENGINES[name] for name in (REFERENCE_ENGINE, GRAPH_ENGINE, PLAN_ENGINE))
     reference = "checkpoint@g=0" if forced else "checkpoint"
     baseline_only = _baseline_only(manifest)
     # each torch model is built once and shared by the prefill and the decoder checks
     models = {reference: ckpt.build(gate=0.0 if forced else None)}
     if not baseline_only and any(manifest.has_artifact(v, decoder=d) for v in ("baseline", DECOMPOSED_BASELINE)
                                  for d in (False, True)):
-        models[TORCH_BASELINE] = ckpt.build_baseline()  # a transformers directory's own original norms
+        models[TORCH_BASELINE] = ckpt.build_baseline()  # the source's own untapered norms
     runners = {reference: torch_engine.runner(models[reference], device="cpu", logits=logits,
                                               name=f"{ckpt.path} (reference)")}
     if forced:
@@ -411,7 +413,7 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
             pair.status, pair.reason = "skipped", "bf16: numpy has no bfloat16 to feed the KV cache from the host"
         return list(pairs.values())
     torch_models = {name: models[name] for name in set(refs.values())}
-    torch_engine, graph_engine = ENGINES["torch"], ENGINES["ort"]
+    torch_engine, graph_engine = ENGINES[REFERENCE_ENGINE], ENGINES[GRAPH_ENGINE]
     runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
                                   for name, model in torch_models.items()}
     runners.update({v: graph_engine.runner(manifest.artifact(v, decoder=True), device=device, threads=threads,

@@ -117,7 +117,7 @@ def test_manifest(tiny_export, tiny_checkpoint):
                                           "folded.decoder", "baseline-decomposed", "baseline-decomposed.decoder"}
     for art in manifest["artifacts"].values():
         assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
-    assert manifest["fold_report"]["summary"]["folded"] == 8
+    assert manifest["fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]  # Internal-Taper
     assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s"}
 
 
@@ -165,7 +165,7 @@ def test_fp16_and_kv_cache(tmp_path):
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"baseline.decoder", "unfolded.decoder", "folded.decoder"} <= set(manifest["artifacts"])
-    assert manifest["decoder_fold_report"]["summary"]["folded"] == 4
+    assert manifest["decoder_fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
     session = ort.InferenceSession(str(out / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     assert names[:3] == ["input_ids", "past_key_values.0.key", "past_key_values.0.value"]

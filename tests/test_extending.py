@@ -77,14 +77,16 @@ def test_a_registered_family_is_found_by_each_of_its_model_types(registries):
                                              "model.norm": ["lm_head"]}
 
 
-def test_a_registered_norm_kind_is_asked_after_the_shipped_ones(registries):
+def test_a_registered_norm_kind_is_asked_where_it_is_registered(registries):
     rms = norms.norm_kind("rms")
     custom = dataclasses.replace(rms, name="scaled-rms", title="ScaledRMSNorm",
                                  class_names=lambda name: name.endswith("ScaledRMSNorm"))
     norms.register(custom)
     assert [k.name for k in norms.norm_kinds()] == ["ln", "rms", "scaled-rms"]
     assert norms.kind_of_class("MyScaledRMSNorm") is not None
-    with pytest.raises(ValueError, match="norm kind must be one of ln, rms, scaled-rms"):
+    norms.register(custom, before="rms")  # a special case of rms's pattern is tried first
+    assert [k.name for k in norms.norm_kinds()] == ["ln", "scaled-rms", "rms"]
+    with pytest.raises(ValueError, match="norm kind must be one of ln, scaled-rms, rms"):
         norms.norm_kind("dyt")
 
 

@@ -374,22 +374,6 @@ def test_bench_ort_cuda_graph_end_to_end(tiny_export, tmp_path, cli):
     assert {row["execution"] for row in report["results"]} == {"eager", "cuda-graph"}
 
 
-def test_nonorm_reference_has_no_tapered_norm_and_benches_next_to_folded(tmp_path, cli):
-    from taperfold.nn import TaperLN, TaperNorm
-    from taperfold.checkpoint import checkpoint_from_model
-    from taperfold.models import random_gate0_model
-
-    tapered = random_gate0_model("tiny")
-    bare = build_variants(checkpoint_from_model(tapered, step=0), ["nonorm"], torch.float32)["nonorm"]
-    assert not any(isinstance(m, (TaperNorm, TaperLN)) for m in bare.modules())
-    assert isinstance(bare.model.norm, torch.nn.RMSNorm)  # Internal-Taper's final norm stays, as in folded
-    assert sum(isinstance(m, torch.nn.Identity) for m in bare.modules()) == len(tapered.tapered_norms())
-    r = cli("bench", "--preset", "tiny", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8", "--iters", "1",
-            "--warmup", "0", "--json", tmp_path / "n.json")
-    assert r.exit_code == 0, r.stderr
-    assert [row["variant"] for row in json.loads((tmp_path / "n.json").read_text())["results"]] == ["folded", "nonorm"]
-
-
 class _ReplayOnCpu:
     """Stands in for torch.cuda.CUDAGraph on the CPU: replay recomputes from the static inputs into the static
     outputs, as a replayed graph does, so the runner's bookkeeping (static buffers per shape, copies, the decode

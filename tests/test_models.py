@@ -1,11 +1,13 @@
 """Reference models: Hugging Face names, KV cache, the torch-level fold, and a short real training run."""
 
+import json
+
 import pytest
 import torch
 
 from taperfold.families import family_for
 from taperfold.models import ARCHS, MODEL_CLASSES, baseline_of, build_model, num_parameters, preset_config
-from taperfold.nn import TaperLN, TaperNorm
+from taperfold.nn import TaperLN, TaperNorm, bias_corrected
 from taperfold.train import TrainOptions, train
 from taperfold.variants import fold_in_torch
 
@@ -121,7 +123,11 @@ def test_training_runs_the_whole_taper(arch):
     sd = ckpt.state_dict
     norms = [k[: -len(".calibrated")] for k in sd if k.endswith(".calibrated")]
     assert len(norms) == 2 * 2 + 1 and all(bool(sd[n + ".calibrated"]) for n in norms)
-    assert all(float(sd[n + ".c"]) != 1.0 for n in norms)  # c was set from the EMAs
+    for n in norms:  # c = ŝ_num / (ŝ_den + δ) from the EMAs, which stop at taper start (eq. 4 with A.6's correction)
+        num, den = (bias_corrected(sd[f"{n}.ema_{part}"], sd[f"{n}.ema_count"], cfg.ema_momentum)
+                    for part in ("num", "den"))
+        assert int(sd[f"{n}.ema_count"]) == result.checkpoint.meta["schedule"]["taper_start"]
+        assert float(sd[n + ".c"]) == pytest.approx(float(num / (den + cfg.calib_delta)), rel=1e-6)
     assert bool(sd["scale_loss.frozen"]) and float(sd["scale_loss.target"]) > 0
     gates = [r["gate"] for r in result.history]
     assert gates[-1] == 0.0 and max(gates) <= 1.0
@@ -133,3 +139,25 @@ def test_divergence_stops_training_with_one_clear_error():
     cfg = preset_config("tiny", arch="llama", taper="internal", n_layers=2, max_seq_len=32)
     with pytest.raises(TaperfoldError, match="diverged at step"):
         train(cfg, TrainOptions(steps=20, batch_size=2, lr=50.0, eval_batches=1))
+
+
+def test_nonorm_is_the_tapered_model_with_unit_norms_and_benches_next_to_folded(tmp_path, cli):
+    """`nonorm` deletes every tapered norm and nothing else: the tapered model at g = 0 whose norms are identity
+    maps (c = 1, γ̃ = 1) computes exactly what it computes; the untapered final norm stays, as in `folded`."""
+    from taperfold.checkpoint import checkpoint_from_model
+    from taperfold.variants import build_variants
+
+    tapered = random_tapered("llama", "internal")
+    with torch.no_grad():
+        for norm in tapered.tapered_norms().values():
+            norm.c.fill_(1.0)
+            norm.weight_tilde.fill_(1.0)
+    bare = build_variants(checkpoint_from_model(tapered, step=0), ["nonorm"], torch.float32)["nonorm"]
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(bare(ids, logits="all"), tapered(ids, logits="all"), rtol=0, atol=0)
+    assert isinstance(bare.model.norm, torch.nn.RMSNorm)
+    r = cli("bench", "--preset", "tiny", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8", "--iters", "1",
+            "--warmup", "0", "--json", tmp_path / "n.json")
+    assert r.exit_code == 0, r.stderr
+    assert [row["variant"] for row in json.loads((tmp_path / "n.json").read_text())["results"]] == ["folded", "nonorm"]

@@ -163,7 +163,7 @@ def test_no_ema_update_outside_warmup():
 @pytest.mark.parametrize("target_offset", [-0.5, 0.5])
 def test_aux_loss_gradient_is_radial_with_prop_4_3_sign(kind, target_offset):
     torch.manual_seed(0)
-    loss_fn = ScaleAnchorLoss(norm_kind(kind).centered, weight=0.1, eps=1e-6)
+    loss_fn = ScaleAnchorLoss(centered=norm_kind(kind).centered, weight=0.1, eps=1e-6)
     h = (torch.randn(1, 1, D) * 2 + (0.7 if kind == "ln" else 0.0)).double().requires_grad_()
     x = h.detach()[0, 0]
     centred = x - x.mean() if kind == "ln" else x
@@ -179,7 +179,7 @@ def test_aux_loss_gradient_is_radial_with_prop_4_3_sign(kind, target_offset):
 
 
 def test_aux_loss_tracks_then_freezes():
-    loss_fn = ScaleAnchorLoss(False, weight=0.1, momentum=0.5)
+    loss_fn = ScaleAnchorLoss(centered=False, weight=0.1, momentum=0.5)
     h = torch.randn(2, 8, D) * 3
     assert float(loss_fn(h, track=True)) == 0.0  # no target yet
     loss_fn(h, track=True)
@@ -192,7 +192,7 @@ def test_aux_loss_tracks_then_freezes():
 
 
 def test_aux_loss_ignores_padding():
-    loss_fn = ScaleAnchorLoss(False, weight=1.0)
+    loss_fn = ScaleAnchorLoss(centered=False, weight=1.0)
     loss_fn.target.fill_(1.0)
     loss_fn.frozen.fill_(True)
     h = torch.ones(1, 4, D)

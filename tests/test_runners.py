@@ -190,11 +190,15 @@ def test_registry_describes_every_engine():
     assert ENGINES["trt"].default_device == "cuda" and not ENGINES["trt"].decodes
 
 
-def test_registry_opens_runners_with_their_options(tiny_model, onnx_path):
-    torch_runner = ENGINES["torch"].runner(tiny_model, compile=True, name="m")
-    assert isinstance(torch_runner, TorchRunner) and torch_runner.compile and torch_runner.device == "cpu"
-    ort_runner = ENGINES["ort"].runner(onnx_path, threads=1, optimization="basic")
-    assert isinstance(ort_runner, OrtRunner) and ort_runner.optimization == "basic" and ort_runner.threads == 1
+def test_registry_opens_runners_that_apply_their_options(tiny_model, onnx_path):
+    import onnxruntime as ort
+
+    torch_runner = ENGINES["torch"].runner(tiny_model, compile=True, compile_mode="max-autotune", name="m")
+    assert torch_runner.execution == "compile:max-autotune" and torch_runner.device == "cpu"
+    with ENGINES["ort"].runner(onnx_path, threads=1, optimization="basic") as ort_runner:
+        options = ort_runner.session.get_session_options()
+        assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        assert options.intra_op_num_threads == 1
 
 
 def test_options_belong_to_their_engine():

@@ -115,18 +115,6 @@ def test_tolerances_override_and_help_lists_defaults(cli):
 # ---- the ONNX Runtime runner -----------------------------------------------------------------------------
 
 
-def test_ort_runner_runs_and_times(tiny_export):
-    from taperfold.runners.ort import OrtRunner
-
-    with OrtRunner(tiny_export / "model.onnx", threads=1, optimization="basic") as runner:
-        assert runner.input_names == ["input_ids"] and runner.output_names == ["logits"]
-        prepared = runner.prepare({"input_ids": np.zeros((2, 7), dtype=np.int64)})
-        outputs, seconds = runner.timed_run(prepared)
-        assert runner.to_numpy(outputs["logits"]).shape == (2, 256) and seconds > 0
-        with pytest.raises(TaperfoldError, match="missing"):
-            runner.prepare({"ids": np.zeros((1, 1), dtype=np.int64)})
-
-
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "data missing", "data truncated"])
 def test_ort_runner_names_the_broken_file(export_copy, damage):
     from taperfold.runners.ort import OrtRunner
@@ -293,7 +281,6 @@ def test_bad_npy_and_text(cli, tiny_export, tmp_path):
     _one_error_line(verify(cli, tiny_export, "--text", long_text), str(long_text), "longer than the model allows")
     result = verify(cli, tiny_export, "--tokens", floats, "--text", long_text)
     assert result.exit_code == 2 and "not both" in result.stderr
-
 
 
 def test_forced_gate0_export_reports_the_cost(cli, export_copy, tiny_checkpoint, tmp_path):

@@ -50,6 +50,10 @@ class Family:
             paths[self.final] = [self.head]
         return paths
 
+    def norm_paths(self, n_layers: int, taper: str) -> list[str]:
+        """Every norm `taper` covers: those folding forwards, then the post-norms."""
+        return [*self.norm_readers(n_layers, taper), *self.norm_producers(n_layers)]
+
     def norm_producers(self, n_layers: int) -> dict[str, str]:
         """The post-norms, which fold backwards: each module path with the path of its producer."""
         return {f"{self.layers}.{i}.{norm}": f"{self.layers}.{i}.{producer}"

@@ -18,7 +18,7 @@ import contextlib
 import copy
 from dataclasses import asdict, dataclass
 
-import torch
+import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
@@ -99,18 +99,18 @@ class HFCausalLM(TaperedLM, nn.Module):
         return HFCausalLM(copy.deepcopy(self.hf), self.cfg, self.family, self.reference)
 
     def loss(self, input_ids, targets):
-        """transformers' own cross-entropy (it shifts the labels itself) of next-token `targets`, and the
-        scale-anchoring loss on the final norm's input (zero until its target is frozen)."""
-        window = torch.cat([input_ids, targets[:, -1:]], dim=1)
+        """Cross-entropy of transformers' forward on next-token `targets`, and the scale-anchoring loss on the
+        final norm's input (zero until its target is frozen)."""
         scale_loss = self.tapering.scale_loss if self.tapering is not None else None
         seen = []
         final = self.hf.get_submodule(self.family.final)
         hook = final.register_forward_pre_hook(lambda module, args: seen.append(args[0])) if scale_loss else None
         try:
-            ce = self.hf(input_ids=window, labels=window).loss
+            logits = self.hf(input_ids=input_ids, use_cache=False).logits
         finally:
             if hook is not None:
                 hook.remove()
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         if scale_loss is None:
             return ce, ce.new_zeros(())
         return ce, scale_loss.to(seen[0].device)(seen[0], track=self.training and self.gate.calibrating)

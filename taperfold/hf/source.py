@@ -258,6 +258,7 @@ class HFCheckpoint(ModelSource):
         return {"source": {"format": "huggingface", "family": self.family.name, "model_type": self.config.arch,
                            "taper": self.config.taper, "untapered": self.untapered}}
 
+
 def load_hf_directory(path: str | Path) -> HFCheckpoint:
     """Read and validate a save_pretrained directory (tapered or plain); `TaperfoldError` on any problem."""
     path = Path(path)

@@ -161,7 +161,7 @@ def train_hf_directory(source: str | Path | HFCheckpoint, opts: TrainOptions, da
     tapering = taper_model(hf, taper, aux=aux, where=str(ckpt.path))
     info = HFModelInfo(**{**ckpt.config.to_dict(), "taper": taper, "aux": aux})
     model = HFCausalLM(hf, info, tapering.family)
-    seq = min(opts.seq_len or 128, ckpt.config.max_seq_len - 1)  # the window is seq + 1 positions
+    seq = min(opts.seq_len or 128, ckpt.config.max_seq_len)
     loop = train_through_taper(model, tokens, seq, opts, on_step)
     return HFTrainResult(hf.eval(), tokenizer, loop.schedule, loop.val_loss, ckpt.path, opts.steps, loop.history,
                          loop.seconds)

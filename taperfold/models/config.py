@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from taperfold import taper
 from taperfold.families import family_for
 from taperfold.presets import ARCHS, PRESETS
 
-TAPERS = ("none", "internal", "all")  # none: the baseline (plain norms); see taperfold.taper for the others
+TAPERS = ("none", *taper.TAPERS)  # none: the baseline, plain norms
 
 
 @dataclass

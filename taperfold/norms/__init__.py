@@ -45,7 +45,8 @@ class NormKind:
     class_names: Callable[[str], bool]  # whether a norm class of any model (by name) is of this kind
     centered: bool  # subtracts the mean first: a fold absorbs it as (I − 11ᵀ/d); s(h) of eq. 5 is σ_h, not r(h)
     shift: bool  # adds a bias β after the gain
-    fused_ops: dict[str, bool] = field(default_factory=dict)  # ONNX op type -> whether input 2 is a bias
+    # fused ONNX ops of the kind: op type -> (index of its scale input, index of its bias input or None)
+    fused_ops: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     gain_offset_allowed: bool = False  # the tapered module can compute x·(offset + γ) (Gemma)
 
     def new_tapered(self, dim: int, gate, eps: float, momentum: float, delta: float,
@@ -91,10 +92,16 @@ def _load_shipped() -> None:
             _KINDS[kind.name] = kind
 
 
-def register(kind: NormKind) -> NormKind:
-    """Make `kind` known (after the shipped kinds; a kind of the same name is replaced)."""
+def register(kind: NormKind, before: str | None = None) -> NormKind:
+    """Make `kind` known (a kind of the same name is replaced). Detect tries kinds in order: a kind whose ONNX
+    pattern is a special case of another's goes `before` it (DyT's tanh, then RMS's chain, before "rms")."""
     _load_shipped()
-    _KINDS[kind.name] = kind
+    _KINDS.pop(kind.name, None)
+    names = list(_KINDS)
+    at = names.index(before) if before in names else len(names)
+    kinds = [*(_KINDS[n] for n in names[:at]), kind, *(_KINDS[n] for n in names[at:])]
+    _KINDS.clear()
+    _KINDS.update((k.name, k) for k in kinds)
     return kind
 
 

@@ -28,10 +28,10 @@ class HandWrittenRMSNorm(nn.Module):
 
 KIND = NormKind(
     name="rms", title="RMSNorm", tapered=TaperNorm, plain=nn.RMSNorm, hand_written=HandWrittenRMSNorm,
-    class_names=lambda name: name.endswith(("RMSNorm", "RmsNorm")),
+    class_names=lambda name: "RMSNorm" in name or "RmsNorm" in name,  # LlamaRMSNorm, Qwen3NextRMSNormGated
     centered=False, shift=False,
-    # ONNX's own op (opset 23) and ONNX Runtime's, whose Skip variant also adds the residual
-    fused_ops={"RMSNormalization": False, "SimplifiedLayerNormalization": False,
-               "SkipSimplifiedLayerNormalization": False},
+    # ONNX's own op (opset 23) and ONNX Runtime's, whose Skip variant first adds the residual (input 1)
+    fused_ops={"RMSNormalization": (1, None), "SimplifiedLayerNormalization": (1, None),
+               "SkipSimplifiedLayerNormalization": (2, None)},
     gain_offset_allowed=True,
 )

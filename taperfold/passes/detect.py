@@ -37,7 +37,6 @@ from taperfold.passes._graph import (
 )
 
 _REDUCES = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"}
-_ROOTS = {"Sqrt", "Pow", "ReduceL2"}  # a norm divides by a root of a mean square (softmax's sum has none)
 GATE_NOT_ZERO = "gate ≠ 0: the layer still computes per-token statistics; export it at g = 0"
 
 
@@ -341,12 +340,13 @@ def _gain_of(value: ir.Value, kind: NormKind, chains: dict[ir.Value, NormMatch])
 def _fused_gain(node: ir.Node, kind: NormKind) -> NormMatch | None:
     """A fused norm's scale (and bias) as a gain applied to its output, when they are constant vectors."""
     out = node.outputs[0]
-    scale = channel_const(node.inputs[1], out) if len(node.inputs) > 1 else None
+    scale_at, bias_at = kind.fused_ops[node.op_type]
+    scale = channel_const(node.inputs[scale_at], out) if len(node.inputs) > scale_at else None
     if scale is None or scale.size == 1:
         return None
     bias = None
-    if kind.fused_ops[node.op_type] and len(node.inputs) > 2 and node.inputs[2] is not None:
-        bias = channel_const(node.inputs[2], out)
+    if bias_at is not None and len(node.inputs) > bias_at and node.inputs[bias_at] is not None:
+        bias = channel_const(node.inputs[bias_at], out)
         if bias is None:
             return None
         bias = np.broadcast_to(bias, scale.shape).copy()

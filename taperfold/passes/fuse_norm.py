@@ -33,10 +33,10 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from taperfold.opsets import FUSING_OPSET
 from taperfold.passes._graph import add_initializer, cast_to, const_array, reduces_last_axis_only, sole_use
 
 _FLOAT = ir.DataType.FLOAT
-RMS_NORMALIZATION_OPSET = 23  # ONNX's RMSNormalization op exists from this opset on
 
 
 @dataclass(eq=False)
@@ -141,7 +141,7 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        op = "RMSNormalization" if _opset(model) >= RMS_NORMALIZATION_OPSET else "SimplifiedLayerNormalization"
+        op = "RMSNormalization" if _opset(model) >= FUSING_OPSET else "SimplifiedLayerNormalization"
         self.fused = 0
         for node in list(graph):
             if node.graph is None:  # removed with an earlier match

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from taperfold.norms import norm_kind
 from taperfold.passes._graph import remove_if_dead, write_const
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import RealNorm, detect_norms
@@ -20,8 +21,9 @@ from taperfold.passes.report import NormStatus
 def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
     """A fused norm keeps computing x̂: its scale becomes ones and its bias zeros (copies if shared)."""
     node = norm.fused
-    for index, value in ((1, 1.0), (2, 0.0)):
-        if index < len(node.inputs) and node.inputs[index] is not None:
+    scale_at, bias_at = norm_kind(norm.kind).fused_ops[node.op_type]
+    for index, value in ((scale_at, 1.0), (bias_at, 0.0)):
+        if index is not None and index < len(node.inputs) and node.inputs[index] is not None:
             old = node.inputs[index].const_value
             write_const(graph, node, index, ir.tensor(np.full(tuple(old.shape), value, old.dtype.numpy())),
                         base=node.inputs[index].name or node.name)

@@ -17,9 +17,10 @@ from typing import Callable
 
 from taperfold.errors import TaperfoldError
 from taperfold.sources import builtin
-from taperfold.sources.base import ModelSource, SourceKind, checkpoint_digest
+from taperfold.sources.base import FineTuned, ModelSource, SourceKind, checkpoint_digest
 
-__all__ = ["ModelSource", "SourceKind", "checkpoint_digest", "config_from_dict", "fine_tune", "open_source"]
+__all__ = ["FineTuned", "ModelSource", "SourceKind", "checkpoint_digest", "config_from_dict", "fine_tune", "open_source",
+           "register"]
 
 
 def _transformers() -> SourceKind:
@@ -28,7 +29,14 @@ def _transformers() -> SourceKind:
     return hf.KIND
 
 
-SOURCE_KINDS: tuple[Callable[[], SourceKind], ...] = (_transformers, lambda: builtin.KIND)  # the first that claims
+# Asked in order, the first that claims a path opens it; taperfold's own format claims every path the others do not.
+SOURCE_KINDS: list[Callable[[], SourceKind]] = [_transformers, lambda: builtin.KIND]
+
+
+def register(kind: SourceKind) -> SourceKind:
+    """Ask `kind` before taperfold's own format, the fallback."""
+    SOURCE_KINDS.insert(len(SOURCE_KINDS) - 1, lambda: kind)
+    return kind
 
 
 def open_source(path: str | Path) -> ModelSource:
@@ -43,7 +51,8 @@ def _kind_of(path: Path) -> SourceKind:
     return next(kind for kind in (get() for get in SOURCE_KINDS) if kind.claims(path))
 
 
-def fine_tune(path: str | Path, opts, data_files: list[Path] | None, taper: str, aux: bool, on_step=None):
+def fine_tune(path: str | Path, opts, data_files: list[Path] | None, taper: str, aux: bool,
+              on_step=None) -> FineTuned:
     """Taper the plain model at `path` and train it through the whole taper (`taperfold train --from`); the
     result's `save(out)` writes it in its source's format."""
     path = Path(path)

@@ -6,7 +6,7 @@ import abc
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -57,9 +57,6 @@ class ModelSource(abc.ABC):
         """Top-level keys a source adds to an export's manifest.json."""
         return {}
 
-    def digest(self) -> str:
-        return checkpoint_digest(self.path)
-
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, or one line naming the file."""
@@ -79,6 +76,18 @@ def checkpoint_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+class FineTuned(Protocol):
+    """What a kind's `fine_tune` returns (`taperfold train --from`), and `taperfold.train.train` too."""
+
+    gate: float
+    val_loss: float
+    seconds: float
+    tokenizer_name: str  # "bytes", or "hf" for a transformers directory's own tokenizer
+
+    def save(self, out: str | Path) -> Path:
+        """Write the trained model in its source's format."""
+
+
 @dataclass(frozen=True)
 class SourceKind:
     name: str
@@ -86,5 +95,5 @@ class SourceKind:
     open: Callable[[Path], ModelSource]
     wrote_config: Callable[[dict], bool]  # is this manifest `config` one a source of mine wrote
     config_from_dict: Callable[[dict], object]
-    # (path, TrainOptions, data files, taper, aux, on_step) -> a result with .save(out): `taperfold train --from`
-    fine_tune: Callable | None = None
+    # (path, TrainOptions, data files, taper=, aux=, on_step=) -> FineTuned: `taperfold train --from`
+    fine_tune: Callable[..., FineTuned] | None = None

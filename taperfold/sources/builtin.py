@@ -116,7 +116,7 @@ def checkpoint_output(path: str | Path, option: str) -> Output:
 # ---- loading ---------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path) -> Checkpoint:
     """Read and validate a taperfold checkpoint; raise `TaperfoldError` naming the file and key on any problem.
     (taperfold.sources.open_source opens any model source: this, or a Hugging Face directory.)"""
     path = Path(path)
@@ -233,7 +233,7 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = build_model(ckpt.config).state_dict()
     optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
-    norms = set(ckpt.family.norm_readers(ckpt.config.n_layers, "all"))
+    norms = set(ckpt.family.norm_paths(ckpt.config.n_layers, "all"))
     for key in expected:
         if key not in ckpt.state_dict and key not in optional:
             raise TaperfoldError(f"{path}: missing key '{key}'")
@@ -261,5 +261,5 @@ def _load_into(model: CausalLM, state: dict, path) -> None:
 
 # Claims every path no other kind claims; its manifest configs are ModelConfigs (a transformers model's names
 # its source).
-KIND = SourceKind("taperfold", claims=lambda path: True, open=load_checkpoint,
+KIND = SourceKind("taperfold", claims=lambda path: True, open=read_checkpoint,
                   wrote_config=lambda config: "source" not in config, config_from_dict=ModelConfig.from_dict)

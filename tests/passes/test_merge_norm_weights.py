@@ -42,3 +42,23 @@ def test_a_real_norm_read_by_a_residual_is_reported_with_the_reason():
     MergeNormWeightsPass(report)(model)
     (entry,) = report.norms
     assert entry.status == NormStatus.REAL_NORM and "read by Add 'y' (residual)" in entry.reason
+
+
+def test_a_skip_norm_merges_its_scale_not_its_residual_input():
+    """ONNX Runtime's SkipLayerNormalization(x, skip, gamma, beta): the scale and bias are inputs 2 and 3 (input 1
+    is the residual); the output the residual path reads on (x + skip) keeps flowing unchanged."""
+    model = build([n("SkipLayerNormalization", ["x", "r", "g", "b"], ["h", "", "", "sum"], domain="com.microsoft",
+                     epsilon=1e-5),
+                   n("MatMul", ["h", "W"], ["q"]), n("Add", ["q", "sum"], ["y"])],
+                  [X, ("r", F32, [2, 3, D])], [("y", F32, [2, 3, D])], {"g": rand(D), "b": rand(D), "W": rand(D, D)})
+    feeds = {"x": rand(2, 3, D), "r": rand(2, 3, D)}
+    before = run(model, feeds)
+    report = FoldReport()
+    MergeNormWeightsPass(report)(model)
+    (entry,) = report.norms
+    assert entry.status == NormStatus.WEIGHTS_MERGED
+    assert rel_err(before[0], run(model, feeds)[0]) <= 1e-5
+    node = next(node for node in model.graph if node.op_type == "SkipLayerNormalization")
+    assert node.inputs[1].name == "r"  # the residual input untouched
+    np.testing.assert_array_equal(node.inputs[2].const_value.numpy(), np.ones(D, np.float32))
+    np.testing.assert_array_equal(node.inputs[3].const_value.numpy(), np.zeros(D, np.float32))
