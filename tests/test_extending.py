@@ -2,6 +2,7 @@
 data plus one registration, and the core never names them."""
 
 import dataclasses
+import re
 import importlib.util
 import subprocess
 import sys
@@ -147,3 +148,21 @@ def test_a_family_with_post_norms_folds_them_backwards_into_their_producers(regi
         model.tapering.producers = wrong.norm_producers(2)
         off = fold_in_torch(model)(ids, logits="all")
     assert float((off - expected).abs().max() / expected.abs().max()) > 1e-3  # 100 times the bound above
+
+
+@pytest.mark.parametrize("internal, message", [
+    ({"input_layernorm": ("self_attn.q_prj",)}, "has no module 'model.layers.0.self_attn.q_prj'"),
+    ({"input_layernorm": ("self_attn",)}, "model.layers.0.self_attn is a LlamaAttention, not a linear layer"),
+    ({"input_layernorm": ("mlp.down_proj",)}, "model.layers.0.mlp.down_proj takes 512 features, but "
+                                              "model.layers.0.input_layernorm gives 128"),
+])
+def test_a_wrong_family_is_refused_in_one_line_before_anything_is_tapered(internal, message):
+    from taperfold.models import MODEL_CLASSES, preset_config
+    from taperfold.taper import taper_model
+
+    model = MODEL_CLASSES["llama"](preset_config("tiny", arch="llama", taper="none"))
+    wrong = dataclasses.replace(families.family_for("llama"), internal=internal)
+    with pytest.raises(TaperfoldError, match=re.escape(message)) as info:
+        taper_model(model, wrong, "internal", where="m")
+    assert "\n" not in str(info.value) and getattr(model, "tapering", None) is None
+    assert not model.tapered_norms()  # nothing was swapped
