@@ -33,7 +33,8 @@ from torch import nn
 from taperfold import exportdir
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
-from taperfold.exportdir import DTYPES, INPUT, LOGITS, MANIFEST, OUTPUT, decoder_io_names, onnx_file, torch_dtype
+from taperfold.exportdir import (BASELINE, DTYPES, FOLDED, INPUT, LOGITS, MANIFEST, OUTPUT, UNFOLDED, decoder_io_names,
+                                 onnx_file, torch_dtype)
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.norms import norm_kinds
 from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
@@ -159,9 +160,9 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     dtype = torch_dtype(opts.dtype)
     sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
     if opts.baseline or not source.tapered:
-        sources.append(("baseline", source.build_baseline(reference=False).to(dtype)))
+        sources.append((BASELINE, source.build_baseline(reference=False).to(dtype)))
     if source.tapered:
-        sources.append(("unfolded", source.build(gate=0.0, reference=False).to(dtype)))
+        sources.append((UNFOLDED, source.build(gate=0.0, reference=False).to(dtype)))
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         exported = export_graphs(sources, tmp, opts, on_stage)
@@ -202,7 +203,7 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
                 model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
             timings["torch_export_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            if variant == "baseline":
+            if variant == BASELINE:
                 _write_baselines(model_ir, folder, decoder, choice, opts.target, out.graphs)
                 timings["write_s"] += time.perf_counter() - t0
                 continue
@@ -216,7 +217,7 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
             out.reports[name] = _network_names(fold_model(model_ir).to_dict(), model, decoder)
             timings["passes_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            for graph_ir, written in ((model_ir, "folded"), (_load(staged), "unfolded")):
+            for graph_ir, written in ((model_ir, FOLDED), (_load(staged), UNFOLDED)):
                 fused = _fuse(graph_ir, opts.target)
                 out.graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
                 _save(graph_ir, folder / onnx_file(written, decoder))
@@ -266,7 +267,7 @@ def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice,
     fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(target) and count_rms_norms(model_ir) > 0
     if fuse_after_export:
         write(exportdir.DECOMPOSED_BASELINE)
-    write("baseline", _fuse(model_ir, target) if fuse_after_export else 0)
+    write(BASELINE, _fuse(model_ir, target) if fuse_after_export else 0)
     if choice.opset >= FUSING_OPSET and expand_rms_norms(model_ir):
         write(exportdir.DECOMPOSED_BASELINE)
 
@@ -291,7 +292,7 @@ def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder:
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
                 "kv_cache": opts.kv_cache, "inputs": [INPUT], "outputs": [OUTPUT]},
-        versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get("unfolded"),
+        versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get(UNFOLDED),
         decoder_fold_report=exported.reports.get("unfolded.decoder"),
         timings=exported.timings)
     manifest.update(source.manifest_block())

@@ -40,22 +40,24 @@ class Variant:
     aliases: tuple[str, ...] = ()  # other spellings a user may type
 
 
+BASELINE, UNFOLDED, FOLDED = "baseline", "unfolded", "folded"
+DECOMPOSED_BASELINE, NONORM = "baseline-decomposed", "nonorm"
+
 # The variants, in report order. The folded model is the deployable one: model.onnx / model.plan.
 VARIANT_TABLE = (
-    Variant("baseline", "baseline", "the same weights with the model's own untapered norms, in their fused form: "
+    Variant(BASELINE, "baseline", "the same weights with the model's own untapered norms, in their fused form: "
             "the reference every speedup is measured against", default=True),
-    Variant("unfolded", "unfolded", "the tapered model at g = 0: each tapered norm an explicit constant map (the "
+    Variant(UNFOLDED, "unfolded", "the tapered model at g = 0: each tapered norm an explicit constant map (the "
             "paper's Internal-Taper unfused)", default=True, aliases=("unfused",)),
-    Variant("folded", "model", "those constant maps folded into the layers that read them: what you deploy",
+    Variant(FOLDED, "model", "those constant maps folded into the layers that read them: what you deploy",
             default=True),
-    Variant("baseline-decomposed", "baseline.decomposed", "the baseline with RMSNorm as plain ops, as hand-written "
+    Variant(DECOMPOSED_BASELINE, "baseline.decomposed", "the baseline with RMSNorm as plain ops, as hand-written "
             "norms export (RMS families; a weaker reference, reported apart)"),
-    Variant("nonorm", "nonorm", "the tapered norms deleted, weights unscaled: not the same function, the timing a "
+    Variant(NONORM, "nonorm", "the tapered norms deleted, weights unscaled: not the same function, the timing a "
             "fold with zero residue matches", exported=False),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANT_TABLE}
 VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.default)  # the default set of bench and verify
-DECOMPOSED_BASELINE = "baseline-decomposed"
 ALL_VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.exported)  # every variant `taperfold export` may write
 NAMEABLE_VARIANTS = tuple(VARIANTS_BY_NAME)  # what a user may name
 ALIASES = {alias: v.name for v in VARIANT_TABLE for alias in v.aliases}
@@ -186,7 +188,7 @@ class Manifest:
         key = artifact_key(variant, decoder)
         return self._file(key, "re-export with --kv-cache" if decoder else None)
 
-    def engine_plan(self, variant: str = "folded") -> Path:
+    def engine_plan(self, variant: str = FOLDED) -> Path:
         """Path of the TensorRT engine built for `variant`."""
         entry = self.engines.get(canonical_variant(variant))
         path = self.directory / entry["path"] if isinstance(entry, dict) and "path" in entry else None
@@ -231,7 +233,7 @@ def read_manifest(export_dir: str | Path) -> Manifest:
     if data.get("format") != FORMAT:
         raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not '{FORMAT}')")
     artifacts = data.get("artifacts")
-    baseline_only = isinstance(artifacts, dict) and not {"unfolded", "folded"} & set(artifacts)
+    baseline_only = isinstance(artifacts, dict) and not {UNFOLDED, FOLDED} & set(artifacts)
     for key in (*_REQUIRED, *(_BASELINE_ONLY if baseline_only else _FOLDED_ARTIFACTS)):
         node = data
         for part in key.split("."):

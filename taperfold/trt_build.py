@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import ENGINE_ARTIFACT, INPUT, PLAN_FILES, Manifest, canonical_variant, read_manifest
+from taperfold.exportdir import (ENGINE_ARTIFACT, FOLDED, INPUT, PLAN_FILES, Manifest, canonical_variant,
+                                 read_manifest)
 from taperfold.fsutil import atomic_path
 
 NOT_INSTALLED = "tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU"
@@ -194,7 +195,7 @@ def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
     return profile
 
 
-def build_engine_for_export(out_dir, variants=("folded",), profile: Profile | None = None,
+def build_engine_for_export(out_dir, variants=(FOLDED,), profile: Profile | None = None,
                             on_stage: Callable[[str], None] = lambda s: None) -> dict:
     """Build the engines of `variants` from an export folder, record them in manifest.json and return its data.
 
@@ -220,10 +221,10 @@ def _build_engines(manifest: Manifest, variants, profile: Profile, on_stage: Cal
                                         timing_cache=out_dir / TIMING_CACHE, on_stage=on_stage)
         engines[variant]["dtype"] = manifest.dtype
     manifest.data["engines"] = engines
-    if "folded" in engines:
-        manifest.artifacts[ENGINE_ARTIFACT] = {"path": engines["folded"]["path"], "bytes": engines["folded"]["bytes"],
+    if FOLDED in engines:
+        manifest.artifacts[ENGINE_ARTIFACT] = {"path": engines[FOLDED]["path"], "bytes": engines[FOLDED]["bytes"],
                                                "external_data": None, "external_data_bytes": 0,
-                                               "variant": "folded", "format": "tensorrt-plan"}
+                                               "variant": FOLDED, "format": "tensorrt-plan"}
     manifest.write()
     return manifest.data
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
 from taperfold.norms import ConstantMap, plain_kind
 from taperfold.taper import TaperedLM
 
@@ -110,9 +111,9 @@ def build_variants(source, names: list[str], dtype: torch.dtype) -> dict[str, Ta
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
     exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once)."""
     tapered = source.build(gate=0.0, reference=False)
-    build = {"baseline": lambda: source.build_baseline(reference=False), "unfolded": lambda: tapered,
-             "folded": lambda: fold_in_torch(tapered),
-             "baseline-decomposed": lambda: decomposed(source.build_baseline(reference=False)),
-             "nonorm": lambda: without_norms(tapered)}
+    build = {BASELINE: lambda: source.build_baseline(reference=False), UNFOLDED: lambda: tapered,
+             FOLDED: lambda: fold_in_torch(tapered),
+             DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline(reference=False)),
+             NONORM: lambda: without_norms(tapered)}
     models = {name: build[name]() for name in names}
     return {name: m.to(dtype).eval() for name, m in models.items()}

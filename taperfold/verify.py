@@ -37,8 +37,8 @@ import numpy as np
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.engines import ENGINES, open_runners
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import (DECOMPOSED_BASELINE, ENGINE_ARTIFACT, INPUT, OUTPUT, Manifest, artifact_key,
-                                 decoder_io_names, read_manifest)
+from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, INPUT, OUTPUT, UNFOLDED, Manifest,
+                                 artifact_key, decoder_io_names, read_manifest)
 from taperfold.runners.base import Runner
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
@@ -259,7 +259,7 @@ def _load_reference_checkpoint(manifest: Manifest) -> ModelSource:
 
 def _baseline_only(manifest: Manifest) -> bool:
     """An export of a plain (untapered) checkpoint: baseline graphs and nothing tapered or folded."""
-    return not any(manifest.has_artifact(v) for v in ("unfolded", "folded"))
+    return not any(manifest.has_artifact(v) for v in (UNFOLDED, FOLDED))
 
 
 # ---- verification --------------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     baseline_only = _baseline_only(manifest)
     # each torch model is built once and shared by the prefill and the decoder checks
     models = {reference: ckpt.build(gate=0.0 if forced else None)}
-    if not baseline_only and any(manifest.has_artifact(v, decoder=d) for v in ("baseline", DECOMPOSED_BASELINE)
+    if not baseline_only and any(manifest.has_artifact(v, decoder=d) for v in (BASELINE, DECOMPOSED_BASELINE)
                                  for d in (False, True)):
         models[TORCH_BASELINE] = ckpt.build_baseline()  # the source's own untapered norms
     runners = {reference: torch_engine.runner(models[reference], device="cpu", logits=logits,
@@ -300,12 +300,12 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     fold_tol = default_tolerance(dtype, "fold").override(**overrides)
     pairs = []
     if not baseline_only:
-        for variant in ("unfolded", "folded"):
+        for variant in (UNFOLDED, FOLDED):
             runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
-        pairs += [PairResult(reference, "unfolded", "export", export_tol),
-                  PairResult(reference, "folded", "export", export_tol),
-                  PairResult("unfolded", "folded", "fold", fold_tol)]
-    baselines = [v for v in ("baseline", DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
+        pairs += [PairResult(reference, UNFOLDED, "export", export_tol),
+                  PairResult(reference, FOLDED, "export", export_tol),
+                  PairResult(UNFOLDED, FOLDED, "fold", fold_tol)]
+    baselines = [v for v in (BASELINE, DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
     if baselines:
         # a plain checkpoint is its own baseline: its forward is the reference, built once
         baseline_ref = reference if baseline_only else TORCH_BASELINE
@@ -316,21 +316,21 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
             runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
             pairs.append(PairResult(baseline_ref, variant, "export", export_tol))
         if len(baselines) == 2:  # the fused norm against the plain ops it replaced
-            pairs.append(PairResult(DECOMPOSED_BASELINE, "baseline", "fuse", fold_tol))
-    if "folded" in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
+            pairs.append(PairResult(DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol))
+    if FOLDED in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
         engine_pair = PairResult(reference, ENGINE_ARTIFACT, "export", export_tol)
         pairs.append(engine_pair)
         why_not = plan_engine.unavailable(plan_engine.default_device)
         if why_not:
             engine_pair.status, engine_pair.reason = "skipped", why_not
         else:
-            runners[ENGINE_ARTIFACT] = plan_engine.runner(manifest.engine_plan("folded"))
+            runners[ENGINE_ARTIFACT] = plan_engine.runner(manifest.engine_plan(FOLDED))
     if forced:
-        pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", "folded", "cost", None, status="info"))
+        pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", FOLDED, "cost", None, status="info"))
 
     progress = on_progress or (lambda done, total, description: None)
     _run(list(zip(batches, id_arrays)), runners, pairs, threads, progress)
-    if any(manifest.has_artifact(v, decoder=True) for v in ("unfolded", "baseline")):
+    if any(manifest.has_artifact(v, decoder=True) for v in (UNFOLDED, BASELINE)):
         pairs += _verify_decoders(manifest, ckpt.config, models, reference, dtype, device, threads, export_tol, seed,
                                   progress)
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
@@ -403,10 +403,10 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
                      threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
     """Every *.decoder.onnx against its torch model (`models`: name -> model, as verify_export built them)
     decoding the same tokens (see decode_cases)."""
-    variants = [v for v in ("baseline", DECOMPOSED_BASELINE, "unfolded", "folded")
+    variants = [v for v in (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
                 if manifest.has_artifact(v, decoder=True)]
     baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
-    refs = {v: baseline_ref if v in ("baseline", DECOMPOSED_BASELINE) else reference for v in variants}
+    refs = {v: baseline_ref if v in (BASELINE, DECOMPOSED_BASELINE) else reference for v in variants}
     pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
     if dtype == "bf16":
         for pair in pairs.values():

@@ -17,7 +17,7 @@ from taperfold.bench.stats import summarize
 from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, open_runners
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import INPUT, torch_dtype
+from taperfold.exportdir import ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, INPUT, VARIANTS, torch_dtype
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
 from taperfold.variants import build_variants
@@ -34,7 +34,7 @@ def cv_threshold_pct(device: str) -> float:
 @dataclass
 class BenchOptions:
     engine: str = "ort"
-    variants: list[str] = field(default_factory=lambda: ["baseline", "unfolded", "folded"])  # canonical names
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))  # canonical names
     batches: list[int] = field(default_factory=lambda: [1, 4])
     seqs: list[int] = field(default_factory=lambda: [128, 256, 512])
     warmup: int = 10
@@ -73,10 +73,9 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
 def _check_exported(manifest, variants: list[str], decoder: bool) -> None:
     """A plain model's export has its baseline only: asking for anything else is one line saying what it can time.
     (Other missing graphs are named by `Manifest.artifact` when the runners open.)"""
-    present = [v for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
-               if manifest.has_artifact(v, decoder=decoder)]
+    present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, decoder=decoder)]
     missing = [v for v in variants if v not in present]
-    if missing and present and set(present) <= {"baseline", "baseline-decomposed"}:
+    if missing and present and set(present) <= {BASELINE, DECOMPOSED_BASELINE}:
         raise TaperfoldError(f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
                              f"or folded), so {', '.join(missing)} cannot be timed; it can time --variants "
                              f"{','.join(present)}")
@@ -271,7 +270,7 @@ def _add_speedups(rows: list[dict]) -> None:
     def key(r):
         return r["phase"], r["batch"], r["seq"], r["execution"]
 
-    base = {key(r): r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
+    base = {key(r): r["tokens_per_s"] for r in rows if r["variant"] == BASELINE}
     for r in rows:
         ref = base.get(key(r))
         r["speedup_vs_baseline"] = r["tokens_per_s"] / ref if ref else None
