@@ -154,7 +154,8 @@ def _run_one(out: Path, name: str, argv: list[str], env: dict, index: dict) -> i
     start = time.time()
     with open(out / f"{name}.log", "w") as log:
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    index[name] = {"command": " ".join(["taperfold", *argv[3:]]), "exit_code": code,
+    # the command as a reader reruns it: OUT for the folder given to `run`, not this machine's path
+    index[name] = {"command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"), "exit_code": code,
                    "seconds": round(time.time() - start, 1)}
     (out / "runs.json").write_text(json.dumps(index, indent=2))
     print(f"   exit {code} in {index[name]['seconds']} s", flush=True)
@@ -283,7 +284,8 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
         lines.append(f"- folded × baseline, as measured: {min(targets['gain']):.3f}–{max(targets['gain']):.3f}×.")
     if runs:
         failed = {n: r for n, r in runs.items() if r["exit_code"] != 0}
-        lines += ["", "Commands (each wrote the JSON of the same name):", "", "```"]
+        lines += ["", "Commands (each wrote the JSON of the same name; OUT is the folder given to "
+                  "`python examples/gpu_table3.py run OUT`):", "", "```"]
         lines += [f"{r['command']}   # {n}: exit {r['exit_code']}, {r['seconds']:.0f} s" for n, r in runs.items()]
         lines += ["```"]
         if failed:

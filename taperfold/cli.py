@@ -5,18 +5,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import click
 
-from taperfold.clickutil import AliasedOption
+from taperfold.clickutil import SEED, AliasedOption, FiniteFloatRange
 from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
+from taperfold.interrupts import interrupted_line
 from taperfold.exportdir import DTYPES, LOGITS, VARIANT_TABLE, VARIANTS
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS
+
+
+MAX_THREADS = 1024
+# Shorter schedules diverged: 10-24 steps from scratch in 5 of 12 runs (tiny llama and gpt2, seeds 0-2), 30 in none
+# (docs/training.md). The library's TrainOptions takes any count.
+MIN_STEPS = 30
 
 
 def _print_json(obj) -> None:
@@ -55,7 +63,7 @@ def cli() -> None:
               help="Run IN and OUT in ONNX Runtime on inputs made from the graph's signature and compare every "
                    "output (exit 1 on a mismatch).")
 @click.option("--shapes", metavar="NAME:1x16,...", help="--verify: shapes of inputs with dynamic dimensions.")
-@click.option("--seed", type=int, default=0, show_default=True, help="--verify: seed of the generated inputs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="--verify: seed of the generated inputs.")
 def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold, shapes, seed):
     """Fold g = 0 TaperNorm / TaperLN layers of IN.onnx into the linear layers that read them.
 
@@ -65,7 +73,7 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
     """
     from taperfold.fsutil import Output, check_outputs, onnx_external_files
     from taperfold.passes import fold_onnx_file
-    from taperfold.passes.check_fold import check_fold, parse_shapes
+    from taperfold.passes.check_fold import check_fold, check_inputs, parse_shapes
     from taperfold.ui import err, out, print_fold_check, print_fold_report
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
@@ -73,6 +81,8 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
                          inputs=[src, *onnx_external_files(src)])
     if as_json and plan.uses_stdout:
         raise click.UsageError("--json and --report - both write to stdout; pass one")
+    if verify_fold:
+        check_inputs(src, wanted)  # an input --verify cannot generate fails before anything is written
     report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights)
     check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
     if as_json:
@@ -95,10 +105,12 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
 @click.option("--taper", type=click.Choice(["internal", "all", "none"]), default="internal", show_default=True,
               help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.")
 @click.option("--aux/--no-aux", default=True, show_default=True, help="Fixed-target scale anchoring loss (eq. 5).")
-@click.option("--steps", type=click.IntRange(min=10), default=600, show_default=True)
+@click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=600, show_default=True,
+              help=f"Optimizer steps; at least {MIN_STEPS}, the shortest schedule that settles at g = 0 "
+                   "(docs/training.md).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", type=FiniteFloatRange(min=0, min_open=True), default=2e-3, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--data", "data", type=click.Path(dir_okay=False), multiple=True,
               help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.")
 @click.option("-o", "--output", "--out", "out", type=click.Path(), required=True, cls=AliasedOption, aliases=("--out",),
@@ -257,12 +269,12 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
               help="Token ids: .npy integer array, or whitespace-separated ids, one sequence per line.")
 @click.option("--text", "text_file", type=click.Path(dir_okay=False),
               help="A text file, encoded with the checkpoint's byte-level tokenizer.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random token batches.")
-@click.option("--threads", type=click.IntRange(min=1),
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random token batches.")
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
               help="CPU threads for the torch reference and ONNX Runtime. Default: theirs.")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Bound on max |error| / max |reference|, every pair.")
-@click.option("--min-top1", type=click.FloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
-@click.option("--max-kl", type=click.FloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
+@click.option("--rtol", type=FiniteFloatRange(min=0), help="Bound on max |error| / max |reference|, every pair.")
+@click.option("--min-top1", type=FiniteFloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
+@click.option("--max-kl", type=FiniteFloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
     from taperfold.exportdir import read_manifest
@@ -289,13 +301,15 @@ def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_
 # ---- bench -------------------------------------------------------------------------------------------
 
 
-def _int_list(option: str, text: str) -> list[int]:
+def _int_list(option: str, text: str, maximum: int | None = None) -> list[int]:
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
         values = []
     if not values or min(values) < 1:
         raise TaperfoldError(f"{option}: {text!r} is not a comma-separated list of positive integers")
+    if maximum is not None and max(values) > maximum:
+        raise TaperfoldError(f"{option}: {max(values)} is above the largest allowed, {maximum}")
     return list(dict.fromkeys(values))
 
 
@@ -324,7 +338,8 @@ def _engine_options(command):
               help="Any of " + ", ".join(v.name + "".join(f" (also spelt {a})" for a in v.aliases) for v in VARIANT_TABLE)
                    + "; speedups are always against baseline.")
 @click.option("--batch", "batches", default="1,4", show_default=True)
-@click.option("--seq", "seqs", default="128,256,512", show_default=True, help="Sequence lengths (prefill mode).")
+@click.option("--seq", "seqs", help="Sequence lengths (prefill mode).  [default: 128,256,512, capped at the model's "
+                                     "context]")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
               help="Warm-up calls per variant and cell, spread over the rounds (at least one per round).")
 @click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True,
@@ -332,21 +347,23 @@ def _engine_options(command):
 @click.option("--rounds", type=click.IntRange(min=1), help="Alternation rounds. Default: min(5, iters).")
 @click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
               help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).")
-@click.option("--prompt", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length (decode).")
+@click.option("--prompt", type=click.IntRange(min=1),
+              help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context]")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Decode steps after the prompt (decode).")
 @click.option("--dtype", type=click.Choice(DTYPES),
               help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.")
 @click.option("--device", type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
               help="Default: " + ", ".join(f"{e.default_device} for {e.name}" for e in ENGINES.values()) + ".")
-@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (torch and ORT intra-op). Default: torch's.")
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
+              help="CPU threads (torch and ORT intra-op). Default: torch's.")
 @_engine_options
 @click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
 @click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True,
               help="Architecture for --preset.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input tokens.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random input tokens.")
 @click.option("--report", "--json", "json_path", type=click.Path(dir_okay=False), cls=AliasedOption, aliases=("--json",),
               help="Write every timing, stats and the machine as JSON ('-': stdout).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False),
@@ -365,13 +382,14 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
-    from taperfold.bench.measure import BenchOptions, cells, load_bench, run_bench
+    from taperfold.bench.measure import (DEFAULT_PROMPT, DEFAULT_SEQS, MAX_BATCH, BenchOptions, cells, fit_to_context,
+                                         load_bench, run_bench)
     from taperfold.bench.report import require_matplotlib, write_csv, write_plot
     from taperfold.bench.source import resolve_source
     from taperfold.engines import changed_options
     from taperfold.exportdir import canonical_variants
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
-    from taperfold.ui import bench_progress, print_bench
+    from taperfold.ui import bench_progress, err, print_bench
 
     try:
         names = canonical_variants([v.strip() for v in variants.split(",") if v.strip()])
@@ -387,11 +405,14 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
                           Output(plot_path, "--plot", stream=True), Output(dir_report, BENCH_REPORTS[mode])],
                          inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)])
     engine = engine or ("ort" if export_dir else "torch")
-    opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches),
-                        seqs=_int_list("--seq", seqs), warmup=warmup, iters=iters, rounds=rounds or min(5, iters),
-                        mode=mode, prompt=prompt, new_tokens=new_tokens, dtype=dtype,
-                        device=device or ENGINES[engine].default_device, threads=threads,
-                        engine_options=changed_options(engine_options), seed=seed)
+    opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches, MAX_BATCH),
+                        seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS), warmup=warmup, iters=iters,
+                        rounds=rounds or min(5, iters), mode=mode, prompt=prompt or DEFAULT_PROMPT,
+                        new_tokens=new_tokens, dtype=dtype, device=device or ENGINES[engine].default_device,
+                        threads=threads, engine_options=changed_options(engine_options), seed=seed)
+    opts, notes = fit_to_context(opts, source.config, seqs_given=bool(seqs), prompt_given=prompt is not None)
+    for note in notes:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
     runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
     total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
     with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
@@ -421,7 +442,8 @@ def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
 @cli.command()
 @click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-demo",
               show_default=True, cls=AliasedOption, aliases=("--out",))
-@click.option("--steps", type=click.IntRange(min=10), default=300, show_default=True, help="Training steps.")
+@click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=300, show_default=True,
+              help=f"Training steps (at least {MIN_STEPS}).")
 @click.pass_context
 def demo(ctx, out_dir, steps):
     """The whole flow on the embedded default: train the tiny Internal-Taper llama on the Python standard
@@ -434,12 +456,13 @@ def demo(ctx, out_dir, steps):
 
     root = Path(out_dir)
     ckpt, export_dir = root / "tiny.safetensors", root / "export"
-    if root.is_dir():  # every output checked before the training, as each command does for its own
-        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
-    else:
+    created = not root.is_dir()
+    if created:
         check_outputs([Output(root, "-o", directory="taperfold demo")])
         with write_errors(root):
             root.mkdir(parents=True)
+    else:  # every output checked before the training, as each command does for its own
+        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
     stages = [
         ("1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper", train,
          dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),
@@ -455,9 +478,14 @@ def demo(ctx, out_dir, steps):
               warmup=2, iters=4, threads=1)),
     ]
     rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
-    for title, command, kwargs in stages:
-        out.print(Rule(title), width=rule_width)
-        ctx.invoke(command, **kwargs)
+    try:
+        for title, command, kwargs in stages:
+            out.print(Rule(title), width=rule_width)
+            ctx.invoke(command, **kwargs)
+    except BaseException:  # a failed stage, or a signal: a folder the demo made for itself goes with it
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     out.print(Rule(), width=rule_width)
     written = ", ".join(sorted(p.name for p in export_dir.glob("*.json")))
     out.print(f"done: checkpoint {ckpt}, export {export_dir} ({written})")
@@ -466,20 +494,20 @@ def demo(ctx, out_dir, steps):
 def main() -> None:
     from taperfold import interrupts
 
-    previous = interrupts.install()  # SIGTERM like SIGINT: temporaries removed, exit 143 (SIGINT: 130)
+    interrupts.install()  # SIGTERM like SIGINT: temporaries removed, exit 143 (SIGINT: 130)
     try:
         _run()
     finally:
-        interrupts.restore(previous)
+        interrupts.finishing()  # kept to the very end: a late signal is still one line and 128 + its number
 
 
 def _run() -> None:
     try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort as e:
-        signum = getattr(e.__cause__, "signum", None)
-        click.echo("taperfold: aborted" if signum is None else f"taperfold: interrupted ({e.__cause__})", err=True)
-        sys.exit(getattr(e.__cause__, "exit_code", 130))
+        # not cli.main(): it prints a newline of its own on Ctrl-C before any message of ours
+        with cli.make_context("taperfold", sys.argv[1:]) as ctx:
+            cli.invoke(ctx)
+    except click.exceptions.Exit as e:  # --help, --version
+        sys.exit(e.exit_code)
     except click.exceptions.NoArgsIsHelpError as e:  # a bare `taperfold` or `taperfold fold`: the help, as asked
         e.show()
         sys.exit(2)
@@ -497,7 +525,7 @@ def _run() -> None:
         click.echo(f"taperfold: FAILED: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt as e:
-        click.echo("taperfold: interrupted", err=True)
+        click.echo(interrupted_line(e), err=True)
         sys.exit(getattr(e, "exit_code", 130))
     except BrokenPipeError:  # stdout closed early (`| head`): nothing left to say, and no flush error at exit
         with contextlib.suppress(OSError, ValueError, AttributeError):

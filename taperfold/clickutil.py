@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 
@@ -22,3 +24,18 @@ class AliasedOption(click.Option):
             return super().get_help_record(ctx)
         finally:
             self.opts = opts
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and ±inf: a nan passes every comparison a range makes."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+SEED = click.IntRange(0, 2**32 - 1)  # what numpy's and torch's seeding both take

@@ -144,7 +144,8 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray, rtol: float) ->
     overlap = np.array([len(np.intersect1d(a, b)) for a, b in zip(ref_top5, cand_top5)]) / k
 
     log_p, log_q = _log_softmax(ref), _log_softmax(cand)
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    # KL ≥ 0; two near-identical rows can sum to -1e-17 in rounding, which is 0
+    kl = np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
 
     if not np.isfinite(cand).all():  # argmax/top-k on NaN pick arbitrary tokens; make every bound fail
         max_abs = max_rel = float("nan")

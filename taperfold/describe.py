@@ -9,6 +9,10 @@ from taperfold.norms import is_norm_module, tapered_kind
 from taperfold.sources import ModelSource
 
 
+PLAIN = "plain model: folds into these once tapered"
+PLAIN_KEPT = "plain model: an Internal-Taper keeps it"
+
+
 def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: list[str]) -> dict:
     """One tapered norm, with whether export can fold it and why."""
     tilde = module.gain(module.weight_tilde.detach())
@@ -24,22 +28,28 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
             "foldable": foldable, "reason": reason}
 
 
-def plain_norm_entry(name: str, kind: str, reason: str) -> dict:
-    """A norm that is not tapered: never folded."""
+def plain_norm_entry(name: str, kind: str, reason: str, folds_into: list[str] = ()) -> dict:
+    """A norm that is not tapered: never folded (`folds_into`: where it would fold once tapered)."""
     return {"name": name, "kind": kind, "tapered": False, "gate": None, "c": None, "gamma_tilde_min": None,
-            "gamma_tilde_max": None, "folds_into": [], "foldable": False, "reason": reason}
+            "gamma_tilde_max": None, "folds_into": list(folds_into), "foldable": False, "reason": reason}
 
 
 def describe(source: ModelSource) -> dict:
     """The `inspect` report: the model, then every norm module in module order."""
     model = source.build()
     tapering = model.tapering
+    family, n_layers = source.family, source.config.n_layers
+    # a plain model: the norms an Internal-Taper would taper, and where each would fold
+    would_fold = {} if tapering is not None else {
+        **family.norm_readers(n_layers, "internal"), **{p: [q] for p, q in family.norm_producers(n_layers).items()}}
     norms = []
     for name, module in model.network.named_modules():
         if tapering is not None and name in tapering.norms:
             norms.append(tapered_norm_entry(name, module, source.gate, tapering.folds_into(name)))
+        elif name in would_fold:
+            norms.append(plain_norm_entry(name, type(module).__name__, PLAIN, would_fold[name]))
         elif is_norm_module(module):
-            reason = tapering.untapered.get(name, "") if tapering is not None else source.plain_norm_reason
+            reason = tapering.untapered.get(name, "") if tapering is not None else PLAIN_KEPT
             norms.append(plain_norm_entry(name, type(module).__name__, reason))
     return {
         "path": str(source.path) if source.path else None,
@@ -56,5 +66,7 @@ def describe(source: ModelSource) -> dict:
         "norms": norms,
         "foldable": sum(n["foldable"] for n in norms),
         "kept": sum(not n["foldable"] for n in norms),
+        "would_fold": len(would_fold),  # a plain model: the norms that fold once it is tapered
+        "how_to_taper": None if tapering is not None else source.how_to_taper,
     }
 

@@ -48,6 +48,17 @@ NOTHING_TO_FOLD = "nothing to fold: {path} has no tapered norms (a plain model);
 # are dynamic in all three; verify runs them on shapes far from these (verify.random_inputs, verify.decode_cases).
 TRACE_SHAPE = (2, 8)
 TRACE_PAST = 5
+MAX_EXPORT_BATCH = 4096  # the graphs' batch dimension is dynamic up to this
+# A dynamic axis is traced at 2 or more (torch.export specialises 0 and 1), and a decoder's prompt and past
+# together stay within the context: the shortest context export takes.
+MIN_CONTEXT = 4
+
+
+def trace_lengths(max_seq_len: int) -> tuple[int, int]:
+    """(sequence, past) lengths the exporter traces with for a model of this context: TRACE_SHAPE's and
+    TRACE_PAST's where they fit, else the context shared out, 2 at least each."""
+    seq = max(2, min(TRACE_SHAPE[1], max_seq_len // 2))
+    return seq, max(2, min(TRACE_PAST, max_seq_len - seq))
 
 
 @dataclass
@@ -102,16 +113,17 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool = False, o
     one `opts` chooses for this graph)."""
     opset = opset or choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset).opset
     cfg = model.cfg
-    batch = torch.export.Dim("batch", min=1, max=4096)
+    batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
-    ids = torch.randint(0, cfg.vocab_size, TRACE_SHAPE)
+    seq_len, past_len = trace_lengths(cfg.max_seq_len)
+    ids = torch.randint(0, cfg.vocab_size, (TRACE_SHAPE[0], seq_len))
     if decoder:
-        past_len = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
-        kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, TRACE_PAST, cfg.head_dim, dtype=torch_dtype(opts.dtype))
+        past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
+        kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, past_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers)
         module, args = _Decoder(model), (ids, past)
-        shapes = ({0: batch, 1: seq}, [{0: batch, 2: past_len}] * len(past))
+        shapes = ({0: batch, 1: seq}, [{0: batch, 2: past_dim}] * len(past))
         kwargs = {}
     else:
         module, args, kwargs = model, (ids,), {"logits": opts.logits}
@@ -157,6 +169,10 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
     _check_gate(source, opts)
+    if source.config.max_seq_len < MIN_CONTEXT:
+        raise TaperfoldError(f"{ckpt_path}: the model's context is {source.config.max_seq_len} token(s); export traces a "
+                             f"dynamic sequence and a KV cache of 2 tokens or more each, and needs a context of "
+                             f"{MIN_CONTEXT} or more")
     dtype = torch_dtype(opts.dtype)
     sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
     if opts.baseline or not source.tapered:

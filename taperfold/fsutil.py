@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from taperfold import interrupts
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 
 STDOUT = "-"
 SPECIAL = {stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFIFO: "FIFO"}
@@ -156,7 +156,7 @@ def _check_file(o: Output) -> Path | None:
                              "written as regular files; name the target instead")
     real = resolve(link)
     kind = _kind(real)
-    if kind == "directory":
+    if kind == "directory" or str(o.path).endswith(("/", os.sep)):  # "DIR/" names a directory, existing or not
         raise TaperfoldError(f"{name}: is a directory; name a file")
     if kind in SPECIAL.values():
         if not o.stream:
@@ -391,8 +391,8 @@ def read_json_object(path: str | os.PathLike) -> dict:
     """A JSON file whose top level is an object; one clear error naming the file otherwise."""
     try:
         obj = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaperfoldError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, an integer past Python's digit limit, deep nesting
+        raise TaperfoldError(f"{path}: not valid JSON ({first_line(e)})") from None
     except OSError as e:
         raise TaperfoldError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(obj, dict):

@@ -1,16 +1,20 @@
 """SIGINT and SIGTERM stop a command cleanly: temporaries are removed, outputs stay as they were.
 
 The handler records the signal before it raises, so an interrupt that some library swallows (a
-KeyboardInterrupt raised inside a finalizer or a callback is printed as "Exception ignored" and
-dropped) still stops the command at its next `check()`: every commit of an output calls it with the
-signals blocked, so a command either commits whole before the signal or not at all.
+KeyboardInterrupt raised inside a finalizer or a callback would be printed as "Exception ignored" and
+dropped; `install` keeps that quiet) still stops the command at its next `check()`: every commit of an
+output calls it with the signals blocked, so a command either commits whole before the signal or not at all.
+Once the command is done (`finishing`), a signal ends the process at once with the same one line: nothing is
+left to clean up, and an interpreter shutting down can neither drop it nor die of it without a word.
 Exit codes: 130 for SIGINT, 143 for SIGTERM (128 + the signal number, as a shell reports them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -33,25 +37,47 @@ def _handle(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-def install() -> dict:
+def _unraisable(hook):
+    """sys.unraisablehook that drops a swallowed `Interrupted` (the next `check()` raises it again)."""
+    def quiet(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
+
+    return quiet
+
+
+def interrupted_line(e: KeyboardInterrupt) -> str:
+    """The one line a stopped command prints: which signal stopped it (a plain Ctrl-C: SIGINT)."""
+    return f"taperfold: interrupted ({signal.Signals(getattr(e, 'signum', signal.SIGINT)).name})"
+
+
+def _end_now(signum, frame) -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os.write(2, interrupted_line(Interrupted(signum)).encode() + b"\n")
+    os._exit(128 + signum)
+
+
+def install() -> None:
     """Handle SIGINT and SIGTERM alike; ignore SIGXFSZ so that a file-size limit is an EFBIG write error
-    (one line, exit 2) rather than a core dump. Returns the previous handlers for `restore`."""
+    (one line, exit 2) rather than a core dump."""
     global _received
     _received = None
     if threading.current_thread() is not threading.main_thread():
-        return {}
-    previous = {s: signal.getsignal(s) for s in (*HANDLED, signal.SIGXFSZ)}
+        return
     for s in HANDLED:
         signal.signal(s, _handle)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    return previous
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
 
 
-def restore(previous: dict) -> None:
-    global _received
-    _received = None
-    for s, handler in previous.items():
-        signal.signal(s, handler)
+def finishing() -> None:
+    """The command is done: from now until the process ends, a handled signal ends it at once (one line,
+    128 + the signal number)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in HANDLED:
+            signal.signal(s, _end_now)
+
 
 
 def check() -> None:

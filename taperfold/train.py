@@ -170,6 +170,12 @@ def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: 
     if driver is not None:
         driver.finish(opts.steps)  # g = 0: the schedule ended before the last step
     val_loss = evaluate(model, val_tokens, opts, seq)
+    bad = next((name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()),
+               None)
+    if bad is not None or not math.isfinite(val_loss):
+        where = f"weight '{bad}' holds NaN or Inf" if bad else f"validation loss {val_loss:g}"
+        raise TaperfoldError(f"training diverged by its last step ({where}); nothing was saved: a longer schedule "
+                             "(--steps) or a lower --lr gives the taper room")
     return LoopResult(val_loss, history, time.perf_counter() - t0, driver.schedule if driver else None)
 
 

@@ -7,12 +7,20 @@ import os
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from taperfold.bench.report import UNIT, report_phases, report_variants, row_label, speedup_labels
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich would exit 1; the reader went away (`| head`), and taperfold.cli ends quietly as coreutils do
+        raise BrokenPipeError
+
+
+out = _Console(highlight=False)
+err = _Console(stderr=True, highlight=False)
 if not out.is_terminal and "COLUMNS" not in os.environ:  # piped or captured: no 80-column squeeze, no wrapping
     out.width, out.soft_wrap = 240, True
 
@@ -55,6 +63,9 @@ def stage_status(quiet: bool = False):
         yield lambda name: status.update(name + " ...")
 
 
+WIDE = 120  # narrower consoles get lists instead of wide tables
+
+
 def _fmt(x, spec=".4g"):
     return "-" if x is None else format(x, spec)
 
@@ -73,6 +84,8 @@ def print_inspect(info: dict) -> None:
                       _fmt(n["gamma_tilde_max"]), readers, verdict)
     out.print(table)
     out.print(f"{info['foldable']} of {len(info['norms'])} norm layers can be folded")
+    if info.get("how_to_taper"):
+        out.print(f"a plain model: {info['how_to_taper']}; then {info['would_fold']} of them fold", highlight=False)
 
 
 def print_export(manifest: dict, out_dir) -> None:
@@ -155,12 +168,20 @@ def print_fold_report(src, dst, report, console: Console) -> None:
         console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
                       highlight=False, markup=False, soft_wrap=True)
         return
-    table = Table(title=f"taperfold fold {src}")
-    for column in ("norm", "kind", "status", "consumers", "reason"):
-        table.add_column(column, no_wrap=column == "norm", overflow="fold")
-    for entry in report.norms:
-        table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
-    console.print(table)
+    if console.width >= WIDE:
+        table = Table(title=f"taperfold fold {src}")
+        for column in ("norm", "kind", "status", "consumers", "reason"):
+            table.add_column(column, no_wrap=column == "norm", overflow="fold")
+        for entry in report.norms:
+            table.add_row(entry.name, entry.kind, entry.status.value, ", ".join(entry.consumers), entry.reason)
+        console.print(table)
+    else:  # a narrow terminal: a table would squeeze every cell into a column of broken words; one norm a line
+        console.print(f"taperfold fold {src}", highlight=False, markup=False)
+        for entry in report.norms:
+            readers = f", {len(entry.consumers)} reader(s)" if entry.consumers else ""
+            console.print(f"  {entry.name}: {entry.kind}, {entry.status.value}{readers}", highlight=False, markup=False)
+            if entry.reason:
+                console.print(Padding(Text(entry.reason), (0, 0, 0, 6)), highlight=False)
     merged = f", {s['weights_merged']} real norm gain(s) merged" if s["weights_merged"] else ""
     console.print(
         f"{s['folded']} of {s['folded'] + s['kept']} constant-scale norms folded, {s['kept']} kept, "
@@ -179,7 +200,7 @@ def print_fold_report(src, dst, report, console: Console) -> None:
 def print_fold_check(check, console: Console) -> None:
     """`taperfold fold --verify`: the metrics of each output, unfolded against folded."""
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
-    table = Table(title=f"unfolded -> folded in ONNX Runtime (CPU), inputs {shapes}")
+    table = Table(title=f"input -> folded in ONNX Runtime (CPU), inputs {shapes}")
     for col in ("output", "status", *METRIC_COLUMNS, "note"):
         table.add_column(col)
     for o in check.outputs:

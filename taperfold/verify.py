@@ -276,6 +276,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     """
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
+    ENGINES[GRAPH_ENGINE].require(device)
     ckpt = _load_reference_checkpoint(manifest)
     cfg, dtype, logits, forced = ckpt.config, manifest.dtype, manifest.logits, manifest.forced_gate0
     batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
@@ -408,9 +409,12 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
     baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
     refs = {v: baseline_ref if v in (BASELINE, DECOMPOSED_BASELINE) else reference for v in variants}
     pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
-    if dtype == "bf16":
+    cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
+    why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
+               f"the context ({cfg.max_seq_len}) holds no prompt and {DECODE_STEPS} steps" if not cases else None)
+    if why_not:
         for pair in pairs.values():
-            pair.status, pair.reason = "skipped", "bf16: numpy has no bfloat16 to feed the KV cache from the host"
+            pair.status, pair.reason = "skipped", why_not
         return list(pairs.values())
     torch_models = {name: models[name] for name in set(refs.values())}
     torch_engine, graph_engine = ENGINES[REFERENCE_ENGINE], ENGINES[GRAPH_ENGINE]
@@ -418,7 +422,6 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
                                   for name, model in torch_models.items()}
     runners.update({v: graph_engine.runner(manifest.artifact(v, decoder=True), device=device, threads=threads,
                                            decoder=True) for v in variants})
-    cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
     collected: dict[str, list[Metrics]] = {v: [] for v in variants}
     total, done = len(cases) * len(runners), 0
     with open_runners(runners):

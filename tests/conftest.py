@@ -2,10 +2,30 @@
 
 import contextlib
 import io
+import os
+import shutil
+import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import pytest
+
+
+def pytest_configure(config):
+    """Every temporary file of the run under one folder that goes when the run ends: pytest's tmp_path folders
+    (kept by default: GBs of exports per run) and torch.compile's cache, for this process and the CLI processes
+    tests start."""
+    if config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix="taperfold-tests-")
+        config._taperfold_temp = config.option.basetemp
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config.option.basetemp, "torchinductor"))
+
+
+def pytest_unconfigure(config):
+    temp = getattr(config, "_taperfold_temp", None)
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @dataclass
@@ -22,6 +42,9 @@ def run_cli(*args) -> CliResult:
 
     out, err = io.StringIO(), io.StringIO()
     argv = sys.argv
+    # main() keeps its signal handling to the very end of the process; this process goes on
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
+    unraisable = sys.unraisablehook
     code = 0
     sys.argv = ["taperfold", *map(str, args)]
     try:
@@ -31,6 +54,9 @@ def run_cli(*args) -> CliResult:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = argv
+        sys.unraisablehook = unraisable
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     return CliResult(code, out.getvalue(), err.getvalue())
 
 

@@ -241,9 +241,9 @@ def test_re_export_replaces_the_directory_whole(work, quick_exporter):
     (["bench", "exp", "--csv", "nodir/b.csv", "--iters", "1"], ["--csv nodir/b.csv", "does not exist"]),
     (["bench", "exp", "--plot", "/proc/b.png", "--iters", "1"], ["--plot /proc/b.png"]),
     (["bench", "exp", "--csv", "exp/model.onnx", "--iters", "1"], ["would overwrite the input"]),
-    (["train", "--steps", "10", "--batch-size", "1", "-o", "/proc/x.pt"], ["-o /proc/x.pt"]),
-    (["train", "--steps", "10", "--batch-size", "1", "--out", "/proc/x.pt"], ["/proc/x.pt"]),  # the old spelling
-    (["train", "--steps", "10", "--batch-size", "1", "-o", "x.pt", "--data", "x.pt"], []),
+    (["train", "--steps", "30", "--batch-size", "1", "-o", "/proc/x.pt"], ["-o /proc/x.pt"]),
+    (["train", "--steps", "30", "--batch-size", "1", "--out", "/proc/x.pt"], ["/proc/x.pt"]),  # the old spelling
+    (["train", "--steps", "30", "--batch-size", "1", "-o", "x.pt", "--data", "x.pt"], []),
     (["export", "ckpt.pt", "-o", "/proc/out"], ["-o /proc/out"]),
 ], ids=lambda v: "-".join(map(str, v))[:40] if isinstance(v, list) else None)
 def test_unwritable_outputs_are_refused_before_any_work(work, args, needles):
@@ -336,7 +336,7 @@ def test_train_with_a_full_disk_is_one_line(work, monkeypatch):
     monkeypatch.setattr(taperfold.train, "train", lambda *a, **k: result)
     before = snapshot(work)
     with file_size_limit(64 * 1024):
-        r = run_cli("train", "--steps", "10", "-o", "new.pt")
+        r = run_cli("train", "--steps", "30", "-o", "new.pt")
     refused(r, "new.pt", "cannot write")
     assert snapshot(work) == before
 

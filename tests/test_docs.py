@@ -46,3 +46,17 @@ def test_design_engine_table_is_the_engine_table():
                  ", ".join(f"`{o.flag}`" for o in e.options), f"`{e.module}`"] for e in ENGINES.values()]
     assert rows == expected, "docs/design.md's engine table should read:\n" + "\n".join(
         "| " + " | ".join(row) + " |" for row in expected)
+
+
+MACHINE_PATHS = re.compile(r"(?<![\w.])/(?:tmp|work|root|home|mnt)/")
+
+
+def test_recorded_commands_name_no_path_of_the_machine_they_ran_on():
+    """The runs docs/ records (taperfold commands, scripts in examples/) name their files as a reader reruns them:
+    placeholders (OUT, WORK) or paths in the repository. (Set-up steps may pick a scratch folder such as /tmp.)"""
+    documents = [*DOCS.glob("*.md"), *DOCS.glob("gpu/*.md"), DOCS / "gpu" / "runs.json"]
+    runs = re.compile(r"^\s*(\"command\": \")?(taperfold |python3? examples/)")
+    found = [f"{doc.relative_to(DOCS)}:{n}" for doc in documents
+             for n, line in enumerate(doc.read_text().splitlines(), 1)
+             if runs.search(line) and MACHINE_PATHS.search(line)]
+    assert not found, found

@@ -1,7 +1,7 @@
 """CUDA paths: torch on CUDA (timing, CUDA graphs, torch.compile), ONNX Runtime's CUDA execution provider (IOBinding,
 CUDA graphs), `verify --device cuda`, and `bench --cuda-graph` end to end.
 
-Tests marked `gpu` run on a machine with a CUDA device (see /work/shared/gpu/README.md: `python -m pytest -m gpu`)
+Tests marked `gpu` run on a machine with a CUDA device (see ../shared/gpu/README.md beside the repository: `python -m pytest -m gpu`)
 and skip elsewhere, saying why. The rest check on the CPU what can be checked without a GPU: option validation,
 how CUDA-graph rows are paired with eager rows and labelled (a fake runner), error lines, `python -m taperfold`.
 """
@@ -43,7 +43,7 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: torch
 needs_ort_cuda = pytest.mark.skipif(
     not (HAS_CUDA and _ort_cuda()),
     reason="needs a CUDA device and onnxruntime's CUDA execution provider (onnxruntime-gpu; on the GPU machine "
-           "install it from parts as /work/shared/gpu/README.md says)")
+           "install it from parts as ../shared/gpu/README.md, beside the repository, says)")
 
 
 @pytest.fixture(scope="module")

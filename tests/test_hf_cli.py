@@ -38,7 +38,7 @@ def _write_config(folder, config):
 def _refused(cli, tmp_path, folder, *needles, command="export"):
     out = tmp_path / "out"
     args = {"export": ["export", folder, "-o", out], "inspect": ["inspect", folder],
-            "train-from": ["train", "--from", folder, "--steps", "10", "--out", out]}[command]
+            "train-from": ["train", "--from", folder, "--steps", "30", "--out", out]}[command]
     result = cli(*args)
     assert result.exit_code == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
@@ -203,14 +203,14 @@ def test_train_from_directory_with_its_tokenizer(cli, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text(" ".join(words[(i * 7) % 97] for i in range(4000)))
     out = tmp_path / "tapered"
-    result = cli("train", "--from", folder, "--data", data, "--steps", "10", "--batch-size", "2", "--out", out,
+    result = cli("train", "--from", folder, "--data", data, "--steps", "30", "--batch-size", "2", "--out", out,
                  "--json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["tokenizer"] == "hf" and summary["gate"] == 0.0
     assert (out / "tokenizer.json").is_file()
     block = json.loads((out / "config.json").read_text())["taperfold"]
-    assert block["gate"] == 0.0 and block["step"] == 10 and block["schedule"] == {"taper_start": 1, "taper_end": 8}
+    assert block["gate"] == 0.0 and block["step"] == 30 and block["schedule"] == {"taper_start": 3, "taper_end": 24}
     # a tapered directory is not trained again, and --out never replaces the source
     _refused(cli, tmp_path, out, "already tapered", command="train-from")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -17,6 +17,7 @@ from taperfold.bench.stats import summarize
 from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, open_runners
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
+from taperfold.export import MAX_EXPORT_BATCH
 from taperfold.exportdir import ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, INPUT, VARIANTS, torch_dtype
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
@@ -31,17 +32,22 @@ def cv_threshold_pct(device: str) -> float:
     return 1.0 if device.startswith("cuda") else 5.0
 
 
+DEFAULT_SEQS = (128, 256, 512)  # prefill lengths, and the decode prompt, when none is given: capped to the context
+DEFAULT_PROMPT = 128
+MAX_BATCH = MAX_EXPORT_BATCH
+
+
 @dataclass
 class BenchOptions:
     engine: str = "ort"
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))  # canonical names
     batches: list[int] = field(default_factory=lambda: [1, 4])
-    seqs: list[int] = field(default_factory=lambda: [128, 256, 512])
+    seqs: list[int] = field(default_factory=lambda: list(DEFAULT_SEQS))
     warmup: int = 10
     iters: int = 50
     rounds: int = 5
     mode: str = "prefill"  # prefill | decode
-    prompt: int = 128  # decode: prompt length
+    prompt: int = DEFAULT_PROMPT  # decode: prompt length
     new_tokens: int = 32  # decode: decode steps after the prompt
     dtype: str | None = None  # None: fp32 for torch, the export's dtype for ort / trt
     device: str = "cpu"
@@ -58,6 +64,26 @@ def cells(opts: BenchOptions) -> list[tuple[int, int]]:
     """(batch, tokens per sequence) in the order measured: prompt length in decode mode."""
     lengths = [opts.prompt] if opts.mode == "decode" else opts.seqs
     return [(b, s) for b in opts.batches for s in lengths]
+
+
+def fit_to_context(opts: BenchOptions, cfg, seqs_given: bool, prompt_given: bool) -> tuple[BenchOptions, list[str]]:
+    """Default lengths capped to what the model's context holds, with a note saying so; lengths the user gave are
+    kept as given (and refused by `_check` if they do not fit)."""
+    context, notes = cfg.max_seq_len, []
+    if opts.mode == "prefill" and not seqs_given:
+        fit = [s for s in opts.seqs if s <= context]
+        if len(fit) < len(opts.seqs):
+            fit = fit or [context]
+            notes.append(f"--seq: the defaults {','.join(map(str, opts.seqs))} are capped at the model's context "
+                         f"({context}): timing {','.join(map(str, fit))}")
+            opts = replace(opts, seqs=fit)
+    if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > context:
+        prompt = context - opts.new_tokens
+        if prompt >= 1:
+            notes.append(f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the model's "
+                         f"context ({context}): prompt {prompt}")
+            opts = replace(opts, prompt=prompt)
+    return opts, notes
 
 
 def _check(opts: BenchOptions, cfg, dtype: str) -> None:

@@ -10,6 +10,7 @@ taperfold.sources only, by `KIND`: how a save_pretrained directory is recognised
 """
 
 from taperfold.families import Family, family_for, supported_model_types
+from taperfold.hf import hub
 from taperfold.hf.model import SOURCE, HFModelInfo
 from taperfold.hf.source import HFCheckpoint, is_hf_directory, load_hf_directory, save_hf_directory
 from taperfold.hf.taper import taper_model, tapering_of
@@ -22,4 +23,4 @@ __all__ = ["Family", "HFCheckpoint", "KIND", "TaperHook", "Tapering", "family_fo
 
 KIND = SourceKind(SOURCE, claims=is_hf_directory, open=load_hf_directory,
                   wrote_config=lambda config: config.get("source") == SOURCE, config_from_dict=HFModelInfo.from_dict,
-                  fine_tune=train_hf_directory)
+                  fine_tune=train_hf_directory, resolve=hub.resolve)

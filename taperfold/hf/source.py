@@ -10,6 +10,13 @@ Loading never runs code from the directory: the model class comes from transform
 `model_type` (AutoModelForCausalLM.from_config; a config asking for its own code through `auto_map` is
 refused), the weights are read with safetensors only. A directory without the block is a plain
 (untapered) model. See docs/checkpoint-format.md.
+
+A directory is input and is checked as taperfold's own checkpoints are (taperfold.sources.builtin), each problem
+one `TaperfoldError` naming the file and the key: config.json's numeric keys (types and ranges) before
+transformers reads them, the parameter count the config implies against the values the weights hold before a
+model is built (even on the meta device), the names and shapes of the tensors, then NaN and Inf in any
+floating-point tensor and each tapered norm's c in (0, 1e6]. `save_hf_directory` writes nothing that loading
+would refuse (NaN or Inf in a parameter or buffer, a block out of range).
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ from pathlib import Path
 
 import torch
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for
 from taperfold.fsutil import atomic_dir, read_json_object
 from taperfold.hf.model import HFCausalLM, HFModelInfo
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.sources.base import ModelSource, read_safetensors
+from taperfold.sources.builtin import C_RANGE
 from taperfold.taper import TAPERS
 
 BLOCK = "taperfold"
@@ -57,7 +65,7 @@ def is_hf_directory(path: str | Path) -> bool:
         return False
     try:
         header = json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # not JSON Python reads: the checkpoint reader names the file
         return False
     return isinstance(header, dict) and "format" not in header
 
@@ -151,23 +159,218 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]
 
 
 def _read_sharded(folder: Path, index: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    weight_map = read_json_object(index).get("weight_map")
+    weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise TaperfoldError(f"{index}: key 'weight_map' missing or empty")
-    tensors, origin = {}, {}
-    for shard_name in sorted(set(weight_map.values()), key=str):
-        key = next(k for k, v in weight_map.items() if v == shard_name)
+    shards: dict[str, str] = {}  # shard file -> the first key naming it
+    for key, shard_name in weight_map.items():
         if not isinstance(shard_name, str) or Path(shard_name).name != shard_name:
-            raise TaperfoldError(f"{index}: key 'weight_map.{key}' names {shard_name!r}, not a file in {folder}")
+            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}' must be the name of a shard file in "
+                                 f"{folder}, got {_short(shard_name)}")
+        shards.setdefault(shard_name, key)
+    tensors, origin = {}, {}
+    for shard_name, key in sorted(shards.items()):
         shard = folder / shard_name
         if not shard.is_file():
-            raise TaperfoldError(f"{index}: key 'weight_map.{key}': shard {shard_name} is missing")
+            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}': shard {_printable(shard_name)} "
+                                 "is missing")
         for name, tensor in read_safetensors(shard).items():
+            if name in tensors:
+                raise TaperfoldError(f"{shard}: key '{_printable(name)}' is also in {origin[name]}")
             tensors[name], origin[name] = tensor, shard
     for key, shard_name in weight_map.items():
         if key not in tensors:
-            raise TaperfoldError(f"{index}: key 'weight_map.{key}': tensor not found in {shard_name}")
+            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}': tensor not found in "
+                                 f"{_printable(shard_name)}")
     return tensors, origin
+
+
+def _read_json(path: Path) -> dict:
+    """read_json_object, and one line too for JSON that Python's parser refuses other than by JSONDecodeError
+    (an integer of more than 4300 digits: ValueError; nesting thousands deep: RecursionError)."""
+    try:
+        return read_json_object(path)
+    except (ValueError, RecursionError) as e:
+        raise TaperfoldError(f"{path}: not valid JSON ({first_line(e)})") from None
+
+
+def _printable(name) -> str:
+    """A key from a file as one line of text: control characters (a newline) escaped."""
+    name = str(name)
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
+def _short(value) -> str:
+    text = _printable(repr(value))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- the config -----------------------------------------------------------------------------------------
+
+# Types and ranges of the numeric keys taperfold and transformers' model construction read, as transformers
+# names them (`attribute_map` gives a family's own spelling: GPT-2's n_embd, n_layer, n_head, n_positions).
+# Checked on config.json itself, before transformers builds a config object (some build a list per layer) or
+# a model, even on the meta device: a config is input, and a wrong one must fail in one line, not in a
+# ZeroDivisionError or after minutes of building 10^9 layers. The bounds are taperfold.models.config's, far
+# above any real model (Llama 3.1 405B: hidden 16384, 126 layers, 128k context).
+_INT_KEYS = {  # name -> (low, high, null allowed)
+    "vocab_size": (1, 1 << 24, False),
+    "hidden_size": (1, 1 << 16, False),
+    "num_hidden_layers": (1, 1024, False),
+    "num_attention_heads": (1, 1024, False),
+    "num_key_value_heads": (1, 1024, True),
+    "head_dim": (1, 1 << 16, True),
+    "intermediate_size": (1, 1 << 18, False),
+    "ffn_dim": (1, 1 << 18, False),  # OPT's intermediate size
+    "n_inner": (1, 1 << 18, True),  # GPT-2's (null: 4 × n_embd)
+    "word_embed_proj_dim": (1, 1 << 16, True),  # OPT
+    "max_position_embeddings": (1, 1 << 20, False),
+    "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
+}
+_FLOAT_KEYS = {  # name -> (low, excluded; high, included)
+    "rms_norm_eps": (0.0, 1.0),
+    "layer_norm_eps": (0.0, 1.0),
+    "layer_norm_epsilon": (0.0, 1.0),  # GPT-2
+    "rope_theta": (0.0, 1e12),
+    "rotary_emb_base": (0.0, 1e12),  # GPT-NeoX's rope_theta, as older configs spell it
+    "partial_rotary_factor": (0.0, 1.0),
+    "rotary_pct": (0.0, 1.0),  # GPT-NeoX's partial_rotary_factor, as older configs spell it
+}
+_ROPE_BLOCKS = ("rope_parameters", "rope_scaling")  # objects holding rope_theta / partial_rotary_factor
+_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+_MAX_PARAMETERS_RATIO = 2  # a config implying more than twice the values the weights hold is refused
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    if not _is_int(value) or not low <= value <= high:
+        raise TaperfoldError(f"{where}: key '{key}' must be {'null or ' if nullable else ''}an integer in "
+                             f"[{low}, {high}], got {_short(value)}")
+
+
+def _check_float(where: Path, key: str, value, low: float, high: float) -> None:
+    if not _is_number(value) or not low < value <= high:
+        raise TaperfoldError(f"{where}: key '{key}' must be a number in ({low:g}, {high:g}], got {_short(value)}")
+
+
+def _json_names(config_class, name: str) -> list[str]:
+    """The spellings of a key config.json may use: transformers' standard name and the family's own."""
+    alias = (getattr(config_class, "attribute_map", None) or {}).get(name)
+    return [name] if not isinstance(alias, str) or alias == name else [name, alias]
+
+
+def _json_name(config_class, name: str) -> str:
+    return _json_names(config_class, name)[-1]
+
+
+def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_hidden: bool = True) -> None:
+    """The numeric keys of config.json, as written, before transformers reads them. With a `head_dim`, the hidden
+    size need not be a multiple of the heads (Gemma, Qwen3) unless `head_dim_frees_hidden` is false: after
+    transformers refused the config (its Llama requires it anyway), to name the key."""
+    for name, (low, high, nullable) in _INT_KEYS.items():
+        for key in _json_names(config_class, name):
+            if key in config:
+                _check_int(where, key, config[key], low, high, nullable)
+    for name, (low, high) in _FLOAT_KEYS.items():
+        for key in _json_names(config_class, name):
+            if key in config:
+                _check_float(where, key, config[key], low, high)
+    for block in _ROPE_BLOCKS:
+        value = config.get(block)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise TaperfoldError(f"{where}: key '{block}' must be null or an object, got {_short(value)}")
+        # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
+        for prefix, params in [(block, value)] + [(f"{block}.{_printable(k)}", v) for k, v in value.items()
+                                                  if isinstance(v, dict)]:
+            for name in _ROPE_KEYS:
+                if name in params:
+                    _check_float(where, f"{prefix}.{name}", params[name], *_FLOAT_KEYS[name])
+
+    def given(name):  # the value config.json gives for a standard name, or None
+        return next((config[k] for k in reversed(_json_names(config_class, name)) if config.get(k) is not None), None)
+
+    heads, kv_heads, hidden = given("num_attention_heads"), given("num_key_value_heads"), given("hidden_size")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise TaperfoldError(f"{where}: key '{_json_name(config_class, 'num_key_value_heads')}' is {kv_heads}, "
+                             f"which does not divide '{_json_name(config_class, 'num_attention_heads')}' ({heads})")
+    if heads is not None and hidden is not None and hidden % heads and \
+            (given("head_dim") is None or not head_dim_frees_hidden):
+        why = "the head dimension is their quotient" if given("head_dim") is None else \
+            f"transformers' {config_class.__name__} requires it"
+        raise TaperfoldError(f"{where}: key '{_json_name(config_class, 'hidden_size')}' is {hidden}, not a multiple "
+                             f"of '{_json_name(config_class, 'num_attention_heads')}' ({heads}); {why}")
+    vocab, pad = given("vocab_size") or getattr(config_class, "vocab_size", None), config.get("pad_token_id")
+    if pad is not None and _is_int(vocab) and not (_is_int(pad) and -vocab <= pad < vocab):
+        raise TaperfoldError(f"{where}: key 'pad_token_id' must be null or a token id, an integer in "
+                             f"[{-vocab}, {vocab - 1}], got {_short(pad)}")
+
+
+def _check_config_object(hf_config, where: Path) -> None:
+    """The same keys as transformers' config object holds them: its defaults included, and the ones it derives."""
+    cls = type(hf_config)
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+        if getattr(hf_config, name, None) is None:
+            raise TaperfoldError(f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
+                                 f"{cls.__name__} has no default for it)")
+    for name, (low, high, nullable) in _INT_KEYS.items():
+        if hasattr(hf_config, name):
+            _check_int(where, _json_name(cls, name), getattr(hf_config, name), low, high, nullable)
+    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise TaperfoldError(f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
+                             f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})")
+    if getattr(hf_config, "head_dim", None) is None and hidden % heads:
+        raise TaperfoldError(f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
+                             f"'{_json_name(cls, 'num_attention_heads')}' ({heads})")
+
+
+def _intermediate(hf_config) -> tuple[str, int]:
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        if getattr(hf_config, name, None):
+            return _json_name(type(hf_config), name), getattr(hf_config, name)
+    return "n_inner", 4 * hf_config.hidden_size  # GPT-2's default
+
+
+def implied_parameters(hf_config) -> int:
+    """A lower bound on the parameters of any family's model of this config: the embedding, and per layer the
+    query and output projections (hidden × heads · head_dim each) and two MLP matrices (hidden × intermediate
+    each). As taperfold.models.implied_parameters, compared with the weights before a model is built."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return hf_config.vocab_size * hidden + \
+        hf_config.num_hidden_layers * 2 * hidden * (heads * head_dim + _intermediate(hf_config)[1])
+
+
+def _check_size(hf_config, present: int, where: Path, weights: Path) -> None:
+    """Refuse a config far larger than the weights before anything is built, even on the meta device; smaller
+    mismatches get the exact tensor from _check_state."""
+    implied = implied_parameters(hf_config)
+    if implied <= _MAX_PARAMETERS_RATIO * present:
+        return
+    cls = type(hf_config)
+    sizes = [(_json_name(cls, name), getattr(hf_config, name)) for name in
+             ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim") if hasattr(hf_config, name)]
+    keys = ", ".join(f"'{key}' = {value}" for key, value in
+                     (*sizes, _intermediate(hf_config), (_json_name(cls, "vocab_size"), hf_config.vocab_size)))
+    raise TaperfoldError(f"{where}: keys {keys} describe a model of at least {implied:,} parameters, but {weights} "
+                         f"holds {present:,} values; config.json does not match the weights")
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------------
@@ -178,9 +381,22 @@ def _hf_config(config: dict, where: Path):
 
     plain = {k: v for k, v in config.items() if k != BLOCK}
     try:
-        return CONFIG_MAPPING[plain["model_type"]].from_dict(plain)
-    except (TypeError, ValueError, KeyError) as e:
-        raise TaperfoldError(f"{where}: not a valid {plain['model_type']} config ({e})") from None
+        config_class = CONFIG_MAPPING[plain["model_type"]]
+    except KeyError:  # a family registered for a model type this transformers does not know
+        raise TaperfoldError(f"{where}: key 'model_type' is {_short(plain.get('model_type'))}, which this "
+                             "transformers has no config class for") from None
+    _check_config_json(plain, config_class, where)
+    try:
+        hf_config = config_class.from_dict(plain)
+    except Exception as e:  # noqa: BLE001 - transformers' validation (huggingface_hub's strict dataclasses among
+        # others) refused the config, which is input: one line, whatever it raised, naming the key where it can
+        _check_config_json(plain, config_class, where, head_dim_frees_hidden=False)
+        detail = " ".join(str(e).split())
+        field_name = re.search(r"field '(\w+)'", detail)
+        key = f"key '{field_name.group(1)}': " if field_name and field_name.group(1) in plain else ""
+        raise TaperfoldError(f"{where}: {key}not a valid {plain['model_type']} config ({detail})") from None
+    _check_config_object(hf_config, where)
+    return hf_config
 
 
 def _new_model(hf_config, device=None):
@@ -229,8 +445,8 @@ class HFCheckpoint(ModelSource):
         return f"{self.config.arch} (transformers)"
 
     @property
-    def plain_norm_reason(self) -> str:
-        return f"plain model: no '{BLOCK}' block in config.json"
+    def how_to_taper(self) -> str:
+        return f"`taperfold train --from {self.path} -o DIR` tapers it and fine-tunes it through the taper"
 
     def hf_model(self, tapered: bool = True, gate: float | None = None):
         """The transformers model with the directory's weights (its original norms when not `tapered`)."""
@@ -268,7 +484,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     if not config_file.is_file():
         raise TaperfoldError(f"{config_file}: missing (a Hugging Face directory holds config.json and weights)")
     require_transformers(f"{path} (a Hugging Face directory)")
-    config = read_json_object(config_file)
+    config = _read_json(config_file)
     if "auto_map" in config:
         raise TaperfoldError(f"{config_file}: key 'auto_map' asks for the directory's own modeling code; "
                              "taperfold never runs code from a checkpoint (only transformers' built-in models)")
@@ -279,11 +495,13 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     if why_not:
         raise TaperfoldError(f"{config_file}: {why_not}")
     tensors, origin = read_weights(path)
+    _check_size(hf_config, sum(t.numel() for t in tensors.values()), config_file,
+                path / INDEX if (path / INDEX).is_file() else path / WEIGHTS)
     with torch.device("meta"):  # shapes only: no memory, no init
         expected_model = _new_model(hf_config)
         tapering = _taper(expected_model, block, str(config_file))
-    tensors, origin = _renamed(expected_model, tensors, origin)
-    _check_state(path, tensors, origin, expected_model, block is not None)
+    tensors, origin, stored = _renamed(expected_model, tensors, origin)
+    _check_state(path, tensors, origin, stored, expected_model, set(tapering.norms) if tapering else None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
     info = HFModelInfo.from_config(hf_config, family, block.taper if block else "none",
                                    bool(block and block.aux is not None), tokenizer)
@@ -291,31 +509,36 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
                         untapered=tapering.untapered if tapering else {})
 
 
-def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict]:
+def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
     """Checkpoint names -> the model's, with transformers' own renamings (e.g. GPT-NeoX stores its
-    `lm_head` as `embed_out`; save_pretrained writes that legacy name, from_pretrained maps it back)."""
+    `lm_head` as `embed_out`; save_pretrained writes that legacy name, from_pretrained maps it back).
+    Returns the tensors and their files under the model's names, and each model name's name in the file."""
+    same = {key: key for key in tensors}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:  # an older transformers: names are stored as the modules have them
-        return tensors, origin
+        return tensors, origin, same
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     if not renamings and not converters:
-        return tensors, origin
+        return tensors, origin, same
     meta = model.state_dict()
-    renamed, new_origin = {}, {}
+    renamed, new_origin, stored = {}, {}, {}
     for key, value in tensors.items():
         new_key, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if converter is not None:
-            raise TaperfoldError(f"{origin[key]}: key '{key}' needs transformers' weight conversion "
+            raise TaperfoldError(f"{origin[key]}: key '{_printable(key)}' needs transformers' weight conversion "
                                  f"({converter}), which taperfold does not apply; save the model again")
-        renamed[new_key], new_origin[new_key] = value, origin[key]
-    return renamed, new_origin
+        renamed[new_key], new_origin[new_key], stored[new_key] = value, origin[key], key
+    return renamed, new_origin, stored
 
 
-def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) -> None:
+def _check_state(path: Path, tensors: dict, origin: dict, stored: dict, model, norms: set[str] | None) -> None:
+    """Names and shapes against the model config.json describes (`norms`: its tapered norms, None for a plain
+    directory), then every floating-point tensor finite, then each tapered norm's c in C_RANGE."""
+    tapered = norms is not None
     expected = model.state_dict()
     index = path / INDEX
     where = index if index.is_file() else path / WEIGHTS
@@ -326,18 +549,26 @@ def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) 
             raise TaperfoldError(f"{where}: missing key '{key}'")
     for key, value in tensors.items():
         file = origin.get(key, where)
+        name = _printable(stored.get(key, key))  # as the file has it
         if key not in expected:
             if any(p.search(key) for p in ignore):
                 continue
             if not tapered and key.rpartition(".")[2] in TAPER_KEYS:
-                raise TaperfoldError(f"{file}: holds tapered key '{key}' but {path / CONFIG} has no "
+                raise TaperfoldError(f"{file}: holds tapered key '{name}' but {path / CONFIG} has no "
                                      f"'{BLOCK}' block; restore the block or save the model again")
-            raise TaperfoldError(f"{file}: unexpected key '{key}' (not in the model config.json describes)")
+            raise TaperfoldError(f"{file}: unexpected key '{name}' (not in the model config.json describes)")
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise TaperfoldError(f"{file}: key '{key}' has shape {list(value.shape)}, "
+            raise TaperfoldError(f"{file}: key '{name}' has shape {list(value.shape)}, "
                                  f"expected {list(expected[key].shape)}")
-        if tapered and key.rpartition(".")[2] in ("weight_tilde", "c") and not torch.isfinite(value).all():
-            raise TaperfoldError(f"{file}: key '{key}' contains NaN or Inf")
+    for key, value in tensors.items():  # values only once every name and shape is right
+        if key not in expected:
+            continue
+        file, name = origin.get(key, where), _printable(stored.get(key, key))
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise TaperfoldError(f"{file}: key '{name}' contains NaN or Inf")
+        if tapered and key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
+            raise TaperfoldError(f"{file}: key '{name}' is {float(value):g}; a tapered norm's scale c must lie in "
+                                 f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
 
 
 # ---- saving ---------------------------------------------------------------------------------------------
@@ -346,9 +577,13 @@ def _check_state(path: Path, tensors: dict, origin: dict, model, tapered: bool) 
 def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=None, tokenizer_from: Path | None = None,
                       max_shard_size: str | int | None = None) -> Path:
     """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file.
-    `tokenizer_from`: a directory whose tokenizer files are copied as they are."""
+    `tokenizer_from`: a directory whose tokenizer files are copied as they are.
+    Refuses, writing nothing, what load_hf_directory would refuse to read back: NaN or Inf in a parameter or
+    buffer, a block out of range."""
     tapering = tapering_of(model)
     loss = tapering.scale_loss
+    out_dir = Path(out_dir)
+    _check_finite(model, out_dir)
     first = next(iter(tapering.norms.values()))
     block = TaperBlock(
         gate=float(tapering.gate.value), taper=tapering.taper, step=int(step),
@@ -356,8 +591,8 @@ def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=Non
         aux=None if loss is None else {"weight": loss.weight,
                                        "target": float(loss.target) if bool(loss.frozen) else None},
         calibration={"momentum": first.momentum, "delta": first.delta})
+    parse_block(block.to_dict(), out_dir / CONFIG)  # as it will be read back (a NaN gate or target included)
     model.config.taperfold = block.to_dict()
-    out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     with atomic_dir(out_dir) as tmp, _no_progress_bars():
         model.save_pretrained(tmp, **kwargs)
@@ -365,6 +600,15 @@ def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=Non
             if (Path(tokenizer_from) / name).is_file():
                 shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
     return out_dir
+
+
+def _check_finite(model, out_dir: Path) -> None:
+    """One line naming the first parameter or buffer holding NaN or Inf (a diverged run), before anything is
+    written."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor.detach()).all()):
+            kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"
+            raise TaperfoldError(f"{out_dir}: not written: the model's {kind} '{name}' contains NaN or Inf")
 
 
 @contextlib.contextmanager

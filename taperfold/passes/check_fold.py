@@ -4,12 +4,15 @@ signature, and hold every output pair to the fold's tolerance (taperfold.compare
 Inputs: integer ids that an embedding looks up (Gather from a constant table) are drawn within the
 table's rows; an input named like a mask is ones, one named like positions counts 0, 1, 2, ...; float
 inputs are standard normal. Dynamic dimensions come from `--shapes NAME:1x16,...`, else a dimension
-name already fixed by another input, else 1 for the first axis and 16 for the others.
+name already fixed by another input, else 1 for the first axis and 16 for the others. An input that cannot
+be generated (a 0 or negative dimension, more than 2^31 elements, ids into a table of no rows) is refused in
+one line naming it, before anything is allocated; `check_inputs` does that alone, before a fold is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 
@@ -24,14 +27,27 @@ _DTYPE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.DOUBLE: "fp32", ir.DataTy
 _INDEX_PATH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
 
 
+MAX_FEED_ELEMENTS = 2**31  # elements of one generated input: refused above, before anything is allocated
+
+
 def parse_shapes(text: str | None) -> dict[str, list[int]]:
-    """'input_ids:1x16,attention_mask:1x16' -> {'input_ids': [1, 16], ...}."""
+    """'input_ids:1x16,attention_mask:1x16' -> {'input_ids': [1, 16], ...}. Every dimension at least 1, each
+    input at most MAX_FEED_ELEMENTS elements, each name once."""
     shapes = {}
     for part in filter(None, (text or "").split(",")):
         name, _, dims = part.strip().rpartition(":")
         if not name or not re.fullmatch(r"\d+(x\d+)*", dims):
             raise TaperfoldError(f"--shapes: {part!r} is not NAME:DIMxDIM... (e.g. input_ids:1x16)")
-        shapes[name] = [int(d) for d in dims.split("x")]
+        if name in shapes:
+            raise TaperfoldError(f"--shapes: {name!r} is given twice")
+        digits = [d.lstrip("0") for d in dims.split("x")]
+        if not all(digits):
+            raise TaperfoldError(f"--shapes: {part!r} has a 0 dimension; --verify needs at least one element "
+                                 "per input")
+        if any(len(d) > 12 for d in digits) or math.prod(int(d) for d in digits) > MAX_FEED_ELEMENTS:
+            raise TaperfoldError(f"--shapes: {part!r} is more than {MAX_FEED_ELEMENTS:,} (2^31) elements, the "
+                                 "most --verify generates for one input")
+        shapes[name] = [int(d) for d in digits]
     return shapes
 
 
@@ -41,7 +57,8 @@ def _lookup_rows(value: ir.Value, depth: int = 4) -> int | None:
         node = use.node
         if node.domain == "" and node.op_type == "Gather" and use.idx == 1:
             table = node.inputs[0]
-            if table is not None and table.const_value is not None and node.attributes.get_int("axis", 0) == 0:
+            if (table is not None and table.const_value is not None and table.const_value.shape
+                    and node.attributes.get_int("axis", 0) == 0):
                 return table.const_value.shape[0]
         if depth and node.domain == "" and node.op_type in _INDEX_PATH and use.idx == 0:
             if (rows := _lookup_rows(node.outputs[0], depth - 1)) is not None:
@@ -49,8 +66,10 @@ def _lookup_rows(value: ir.Value, depth: int = 4) -> int | None:
     return None
 
 
-def make_feeds(model: ir.Model, shapes: dict[str, list[int]], seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
+def _plan(model: ir.Model, shapes: dict[str, list[int]], source: str | os.PathLike | None = None,
+          ) -> list[tuple[ir.Value, list[int], int | None]]:
+    """(input, its dims, rows of the table it indexes) for every input to generate, or a one-line error naming
+    the input: nothing is allocated here."""
     inputs = [v for v in model.graph.inputs if not v.is_initializer()]
     if unknown := set(shapes) - {v.name for v in inputs}:
         raise TaperfoldError(f"--shapes: no graph input named {sorted(unknown)[0]!r} "
@@ -64,19 +83,65 @@ def make_feeds(model: ir.Model, shapes: dict[str, list[int]], seed: int = 0) -> 
             for dim, size in zip(value.shape, shapes[value.name]):
                 if not isinstance(dim, int) and dim.value:
                     named.setdefault(dim.value, size)
-    feeds = {}
+    plan = []
+    file = f"{source}: " if source is not None else ""
     for value in inputs:
         if value.shape is None and value.name not in shapes:
-            raise TaperfoldError(f"input '{value.name}' has no recorded shape: give it with --shapes {value.name}:...")
-        dims = shapes.get(value.name) or [
+            raise TaperfoldError(f"{file}input '{value.name}' has no recorded shape: give it with "
+                                 f"--shapes {value.name}:...")
+        given = value.name in shapes
+        dims = list(shapes[value.name]) if given else [
             dim if isinstance(dim, int) else named.setdefault(dim.value, 1 if i == 0 else 16) if dim.value
             else (1 if i == 0 else 16)
             for i, dim in enumerate(value.shape)]
+        fixed = value.shape is not None and all(isinstance(d, int) for d in value.shape)
+        static = ("" if given else " in the graph's static shape" if fixed
+                  else " (the graph's shape, dynamic dims 1 or 16)")
+        hint = "" if given or fixed else f"; give a shape with --shapes {value.name}:..."
+        if any(d < 0 for d in dims):
+            raise TaperfoldError(f"{file}input '{value.name}' has a negative dimension{static}: {dims}; give its shape "
+                                 f"with --shapes {value.name}:...")
+        elements = math.prod(dims)
+        if elements == 0:
+            raise TaperfoldError(f"{file}input '{value.name}' has a 0 dimension{static} ({dims}): --verify needs at "
+                                 f"least one element per input{hint}")
+        if elements > MAX_FEED_ELEMENTS:
+            raise TaperfoldError(f"{file}input '{value.name}' would be {elements:,} elements{static} ({dims}), more "
+                                 f"than the {MAX_FEED_ELEMENTS:,} (2^31) --verify generates for one input{hint}")
+        dtype = value.dtype.numpy() if value.dtype is not None else np.float32
+        rows = None if np.issubdtype(dtype, np.floating) else _lookup_rows(value)
+        if rows is not None and rows < 1:
+            raise TaperfoldError(f"{file}input '{value.name}' indexes a table of {rows} rows: --verify has no valid "
+                                 "ids to draw for it")
+        plan.append((value, dims, rows))
+    return plan
+
+
+def feed_shapes(model: ir.Model, shapes: dict[str, list[int]], source: str | os.PathLike | None = None,
+                ) -> dict[str, list[int]]:
+    """The shape of every input --verify will generate, or a one-line error naming the input (and `source`, the
+    model's file); allocates nothing."""
+    return {value.name: dims for value, dims, _ in _plan(model, shapes, source)}
+
+
+def check_inputs(src: str | os.PathLike, shapes: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    """`feed_shapes` of the model at `src` (checked as every load is): what `fold --verify` calls before it
+    writes anything, so that inputs it cannot generate fail first."""
+    from taperfold.passes.onnx_io import load_model
+
+    return feed_shapes(load_model(src), shapes or {}, src)
+
+
+def make_feeds(model: ir.Model, shapes: dict[str, list[int]], seed: int = 0,
+               source: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value, dims, rows in _plan(model, shapes, source):
         dtype = value.dtype.numpy() if value.dtype is not None else np.float32
         name = value.name.lower()
         if np.issubdtype(dtype, np.floating):
             feeds[value.name] = rng.standard_normal(dims).astype(dtype)
-        elif (rows := _lookup_rows(value)) is not None:
+        elif rows is not None:
             feeds[value.name] = rng.integers(0, rows, dims).astype(dtype)
         elif "mask" in name:
             feeds[value.name] = np.ones(dims, dtype)
@@ -112,7 +177,7 @@ class FoldCheck:
 
     def failure_message(self) -> str:
         bad = [o for o in self.outputs if not o.passed]
-        return "; ".join(f"unfolded -> folded, output '{o.name}': {', '.join(o.violations)}" for o in bad)
+        return "; ".join(f"input -> folded, output '{o.name}': {', '.join(o.violations)}" for o in bad)
 
     def to_dict(self) -> dict:
         return {"inputs": self.inputs, "passed": self.passed,
@@ -128,7 +193,7 @@ def check_fold(src: str | os.PathLike, dst: str | os.PathLike, shapes: dict[str,
     from taperfold.engines import ENGINES, open_runners
     from taperfold.passes.onnx_io import load_model
 
-    feeds = make_feeds(load_model(src), shapes or {}, seed)
+    feeds = make_feeds(load_model(src), shapes or {}, seed, source=src)
     ort = ENGINES["ort"]
     runners = {"input": ort.runner(src, device="cpu", threads=threads),
                "folded": ort.runner(dst, device="cpu", threads=threads)}
@@ -140,7 +205,7 @@ def check_fold(src: str | os.PathLike, dst: str | os.PathLike, shapes: dict[str,
         got = candidate.get(name)
         if got is None or got.shape != ref.shape:
             checks.append(OutputCheck(name, None, None, ["missing or reshaped in the folded model"]))
-        elif not np.issubdtype(ref.dtype, np.floating) or ref.ndim == 0:
+        elif not np.issubdtype(ref.dtype, np.floating) or ref.ndim == 0 or ref.size == 0:
             checks.append(OutputCheck(name, None, None, [] if np.array_equal(ref, got) else ["values differ"]))
         else:
             dtype = _DTYPE_NAMES.get(ir.DataType.from_numpy(ref.dtype), "fp32")

@@ -10,22 +10,26 @@ import onnx_ir as ir
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.fsutil import atomic_path
-from taperfold.onnx_files import check_onnx_file, initializers
+from taperfold.onnx_files import check_graph, check_onnx_file, initializers
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
     """Load lazily (external weights stay on disk, memory-mapped when read), after checking the file and its
-    external data (taperfold.onnx_files)."""
+    external data (taperfold.onnx_files.check_onnx_file) and its graph (check_graph: every value defined, no
+    duplicate initializer, every stored tensor's shape and in-file data, no cycle), so that a malformed model
+    is one line naming the node or tensor, before any pass sees it."""
     path = Path(path)
-    check_onnx_file(path)
-    try:
-        model = ir.load(path)
-    except Exception as e:  # protobuf's DecodeError and onnx's parse errors all mean the same here
-        raise TaperfoldError(f"{path}: not a readable ONNX model ({first_line(e)})") from None
-    if not model.ir_version:  # an empty file parses as an empty ModelProto
+    proto = check_onnx_file(path)
+    if not proto.ir_version:  # an empty file parses as an empty ModelProto
         raise TaperfoldError(f"{path}: not an ONNX model (no IR version)")
-    if not len(model.graph) and not model.graph.outputs:  # a few stray bytes parse as a ModelProto too
+    if not len(proto.graph.node) and not proto.graph.output:  # a few stray bytes parse as a ModelProto too
         raise TaperfoldError(f"{path}: not an ONNX model (no graph: no nodes and no outputs)")
+    check_graph(proto.graph, path)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # onnx_ir's SerdeError and whatever it wraps all mean the same here
+        raise TaperfoldError(f"{path}: not a readable ONNX model ({first_line(e)})") from None
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(path))  # as ir.load does: weights beside the file
     return model
 
 

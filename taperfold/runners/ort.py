@@ -92,6 +92,8 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(4)  # ONNX Runtime's own lines (a provider library it cannot load) stay quiet
+
     header = check_onnx_file(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(optimization, threads),
@@ -324,7 +326,18 @@ def open_runner(path, *, device, threads, decoder, logits, name, shapes=None, op
 
 
 def unavailable(device: str) -> str | None:
-    return None  # the CUDA provider's absence is found when a session opens, with the file named
+    """On CUDA: the CUDA execution provider and a GPU. (ONNX Runtime itself would only find out when a session
+    opens, after printing its own lines about the libraries it could not load.)"""
+    if device != "cuda":
+        return None
+    import onnxruntime as ort
+    import torch
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "--device cuda: this onnxruntime build has no CUDA execution provider (install onnxruntime-gpu)"
+    if not torch.cuda.is_available():
+        return "--device cuda: no CUDA device on this machine (torch sees none)"
+    return None
 
 
 def files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:

@@ -19,8 +19,8 @@ from taperfold.errors import TaperfoldError
 from taperfold.sources import builtin
 from taperfold.sources.base import FineTuned, ModelSource, SourceKind, checkpoint_digest
 
-__all__ = ["FineTuned", "ModelSource", "SourceKind", "checkpoint_digest", "config_from_dict", "fine_tune", "open_source",
-           "register"]
+__all__ = ["FineTuned", "ModelSource", "SourceKind", "checkpoint_digest", "config_from_dict", "fine_tune", "local_path",
+           "open_source", "register"]
 
 
 def _transformers() -> SourceKind:
@@ -40,11 +40,21 @@ def register(kind: SourceKind) -> SourceKind:
 
 
 def open_source(path: str | Path) -> ModelSource:
-    """Read and validate the model at `path`; one `TaperfoldError` naming the file and key on any problem."""
-    path = Path(path)
-    if not path.exists():
-        raise TaperfoldError(f"{path}: no such file or directory")
+    """Read and validate the model at `path` (or the one a name such as a Hub model id stands for); one
+    `TaperfoldError` naming the file and key on any problem."""
+    path = local_path(path)
     return _kind_of(path).open(path)
+
+
+def local_path(name: str | Path) -> Path:
+    """`name` as an existing path: itself, or what a kind resolves it to (a Hub model id: its cached snapshot)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    for kind in (get() for get in SOURCE_KINDS):
+        if kind.resolve is not None and (resolved := kind.resolve(str(name))) is not None:
+            return resolved
+    raise TaperfoldError(f"{path}: no such file or directory")
 
 
 def _kind_of(path: Path) -> SourceKind:
@@ -55,9 +65,7 @@ def fine_tune(path: str | Path, opts, data_files: list[Path] | None, taper: str,
               on_step=None) -> FineTuned:
     """Taper the plain model at `path` and train it through the whole taper (`taperfold train --from`); the
     result's `save(out)` writes it in its source's format."""
-    path = Path(path)
-    if not path.exists():
-        raise TaperfoldError(f"{path}: no such file or directory")
+    path = local_path(path)
     kind = _kind_of(path)
     if kind.fine_tune is None:
         raise TaperfoldError(f"{path}: `train --from` takes a plain Hugging Face directory; a taperfold checkpoint "

@@ -41,8 +41,8 @@ class ModelSource(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def plain_norm_reason(self) -> str:
-        """Why a plain (untapered) model's norms do not fold."""
+    def how_to_taper(self) -> str:
+        """For a plain (untapered) model: how a user gets a tapered one."""
 
     @abc.abstractmethod
     def build(self, gate: float | None = None, reference: bool = True) -> TaperedLM:
@@ -97,3 +97,5 @@ class SourceKind:
     config_from_dict: Callable[[dict], object]
     # (path, TrainOptions, data files, taper=, aux=, on_step=) -> FineTuned: `taperfold train --from`
     fine_tune: Callable[..., FineTuned] | None = None
+    # a name that is no path (a Hub model id) -> the local directory it stands for, or None when it is not one
+    resolve: Callable[[str], Path | None] | None = None

@@ -46,8 +46,8 @@ class Checkpoint(ModelSource):
         return self.config.arch
 
     @property
-    def plain_norm_reason(self) -> str:
-        return "not a tapered layer (per-token statistics by design)"
+    def how_to_taper(self) -> str:
+        return "trained with --taper none; `taperfold train --taper internal` trains a tapered one"
 
     def build(self, gate: float | None = None, reference: bool = True) -> CausalLM:
         """The model in eval mode at the stored gate (or `gate`), weights loaded and checked. One forward serves
@@ -208,9 +208,9 @@ def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     except (TypeError, ValueError) as e:
         raise TaperfoldError(f"{path}: key 'config': {e}") from None
     gate = header["gate"]
-    if not isinstance(gate, (int, float)) or not math.isfinite(gate) or not 0.0 <= gate <= 1.0:
+    if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not math.isfinite(gate) or not 0 <= gate <= 1:
         raise TaperfoldError(f"{path}: key 'gate' must be a number in [0, 1], got {gate!r}")
-    if not isinstance(header["step"], int) or header["step"] < 0:
+    if isinstance(header["step"], bool) or not isinstance(header["step"], int) or header["step"] < 0:
         raise TaperfoldError(f"{path}: key 'step' must be a non-negative integer, got {header['step']!r}")
     for key, value in tensors.items():
         if not isinstance(value, torch.Tensor):

@@ -130,7 +130,7 @@ def test_verify_passes_on_a_fold_and_fails_on_a_broken_one(tmp_path, cli, monkey
     monkeypatch.setattr("taperfold.passes.fold_readers.move_into_readers", wrong_scale)
     result = cli("fold", src, "-o", tmp_path / "g.onnx", "--verify")
     assert result.exit_code == 1 and "FAIL" in result.stdout
-    assert result.stderr.startswith("taperfold: FAILED: unfolded -> folded, output 'y': max_rel")
+    assert result.stderr.startswith("taperfold: FAILED: input -> folded, output 'y': max_rel")
 
 
 def test_verify_bad_shapes_is_one_line(tmp_path, cli):

@@ -1,0 +1,327 @@
+"""Hostile Hugging Face directories (issue 21): a save_pretrained directory is input and is held to the rules of
+taperfold's own checkpoints (docs/guarantees.md). Every numeric config key the model construction reads is
+checked before anything is built, even on the meta device; a config far larger than its weights is refused
+before building; NaN or Inf in any floating-point weight, a tapered norm's c outside (0, 1e6] and a malformed
+shard index are one line naming the file and the key; save_hf_directory writes no NaN.
+
+Each case goes through `taperfold inspect DIR` and `taperfold export DIR -o OUT`: exit 2, exactly one stderr
+line naming the file and the key, nothing on stdout, no OUT, the directory unchanged, within seconds.
+Tiny random models built from configs (tests/hf_models.py): nothing is downloaded.
+"""
+
+import contextlib
+import json
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import tapered_tiny_model, tiny_config  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from taperfold.errors import TaperfoldError  # noqa: E402
+from taperfold.hf import save_hf_directory  # noqa: E402
+
+LIMIT_S = 30  # every refusal here reads a config or a few KB of weights: well under a second when nothing hangs
+
+
+class Hung(BaseException):
+    """A command ran past LIMIT_S (a BaseException: nothing on the way catches it)."""
+
+
+class Built(BaseException):
+    """A model was built from a config that must be refused before any model is built."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    def expire(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _config(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+def _write_config(folder, config):
+    (folder / "config.json").write_text(json.dumps(config))  # NaN and Infinity as Python's json writes them
+
+
+def _set(config, key, value):
+    """config[key] = value, where key may be dotted ('rope_parameters.rope_theta')."""
+    *parents, last = key.split(".")
+    for parent in parents:
+        config = config[parent]
+    config[last] = value
+
+
+def _poison(shard, key, value):
+    tensors = load_file(str(shard))
+    assert key in tensors, sorted(tensors)
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory):
+    """Tiny directories, built once; tests break copies (`copy_of`)."""
+    root = tmp_path_factory.mktemp("hostile")
+    for family in ("llama", "gpt2", "opt", "gpt_neox"):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(tiny_config(family)).save_pretrained(root / f"{family}-plain")
+    save_hf_directory(tapered_tiny_model("llama"), root / "llama-tapered", step=3)
+    save_hf_directory(tapered_tiny_model("llama"), root / "llama-sharded", max_shard_size="40KB")
+    assert len(list((root / "llama-sharded").glob("model-*.safetensors"))) > 1
+    return root
+
+
+@pytest.fixture
+def copy_of(originals, tmp_path):
+    """copy_of("llama-plain"): a private copy of a directory, free to break."""
+    return lambda name: shutil.copytree(originals / name, tmp_path / name)
+
+
+def _refused(cli, tmp_path, folder, file, key, *needles, monkeypatch=None):
+    """inspect and export of `folder`: exit 2, one line naming `file` and `key`, nothing written, quickly.
+    With `monkeypatch`, building a model at all fails the test (the config must be refused before)."""
+    if monkeypatch is not None:
+        def build(*args, **kwargs):
+            raise Built("a model was built from a config that must be refused first")
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", build)
+    before = _snapshot(folder)
+    out = tmp_path / "out"
+    lines = []
+    for args in (["inspect", folder], ["export", folder, "-o", out]):
+        start = time.monotonic()
+        with _time_limit(LIMIT_S):
+            result = cli(*args)
+        assert time.monotonic() - start < LIMIT_S
+        assert result.exit_code == 2, (args[0], result.stdout, result.stderr)
+        err = result.stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("taperfold: error: "), (args[0], result.stderr)
+        assert str(file) in err[0] and (key is None or f"'{key}'" in err[0]), (args[0], err[0])
+        for needle in needles:
+            assert needle in err[0], (args[0], err[0])
+        assert result.stdout == "", (args[0], result.stdout)
+        assert not out.exists(), args[0]  # nothing written
+        lines.append(err[0])
+    assert _snapshot(folder) == before  # the input untouched
+    assert lines[0] == lines[1]  # one check, whichever command
+    return lines[0]
+
+
+# Each numeric key at 0, negative, fractional, integral float, a string, a bool, huge (far past the bound, and
+# just past it).
+INT_VALUES = [0, -3, 2.5, 2.0, "8", True, 10**9, 10**30]
+INT_KEYS = {  # the key as config.json spells it -> the first out-of-range value
+    "num_hidden_layers": 1025,
+    "num_attention_heads": 1025,
+    "num_key_value_heads": 1025,
+    "hidden_size": 65537,
+    "intermediate_size": 2**18 + 1,
+    "vocab_size": 2**24 + 1,
+    "max_position_embeddings": 2**20 + 1,
+    "head_dim": 65537,
+}
+# Floats: 0, negative, a string, a bool, huge, NaN, Infinity (JSON as Python writes it)
+FLOAT_VALUES = [0, 0.0, -1e-6, "1e-6", True, 1e300, float("nan"), float("inf"), float("-inf")]
+FLOAT_KEYS = {"rms_norm_eps": 1.5, "rope_parameters.rope_theta": 1e13, "rope_theta": 1e13}
+# Other families spell their keys their own way (transformers' attribute_map): GPT-2, OPT, GPT-NeoX.
+ALIASES = [
+    ("gpt2", "n_layer", 0), ("gpt2", "n_layer", 10**9), ("gpt2", "n_embd", "32"), ("gpt2", "n_embd", -32),
+    ("gpt2", "n_head", 0), ("gpt2", "n_head", 1.5), ("gpt2", "n_positions", 0), ("gpt2", "n_positions", 2**40),
+    ("gpt2", "n_inner", 0), ("gpt2", "n_inner", 2**40), ("gpt2", "vocab_size", -1),
+    ("gpt2", "layer_norm_epsilon", 0.0), ("gpt2", "layer_norm_epsilon", -1.0), ("gpt2", "layer_norm_epsilon", 1e300),
+    ("opt", "ffn_dim", 0), ("opt", "ffn_dim", 3.5), ("opt", "ffn_dim", 10**12), ("opt", "hidden_size", False),
+    ("gpt_neox", "layer_norm_eps", 0.0), ("gpt_neox", "layer_norm_eps", "small"), ("gpt_neox", "layer_norm_eps", 2.0),
+    ("gpt_neox", "rope_parameters.partial_rotary_factor", 0.0),
+    ("gpt_neox", "rope_parameters.partial_rotary_factor", 1.5),
+    ("gpt_neox", "rope_parameters.rope_theta", -10000.0), ("gpt_neox", "rotary_pct", 0.0),
+    ("gpt_neox", "rotary_emb_base", 0), ("gpt_neox", "intermediate_size", -64),
+]
+
+
+class TestHuggingFaceDirectories:
+    # ---- the config: types and ranges, before anything is built -----------------------------------------
+
+    @pytest.mark.parametrize("value", INT_VALUES + ["past the bound"], ids=repr)
+    @pytest.mark.parametrize("key", INT_KEYS)
+    def test_integer_config_key(self, cli, tmp_path, copy_of, monkeypatch, key, value):
+        folder = copy_of("llama-plain")
+        config = _config(folder)
+        assert key in config  # the directory as save_pretrained wrote it has every key tested here
+        _set(config, key, INT_KEYS[key] if value == "past the bound" else value)
+        _write_config(folder, config)
+        _refused(cli, tmp_path, folder, folder / "config.json", key, "must be", monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("value", FLOAT_VALUES + ["past the bound"], ids=repr)
+    @pytest.mark.parametrize("key", FLOAT_KEYS)
+    def test_float_config_key(self, cli, tmp_path, copy_of, monkeypatch, key, value):
+        folder = copy_of("llama-plain")
+        config = _config(folder)
+        _set(config, key, FLOAT_KEYS[key] if value == "past the bound" else value)
+        _write_config(folder, config)
+        _refused(cli, tmp_path, folder, folder / "config.json", key, "must be a number", monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("family, key, value", ALIASES, ids=lambda x: repr(x) if not isinstance(x, str) else x)
+    def test_config_key_as_the_family_spells_it(self, cli, tmp_path, copy_of, monkeypatch, family, key, value):
+        folder = copy_of(f"{family}-plain")
+        config = _config(folder)
+        _set(config, key, value)
+        _write_config(folder, config)
+        _refused(cli, tmp_path, folder, folder / "config.json", key, "must be", monkeypatch=monkeypatch)
+
+    def test_a_billion_layers_fail_before_building(self, cli, tmp_path, copy_of, monkeypatch):
+        """It made `inspect` run for minutes: it must be refused from config.json alone."""
+        folder = copy_of("llama-tapered")
+        _write_config(folder, {**_config(folder), "num_hidden_layers": 10**9})
+        start = time.monotonic()
+        _refused(cli, tmp_path, folder, folder / "config.json", "num_hidden_layers", monkeypatch=monkeypatch)
+        assert time.monotonic() - start < 10
+
+    @pytest.mark.parametrize("change, key, needle", [
+        ({"hidden_size": 30}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),  # head_dim given
+        ({"hidden_size": 30, "head_dim": None}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None}, "hidden_size",
+         "not a multiple of 'num_attention_heads' (3)"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide 'num_attention_heads' (4)"),
+        ({"pad_token_id": 256}, "pad_token_id", "token id"),
+        ({"pad_token_id": "0"}, "pad_token_id", "token id"),
+        ({"rope_parameters": [10000.0]}, "rope_parameters", "must be null or an object"),
+    ])
+    def test_inconsistent_config(self, cli, tmp_path, copy_of, monkeypatch, change, key, needle):
+        folder = copy_of("llama-plain")
+        _write_config(folder, {**_config(folder), **change})
+        _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("key", ["n_embd", "n_head"])
+    def test_gpt2_heads_must_divide_the_width(self, cli, tmp_path, copy_of, monkeypatch, key):
+        folder = copy_of("gpt2-plain")
+        _write_config(folder, {**_config(folder), key: 30 if key == "n_embd" else 3})
+        _refused(cli, tmp_path, folder, folder / "config.json", "n_embd", "not a multiple of 'n_head'",
+                 monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("key, value", [
+        ("num_hidden_layers", 1000), ("num_hidden_layers", 1024), ("vocab_size", 2**24), ("hidden_size", 65536),
+        ("intermediate_size", 2**18), ("head_dim", 4096),
+    ])
+    def test_config_far_larger_than_the_weights(self, cli, tmp_path, copy_of, monkeypatch, key, value):
+        """In range, but the weights cannot hold such a model: refused before it is built, even on meta."""
+        folder = copy_of("llama-plain")
+        _write_config(folder, {**_config(folder), key: value})
+        _refused(cli, tmp_path, folder, folder / "config.json", key, "does not match the weights",
+                 str(folder / "model.safetensors"), monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("text", ['{"weight_map": {"model.norm.weight": ' + "9" * 5000 + "}}",
+                                      '{"weight_map": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"],
+                             ids=["5000-digit integer", "nested 100000 deep"])
+    def test_index_python_cannot_parse(self, cli, tmp_path, copy_of, text):
+        """JSON that Python's parser refuses with a ValueError (the 4300-digit limit) or a RecursionError, not a
+        JSONDecodeError: one line all the same (no key to name)."""
+        folder = copy_of("llama-sharded")
+        index = folder / "model.safetensors.index.json"
+        index.write_text(text)
+        assert "not valid JSON" in _refused(cli, tmp_path, folder, index, None)
+
+    @pytest.mark.parametrize("text", ['{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}",
+                                      '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+                             ids=["5000-digit integer", "nested 100000 deep"])
+    def test_config_python_cannot_parse(self, copy_of, text):
+        """The same in config.json, through the API (through the CLI, such a directory is no Hugging Face
+        directory; taperfold's own checkpoint reader, taperfold.fsutil.read_json_object, reports it)."""
+        from taperfold.hf import load_hf_directory
+
+        folder = copy_of("llama-plain")
+        (folder / "config.json").write_text(text)
+        with pytest.raises(TaperfoldError) as e:
+            load_hf_directory(folder)
+        line = str(e.value)
+        assert len(line.splitlines()) == 1 and line.startswith(f"{folder / 'config.json'}: not valid JSON"), line
+
+    # ---- the weights: NaN and Inf anywhere, c out of range -----------------------------------------------
+
+    @pytest.mark.parametrize("name, key, value", [
+        ("llama-plain", "model.layers.0.self_attn.q_proj.weight", float("nan")),
+        ("llama-plain", "model.embed_tokens.weight", float("inf")),
+        ("llama-plain", "model.norm.weight", float("-inf")),
+        ("gpt2-plain", "transformer.h.1.mlp.c_fc.bias", float("nan")),
+        ("gpt_neox-plain", "embed_out.weight", float("nan")),  # named as the file has it (the model's lm_head)
+        ("llama-tapered", "model.layers.1.mlp.down_proj.weight", float("nan")),
+        ("llama-tapered", "model.layers.0.input_layernorm.weight", float("inf")),  # γ of a tapered norm
+        ("llama-tapered", "model.layers.0.input_layernorm.ema_num", float("nan")),  # a float64 buffer
+        ("llama-tapered", "model.norm.weight", float("nan")),  # the kept final norm
+    ])
+    def test_nan_or_inf_in_a_weight(self, cli, tmp_path, copy_of, name, key, value):
+        folder = copy_of(name)
+        _poison(folder / "model.safetensors", key, value)
+        _refused(cli, tmp_path, folder, folder / "model.safetensors", key, "NaN or Inf")
+
+    def test_nan_in_a_shard_names_the_shard(self, cli, tmp_path, copy_of):
+        folder = copy_of("llama-sharded")
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        key = "model.layers.1.mlp.up_proj.weight"
+        shard = folder / weight_map[key]
+        assert shard.name != min(weight_map.values())  # not the first shard read
+        _poison(shard, key, float("nan"))
+        _refused(cli, tmp_path, folder, shard, key, "NaN or Inf")
+
+    @pytest.mark.parametrize("value", [0.0, -1.0, 2e6, 1e38])
+    def test_tapered_c_out_of_range(self, cli, tmp_path, copy_of, value):
+        folder = copy_of("llama-tapered")
+        key = "model.layers.1.input_layernorm.c"
+        _poison(folder / "model.safetensors", key, value)
+        _refused(cli, tmp_path, folder, folder / "model.safetensors", key, "(0, 1e+06]")
+
+    # ---- the shard index -----------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("value", [["model-00001-of-00002.safetensors"], {"file": "x.safetensors"}], ids=repr)
+    def test_shard_index_names_no_file(self, cli, tmp_path, copy_of, value):
+        folder = copy_of("llama-sharded")
+        index = folder / "model.safetensors.index.json"
+        content = json.loads(index.read_text())
+        content["weight_map"]["model.norm.weight"] = value
+        index.write_text(json.dumps(content))
+        _refused(cli, tmp_path, folder, index, "weight_map.model.norm.weight", "must be the name of a shard file")
+
+    # ---- saving --------------------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("what", ["parameter", "buffer", "gate"])
+    def test_save_refuses_nan(self, tmp_path, what):
+        model = tapered_tiny_model("llama")
+        with torch.no_grad():
+            if what == "parameter":
+                name = "model.layers.1.self_attn.v_proj.weight"
+                model.get_parameter(name)[3, 4] = float("nan")
+            elif what == "buffer":
+                name = "model.layers.0.post_attention_layernorm.c"
+                model.get_buffer(name).fill_(float("inf"))
+            else:
+                name = "taperfold.gate"
+                model.tapering.set_gate(float("nan"))
+        out = tmp_path / "out"
+        with pytest.raises(TaperfoldError) as e:
+            save_hf_directory(model, out)
+        line = str(e.value)
+        assert len(line.splitlines()) == 1 and str(out) in line and f"'{name}'" in line, line
+        if what != "gate":
+            assert f"{what} '{name}' contains NaN or Inf" in line
+        assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written, no temporary left
+        assert "taperfold" not in model.config.to_dict()  # the model untouched
