@@ -170,15 +170,15 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
     source = open_source(ckpt_path)
     _check_gate(source, opts)
     if source.config.max_seq_len < MIN_CONTEXT:
-        raise TaperfoldError(f"{ckpt_path}: the model's context is {source.config.max_seq_len} token(s); export traces a "
-                             f"dynamic sequence and a KV cache of 2 tokens or more each, and needs a context of "
-                             f"{MIN_CONTEXT} or more")
+        raise TaperfoldError(f"{ckpt_path}: the model's context is {source.config.max_seq_len} token(s); export "
+                             f"traces a dynamic sequence and a KV cache of 2 tokens or more each, and needs a "
+                             f"context of {MIN_CONTEXT} or more")
     dtype = torch_dtype(opts.dtype)
     sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
     if opts.baseline or not source.tapered:
-        sources.append((BASELINE, source.build_baseline(reference=False).to(dtype)))
+        sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
-        sources.append((UNFOLDED, source.build(gate=0.0, reference=False).to(dtype)))
+        sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         exported = export_graphs(sources, tmp, opts, on_stage)
@@ -244,10 +244,13 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
 
 
 def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
-    """Norm names as paths in the model's network: without what the export wrappers put in front."""
+    """Norm names (and the producers a backward fold names) as paths in the model's network: without what the export
+    wrappers put in front."""
     prefix = (_Decoder.prefix if decoder else "") + (f"{model.network_path}." if model.network_path else "")
     for entry in report["norms"]:
         entry["name"] = entry["name"].removeprefix(prefix)
+        if prefix:
+            entry["reason"] = entry["reason"].replace(f"({prefix}", "(")
     return report
 
 

@@ -9,7 +9,7 @@
 
 One fold for every model: the family says which layers read each norm (or, for a post-norm, which layer
 produces its input), the norm kind what the norm computes at g = 0 (taperfold.norms.ConstantMap); the ONNX
-passes do the same on graphs (forwards; the backward fold of post-norms is the torch fold's only, so far).
+passes do the same on graphs (taperfold.passes: forwards, then post-norms backwards).
 """
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ def decomposed(baseline: TaperedLM) -> TaperedLM:
 def build_variants(source, names: list[str], dtype: torch.dtype) -> dict[str, TaperedLM]:
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
     exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once)."""
-    tapered = source.build(gate=0.0, reference=False)
-    build = {BASELINE: lambda: source.build_baseline(reference=False), UNFOLDED: lambda: tapered,
+    tapered = source.build(gate=0.0)
+    build = {BASELINE: lambda: source.build_baseline(), UNFOLDED: lambda: tapered,
              FOLDED: lambda: fold_in_torch(tapered),
-             DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline(reference=False)),
+             DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline()),
              NONORM: lambda: without_norms(tapered)}
     models = {name: build[name]() for name in names}
     return {name: m.to(dtype).eval() for name, m in models.items()}

@@ -20,13 +20,23 @@ def tiny_config(model_type: str):
                                      bos_token_id=1, eos_token_id=2),
         "gpt_neox": lambda: t.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, rotary_pct=0.5, **COMMON),
+        "gemma2": lambda: t.Gemma2Config(num_key_value_heads=2, head_dim=8, **RMS),  # logits softcapped at 30
+        "gemma3_text": lambda: t.Gemma3TextConfig(num_key_value_heads=2, head_dim=8, final_logit_softcapping=10.0,
+                                                  **RMS),
+        "olmo2": lambda: t.Olmo2Config(num_key_value_heads=2, **RMS),
+        "exaone4": lambda: t.Exaone4Config(num_key_value_heads=2, head_dim=8, **RMS),
+        "glm4": lambda: t.Glm4Config(num_key_value_heads=2, head_dim=8, **RMS),
+        "granite": lambda: t.GraniteConfig(num_key_value_heads=2, logits_scaling=4.0, embedding_multiplier=2.0,
+                                           residual_multiplier=0.5, attention_multiplier=0.2, **RMS),
+        "smollm3": lambda: t.SmolLM3Config(num_key_value_heads=2, **RMS),
         "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                    word_embed_proj_dim=32, **COMMON),
     }
     return configs[model_type]()
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
+            "granite", "smollm3", "phi", "gpt2", "gpt_neox", "opt")
 
 
 def tapered_tiny_model(model_type: str):

@@ -115,12 +115,8 @@ def test_a_family_with_post_norms_folds_them_backwards_into_their_producers(regi
     from taperfold.nn import TaperNorm
     from taperfold.variants import fold_in_torch
 
-    gemma2 = families.register(families.Family(
-        name="gemma2", model_types=("gemma2",), norm="rms", gain_offset=1.0, layers="model.layers",
-        internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                  "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
-        post={"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"},
-        final="model.norm"))
+    gemma2 = families.family_for("gemma2")
+    assert gemma2.post == {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"}
     config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                        max_position_embeddings=64)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # each family trains and exports a model
 from hf_models import FAMILIES, tiny_config  # noqa: E402
 
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
+from taperfold.families import family_for  # noqa: E402
 from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
 from taperfold.hf.training import TaperHook, trainer_callback, train_hf_directory  # noqa: E402
 from taperfold.nn import GateSchedule, TaperLN, TaperNorm  # noqa: E402
@@ -26,9 +27,8 @@ from taperfold.train import TrainOptions  # noqa: E402
 from taperfold.variants import fold_in_torch  # noqa: E402
 from taperfold.verify import verify_export  # noqa: E402
 
-# The fold passes keep these families' norms until the passes branch lands its fixes (issue 10):
 # Families tapered with "all" (final norm too): the tied-head and final-norm paths get exercised.
-TAPER = {"llama": "all", "gemma": "all", "opt": "all", "phi": "all"}
+TAPER = {"llama": "all", "gemma": "all", "gemma2": "all", "granite": "all", "opt": "all", "phi": "all"}
 KV_CACHE = {"llama"}  # one family also exports KV-cache decoders
 
 
@@ -135,7 +135,8 @@ def test_export_verifies_against_the_transformers_forward(fam):
         assert pairs[name].metrics.max_rel <= 1e-5, name
         assert pairs[name].metrics.top1 == 1.0, name
     assert fam.manifest["config"]["source"] == "transformers"
-    assert fam.manifest["source"]["family"] == fam.name
+    assert fam.manifest["source"]["model_type"] == fam.name
+    assert fam.manifest["source"]["family"] == family_for(fam.name).name
 
 
 def test_every_tapered_norm_is_folded(fam):

@@ -7,7 +7,8 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `layers`: the ModuleList of decoder layers, and `internal`: each norm of a layer with the linear layers
   that read its output (what a fold rewrites: AutoAWQ's `get_layers_for_scaling`, llm-compressor's mappings);
   `post`: each post-norm of a layer (it reads a projection's output before the residual Add: Gemma 2/3,
-  OLMo 2) with the linear layer that produces its input, whose output rows the fold rewrites instead;
+  OLMo 2, GLM-4, EXAONE 4) with the linear layer that produces its input, whose output columns the fold
+  rewrites instead;
 - `final` and `head`: the final norm and the output projection that reads it;
 - `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
 - `untapered`: norm-like modules (by name) that are never tapered, with the reason;
@@ -61,7 +62,8 @@ class Family:
 
 
 # The families taperfold ships, one module each.
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "exaone4", "glm4",
+            "granite", "smollm3", "phi", "gpt2", "gpt_neox", "opt")
 _REGISTRY: dict[str, Family] = {}
 
 

@@ -4,17 +4,14 @@ taperfold's runners and exporter call `model(input_ids, logits="last"|"all", pas
 use_cache=...)` and read `model.cfg` (vocabulary, context, layers, KV heads). `HFCausalLM` gives a
 transformers model that interface and nothing more: every layer runs transformers' own code.
 
-Two ways to get last-token logits, on purpose:
-- the reference (`reference=True`, what `taperfold verify` holds the exports to) is transformers'
-  own forward, `model(input_ids, logits_to_keep=1).logits`;
-- the exported graph takes the last position *before* the final norm (a per-token map, so the result is
-  the same) so that a tapered final norm feeds the head directly and folds into it, as in taperfold's
-  own models.
+Every call is transformers' own forward (`model(input_ids, logits_to_keep=1, ...)`), head included: a family's
+logit softcapping (Gemma 2/3) or scaling (Granite, Cohere) is in the graph because the modeling code does it.
+The last position is taken after the final norm, which is a per-token map; a tapered final norm folds through
+that Slice into the head (taperfold.passes.readers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import asdict, dataclass
 
@@ -65,27 +62,14 @@ class HFModelInfo:
         return asdict(self)
 
 
-@contextlib.contextmanager
-def _detached(model: nn.Module, path: str):
-    """Run `model` with the module at `path` replaced by Identity; yields the module."""
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    module = getattr(parent, attr)
-    setattr(parent, attr, nn.Identity())
-    try:
-        yield module
-    finally:
-        setattr(parent, attr, module)
-
-
 class HFCausalLM(TaperedLM, nn.Module):
     """taperfold's interface over a transformers `*ForCausalLM` (see the module docstring)."""
 
     network_path = "hf"
 
-    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family, reference: bool = True):
+    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family):
         super().__init__()
-        self.hf, self.cfg, self.family, self.reference = hf, cfg, family, reference
+        self.hf, self.cfg, self.family = hf, cfg, family
 
     @property
     def network(self) -> nn.Module:
@@ -96,7 +80,7 @@ class HFCausalLM(TaperedLM, nn.Module):
         return getattr(self.hf, "tapering", None)
 
     def copy(self) -> "HFCausalLM":
-        return HFCausalLM(copy.deepcopy(self.hf), self.cfg, self.family, self.reference)
+        return HFCausalLM(copy.deepcopy(self.hf), self.cfg, self.family)
 
     def loss(self, input_ids, targets):
         """Cross-entropy of transformers' forward on next-token `targets`, and the scale-anchoring loss on the
@@ -125,16 +109,9 @@ class HFCausalLM(TaperedLM, nn.Module):
     def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False):
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        if self.reference and past_key_values is None and not use_cache:
-            out = self.hf(input_ids=input_ids, logits_to_keep=1 if logits == "last" else 0, use_cache=False)
-            return out.logits[:, -1, :] if logits == "last" else out.logits
-        cache = self._cache(past_key_values)
-        with _detached(self.hf, self.family.final) as final_norm:
-            out = self.hf.base_model(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
-            h = out.last_hidden_state
-            if logits == "last":
-                h = h[:, -1, :]
-            result = self.hf.get_output_embeddings()(final_norm(h))
+        out = self.hf(input_ids=input_ids, past_key_values=self._cache(past_key_values), use_cache=use_cache,
+                      logits_to_keep=1 if logits == "last" else 0)
+        result = out.logits[:, -1, :] if logits == "last" else out.logits
         if not use_cache:
             return result
         present = tuple((layer.keys, layer.values) for layer in out.past_key_values.layers)

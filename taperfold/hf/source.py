@@ -461,14 +461,14 @@ class HFCheckpoint(ModelSource):
             tapering.set_gate(gate)
         return model.eval()
 
-    def build(self, gate: float | None = None, reference: bool = True) -> HFCausalLM:
+    def build(self, gate: float | None = None) -> HFCausalLM:
         """The model as taperfold's tools use it (its plain forward is transformers' own), at `gate`."""
-        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family, reference).eval()
+        return HFCausalLM(self.hf_model(gate=gate), self.config, self.family).eval()
 
-    def build_baseline(self, reference: bool = True) -> HFCausalLM:
+    def build_baseline(self) -> HFCausalLM:
         """The same directory with its original norms (γ, β kept): the benchmark's baseline."""
         info = HFModelInfo(**{**self.config.to_dict(), "taper": "none", "aux": False})
-        return HFCausalLM(self.hf_model(tapered=False), info, self.family, reference).eval()
+        return HFCausalLM(self.hf_model(tapered=False), info, self.family).eval()
 
     def manifest_block(self) -> dict:
         return {"source": {"format": "huggingface", "family": self.family.name, "model_type": self.config.arch,

@@ -1,7 +1,10 @@
 """Graph passes that fold g = 0 TaperNorm / TaperLN layers into the linear layers around them.
 
     FoldConstantsPass -> ObserveNormsPass -> FoldIntoReadersPass -> FoldIntoEmbeddingPass
-    [-> MergeNormWeightsPass] -> CleanupPass
+    -> FoldIntoProducerPass [-> MergeNormWeightsPass] -> CleanupPass
+
+Forwards first (into the layers that read a norm, else the embedding table it normalizes), then backwards
+(a post-norm into the layer that produces its input).
 
 Each pass finds its own work with `detect_norms` (a pure analysis) and records what it did in an
 optional `FoldReport`, which only observes. `fold_model` composes them; nothing else is needed to run one.
@@ -18,6 +21,7 @@ from taperfold.passes.cleanup import CleanupPass, check
 from taperfold.passes.constants import FoldConstantsPass
 from taperfold.passes.detect import NormAnalysis, detect_norms
 from taperfold.passes.fold_embedding import FoldIntoEmbeddingPass
+from taperfold.passes.fold_producer import FoldIntoProducerPass
 from taperfold.passes.fold_readers import FoldIntoReadersPass
 from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
 from taperfold.passes.onnx_io import load_model, save_model
@@ -27,6 +31,7 @@ __all__ = [
     "CleanupPass",
     "FoldConstantsPass",
     "FoldIntoEmbeddingPass",
+    "FoldIntoProducerPass",
     "FoldIntoReadersPass",
     "FoldReport",
     "MergeNormWeightsPass",
@@ -50,7 +55,7 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
     """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
     passes = [FoldConstantsPass(report), ObserveNormsPass(report), FoldIntoReadersPass(report),
-              FoldIntoEmbeddingPass(report)]
+              FoldIntoEmbeddingPass(report), FoldIntoProducerPass(report)]
     if merge_norm_weights:
         passes.append(MergeNormWeightsPass(report))
     ir.passes.PassManager([*passes, CleanupPass(report, input_check=report.check_input)])(model)

@@ -19,6 +19,7 @@ Three things are told apart:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
@@ -168,6 +169,21 @@ def _chain_scale(chain: list[ir.Node]) -> np.ndarray | None:
     return scale if d is not None else None
 
 
+def _shared_prefix(x: ir.Value) -> list[ir.Node]:
+    """Scalar chain steps in front of `x` whose output only chain steps read, several of them: two norms of a
+    parallel block read one input, and when their c are equal (calibration gives equal c to two norms of one
+    input) the exporter computes (h - mean)·c once for both. Outermost first; each chain includes them."""
+    prefix = []
+    while (node := x.producer()) is not None and (i := _data_index(node)) is not None and not x.is_graph_output():
+        if any(_data_index(u.node) != u.idx for u in x.uses()):
+            break
+        if node.op_type == "Mul" and channel_const(node.inputs[1 - i], node.inputs[i]).size > 1:
+            break  # a per-channel step is a chain of its own, not a shared factor
+        prefix.insert(0, node)
+        x = node.inputs[i]
+    return prefix
+
+
 def _is_last_axis_mean(node: ir.Node | None, h: ir.Value) -> bool:
     if node is None or node.op_type != "ReduceMean" or node.domain != "" or node.inputs[0] is not h:
         return False
@@ -211,10 +227,12 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     if _data_index(start) is None or _continues(start):
         return None
     chain = _chain_from(start)
+    shared = _shared_prefix(start.inputs[_data_index(start)])
+    chain = [*shared, *chain]
     scale = _chain_scale(chain)
     if scale is None:
         return None
-    x = start.inputs[_data_index(start)]
+    x = chain[0].inputs[_data_index(chain[0])]
     if _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a per-channel scale
         return None
     head = _centering(x)
@@ -430,10 +448,12 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
         else:
             found.append((position[nodes[0]], RealNorm(path, kind_of_class(cls).name, cls, None)))
 
+    counts = Counter(node for m in matches for node in m.nodes)
     for m in matches:
         if m in gains or stats_nodes.intersection(m.nodes) or real_nodes.intersection(m.nodes):
             continue
-        found.append((position[m.nodes[0]], Candidate(norm_name(m.nodes), m)))
+        own = [node for node in m.nodes if counts[node] == 1] or m.nodes  # a shared centering names neither
+        found.append((position[m.nodes[0]], Candidate(norm_name(own), m)))
 
     found.sort(key=lambda pair: pair[0])
     items = [item for _, item in found]

@@ -15,7 +15,7 @@ import onnx_ir as ir
 from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, describe, folded_source, is_fixed, remove_if_dead
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
-from taperfold.passes.readers import Blocked, readers_of
+from taperfold.passes.readers import Blocked, why_readers_cannot
 from taperfold.passes.report import NormStatus
 
 
@@ -60,7 +60,7 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             if (gather := _lookup(match)) is None:
                 continue
             entry = self.report.entry(candidate.name, candidate.kind)
-            readers_blocked = _why_readers_cannot(match)
+            readers_blocked = why_readers_cannot(match)
             try:
                 table = _table(gather, match)
             except Blocked as why:
@@ -91,11 +91,3 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             modified = True
         return ir.passes.PassResult(model, modified)
 
-
-def _why_readers_cannot(match: NormMatch) -> str:
-    """Why the norm's readers cannot take the fold (FoldIntoReadersPass kept it), or "" when they could."""
-    try:
-        readers_of(match.output, match)
-    except Blocked as why:
-        return str(why)
-    return ""

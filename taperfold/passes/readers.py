@@ -71,8 +71,26 @@ class ChannelPreservingReader(Reader):
             reader.fold(graph, match, effects)
 
 
+class WeightView:
+    """A layer's constant weight W as the math uses it, [inputs, outputs], whatever way the graph stores it
+    (`tensor`, transposed or not)."""
+
+    tensor: ir.TensorProtocol
+    transposed: bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.tensor.shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def weight(self) -> np.ndarray:
+        """W as a new float64 [inputs, outputs] array."""
+        w = self.tensor.numpy().astype(np.float64)
+        return w.T if self.transposed else w
+
+
 @dataclasses.dataclass(eq=False)
-class LinearReader(Reader):
+class LinearReader(WeightView, Reader):
     """MatMul(x, W) or Gemm(x, W, [C]) with a constant W."""
 
     root: ir.Value = None  # the constant behind W (an initializer or Constant output)
@@ -81,16 +99,6 @@ class LinearReader(Reader):
     transposed: bool = False  # W[d, n] = tensor.T
     reads_nd: bool = False  # node takes its weight as [n, d] (Gemm transB=1)
     bias: tuple[ir.Node, int] | None = None  # where an existing constant bias is read: (Add, i) or (Gemm, 2)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        rows, cols = self.tensor.shape
-        return (cols, rows) if self.transposed else (rows, cols)
-
-    def weight(self) -> np.ndarray:
-        """W as a new float64 [d, n] array."""
-        w = self.tensor.numpy().astype(np.float64)
-        return w.T if self.transposed else w
 
     def fold(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         self._fold_weight(graph, match, effects)
@@ -119,7 +127,7 @@ class LinearReader(Reader):
     def _fold_bias(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         """b' = b + beta·W with the original W (Gemm: C' = C + alpha/beta_gemm·beta·W); create b if absent."""
         node = self.node
-        at, index = self.bias or _new_bias_slot(graph, node)
+        at, index = self.bias or new_bias_slot(graph, node)
         shift = match.bias @ self.weight()
         if node.op_type == "Gemm":
             shift *= node.attributes.get_float("alpha", 1.0) / node.attributes.get_float("beta", 1.0)
@@ -133,7 +141,7 @@ class LinearReader(Reader):
         effects.bytes_rewritten += tensor.nbytes
 
 
-def _new_bias_slot(graph: ir.Graph, node: ir.Node) -> tuple[ir.Node, int]:
+def new_bias_slot(graph: ir.Graph, node: ir.Node) -> tuple[ir.Node, int]:
     """An empty input that adds a bias to the layer's output: a Gemm's C, or a new Add after a MatMul."""
     if node.op_type == "Gemm":
         node.resize_inputs(3)
@@ -162,7 +170,7 @@ def shape_only(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
     return ShapeReader(node, index) if _onnx(node, "Shape", "Size") else None
 
 
-def _weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
+def weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
     """(root, tensor, via, transposed) for a constant 2-D float weight, seen through Identity/Transpose."""
     via, transposed = [], False
     while (node := value.producer()) is not None and _onnx(node, "Identity", "Transpose"):
@@ -214,7 +222,7 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
         raise Blocked(f"read by {describe(node)} as its weight")
     if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
         raise Blocked(f"read by {describe(node)} with transA=1")
-    source = _weight_source(node.inputs[1])
+    source = weight_source(node.inputs[1])
     if source is None:
         raise Blocked(f"read by {describe(node)} whose weight is not a constant")
     root, tensor, via, transposed = source
@@ -378,3 +386,12 @@ def move_into_readers(graph: ir.Graph, match: NormMatch, readers: list[Reader]) 
     for reader in readers:
         reader.node.replace_input_with(reader.index, source)
     return effects
+
+
+def why_readers_cannot(match: NormMatch) -> str:
+    """Why the norm's readers cannot take the fold (FoldIntoReadersPass kept it), or "" when they could."""
+    try:
+        readers_of(match.output, match)
+    except Blocked as why:
+        return str(why)
+    return ""

@@ -27,7 +27,7 @@ class NormEntry:
     kind: str  # "rms" | "ln"
     status: NormStatus
     reason: str = ""  # what to know about it: what blocked a fold, what the norm is
-    into: str = ""  # where its arithmetic went: "consumers" (its readers) or "embedding"
+    into: str = ""  # where its arithmetic went: "consumers" (its readers), "embedding" or "producer"
     consumers: list[str] = dataclasses.field(default_factory=list)  # node names reading the norm's output
     copied: list[str] = dataclasses.field(default_factory=list)  # "weight -> copy": shared weights untied
     bytes_rewritten: int = 0  # bytes of weights/biases/tables written with the norm folded in

@@ -23,6 +23,7 @@ def _configs() -> dict:
 
     llama_like = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS)
+    no_tokens = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # defaults outside the tiny vocabulary
     return {
         "llama": lambda: T.LlamaConfig(**llama_like),
         "qwen2": lambda: T.Qwen2Config(**llama_like),
@@ -35,13 +36,19 @@ def _configs() -> dict:
         "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
                                             num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                             max_position_embeddings=POSITIONS, use_parallel_residual=True),
+        "gemma2": lambda: T.Gemma2Config(**llama_like, head_dim=DIM // HEADS),
+        "gemma3_text": lambda: T.Gemma3TextConfig(**llama_like, head_dim=DIM // HEADS),
+        "olmo2": lambda: T.Olmo2Config(**llama_like, **no_tokens),
+        "glm4": lambda: T.Glm4Config(**llama_like, **no_tokens, head_dim=DIM // HEADS),
+        "exaone4": lambda: T.Exaone4Config(**llama_like, **no_tokens, head_dim=DIM // HEADS),
         "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=DIM, ffn_dim=2 * DIM, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
                                    word_embed_proj_dim=DIM),
     }
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt", "gemma2",
+            "gemma3_text", "olmo2", "glm4", "exaone4")
 
 
 def tiny_model(family: str, seed: int = 0) -> nn.Module:

@@ -45,12 +45,12 @@ class ModelSource(abc.ABC):
         """For a plain (untapered) model: how a user gets a tapered one."""
 
     @abc.abstractmethod
-    def build(self, gate: float | None = None, reference: bool = True) -> TaperedLM:
-        """The model in eval mode at the stored gate (or `gate`). `reference`: the forward verify holds exports
-        to; else the forward the exported graphs compute (the same numbers, see taperfold.hf.model)."""
+    def build(self, gate: float | None = None) -> TaperedLM:
+        """The model in eval mode at the stored gate (or `gate`): what verify holds the exports to, and what they
+        are exported from."""
 
     @abc.abstractmethod
-    def build_baseline(self, reference: bool = True) -> TaperedLM:
+    def build_baseline(self) -> TaperedLM:
         """The same weights with the model's own untapered norms (γ, β kept): what the paper compares with."""
 
     def manifest_block(self) -> dict:

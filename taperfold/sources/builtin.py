@@ -49,15 +49,14 @@ class Checkpoint(ModelSource):
     def how_to_taper(self) -> str:
         return "trained with --taper none; `taperfold train --taper internal` trains a tapered one"
 
-    def build(self, gate: float | None = None, reference: bool = True) -> CausalLM:
-        """The model in eval mode at the stored gate (or `gate`), weights loaded and checked. One forward serves
-        as the reference and as what the graphs compute."""
+    def build(self, gate: float | None = None) -> CausalLM:
+        """The model in eval mode at the stored gate (or `gate`), weights loaded and checked."""
         model = build_model(self.config)
         _load_into(model, self.state_dict, self.path)
         model.set_gate(self.gate if gate is None else gate)
         return model.eval()
 
-    def build_baseline(self, reference: bool = True) -> CausalLM:
+    def build_baseline(self) -> CausalLM:
         """The same weights with plain norms (nn.RMSNorm / nn.LayerNorm, γ and β kept)."""
         return baseline_of(self.build(gate=0.0))
 

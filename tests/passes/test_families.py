@@ -11,12 +11,24 @@ import pytest
 
 from taperfold.passes import NormStatus, fold_onnx_file
 from taperfold.passes.check_fold import check_fold
-from taperfold.passes.testing import FAMILIES, constant_norms, export, tiny_model
+from taperfold.passes.testing import FAMILIES, LAYERS, constant_norms, export, tiny_model
 
 pytest.importorskip("transformers")
 
-# Norms on a head's q/k (Qwen3) are read by attention's Transpose, not a linear layer: kept by design.
-PER_HEAD = {"qwen3": 2 * 2}
+# Norms on a head's q/k (Qwen3, Gemma 3, EXAONE 4) are read by attention's RoPE, and produced by a reshape into
+# heads, not by a linear layer: kept by design.
+PER_HEAD = {"qwen3": 2 * 2, "gemma3_text": 2 * 2, "exaone4": 2 * 2}
+# Norms that read a projection's output fold backwards into it: post-norms (Gemma 2/3, OLMo 2, GLM-4, EXAONE 4) and
+# OLMo 2's q/k norms, which span every head, each with the projection it reads.
+PRODUCED_BY = {
+    "gemma2": {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"},
+    "olmo2": {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj",
+              "self_attn.q_norm": "self_attn.q_proj", "self_attn.k_norm": "self_attn.k_proj"},
+    "glm4": {"post_self_attn_layernorm": "self_attn.o_proj", "post_mlp_layernorm": "mlp.down_proj"},
+}
+PRODUCED_BY["gemma3_text"] = PRODUCED_BY["exaone4"] = PRODUCED_BY["gemma2"]
+# torch.onnx's legacy exporter fails on GLM-4's partial rotary embedding ("All tensors must have the same rank").
+LEGACY = [family for family in FAMILIES if family != "glm4"]
 
 
 def statuses(report) -> dict[str, int]:
@@ -55,13 +67,13 @@ def models():
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LEGACY)
 def test_legacy_export_folds_every_tapered_norm(tmp_path, models, family):
     _, tapered, norms = models[family]
     assert_folds_all(*fold_and_check(tmp_path, tapered, "legacy"), norms, family)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LEGACY)
 def test_legacy_export_of_real_norms_is_untouched(tmp_path, models, family):
     original, _, norms = models[family]
     assert_untouched(*fold_and_check(tmp_path, original, "legacy"), norms)
@@ -72,6 +84,27 @@ def test_legacy_export_of_real_norms_is_untouched(tmp_path, models, family):
 def test_dynamo_export_folds_conv1d_readers_and_parallel_residuals(tmp_path, models, family):
     _, tapered, norms = models[family]
     assert_folds_all(*fold_and_check(tmp_path, tapered, "dynamo", opset=20), norms, family)
+
+
+def assert_folded_into_producers(report, family):
+    """Each norm reading a projection went into that projection, named in the report by its module."""
+    backwards = {e.name: e.reason for e in report.norms if e.into == "producer"}
+    assert len(backwards) == LAYERS * len(PRODUCED_BY[family]), backwards
+    for i in range(LAYERS):
+        for norm, producer in PRODUCED_BY[family].items():
+            (reason,) = [r for name, r in backwards.items() if f"layers.{i}.{norm}" in name.replace("/", ".")]
+            assert reason.endswith(f"layers.{i}.{producer})") or f"layers.{i}/{producer.replace('.', '/')}/" in reason
+
+
+@pytest.mark.parametrize("family", sorted(PRODUCED_BY))
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_post_norms_fold_backwards_into_the_projection_they_read(tmp_path, models, family, exporter):
+    if exporter == "legacy" and family not in LEGACY:
+        pytest.skip("torch.onnx's legacy exporter cannot export GLM-4")
+    _, tapered, norms = models[family]
+    report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18)
+    assert_folds_all(report, check, norms, family)
+    assert_folded_into_producers(report, family)
 
 
 @pytest.mark.slow
@@ -98,3 +131,25 @@ def test_merge_norm_weights_is_opt_in_and_reported_under_its_own_name(tmp_path, 
     assert report.count(NormStatus.FOLDED) == 0 and report.count(NormStatus.WEIGHTS_MERGED) == norms
     check = check_fold(src, tmp_path / "merged.onnx", {"input_ids": [2, 7], "attention_mask": [2, 7]})
     assert check.passed and np.isfinite(check.outputs[0].metrics.max_rel)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_parallel_norms_with_equal_c_fold_and_keep_their_own_names(tmp_path, models, exporter):
+    # Calibration gives two norms that read one input the same c; the dynamo exporter then computes (h - mean)·c
+    # once for both. Each norm is still folded, and named after its own module, not the first one's.
+    import copy
+
+    import torch
+
+    tapered, norms = copy.deepcopy(models["gpt_neox"][1]), models["gpt_neox"][2]  # the fixture's stays as it is
+    with torch.no_grad():
+        for module in tapered.modules():
+            if isinstance(getattr(module, "c", None), torch.nn.Parameter):
+                module.c.fill_(0.8)
+    report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18)
+    assert_folds_all(report, check, norms, "gpt_neox")
+    names = [e.name.replace("/", ".") for e in report.norms]
+    for i in range(LAYERS):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert sum(f"layers.{i}.{norm}" in name for name in names) == 1, names
+    assert not any("#" in name for name in names)
