@@ -213,3 +213,30 @@ def reduces_last_axis_only(node: ir.Node, rank: int | None) -> bool:
         return False
     axis = int(axes.reshape(-1)[0])
     return axis == -1 or (rank is not None and axis == rank - 1)
+
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Neg",
+                "LayerNormalization", "RMSNormalization", "Dropout"}
+
+
+def last_dim(value: ir.Value, depth: int = 16) -> int | None:
+    """The static last dimension of `value`: recorded by the exporter, or worked out from the constants it is
+    computed from (an embedding table, a weight) through elementwise ops."""
+    if value.shape is not None and len(value.shape) and isinstance(value.shape[-1], int):
+        return value.shape[-1]
+    array = const_array(value) if is_const(value) else None
+    if array is not None:
+        return array.shape[-1] if array.ndim else 1
+    node = value.producer()
+    if depth == 0 or node is None or node.domain != "":
+        return None
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0 and is_fixed(node.inputs[0]):
+        return node.inputs[0].const_value.shape[-1]
+    if node.op_type == "MatMul" and is_fixed(node.inputs[1]):
+        return node.inputs[1].const_value.shape[-1]
+    if node.op_type in _ELEMENTWISE:
+        dims = [last_dim(v, depth - 1) for v in node.inputs[:2] if v is not None]
+        if node.op_type in ("Add", "Sub", "Mul", "Div"):
+            return max(dims) if None not in dims else None
+        return dims[0]
+    return None

@@ -32,6 +32,7 @@ from taperfold.passes._graph import (
     channel_const,
     const_array,
     is_const,
+    last_dim,
     reduces_last_axis_only,
     sole_use,
     with_const_producers,
@@ -154,8 +155,10 @@ def _chain_from(start: ir.Node) -> list[ir.Node]:
     return chain
 
 
-def _chain_scale(chain: list[ir.Node]) -> np.ndarray | None:
-    """Product of the chain's constants as float64 [d]; None unless one of them is a per-channel vector."""
+def _chain_scale(chain: list[ir.Node], centered_input: ir.Value | None) -> np.ndarray | None:
+    """Product of the chain's constants as float64 [d]. None unless one of them is a per-channel vector, or the
+    chain scales a centered input (`centered_input`: h of h - mean(h)) by scalars alone and ends the chain: a
+    weightless LayerNorm (OLMo) at g = 0 is (h - mean)·c, the same c for each of h's d channels."""
     scale, d = np.ones(1), None
     for node in chain:
         if node.op_type == "Mul":
@@ -166,7 +169,12 @@ def _chain_scale(chain: list[ir.Node]) -> np.ndarray | None:
                     return None
                 d = factor.size
             scale = scale * factor
-    return scale if d is not None else None
+    if d is not None:
+        return scale
+    if centered_input is None or any(_data_index(u.node) == u.idx for u in chain[-1].outputs[0].uses()):
+        return None  # no centering, or a factor that chains reading on share (parallel norms with equal c)
+    d = last_dim(centered_input)
+    return None if d is None else np.full(d, scale[0])
 
 
 def _shared_prefix(x: ir.Value) -> list[ir.Node]:
@@ -229,13 +237,11 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     chain = _chain_from(start)
     shared = _shared_prefix(start.inputs[_data_index(start)])
     chain = [*shared, *chain]
-    scale = _chain_scale(chain)
-    if scale is None:
-        return None
     x = chain[0].inputs[_data_index(chain[0])]
-    if _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a per-channel scale
-        return None
     head = _centering(x)
+    scale = _chain_scale(chain, head[1].inputs[0] if head else None)
+    if scale is None or _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a scale
+        return None
     for kind in norm_kinds():
         if kind.centered and head is None:
             continue

@@ -3,7 +3,8 @@
 Gather(table, ids) then a norm is the same as Gather(table', ids) with every row normed:
   RMS form  table' = table·diag(s)
   LN form   table' = (table - rowmean(table))·diag(s) + beta
-Only when the table and the looked-up rows are read by nothing else. In the pipeline it runs after
+Only when the looked-up rows are read by nothing else but their shape; a table that something else reads too (a
+tied head) is copied for the lookup, and the copy is reported. In the pipeline it runs after
 FoldIntoReadersPass, so folding into the readers is preferred and this pass sees what was kept.
 """
 
@@ -12,10 +13,19 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from taperfold.passes._graph import FLOAT_TYPES, NormMatch, derived_tensor, describe, folded_source, is_fixed, remove_if_dead
+from taperfold.passes._graph import (
+    FLOAT_TYPES,
+    NormMatch,
+    derived_tensor,
+    describe,
+    folded_source,
+    is_fixed,
+    remove_if_dead,
+    write_const,
+)
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
-from taperfold.passes.readers import Blocked, why_readers_cannot
+from taperfold.passes.readers import SHAPE_OPS, Blocked, why_readers_cannot
 from taperfold.passes.report import NormStatus
 
 
@@ -27,7 +37,7 @@ def _lookup(match: NormMatch) -> ir.Node | None:
 
 
 def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
-    """The table to rewrite, or Blocked when the table or the looked-up rows are read elsewhere."""
+    """The table to rewrite, or Blocked when the looked-up rows or the norm's centering are read elsewhere."""
     table = gather.inputs[0]
     if not is_fixed(table) or len(table.const_value.shape) != 2 or table.const_value.dtype not in FLOAT_TYPES:
         raise Blocked(f"the table of {describe(gather)} is not a constant 2-D float initializer")
@@ -38,12 +48,11 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
     inner = [v for node in match.nodes for v in node.outputs if v is not match.output]
     if shared := [u.node for v in inner for u in v.uses() if u.node not in match.nodes]:
         raise Blocked(f"its centering is shared with {describe(shared[0])}")
-    if rows_readers := [u.node for u in match.input.uses() if u.node not in match.nodes]:
+    # A Shape or Size reads what the fold keeps (legacy exports put one before each view); any other reader would see
+    # the rows change.
+    if rows_readers := [u.node for u in match.input.uses()
+                        if u.node not in match.nodes and not (u.node.domain == "" and u.node.op_type in SHAPE_OPS)]:
         raise Blocked(f"the looked-up rows are also read by {describe(rows_readers[0])}")
-    if table_readers := [u.node for u in table.uses() if u.node is not gather]:
-        raise Blocked(f"table '{table.name}' is shared with {describe(table_readers[0])}")
-    if table.is_graph_output():
-        raise Blocked(f"table '{table.name}' is a graph output")
     return table
 
 
@@ -79,13 +88,16 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
                 return rows
 
             tensor = derived_tensor(compute, original.dtype, original.shape)
-            tensor.name = table.name
-            table.const_value = tensor
+            # a table the head reads too (tied) is copied for the lookup: the head keeps the original
+            others = [u.node for u in table.uses() if u.node is not gather]
+            written = write_const(model.graph, gather, 0, tensor, base=table.name)
+            if others:
+                entry.copied.append(f"{table.name} -> {written.name} (also read by {describe(others[0])})")
             match.output.replace_all_uses_with(folded_source(match))
             remove_if_dead(model.graph, match.nodes)
             self.rewritten.append((candidate.name, match.output))
             entry.status, entry.into = NormStatus.FOLDED, "embedding"
-            entry.reason = f"folded into embedding table '{table.name}'" + (
+            entry.reason = f"folded into embedding table '{written.name}'" + (
                 f" (its readers could not: {readers_blocked})" if readers_blocked else "")
             entry.bytes_rewritten += tensor.nbytes
             modified = True

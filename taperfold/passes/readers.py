@@ -28,6 +28,7 @@ from taperfold.passes._graph import (
     folded_source,
     is_const,
     is_fixed,
+    last_dim,
     write_const,
 )
 
@@ -53,6 +54,9 @@ class Reader:
 
     def fold(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         """Rewrite the constants this reader depends on so that it may read the norm's input."""
+
+
+SHAPE_OPS = ("Shape", "Size")  # ops that read only their input's shape
 
 
 class ShapeReader(Reader):
@@ -167,7 +171,7 @@ def _onnx(node: ir.Node, *ops: str) -> bool:
 
 def shape_only(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
     """Shape and Size read only the shape: they never block a fold (legacy exports put one before each view)."""
-    return ShapeReader(node, index) if _onnx(node, "Shape", "Size") else None
+    return ShapeReader(node, index) if _onnx(node, *SHAPE_OPS) else None
 
 
 def weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
@@ -266,40 +270,13 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
     return None
 
 
-_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Neg",
-                "LayerNormalization", "RMSNormalization", "Dropout"}
-
-
-def _last_dim(value: ir.Value, depth: int = 16) -> int | None:
-    """The static last dimension of `value`: recorded by the exporter, or worked out from the constants it is
-    computed from (an embedding table, a weight) through elementwise ops."""
-    if value.shape is not None and len(value.shape) and isinstance(value.shape[-1], int):
-        return value.shape[-1]
-    array = const_array(value) if is_const(value) else None
-    if array is not None:
-        return array.shape[-1] if array.ndim else 1
-    node = value.producer()
-    if depth == 0 or node is None or node.domain != "":
-        return None
-    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0 and is_fixed(node.inputs[0]):
-        return node.inputs[0].const_value.shape[-1]
-    if node.op_type == "MatMul" and is_fixed(node.inputs[1]):
-        return node.inputs[1].const_value.shape[-1]
-    if node.op_type in _ELEMENTWISE:
-        dims = [_last_dim(v, depth - 1) for v in node.inputs[:2] if v is not None]
-        if node.op_type in ("Add", "Sub", "Mul", "Div"):
-            return max(dims) if None not in dims else None
-        return dims[0]
-    return None
-
-
 def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
     """Reshape(x, [..., d]): rows of d channels stay intact (GPT-2's Conv1D reads through view(-1, d))."""
     if not _onnx(node, "Reshape") or index != 0:
         return None
     last = _last_element(node.inputs[1]) if len(node.inputs) > 1 else None
     if isinstance(last, ir.Value):
-        last = match.width if last is node.inputs[0] else _last_dim(last)
+        last = match.width if last is node.inputs[0] else last_dim(last)
     if last is None:
         raise Blocked(f"read by {describe(node)} whose target shape's last dimension is not known before run time")
     if last != match.width:

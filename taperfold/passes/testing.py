@@ -41,6 +41,8 @@ def _configs() -> dict:
         "olmo2": lambda: T.Olmo2Config(**llama_like, **no_tokens),
         "glm4": lambda: T.Glm4Config(**llama_like, **no_tokens, head_dim=DIM // HEADS),
         "exaone4": lambda: T.Exaone4Config(**llama_like, **no_tokens, head_dim=DIM // HEADS),
+        "olmo": lambda: T.OlmoConfig(**llama_like, **no_tokens),  # LayerNorms without weight or bias
+        "bloom": lambda: T.BloomConfig(vocab_size=VOCAB, hidden_size=DIM, n_layer=LAYERS, n_head=HEADS, **no_tokens),
         "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=DIM, ffn_dim=2 * DIM, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
                                    word_embed_proj_dim=DIM),
@@ -48,7 +50,7 @@ def _configs() -> dict:
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt", "gemma2",
-            "gemma3_text", "olmo2", "glm4", "exaone4")
+            "gemma3_text", "olmo2", "glm4", "exaone4", "bloom", "olmo")
 
 
 def tiny_model(family: str, seed: int = 0) -> nn.Module:
@@ -94,16 +96,18 @@ class ConstantRMSNorm(nn.Module):
 
 
 class ConstantLayerNorm(nn.Module):
-    """A tapered LayerNorm at g = 0: (h - mean(h)) * c * weight + bias."""
+    """A tapered LayerNorm at g = 0: (h - mean(h)) * c * weight + bias; (h - mean(h)) * c when the norm has no
+    weight (OLMo's)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, c: float):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, c: float):
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
+        self.weight = None if weight is None else nn.Parameter(weight.detach().clone())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.c = nn.Parameter(torch.tensor(c, dtype=weight.dtype))
+        self.c = nn.Parameter(torch.tensor(c))
 
     def forward(self, h):
-        out = (h - h.mean(-1, keepdim=True)) * self.c * self.weight
+        out = (h - h.mean(-1, keepdim=True)) * self.c
+        out = out if self.weight is None else out * self.weight
         return out if self.bias is None else out + self.bias
 
 
@@ -115,7 +119,7 @@ def constant_norms(model: nn.Module, seed: int = 0) -> tuple[nn.Module, list[str
     for name, norm in norm_modules(model):
         c = float(0.5 + torch.rand((), generator=generator))
         if isinstance(norm, nn.LayerNorm) or type(norm).__name__.endswith("LayerNorm"):
-            new = ConstantLayerNorm(norm.weight, getattr(norm, "bias", None), c)
+            new = ConstantLayerNorm(getattr(norm, "weight", None), getattr(norm, "bias", None), c)
         else:
             new = ConstantRMSNorm(norm.weight, c, unit_offset="Gemma" in type(norm).__name__)
         model.set_submodule(name, new)

@@ -47,6 +47,35 @@ def test_parallel_residual_shared_centering_gives_two_ln_candidates():
     assert analysis.real_norms == [] and analysis.gate_not_zero == []
 
 
+def test_parallel_norms_with_equal_c_share_the_scalar_and_stay_two_candidates():
+    # Equal c: the exporter computes (x - mean)·c once and each norm multiplies by its own γ̃ after it.
+    model = build(
+        [*ln_head(), n("Mul", ["xc", "c"], ["xs"]), n("Mul", ["xs", "w1"], ["h1"]), n("Mul", ["xs", "w2"], ["h2"]),
+         n("MatMul", ["h1", "W1"], ["a"]), n("MatMul", ["h2", "W2"], ["b"]), n("Add", ["a", "b"], ["y"])],
+        [X], [("y", F32, [2, 3, N])],
+        {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "w1": rand(D), "w2": rand(D), "W1": rand(D, N),
+         "W2": rand(D, N)},
+    )
+    first, second = detect_norms(model).candidates  # the shared (x - mean)·c is no third one
+    for candidate, w in ((first, "w1"), (second, "w2")):
+        assert [node.op_type for node in candidate.match.nodes] == ["ReduceMean", "Sub", "Mul", "Mul"]
+        np.testing.assert_allclose(candidate.match.scale, 0.5 * model.graph.initializers[w].const_value.numpy())
+
+
+def test_a_weightless_layer_norm_at_gate_0_is_a_candidate_of_one_scale_for_every_channel():
+    # OLMo's LayerNorm has no γ: at g = 0 it is (x - mean)·c.
+    model = build([*ln_head(), n("Mul", ["xc", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [X],
+                  [("y", F32, [2, 3, N])], {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "W": rand(D, N)})
+    (candidate,) = detect_norms(model).candidates
+    assert candidate.match.centered and candidate.match.scale.tolist() == [0.5] * D
+
+
+def test_a_scalar_multiple_of_an_uncentred_value_is_no_norm():
+    model = build([n("Mul", ["x", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
+                  {"c": np.array(0.5, np.float32), "W": rand(D, N)})
+    assert detect_norms(model).candidates == []
+
+
 @pytest.mark.parametrize("gain", [True, False])
 def test_real_rms_norm_is_a_real_norm_not_a_candidate(gain):
     model = build([*rms_real(gain), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from _graphs import D, F32, I64, V, build, n, ops, rand, rel_err, rng, run
 
@@ -45,12 +46,30 @@ def test_norm_after_an_embedding_folds_into_the_table(kind):
     assert not {"Mul", "ReduceMean", "Sub"} & set(ops(model)) and ops(model)["Add"] == 1
 
 
-def test_embedding_fold_is_blocked_when_the_table_is_tied():
+def test_a_tied_table_is_copied_for_the_lookup_and_the_head_keeps_the_original():
     model = embed_model(tied=True)
+    original = model.graph.initializers["E"].const_value.numpy().copy()
+    report, *_ = fold_checked(model)  # the logits, which the head computes from the table, are unchanged
+    (entry,) = report.norms
+    assert (entry.status, entry.into) == (NormStatus.FOLDED, "embedding")
+    assert entry.copied == ["E -> E.folded (also read by Transpose 'Et')"] and "'E.folded'" in entry.reason
+    gather = next(node for node in model.graph if node.op_type == "Gather")
+    assert gather.inputs[0].name == "E.folded"
+    np.testing.assert_array_equal(model.graph.initializers["E"].const_value.numpy(), original)
+
+
+def test_a_shape_read_of_the_looked_up_rows_does_not_block_the_fold():
+    # The legacy exporter reads the rows' shape before a view: the fold keeps the shape.
+    model = embed_model(tied=False)
+    gather = next(node for node in model.graph if node.op_type == "Gather")
+    shape = ir.node("Shape", [gather.outputs[0]], name="rows_shape")
+    model.graph.insert_after(gather, shape)
+    shape.outputs[0].name = "rows_shape"
+    model.graph.outputs.append(shape.outputs[0])
     report, before, after = fold_checked(model)
     (entry,) = report.norms
-    assert entry.status == NormStatus.KEPT and "table 'E' is shared with Transpose 'Et'" in entry.reason
-    np.testing.assert_array_equal(before[0], after[0])
+    assert entry.status == NormStatus.FOLDED
+    np.testing.assert_array_equal(before[1], after[1])
 
 
 def test_embedding_fold_is_blocked_when_the_centering_is_shared():
