@@ -244,3 +244,10 @@ def test_scale_anchoring_loss_is_added_to_the_models_loss():
         total = model(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(total, ce + hook.last_aux)
     assert out.loss is not None
+
+
+def test_an_alibi_model_whose_config_states_no_context_takes_its_familys(tmp_path):
+    # Bloom's config.json has no max_position_embeddings (ALiBi has no position table); it trained at 2048 tokens.
+    plain_model("bloom").save_pretrained(tmp_path / "bloom")
+    assert "max_position_embeddings" not in json.loads((tmp_path / "bloom" / "config.json").read_text())
+    assert load_hf_directory(tmp_path / "bloom").config.max_seq_len == family_for("bloom").context == 2048

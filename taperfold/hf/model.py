@@ -51,7 +51,8 @@ class HFModelInfo:
                    d_model=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=heads,
                    kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   max_seq_len=config.max_position_embeddings, taper=taper, norm_kind=family.norm,
+                   max_seq_len=getattr(config, "max_position_embeddings", None) or family.context, taper=taper,
+                   norm_kind=family.norm,
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), aux=aux, tokenizer=tokenizer)
 
     @classmethod

@@ -321,10 +321,12 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
                              f"[{-vocab}, {vocab - 1}], got {_short(pad)}")
 
 
-def _check_config_object(hf_config, where: Path) -> None:
+def _check_config_object(hf_config, where: Path, family: Family) -> None:
     """The same keys as transformers' config object holds them: its defaults included, and the ones it derives."""
     cls = type(hf_config)
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                *(() if family.context else ("max_position_embeddings",)))
+    for name in required:
         if getattr(hf_config, name, None) is None:
             raise TaperfoldError(f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
                                  f"{cls.__name__} has no default for it)")
@@ -376,7 +378,7 @@ def _check_size(hf_config, present: int, where: Path, weights: Path) -> None:
 # ---- the checkpoint -------------------------------------------------------------------------------------
 
 
-def _hf_config(config: dict, where: Path):
+def _hf_config(config: dict, where: Path, family: Family):
     from transformers import CONFIG_MAPPING
 
     plain = {k: v for k, v in config.items() if k != BLOCK}
@@ -395,7 +397,7 @@ def _hf_config(config: dict, where: Path):
         field_name = re.search(r"field '(\w+)'", detail)
         key = f"key '{field_name.group(1)}': " if field_name and field_name.group(1) in plain else ""
         raise TaperfoldError(f"{where}: {key}not a valid {plain['model_type']} config ({detail})") from None
-    _check_config_object(hf_config, where)
+    _check_config_object(hf_config, where, family)
     return hf_config
 
 
@@ -450,7 +452,7 @@ class HFCheckpoint(ModelSource):
 
     def hf_model(self, tapered: bool = True, gate: float | None = None):
         """The transformers model with the directory's weights (its original norms when not `tapered`)."""
-        model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG))
+        model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG, self.family))
         tapering = _taper(model, self.block, str(self.path)) if tapered else None
         state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items()
                                                  if k in model.state_dict()}
@@ -490,7 +492,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
                              "taperfold never runs code from a checkpoint (only transformers' built-in models)")
     family = family_for(config.get("model_type"), str(config_file))
     block = parse_block(config[BLOCK], config_file) if BLOCK in config else None
-    hf_config = _hf_config(config, config_file)
+    hf_config = _hf_config(config, config_file, family)
     why_not = family.check(hf_config)
     if why_not:
         raise TaperfoldError(f"{config_file}: {why_not}")
