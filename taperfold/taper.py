@@ -113,13 +113,17 @@ class TaperedLM:
         object.__setattr__(self.network, "tapering", None)
 
 
-def norm_eps(module: nn.Module) -> float:
-    """The epsilon a norm module uses (its attribute names differ by family)."""
+def norm_eps(module: nn.Module, family: Family) -> float:
+    """The epsilon a norm module uses (its attribute names differ by family; a family whose norms hard-code it
+    says it)."""
     for attr in ("eps", "variance_epsilon", "epsilon"):
         value = getattr(module, attr, None)
         if isinstance(value, (int, float)):
             return float(value)
-    raise TaperfoldError(f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy")
+    if family.norm_eps is not None:
+        return family.norm_eps
+    raise TaperfoldError(f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy, and "
+                         f"family {family.name} states none")
 
 
 def linear_widths(module: nn.Module) -> tuple[int, int]:
@@ -181,7 +185,7 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
         except AttributeError:
             raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
         try:
-            norms[path] = kind.taper(original, shared, norm_eps(original), momentum, delta, family.gain_offset)
+            norms[path] = kind.taper(original, shared, norm_eps(original, family), momentum, delta, family.gain_offset)
         except ValueError as e:
             raise TaperfoldError(f"{where}: {path}: {e}") from None
         _check_fold_targets(model, family, path, norms[path].dim, readers.get(path, []), producers.get(path), where)
@@ -197,7 +201,7 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
     scale_loss = None
     if aux:
         scale_loss = ScaleAnchorLoss(centered=kind.centered, weight=aux_weight,
-                                     eps=norm_eps(model.get_submodule(family.final)), momentum=momentum)
+                                     eps=norm_eps(model.get_submodule(family.final), family), momentum=momentum)
     tapering = Tapering(family, taper, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

@@ -29,6 +29,7 @@ def tiny_config(model_type: str):
         "granite": lambda: t.GraniteConfig(num_key_value_heads=2, logits_scaling=4.0, embedding_multiplier=2.0,
                                            residual_multiplier=0.5, attention_multiplier=0.2, **RMS),
         "smollm3": lambda: t.SmolLM3Config(num_key_value_heads=2, **RMS),
+        "olmo": lambda: t.OlmoConfig(num_key_value_heads=2, **RMS),  # LayerNorms without weight or bias
         "bloom": lambda: t.BloomConfig(hidden_size=32, n_layer=2, n_head=4,  # ALiBi: no max_position_embeddings
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
@@ -38,7 +39,7 @@ def tiny_config(model_type: str):
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
-            "granite", "smollm3", "phi", "gpt2", "gpt_neox", "opt", "bloom")
+            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom")
 
 
 def tapered_tiny_model(model_type: str):

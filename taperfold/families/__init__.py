@@ -13,7 +13,8 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
 - `untapered`: norm-like modules (by name) that are never tapered, with the reason;
 - `check`: a configuration the family refuses, as a reason (None: fine);
-- `context`: the context of a model whose config.json states none (ALiBi models have no position table).
+- `context`: the context of a model whose config.json states none (ALiBi models have no position table);
+- `norm_eps`: the norms' epsilon where their module has no attribute for it.
 
 Attention, RoPE, masks and caches are the modeling code's business, never the family's. Adding a family is
 a module here plus its name in `_MODULES`, or `register(Family(...))` from anywhere (examples/plugin_family.py).
@@ -42,6 +43,7 @@ class Family:
     parallel: bool = False  # attention and the MLP read the same residual stream
     untapered: dict[str, str] = field(default_factory=dict)  # module name (last path part) -> why never tapered
     context: int | None = None  # tokens, for configs without max_position_embeddings (ALiBi: no position table)
+    norm_eps: float | None = None  # the norms' epsilon where their module hard-codes it (OLMo's LayerNorm)
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
 
     def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
@@ -65,7 +67,7 @@ class Family:
 
 # The families taperfold ships, one module each.
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "exaone4", "glm4",
-            "granite", "smollm3", "phi", "gpt2", "gpt_neox", "opt", "bloom")
+            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom")
 _REGISTRY: dict[str, Family] = {}
 
 

@@ -58,8 +58,14 @@ class NormKind:
 
     def taper(self, norm: nn.Module, gate, eps: float, momentum: float, delta: float,
               gain_offset: float = 0.0) -> nn.Module:
-        """A tapered copy of a model's norm module, with its γ (and β) and on its device and dtype."""
+        """A tapered copy of a model's norm module, with its γ (and β) and on its device and dtype. A norm without
+        a weight (OLMo's LayerNorm) computes what γ = 1, β = 0 do: the tapered copy starts there."""
         weight = getattr(norm, "weight", None)
+        if weight is None:
+            shape = tuple(getattr(norm, "normalized_shape", ()))
+            if len(shape) != 1:
+                raise ValueError(f"{type(norm).__name__}: a norm with neither a weight nor a 1-D normalized_shape")
+            weight = torch.ones(shape)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             raise ValueError(f"{type(norm).__name__}: a norm without a per-feature weight cannot be tapered")
         new = self.new_tapered(weight.shape[0], gate, eps, momentum, delta, gain_offset)
