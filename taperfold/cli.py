@@ -59,12 +59,15 @@ def cli() -> None:
 @click.option("--merge-norm-weights", is_flag=True,
               help="Also move the gain (γ, β) of real RMSNorm/LayerNorm layers into the layers that read them, "
                    "as QuaRot/SpinQuant do. The norms stay; reported as weights_merged, never as folded.")
+@click.option("--fuse-projections", is_flag=True,
+              help="Also fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and a Split "
+                   "(weights concatenated, no arithmetic; docs/folding.md). Off: fold does only the fold.")
 @click.option("--verify", "verify_fold", is_flag=True,
               help="Run IN and OUT in ONNX Runtime on inputs made from the graph's signature and compare every "
                    "output (exit 1 on a mismatch).")
 @click.option("--shapes", metavar="NAME:1x16,...", help="--verify: shapes of inputs with dynamic dimensions.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="--verify: seed of the generated inputs.")
-def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold, shapes, seed):
+def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projections, verify_fold, shapes, seed):
     """Fold g = 0 TaperNorm / TaperLN layers of IN.onnx into the linear layers that read them.
 
     Real RMSNorm / LayerNorm layers are never folded: with nothing to fold, OUT is IN unchanged.
@@ -83,7 +86,8 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, verify_fold
         raise click.UsageError("--json and --report - both write to stdout; pass one")
     if verify_fold:
         check_inputs(src, wanted)  # an input --verify cannot generate fails before anything is written
-    report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights)
+    report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights,
+                            fuse_projections=fuse_projections)
     check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
     if as_json:
         _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
@@ -203,12 +207,15 @@ def inspect(checkpoint, as_json):
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also export baseline.onnx (plain norms, the benchmark's reference).")
+@click.option("--fuse-projections/--no-fuse-projections", default=True, show_default=True,
+              help="In every graph, fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and "
+                   "a Split (docs/folding.md).")
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
-           trt_batch, trt_seq, as_json):
+           fuse_projections, trt_batch, trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
     from taperfold import interrupts
@@ -224,7 +231,8 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, targe
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
     opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
-                         kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline)
+                         kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline,
+                         fuse_projections=fuse_projections)
     with stage_status(quiet=as_json) as show_stage:
         def on_stage(name: str) -> None:
             interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt

@@ -9,6 +9,11 @@ target runs (one fused norm op: the benchmark's reference); `baseline.decomposed
 the plain ops hand-written norms export to (docs/opsets.md). A plain (untapered) model gets its baseline
 only: there is nothing to fold.
 
+Every graph (baseline, unfolded, folded, decoders alike, so the fold's own gain stays visible) then gets
+its projections fused unless `fuse_projections=False`: the linear layers that read one tensor (q/k/v,
+gate/up) become one on their concatenated weights and a Split (passes/fuse_projections.py); the manifest's
+artifact entry says what was fused (`projections`, null when the option was off).
+
 Each graph's opset comes from `taperfold.opsets` (per graph: prefill or decoder; per target: ONNX
 Runtime or TensorRT) unless `--opset` overrides it; the manifest records the choice per artifact.
 
@@ -70,6 +75,7 @@ class ExportOptions:
     kv_cache: bool = False
     force_gate0: bool = False
     baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
+    fuse_projections: bool = True  # every graph: linear layers reading one tensor become one and a Split
 
 
 @dataclass
@@ -218,11 +224,15 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
                 on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
                 model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
             timings["torch_export_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
             if variant == BASELINE:
-                _write_baselines(model_ir, folder, decoder, choice, opts.target, out.graphs)
+                t0 = time.perf_counter()
+                projections = _fuse_projections(model_ir, opts, _network_prefix(model, decoder))
+                timings["passes_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                _write_baselines(model_ir, folder, decoder, choice, opts.target, out.graphs, projections)
                 timings["write_s"] += time.perf_counter() - t0
                 continue
+            t0 = time.perf_counter()
             # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
             # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
             staged = folder / ("." + onnx_file(variant, decoder))
@@ -232,21 +242,31 @@ def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: Expo
             t0 = time.perf_counter()
             out.reports[name] = _network_names(fold_model(model_ir).to_dict(), model, decoder)
             timings["passes_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
             for graph_ir, written in ((model_ir, FOLDED), (_load(staged), UNFOLDED)):
+                t0 = time.perf_counter()
+                projections = _fuse_projections(graph_ir, opts, _network_prefix(model, decoder))
+                timings["passes_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 fused = _fuse(graph_ir, opts.target)
-                out.graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused)
+                out.graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused, projections)
                 _save(graph_ir, folder / onnx_file(written, decoder))
+                timings["write_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             for path in (staged, staged.with_name(staged.name + ".data")):
                 path.unlink()
             timings["write_s"] += time.perf_counter() - t0
     return out
 
 
+def _network_prefix(model: TaperedLM, decoder: bool) -> str:
+    """What the export wrappers put in front of the module paths of the model's network."""
+    return (_Decoder.prefix if decoder else "") + (f"{model.network_path}." if model.network_path else "")
+
+
 def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
     """Norm names (and the producers a backward fold names) as paths in the model's network: without what the export
     wrappers put in front."""
-    prefix = (_Decoder.prefix if decoder else "") + (f"{model.network_path}." if model.network_path else "")
+    prefix = _network_prefix(model, decoder)
     for entry in report["norms"]:
         entry["name"] = entry["name"].removeprefix(prefix)
         if prefix:
@@ -261,14 +281,30 @@ def _fuse(model_ir, target: str) -> int:
     return fuse_rms_norms(model_ir) if fuses_norms(target) else 0
 
 
-def _graph_info(model_ir, choice: OpsetChoice, fused: int) -> dict:
-    """The manifest's words on one graph: its opset and why, and the fused norm ops it runs."""
+def _fuse_projections(model_ir, opts: ExportOptions, prefix: str) -> dict | None:
+    """Fuse the projections of one graph when `opts` asks, else None; the report names modules as paths in the
+    model's network (without `prefix`)."""
+    if not opts.fuse_projections:
+        return None
+    from taperfold.passes import FuseProjectionsPass, ProjectionReport
+
+    report = ProjectionReport()
+    FuseProjectionsPass(report)(model_ir)
+    for group in report.groups:
+        group.modules = [module.removeprefix(prefix) for module in group.modules]
+    return report.to_dict()
+
+
+def _graph_info(model_ir, choice: OpsetChoice, fused: int, projections: dict | None) -> dict:
+    """The manifest's words on one graph: its opset and why, the fused norm ops it runs, and its fused projections
+    (None: not asked for)."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {**choice.to_dict(), "norm_ops": {k: v for k, v in ops.items() if v},
-            "norms_fused_by_taperfold": fused}
+            "norms_fused_by_taperfold": fused, "projections": projections}
 
 
-def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict) -> None:
+def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict,
+                     projections: dict | None) -> None:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
     baseline.decomposed.onnx with those.
 
@@ -280,7 +316,7 @@ def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice,
     from taperfold.passes.fuse_norm import count_rms_norms, expand_rms_norms
 
     def write(variant: str, fused: int = 0) -> None:
-        graphs[exportdir.artifact_key(variant, decoder)] = _graph_info(model_ir, choice, fused)
+        graphs[exportdir.artifact_key(variant, decoder)] = _graph_info(model_ir, choice, fused, projections)
         _save(model_ir, folder / onnx_file(variant, decoder))
 
     fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(target) and count_rms_norms(model_ir) > 0
@@ -310,7 +346,8 @@ def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder:
         config=source.config.to_dict(), gate=source.gate, forced_gate0=source.tapered and source.gate != 0.0,
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
-                "kv_cache": opts.kv_cache, "inputs": [INPUT], "outputs": [OUTPUT]},
+                "kv_cache": opts.kv_cache, "fuse_projections": opts.fuse_projections,
+                "inputs": [INPUT], "outputs": [OUTPUT]},
         versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get(UNFOLDED),
         decoder_fold_report=exported.reports.get("unfolded.decoder"),
         timings=exported.timings)

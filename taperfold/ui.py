@@ -165,8 +165,10 @@ def print_fold_report(src, dst, report, console: Console) -> None:
     found = {NormStatus.FOLDED, NormStatus.KEPT, NormStatus.NOT_FOLDABLE, NormStatus.WEIGHTS_MERGED}
     if not any(entry.status in found for entry in report.norms):
         real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
-        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); wrote {dst} unchanged",
+        wrote = f"wrote {dst}" if report.changed_weights else f"wrote {dst} unchanged"
+        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); {wrote}",
                       highlight=False, markup=False, soft_wrap=True)
+        _print_projections(report.projections, console)
         return
     if console.width >= WIDE:
         table = Table(title=f"taperfold fold {src}")
@@ -190,11 +192,25 @@ def print_fold_report(src, dst, report, console: Console) -> None:
         f"nodes {s['nodes_before']} -> {s['nodes_after']}; wrote {dst}",
         highlight=False,
     )
+    _print_projections(report.projections, console)
     if report.constants_left:
         console.print(f"note: {len(report.constants_left)} node(s) still compute constants at run time "
                       f"(too large to fold), e.g. {report.constants_left[0]}", highlight=False)
     if s["check_output"] != "passed":
         console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
+
+
+def _print_projections(projections, console: Console) -> None:
+    """`fold --fuse-projections`: one line of totals, then each fused group's layers (module paths where known)."""
+    if projections is None:
+        return
+    s = projections.summary()
+    console.print(f"projections: {s['groups']} group(s) of {s['layers_fused']} linear layers fused, "
+                  f"linear layers {s['linear_before']} -> {s['linear_after']}, {s['left']} reader(s) left",
+                  highlight=False, markup=False, soft_wrap=True)
+    for group in projections.groups:
+        names = [module or node for module, node in zip(group.modules, group.nodes)]
+        console.print(f"  {' + '.join(names)} -> {group.fused}", highlight=False, markup=False, soft_wrap=True)
 
 
 def print_fold_check(check, console: Console) -> None:

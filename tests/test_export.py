@@ -16,6 +16,7 @@ from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
 from taperfold.fsutil import sha256_file
 from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
+from taperfold.passes import FuseProjectionsPass
 from taperfold.train import TrainOptions, train
 from taperfold.variants import fold_in_torch
 
@@ -66,8 +67,10 @@ def check_export(out, ckpt_path, arch, taper, tol=1e-5):
     from taperfold.checkpoint import load_checkpoint
 
     model = load_checkpoint(ckpt_path).build(gate=0.0)
-    logits = json.loads((out / "manifest.json").read_text())["export"]["logits"]
-    norm_free = export_to_ir(fold_in_torch(model), ExportOptions(logits=logits))
+    export = json.loads((out / "manifest.json").read_text())["export"]
+    norm_free = export_to_ir(fold_in_torch(model), ExportOptions(logits=export["logits"]))
+    if export["fuse_projections"]:  # q/k/v and gate/up fused in both
+        FuseProjectionsPass()(norm_free)
     expected = Counter(n.op_type for n in norm_free.graph)
     assert op_counts(out / "model.onnx") == expected
     # Internal-Taper keeps exactly its final norm; All-Taper keeps none

@@ -1,10 +1,11 @@
 """Graph passes that fold g = 0 TaperNorm / TaperLN layers into the linear layers around them.
 
     FoldConstantsPass -> ObserveNormsPass -> FoldIntoReadersPass -> FoldIntoEmbeddingPass
-    -> FoldIntoProducerPass [-> MergeNormWeightsPass] -> CleanupPass
+    -> FoldIntoProducerPass [-> MergeNormWeightsPass] [-> FuseProjectionsPass] -> CleanupPass
 
 Forwards first (into the layers that read a norm, else the embedding table it normalizes), then backwards
-(a post-norm into the layer that produces its input).
+(a post-norm into the layer that produces its input). FuseProjectionsPass is no fold: it concatenates the
+linear layers that read one tensor (q/k/v, gate/up) into one, after the folds so that they see each layer.
 
 Each pass finds its own work with `detect_norms` (a pure analysis) and records what it did in an
 optional `FoldReport`, which only observes. `fold_model` composes them; nothing else is needed to run one.
@@ -23,9 +24,10 @@ from taperfold.passes.detect import NormAnalysis, detect_norms
 from taperfold.passes.fold_embedding import FoldIntoEmbeddingPass
 from taperfold.passes.fold_producer import FoldIntoProducerPass
 from taperfold.passes.fold_readers import FoldIntoReadersPass
+from taperfold.passes.fuse_projections import FuseProjectionsPass
 from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
 from taperfold.passes.onnx_io import load_model, save_model
-from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass
+from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass, ProjectionReport
 
 __all__ = [
     "CleanupPass",
@@ -34,11 +36,13 @@ __all__ = [
     "FoldIntoProducerPass",
     "FoldIntoReadersPass",
     "FoldReport",
+    "FuseProjectionsPass",
     "MergeNormWeightsPass",
     "NormAnalysis",
     "NormEntry",
     "NormStatus",
     "ObserveNormsPass",
+    "ProjectionReport",
     "detect_norms",
     "fold_model",
     "fold_onnx_file",
@@ -47,17 +51,21 @@ __all__ = [
 ]
 
 
-def fold_model(model: ir.Model, merge_norm_weights: bool = False) -> FoldReport:
+def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projections: bool = False) -> FoldReport:
     """Fold every g = 0 norm of `model` in place; the report says what was folded, kept, and why.
 
     Real norms are never folded. With `merge_norm_weights`, their gains move into the layers that read
-    them (reported as "weights_merged"); the norms themselves stay.
+    them (reported as "weights_merged"); the norms themselves stay. With `fuse_projections`, the linear layers
+    that read one tensor then become one (`report.projections` says which).
     """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
     passes = [FoldConstantsPass(report), ObserveNormsPass(report), FoldIntoReadersPass(report),
               FoldIntoEmbeddingPass(report), FoldIntoProducerPass(report)]
     if merge_norm_weights:
         passes.append(MergeNormWeightsPass(report))
+    if fuse_projections:
+        report.projections = ProjectionReport()
+        passes.append(FuseProjectionsPass(report.projections))
     ir.passes.PassManager([*passes, CleanupPass(report, input_check=report.check_input)])(model)
     return report
 
@@ -67,6 +75,7 @@ def fold_onnx_file(
     dst: str | os.PathLike,
     report_path: str | os.PathLike | None = None,
     merge_norm_weights: bool = False,
+    fuse_projections: bool = False,
 ) -> FoldReport:
     """Fold the model at `src` into `dst` (weights in `dst`.data), optionally writing the report as JSON.
 
@@ -74,7 +83,7 @@ def fold_onnx_file(
     so its outputs are bit-identical to the input's.
     """
     model = load_model(src)
-    report = fold_model(model, merge_norm_weights=merge_norm_weights)
+    report = fold_model(model, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections)
     if not report.changed_weights:
         model = load_model(src)
         report.nodes_after = len(model.graph)

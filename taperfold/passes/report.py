@@ -42,6 +42,47 @@ class NormEntry:
 
 
 @dataclasses.dataclass
+class FusedGroup:
+    """Linear layers that read one tensor, now one layer on their concatenated weights followed by a Split."""
+
+    input: str  # the value they all read
+    nodes: list[str]  # the layers' node names, in graph order (their outputs, in Split order)
+    modules: list[str]  # their module paths, from the exporter's metadata ("" where there is none)
+    fused: str  # the node that replaces them
+    widths: list[int]  # output channels of each, in Split order
+    bias: bool  # their biases were concatenated into one Add (or the Gemm's C)
+    bytes_written: int = 0  # bytes of the concatenated weight and bias
+
+
+@dataclasses.dataclass
+class LeftReader:
+    """A reader of a value with several linear readers that was not fused with them."""
+
+    input: str
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ProjectionReport:
+    """What FuseProjectionsPass fused, and which readers of the same tensors it left alone, with why."""
+
+    groups: list[FusedGroup] = dataclasses.field(default_factory=list)
+    left: list[LeftReader] = dataclasses.field(default_factory=list)
+    linear_before: int = 0  # MatMul and Gemm nodes before the pass
+    linear_after: int = 0
+
+    def summary(self) -> dict:
+        return {"groups": len(self.groups), "layers_fused": sum(len(g.nodes) for g in self.groups),
+                "left": len(self.left), "linear_before": self.linear_before, "linear_after": self.linear_after,
+                "bytes_written": sum(g.bytes_written for g in self.groups)}
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary(), "groups": [dataclasses.asdict(g) for g in self.groups],
+                "left": [dataclasses.asdict(r) for r in self.left]}
+
+
+@dataclasses.dataclass
 class FoldReport:
     norms: list[NormEntry] = dataclasses.field(default_factory=list)
     nodes_before: int = 0
@@ -53,6 +94,7 @@ class FoldReport:
     check_output: str = ""  # and on the folded model
     source: str = ""
     output: str = ""
+    projections: ProjectionReport | None = None  # FuseProjectionsPass's, when it ran (`fuse_projections`)
 
     def entry(self, name: str, kind: str, status: NormStatus = NormStatus.KEPT) -> NormEntry:
         """The entry of norm `name`, created with `status` on first sight (entries keep that order)."""
@@ -68,8 +110,9 @@ class FoldReport:
 
     @property
     def changed_weights(self) -> bool:
-        """Whether any pass rewrote the model's arithmetic (a fold or a merge)."""
-        return any(e.status in (NormStatus.FOLDED, NormStatus.WEIGHTS_MERGED) for e in self.norms)
+        """Whether any pass rewrote the model's arithmetic (a fold, a merge or fused projections)."""
+        return any(e.status in (NormStatus.FOLDED, NormStatus.WEIGHTS_MERGED) for e in self.norms) or bool(
+            self.projections and self.projections.groups)
 
     def summary(self) -> dict:
         return {
@@ -88,8 +131,9 @@ class FoldReport:
 
     def to_dict(self) -> dict:
         files = {key: value for key, value in (("source", self.source), ("output", self.output)) if value}
+        projections = {"projections": self.projections.to_dict()} if self.projections is not None else {}
         return {**files, "summary": self.summary(), "constants_left": self.constants_left,
-                "norms": [entry.to_dict() for entry in self.norms]}
+                "norms": [entry.to_dict() for entry in self.norms], **projections}
 
 
 class ObserveNormsPass(ir.passes.InPlacePass):
