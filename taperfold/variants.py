@@ -10,6 +10,10 @@
 One fold for every model: the family says which layers read each norm (or, for a post-norm, which layer
 produces its input), the norm kind what the norm computes at g = 0 (taperfold.norms.ConstantMap); the ONNX
 passes do the same on graphs (taperfold.passes: forwards, then post-norms backwards).
+
+With `fuse_projections`, every variant's sibling linear layers (the readers the family lists for one norm: q/k/v,
+gate/up) run as one layer on their concatenated weights (`fuse_projections_in_torch`), as
+passes/fuse_projections.py does in the exported graphs.
 """
 
 from __future__ import annotations
@@ -107,7 +111,90 @@ def decomposed(baseline: TaperedLM) -> TaperedLM:
     return baseline
 
 
-def build_variants(source, names: list[str], dtype: torch.dtype) -> dict[str, TaperedLM]:
+class FusedProjection(nn.Module):
+    """Sibling linear layers that read one tensor (q/k/v; gate/up), as one layer: their weights concatenated
+    ([Σ out, in], each in its own dtype: no arithmetic) and their biases (zeros for a layer without one).
+
+    The model's code still calls each sibling on its own (`self.q_proj(x)`, `self.k_proj(x)`, ...), so each is
+    replaced by a `ProjectionPart` that asks this module for its slice: the first call with a tensor computes the
+    whole product once and keeps its slices until every sibling has taken its own, later calls with that same tensor
+    take theirs. A call with another tensor (or, in eager mode, with the same tensor changed in place since:
+    its version counter moved) computes afresh, so a forward that does not call the siblings together still gets
+    the right values. torch.compile traces the same logic into one matmul per group (torch.compile cannot read
+    a version counter: there the tensor's identity alone keys the slices; no family's forward changes the
+    norm's output in place between its readers).
+    """
+
+    def __init__(self, layers: list[nn.Linear]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]))
+        if any(layer.bias is not None for layer in layers):
+            self.bias = nn.Parameter(torch.cat([layer.bias.detach() if layer.bias is not None else
+                                                layer.weight.new_zeros(layer.out_features) for layer in layers]))
+        else:
+            self.bias = None
+        self.widths = [layer.out_features for layer in layers]
+        self._slices = None  # (input, its version, the output's slices, the sibling indices yet to take theirs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        held = self._slices
+        compiling = torch.compiler.is_compiling()
+        if held is None or held[0] is not x or index not in held[3] or (not compiling and held[1] != x._version):
+            held = (x, None if compiling else x._version, self(x).split(self.widths, dim=-1),
+                    set(range(len(self.widths))))
+        held[3].discard(index)
+        self._slices = held if held[3] else None  # the last sibling's call lets the output go
+        return held[2][index]
+
+
+class ProjectionPart(nn.Module):
+    """Where a sibling layer was: its slice of the group's FusedProjection output."""
+
+    def __init__(self, fused: FusedProjection, index: int):
+        super().__init__()
+        self.fused, self.index = fused, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(x, self.index)
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear computing x·Wᵀ + b and nothing else (not a subclass with its own forward: quantized, LoRA)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+@torch.no_grad()
+def fuse_projections_in_torch(model: TaperedLM, family) -> list[list[str]]:
+    """In place: each group of linear layers the family names as reading one norm (`family.internal`) becomes one
+    FusedProjection; the groups fused, as module paths. A layer that is not a plain nn.Linear, whose weight another
+    module shares (a tied weight), or whose input width, dtype or device differs from the group's first is left
+    as it is; a group needs two layers."""
+    network = model.network
+    n_layers = len(network.get_submodule(family.layers))
+    fused = []
+    for readers in family.norm_readers(n_layers, "internal").values():
+        layers = [(path, network.get_submodule(path)) for path in readers]
+        layers = [(path, layer) for path, layer in layers
+                  if _plain_linear(layer) and not _shares_weight(network, path, layer.weight)]
+        if not layers:
+            continue
+        first = layers[0][1].weight
+        group = [(path, layer) for path, layer in layers if layer.in_features == first.shape[1]
+                 and layer.weight.dtype == first.dtype and layer.weight.device == first.device]
+        if len(group) < 2:
+            continue
+        shared = FusedProjection([layer for _, layer in group])
+        for index, (path, _) in enumerate(group):
+            network.set_submodule(path, ProjectionPart(shared, index))
+        fused.append([path for path, _ in group])
+    return fused
+
+
+def build_variants(source, names: list[str], dtype: torch.dtype,
+                   fuse_projections: bool = False) -> dict[str, TaperedLM]:
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
     exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once)."""
     tapered = source.build(gate=0.0)
@@ -116,4 +203,7 @@ def build_variants(source, names: list[str], dtype: torch.dtype) -> dict[str, Ta
              DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline()),
              NONORM: lambda: without_norms(tapered)}
     models = {name: build[name]() for name in names}
+    if fuse_projections:  # once all are built: unfolded is the model the others were copied from
+        for model in models.values():
+            fuse_projections_in_torch(model, source.family)
     return {name: m.to(dtype).eval() for name, m in models.items()}

@@ -304,3 +304,92 @@ def test_fold_fuses_projections_only_when_asked(tmp_path, cli, checkpoint):
     table = cli("fold", src, "-o", tmp_path / "fused.onnx", "--fuse-projections")
     assert "projections: 4 group(s) of 10 linear layers fused" in " ".join(table.stdout.split())
     assert "model.layers.0.self_attn.q_proj + model.layers.0.self_attn.k_proj" in table.stdout
+
+
+# ---- the torch variants ----------------------------------------------------------------------------------
+
+
+def torch_variants(arch: str, fuse: bool) -> dict:
+    from taperfold.checkpoint import checkpoint_from_model
+    from taperfold.variants import build_variants
+
+    model = random_gate0_model("tiny", arch, n_layers=2, max_seq_len=32)
+    return build_variants(checkpoint_from_model(model, step=0), ["baseline", "unfolded", "folded"], torch.float32,
+                          fuse_projections=fuse)
+
+
+def fused_modules(model) -> list:
+    from taperfold.variants import FusedProjection
+
+    return list(dict.fromkeys(m for m in model.modules() if isinstance(m, FusedProjection)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_torch_variants_run_each_group_as_one_layer(arch):
+    plain, fused = torch_variants(arch, False), torch_variants(arch, True)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    for name, model in fused.items():
+        groups = fused_modules(model)
+        assert len(groups) == (2 * 2 if arch == "llama" else 0), name  # gpt2's c_attn is one layer already
+        calls = []
+        for group in groups:
+            group.register_forward_hook(lambda module, args, out: calls.append(module))
+        with torch.no_grad():
+            expected, got = plain[name](ids, logits="all"), model(ids, logits="all")
+        assert float((got - expected).abs().max() / expected.abs().max()) <= TOL
+        assert calls == groups  # one product per group and forward, in order: the siblings share it
+        assert all(group._slices is None for group in groups)  # nothing held after the forward
+
+
+def test_a_sibling_called_on_a_changed_input_computes_afresh():
+    from taperfold.variants import FusedProjection, ProjectionPart
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.Linear(4, 5, bias=False)]
+    shared = FusedProjection(layers)
+    first, second = ProjectionPart(shared, 0), ProjectionPart(shared, 1)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), layers[0](x), rtol=0, atol=0)
+        x.mul_(2)  # changed in place: same tensor object, new version
+        torch.testing.assert_close(second(x), layers[1](x), rtol=0, atol=0)
+        torch.testing.assert_close(second(x), layers[1](x), rtol=0, atol=0)  # again, alone: computed again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "phi"])
+def test_torch_fusion_of_transformers_models_follows_the_family(family):
+    pytest.importorskip("transformers")
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
+    from taperfold.passes.testing import tiny_model
+    from taperfold.variants import fuse_projections_in_torch
+
+    hf = tiny_model(family)
+    fam = family_for(family)
+    model = HFCausalLM(hf, HFModelInfo.from_config(hf.config, fam, "none", False, "bytes"), fam)
+    fused = model.copy()
+    groups = fuse_projections_in_torch(fused, fam)
+    assert groups == sibling_groups(fam, hf.config.num_hidden_layers)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = model(ids, logits="all"), fused(ids, logits="all")
+    assert float((got - expected).abs().max() / expected.abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_torch_compile_traces_one_linear_per_group():
+    """dynamo follows the slices' bookkeeping: the graph it hands the compiler has one linear per group."""
+    plain, fused = torch_variants("llama", False)["folded"], torch_variants("llama", True)["folded"]
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        def count_linears(gm, example_inputs, name=name):
+            counts[name] = sum(node.target is torch._C._nn.linear for node in gm.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=count_linears, fullgraph=True)
+        with torch.no_grad():
+            got, expected = compiled(ids, logits="all"), model(ids, logits="all")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert counts["plain"] - counts["fused"] == (3 - 1 + 2 - 1) * 2, counts
