@@ -1,10 +1,10 @@
-"""A model family taperfold does not ship, added from outside the package: StableLM.
+"""A model family taperfold does not ship, added from outside the package: GPT-J.
 
-StableLM (transformers' `StableLmForCausalLM`) is a pre-norm LayerNorm model: `input_layernorm` before
-attention (read by q_proj, k_proj, v_proj), `post_attention_layernorm` before the MLP (read by gate_proj and
-up_proj), a final `model.norm` before the head. That is all taperfold needs to know, as data. This script
-registers it through the public registry, then runs the whole chain on a tiny random StableLM built from a
-config (nothing is downloaded), in a temporary folder it removes afterwards:
+GPT-J (transformers' `GPTJForCausalLM`) is a pre-norm LayerNorm model whose attention and MLP run in parallel on
+the layer input: one `ln_1` read by attention's q_proj, k_proj, v_proj and by the MLP's fc_in, a final
+`transformer.ln_f` before the head. That is all taperfold needs to know, as data. This script registers it
+through the public registry, then runs the whole chain on a tiny random GPT-J built from a config (nothing is
+downloaded), in a temporary folder it removes afterwards:
 
     taper and fine-tune through the taper -> fold in torch -> export -> verify -> fold the unfolded graph again
 
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, StableLmConfig
+from transformers import AutoModelForCausalLM, GPTJConfig
 from transformers.utils import logging as hf_logging
 
 from taperfold.export import ExportOptions, export_checkpoint
@@ -32,31 +32,22 @@ from taperfold.variants import fold_in_torch
 from taperfold.verify import verify_export
 
 
-def _check(config) -> str | None:
-    if getattr(config, "use_parallel_residual", False):
-        return "use_parallel_residual is true: the MLP reads input_layernorm too (this example maps the default only)"
-    if getattr(config, "qk_layernorm", False):
-        return "qk_layernorm is true: per-head norms of q and k (this example maps the default only)"
-    return None
-
-
-STABLELM = register(Family(
-    name="stablelm",
-    model_types=("stablelm",),
+GPTJ = register(Family(
+    name="gptj",
+    model_types=("gptj",),
     norm="ln",  # nn.LayerNorm with a bias: tapered by TaperLN
-    layers="model.layers",
-    internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
-    final="model.norm",
-    check=_check,
+    layers="transformer.h",
+    internal={"ln_1": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")},  # paths inside a layer
+    final="transformer.ln_f",
+    parallel=True,  # attention and the MLP read the same norm
 ))
 
 
-def tiny_stablelm(folder: Path) -> Path:
-    """A random tiny StableLM saved as a plain save_pretrained directory, its norm gains and biases random
+def tiny_gptj(folder: Path) -> Path:
+    """A random tiny GPT-J saved as a plain save_pretrained directory, its norm gains and biases random
     too (a fold that dropped one would show)."""
-    config = StableLmConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+                        bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -82,11 +73,11 @@ def main() -> int:
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="taperfold-plugin-") as tmp:
         tmp = Path(tmp)
-        plain = tiny_stablelm(tmp / "plain")
+        plain = tiny_gptj(tmp / "plain")
         result = fine_tune(plain, TrainOptions(steps=30, batch_size=4, seq_len=32, eval_batches=2, lr=1e-3),
                            None, taper="internal", aux=True)
         tapered = result.save(tmp / "tapered")
-        print(f"tapered {len(result.model.tapering.norms)} norms of {STABLELM.name}, trained to gate "
+        print(f"tapered {len(result.model.tapering.norms)} norms of {GPTJ.name}, trained to gate "
               f"{result.gate:g} (validation loss {result.val_loss:.3f})")
 
         torch_error = torch_fold_error(tapered)

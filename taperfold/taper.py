@@ -126,21 +126,36 @@ def norm_eps(module: nn.Module, family: Family) -> float:
                          f"family {family.name} states none")
 
 
-def linear_widths(module: nn.Module) -> tuple[int, int]:
-    """(input, output) features of a linear layer: nn.Linear stores its weight [out, in], GPT-2's Conv1D [in, out]."""
+def linear_widths(module: nn.Module | nn.Parameter) -> tuple[int, int]:
+    """(input, output) features of a linear layer: nn.Linear stores its weight [out, in], GPT-2's Conv1D [in, out];
+    a weight named by itself is F.linear's, [..., out, in] (a stack: MoE experts, one matrix each)."""
+    if isinstance(module, nn.Parameter):
+        return module.shape[-1], module.shape[-2]
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     rows, cols = module.weight.shape
     return rows, cols
 
 
-def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Module:
+def fold_target(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
+    """The layer a family names at `path`: a module, or a weight applied with F.linear (a router's, the experts')."""
     try:
-        module = model.get_submodule(path)
+        return model.get_submodule(path)
+    except AttributeError:
+        return model.get_parameter(path)
+
+
+def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Module | nn.Parameter:
+    try:
+        module = fold_target(model, path)
     except AttributeError:
         raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if isinstance(module, nn.Parameter):
+        linear = module.dim() >= 2
+    else:
+        weight = getattr(module, "weight", None)
+        linear = isinstance(weight, torch.Tensor) and weight.dim() == 2
+    if not linear:
         raise TaperfoldError(f"{where}: {path} is a {type(module).__name__}, not a linear layer a norm folds into "
                              f"(family {family.name})")
     return module
@@ -195,8 +210,8 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
     for name, module in model.named_modules():
         if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
             continue
-        leaf = name.rpartition(".")[2]
-        untapered[name] = family.untapered.get(leaf) or (
+        why = next((family.untapered[part] for part in reversed(name.split(".")) if part in family.untapered), None)
+        untapered[name] = why or (
             FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of")
     scale_loss = None
     if aux:

@@ -23,12 +23,20 @@ from torch import nn
 
 from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
 from taperfold.norms import ConstantMap, plain_kind
-from taperfold.taper import TaperedLM
+from taperfold.taper import TaperedLM, fold_target
 
 
-def fold_into_reader(reader: nn.Module, folded: ConstantMap) -> None:
+def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap) -> None:
     """y = ((h − μ)·diag(s) + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W, in float64
-    from the stored weight, cast once. `reader`: an nn.Linear ([out, in]) or a GPT-2 style Conv1D ([in, out])."""
+    from the stored weight, cast once. `reader`: an nn.Linear ([out, in]), a GPT-2 style Conv1D ([in, out]), or a
+    weight F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike)."""
+    if isinstance(reader, nn.Parameter):
+        if folded.bias is not None:
+            raise ValueError("a shifted norm (LayerNorm β) folds into a layer with a bias, and a bare weight has none")
+        w = reader.double().transpose(-1, -2)  # as [..., in, out]
+        w = folded.scale[:, None] * w
+        reader.copy_((w - w.mean(dim=-2, keepdim=True) if folded.centered else w).transpose(-1, -2))
+        return
     conv = not isinstance(reader, nn.Linear)
     w = reader.weight.double() if conv else reader.weight.double().T  # as [in, out]
     new_w = folded.scale[:, None] * w
@@ -79,8 +87,9 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
     for path in tapering.norms:
         constant = tapering.kind.constant_map(network.get_submodule(path))
         for target in tapering.folds_into(path):
-            layer = network.get_submodule(target)
-            if _shares_weight(network, target, layer.weight):  # untie: the embedding stays as it is
+            layer = fold_target(network, target)
+            tied = isinstance(layer, nn.Module) and _shares_weight(network, target, layer.weight)
+            if tied:  # untie: the embedding stays as it is
                 layer.weight = nn.Parameter(layer.weight.detach().clone())
             if path in tapering.readers:
                 fold_into_reader(layer, constant)

@@ -1,4 +1,5 @@
-"""Tiny random transformers configs, one per family taperfold tapers (no download: built from configs)."""
+"""Tiny random transformers configs, one per family taperfold tapers, and one per layout where a family has several
+(Falcon's two architectures, StableLM's parallel residual with per-head q/k norms); no download: built from configs."""
 
 COMMON = dict(vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 RMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON)
@@ -34,12 +35,22 @@ def tiny_config(model_type: str):
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                    word_embed_proj_dim=32, **COMMON),
+        # multi_query=False: torch.onnx cannot export SDPA with one key/value head for four query heads (Falcon-7B's
+        # multi-query attention: "SDPA (MHA) requires q_num_heads = kv_num_heads"); the norms are the same
+        "falcon": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                                         **COMMON),
+        "falcon_new": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             new_decoder_architecture=True, num_kv_heads=2, **COMMON),
+        "stablelm": lambda: t.StableLmConfig(num_key_value_heads=2, **RMS),
+        "stablelm_parallel": lambda: t.StableLmConfig(num_key_value_heads=2, use_parallel_residual=True,
+                                                      qk_layernorm=True, **RMS),
     }
     return configs[model_type]()
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
-            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom")
+            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
+            "stablelm_parallel")
 
 
 def tapered_tiny_model(model_type: str):

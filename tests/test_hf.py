@@ -136,8 +136,9 @@ def test_export_verifies_against_the_transformers_forward(fam):
         assert pairs[name].metrics.max_rel <= 1e-5, name
         assert pairs[name].metrics.top1 == 1.0, name
     assert fam.manifest["config"]["source"] == "transformers"
-    assert fam.manifest["source"]["model_type"] == fam.name
-    assert fam.manifest["source"]["family"] == family_for(fam.name).name
+    model_type = tiny_config(fam.name).model_type  # a family's layouts share one (falcon, falcon_new)
+    assert fam.manifest["source"]["model_type"] == model_type
+    assert fam.manifest["source"]["family"] == family_for(model_type).name
 
 
 def test_every_tapered_norm_is_folded(fam):
@@ -178,6 +179,21 @@ def test_kv_cache_decoder_matches_the_full_forward(fam):
         ref = full.run(["logits"], {"input_ids": ids[:, :step + 1]})[0]
         assert np.abs(out[0] - ref).max() / np.abs(ref).max() <= 1e-5
     assert out[1].shape == (2, cfg["kv_heads"], 12, cfg["head_dim"])
+
+
+@pytest.mark.parametrize("fam", ["stablelm_parallel"], indirect=True)
+def test_stablelm_per_head_qk_norms_are_reported_never_tapered(fam):
+    untapered = fam.manifest["source"]["untapered"]
+    heads = [name for name in untapered if ".norms." in name]
+    assert len(heads) == 2 * (4 + 2) and all("qk_layernorm" in untapered[name] for name in heads)  # q: 4, k: 2 heads
+    assert set(fam.result.model.tapering.norms) == {f"model.layers.{i}.input_layernorm" for i in range(2)}
+
+
+@pytest.mark.parametrize("fam", ["falcon", "falcon_new"], indirect=True)
+def test_falcon_layout_comes_from_the_config(fam):
+    norms = set(fam.result.model.tapering.norms)
+    expected = ("ln_attn", "ln_mlp") if fam.name == "falcon_new" else ("input_layernorm",)
+    assert norms == {f"transformer.h.{i}.{n}" for i in range(2) for n in expected}
 
 
 # ---- without a family fixture -----------------------------------------------------------------------

@@ -11,10 +11,15 @@ because taperfold's own models use Hugging Face's module names. A family says, a
   rewrites instead;
 - `final` and `head`: the final norm and the output projection that reads it;
 - `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
-- `untapered`: norm-like modules (by name) that are never tapered, with the reason;
+- `untapered`: norm-like modules (by name: any part of their path) that are never tapered, with the reason;
 - `check`: a configuration the family refuses, as a reason (None: fine);
 - `context`: the context of a model whose config.json states none (ALiBi models have no position table);
-- `norm_eps`: the norms' epsilon where their module has no attribute for it.
+- `norm_eps`: the norms' epsilon where their module has no attribute for it;
+- `configure`: where one model type lays its layers out in several ways (Falcon's two architectures, StableLM's
+  parallel residual), the fields that differ for a config (`Family.for_config`).
+
+A reader is a module (nn.Linear, GPT-2's Conv1D) or a weight that F.linear applies, named by its own path: a
+router's `mlp.gate.weight`, or MoE experts' stacked matrices `mlp.experts.gate_up_proj` ([experts, out, in]).
 
 Attention, RoPE, masks and caches are the modeling code's business, never the family's. Adding a family is
 a module here plus its name in `_MODULES`, or `register(Family(...))` from anywhere (examples/plugin_family.py).
@@ -23,7 +28,7 @@ a module here plus its name in `_MODULES`, or `register(Family(...))` from anywh
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from taperfold.errors import TaperfoldError
@@ -41,10 +46,15 @@ class Family:
     head: str = "lm_head"  # path of the output projection, which reads the final norm
     gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
     parallel: bool = False  # attention and the MLP read the same residual stream
-    untapered: dict[str, str] = field(default_factory=dict)  # module name (last path part) -> why never tapered
+    untapered: dict[str, str] = field(default_factory=dict)  # module name (a part of its path) -> why never tapered
     context: int | None = None  # tokens, for configs without max_position_embeddings (ALiBi: no position table)
     norm_eps: float | None = None  # the norms' epsilon where their module hard-codes it (OLMo's LayerNorm)
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
+    configure: Callable[[object], dict] | None = None  # config -> the fields that differ for its layout
+
+    def for_config(self, config) -> "Family":
+        """The family as a model of `config` lays out its layers (itself unless `configure` says otherwise)."""
+        return self if self.configure is None else replace(self, **self.configure(config), configure=None)
 
     def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
         """The norms `taper` ("internal" | "all") covers that fold forwards, each module path with the paths of
@@ -67,7 +77,8 @@ class Family:
 
 # The families taperfold ships, one module each.
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "exaone4", "glm4",
-            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom")
+            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "mixtral", "qwen2_moe",
+            "qwen3_moe", "falcon", "stablelm")
 _REGISTRY: dict[str, Family] = {}
 
 

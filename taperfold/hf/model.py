@@ -6,6 +6,7 @@ transformers model that interface and nothing more: every layer runs transformer
 
 Every call is transformers' own forward (`model(input_ids, logits_to_keep=1, ...)`), head included: a family's
 logit softcapping (Gemma 2/3) or scaling (Granite, Cohere) is in the graph because the modeling code does it.
+MoE experts run as `EXPERTS`, the form the exporters take.
 The last position is taken after the final norm, which is a per-token map; a tapered final norm folds through
 that Slice into the head (taperfold.passes.readers).
 """
@@ -22,6 +23,17 @@ from taperfold.families import Family
 from taperfold.taper import TaperedLM
 
 SOURCE = "transformers"
+# How transformers' MoE experts run here: `batched_mm` exports with both torch.onnx exporters (the default,
+# `grouped_mm`, calls torch.histc, which neither takes) and is the form transformers' own ONNX exporter gives ONNX
+# Runtime's MoE fusion. It gathers each token's experts' weights, so a long prompt costs memory in proportion.
+EXPERTS = "batched_mm"
+
+
+def exportable(hf: nn.Module) -> nn.Module:
+    """`hf` with its MoE experts (if any) run as `EXPERTS`, in place."""
+    if hf._can_set_experts_implementation() and hf.config._experts_implementation != EXPERTS:
+        hf.set_experts_implementation(EXPERTS)
+    return hf
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ class HFCausalLM(TaperedLM, nn.Module):
 
     def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family):
         super().__init__()
-        self.hf, self.cfg, self.family = hf, cfg, family
+        self.hf, self.cfg, self.family = exportable(hf), cfg, family
 
     @property
     def network(self) -> nn.Module:

@@ -496,6 +496,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     why_not = family.check(hf_config)
     if why_not:
         raise TaperfoldError(f"{config_file}: {why_not}")
+    family = family.for_config(hf_config)
     tensors, origin = read_weights(path)
     _check_size(hf_config, sum(t.numel() for t in tensors.values()), config_file,
                 path / INDEX if (path / INDEX).is_file() else path / WEIGHTS)

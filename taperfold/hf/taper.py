@@ -24,6 +24,7 @@ def taper_model(model: nn.Module, taper: str = "internal", *, aux: bool = True, 
     why_not = family.check(model.config)
     if why_not:
         raise TaperfoldError(f"{where}: {why_not}")
+    family = family.for_config(model.config)
     return core.taper_model(model, family, taper, aux=aux, aux_weight=aux_weight, momentum=momentum, delta=delta,
                              gate=gate, where=where)
 

@@ -6,14 +6,22 @@ With row vectors (y = x·W, W stored [d, n]) and s the norm's per-channel scale:
   with a shift (beta)        ... + beta·W                        -> b' = b + beta·W
 All in float64 from the stored weights, cast once back to each weight's dtype.
 
-A reader kind is a function (node, input index, match) -> Reader | None: None when the node is not of
-its kind, a Reader when it can take the fold, `Blocked` (with a reason a user can act on) when it is of
-its kind but cannot. Adding a kind (a fused op, another shape-keeping step) is one function here.
+A reader kind is a function (node, input index, match, channels) -> Reader | None: None when the node is
+not of its kind, a Reader when it can take the fold, `Blocked` (with a reason a user can act on) when it is
+of its kind but cannot. `channels` (a `Channels`) says where the norm's d channels sit in the value the node
+reads: steps that only move whole rows of channels around (Reshape, Unsqueeze, Expand, Tile, Flatten, a
+Slice or Gather of rows) pass the fold on to their own readers. Adding a kind (a fused op, another such step)
+is one function here.
+
+A linear reader's weight may be a stack of matrices, or a selection from one (transformers' MoE experts at
+`batched_mm`: `Gather(experts' weights, expert ids)` read as `MatMul(W, x)`): every matrix of the stack
+takes the fold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -63,10 +71,27 @@ class ShapeReader(Reader):
     """Reads only the shape (Shape, Size), which the fold does not change."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Channels:
+    """Where the norm's channels sit in a value on the way to its readers.
+
+    Always: the value's elements, in memory order, are whole channel vectors one after another (copies
+    included). `axis` (negative) is the axis that runs along a vector. `exact`: that axis holds exactly one
+    vector (size d, the axes after it of size 1); otherwise it holds a run of the memory whose length is known
+    only at run time (a Reshape to a run-time shape, a Tile, a Flatten), and is exactly one vector only where a
+    layer contracts it against d weight rows, which a graph that runs guarantees. `rank`: the value's rank, when
+    known.
+    """
+
+    axis: int = -1
+    exact: bool = True
+    rank: int | None = None
+
+
 @dataclasses.dataclass(eq=False)
 class ChannelPreservingReader(Reader):
-    """A step that keeps every row of d channels intact (a Reshape to [..., d], a Slice along the sequence);
-    its own readers take the fold."""
+    """A step that keeps every row of d channels intact (a Reshape to [..., d], a Slice along the sequence,
+    an Unsqueeze); its own readers take the fold."""
 
     readers: list[Reader] = dataclasses.field(default_factory=list)
 
@@ -76,33 +101,36 @@ class ChannelPreservingReader(Reader):
 
 
 class WeightView:
-    """A layer's constant weight W as the math uses it, [inputs, outputs], whatever way the graph stores it
-    (`tensor`, transposed or not)."""
+    """A layer's constant weight W as the math uses it, [..., inputs, outputs] (a stack of matrices: one per
+    expert), whatever way the graph stores it (`tensor`, its last two axes swapped or not)."""
 
     tensor: ir.TensorProtocol
     transposed: bool
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, cols = self.tensor.shape
+        rows, cols = self.tensor.shape[-2:]
         return (cols, rows) if self.transposed else (rows, cols)
 
     def weight(self) -> np.ndarray:
-        """W as a new float64 [inputs, outputs] array."""
+        """W as a new float64 [..., inputs, outputs] array."""
         w = self.tensor.numpy().astype(np.float64)
-        return w.T if self.transposed else w
+        return w.swapaxes(-1, -2) if self.transposed else w
 
 
 @dataclasses.dataclass(eq=False)
 class LinearReader(WeightView, Reader):
-    """MatMul(x, W) or Gemm(x, W, [C]) with a constant W."""
+    """MatMul(x, W), MatMul(W, x) or Gemm(x, W, [C]) with a constant W, or W a selection of matrices from a
+    constant stack (Gather / GatherND along its first axis)."""
 
     root: ir.Value = None  # the constant behind W (an initializer or Constant output)
     tensor: ir.TensorProtocol = None  # its contents
-    via: list[ir.Node] = dataclasses.field(default_factory=list)  # Identity/Transpose nodes between root and node
-    transposed: bool = False  # W[d, n] = tensor.T
-    reads_nd: bool = False  # node takes its weight as [n, d] (Gemm transB=1)
+    via: list[ir.Node] = dataclasses.field(default_factory=list)  # Identity/Transpose/Gather nodes from W to root
+    transposed: bool = False  # W[..., d, n] = tensor with its last two axes swapped
+    reads_nd: bool = False  # node takes its weight as [..., n, d] (Gemm transB=1, MatMul(W, x))
     bias: tuple[ir.Node, int] | None = None  # where an existing constant bias is read: (Add, i) or (Gemm, 2)
+    gather: ir.Node | None = None  # the Gather selecting W's matrices from root: the fold rewrites root there
+    gathered_nd: bool = False  # the Gather reads root's matrices as [..., n, d]
 
     def fold(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         self._fold_weight(graph, match, effects)
@@ -111,19 +139,23 @@ class LinearReader(WeightView, Reader):
 
     def _fold_weight(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         scale, centered = match.scale[:, None], match.centered
+        # Written where the node reads its weight, or, for a selection, where the Gather reads the whole stack.
+        at, index, as_nd = (self.gather, 0, self.gathered_nd) if self.gather is not None else (
+            self.node, weight_index(self.node, self.index), self.reads_nd)
 
         def compute() -> np.ndarray:
             w = self.weight()
             w *= scale  # in place: a large weight's float64 copy is the one temporary
             if centered:  # (I - 11ᵀ/d) on the left: subtract each column's mean over the d rows
-                w -= w.mean(axis=0, keepdims=True)
-            return w.T if self.reads_nd else w
+                w -= w.mean(axis=-2, keepdims=True)
+            return w.swapaxes(-1, -2) if as_nd else w
 
         d, n = self.shape
-        tensor = derived_tensor(compute, self.tensor.dtype, (n, d) if self.reads_nd else (d, n))
+        stack = tuple(self.tensor.shape[:-2])
+        tensor = derived_tensor(compute, self.tensor.dtype, (*stack, *((n, d) if as_nd else (d, n))))
         path = [self.root, *(node.outputs[0] for node in self.via)]
         others = [u.node for v in path for u in v.uses() if u.node is not self.node and u.node not in self.via]
-        new = write_const(graph, self.node, 1, tensor, base=self.root.name or self.node.name)
+        new = write_const(graph, at, index, tensor, base=self.root.name or self.node.name)
         if others:
             effects.copied.append(f"{self.root.name} -> {new.name} (also read by {describe(others[0])})")
         effects.bytes_rewritten += tensor.nbytes
@@ -169,19 +201,53 @@ def _onnx(node: ir.Node, *ops: str) -> bool:
     return node.domain == "" and node.op_type in ops
 
 
-def shape_only(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
-    """Shape and Size read only the shape: they never block a fold (legacy exports put one before each view)."""
-    return ShapeReader(node, index) if _onnx(node, *SHAPE_OPS) else None
-
-
 def weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
     """(root, tensor, via, transposed) for a constant 2-D float weight, seen through Identity/Transpose."""
-    via, transposed = [], False
-    while (node := value.producer()) is not None and _onnx(node, "Identity", "Transpose"):
-        if node.op_type == "Transpose":
-            if list(node.attributes.get_ints("perm", [1, 0])) != [1, 0]:
+    source = stacked_weight_source(value)
+    if source is None or source.gather is not None or len(source.tensor.shape) != 2:
+        return None
+    return source.root, source.tensor, source.via, source.transposed
+
+
+@dataclasses.dataclass
+class WeightSource:
+    """A constant weight behind a layer's input: `root` holding `tensor`, reached through `via` (Identity and
+    Transpose of the last two axes; at most one `gather` selecting matrices along the stack's first axis)."""
+
+    root: ir.Value
+    tensor: ir.TensorProtocol
+    via: list[ir.Node]
+    transposed: bool  # the node reads the tensor with its last two axes swapped
+    gather: ir.Node | None = None
+    gather_transposed: bool = False  # the gather reads the tensor with its last two axes swapped
+
+
+def _selects_matrices(node: ir.Node) -> bool:
+    """Gather(data, ids, axis=0) or GatherND(data, ids[..., 1], batch_dims=0): whole matrices of a stack."""
+    if _onnx(node, "Gather"):
+        return node.attributes.get_int("axis", 0) == 0
+    if _onnx(node, "GatherND") and node.attributes.get_int("batch_dims", 0) == 0:
+        ids = node.inputs[1].shape
+        return ids is not None and len(ids) > 0 and ids[-1] == 1
+    return False
+
+
+def stacked_weight_source(value: ir.Value) -> WeightSource | None:
+    """The constant float weight of rank >= 2 behind `value`, seen through Identity, Transpose of the last two
+    axes and one selection of matrices (`_selects_matrices`); None when it is not one."""
+    via, transposed, gather, after_gather = [], False, None, False
+    while (node := value.producer()) is not None:
+        if _onnx(node, "Identity"):
+            pass
+        elif _onnx(node, "Transpose"):
+            perm = list(node.attributes.get_ints("perm", [1, 0]))
+            if len(perm) < 2 or perm != [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]:
                 return None
             transposed = not transposed
+        elif gather is None and _selects_matrices(node) and value is node.outputs[0]:
+            gather, after_gather = node, transposed
+        else:
+            break
         via.append(node)
         value = node.inputs[0]
     if is_fixed(value):
@@ -190,9 +256,9 @@ def weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir
         tensor = ir.convenience.get_const_tensor(value)
     else:
         return None
-    if tensor is None or len(tensor.shape) != 2 or tensor.dtype not in FLOAT_TYPES:
+    if tensor is None or len(tensor.shape) < (3 if gather is not None else 2) or tensor.dtype not in FLOAT_TYPES:
         return None
-    return value, tensor, via, transposed
+    return WeightSource(value, tensor, via, transposed, gather, transposed ^ after_gather)
 
 
 def _bias_of(node: ir.Node, n: int) -> tuple[ir.Node, int] | None:
@@ -218,24 +284,39 @@ def _bias_of(node: ir.Node, n: int) -> tuple[ir.Node, int] | None:
     return add, 1 - i
 
 
-def linear_layer(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
-    """MatMul(x, W) / Gemm(x, W, C) with a constant W, seen through Transpose/Identity or transB."""
+def weight_index(node: ir.Node, index: int) -> int:
+    """The input of a MatMul / Gemm holding its weight when the norm's output is read at `index`."""
+    return 0 if node.op_type == "MatMul" and index == 1 else 1
+
+
+def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """MatMul(x, W) / Gemm(x, W, C) with a constant W, seen through Transpose/Identity or transB; MatMul(W, x)
+    (x as a column: [..., d, 1]); W a stack of matrices or a selection from one."""
     if not _onnx(node, "MatMul", "Gemm"):
         return None
-    if index != 0:
+    if index != 0 and (node.op_type == "Gemm" or channels.axis != -2):  # not a column of channels
         raise Blocked(f"read by {describe(node)} as its weight")
     if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
         raise Blocked(f"read by {describe(node)} with transA=1")
-    source = weight_source(node.inputs[1])
+    if channels.axis != (-1 if index == 0 else -2):  # the axis the layer contracts
+        raise Blocked(f"read by {describe(node)}, which does not contract the channel axis")
+    source = stacked_weight_source(node.inputs[weight_index(node, index)])
     if source is None:
         raise Blocked(f"read by {describe(node)} whose weight is not a constant")
-    root, tensor, via, transposed = source
-    reads_nd = node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0))
-    reader = LinearReader(node, index, root, tensor, via, transposed ^ reads_nd, reads_nd)
+    reads_nd = index == 1 or (node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0)))
+    reader = LinearReader(node, index, source.root, source.tensor, source.via, source.transposed ^ reads_nd,
+                          reads_nd, gather=source.gather)
+    reader.gathered_nd = reader.transposed ^ source.gather_transposed
     d, n = reader.shape
     if d != match.width:
         raise Blocked(f"read by {describe(node)} whose weight has {d} rows for {match.width} channels")
+    selection = source.via[:source.via.index(source.gather) + 1] if source.gather is not None else []
+    if any(u.node not in (*source.via, node) for step in selection for u in step.outputs[0].uses()):
+        raise Blocked(f"read by {describe(node)} whose selected weight is also read elsewhere")
     if match.bias is not None:
+        if index != 0 or source.gather is not None or len(source.tensor.shape) != 2:
+            raise Blocked(f"read by {describe(node)}, whose weight is a stack of matrices: a shift (β) needs a "
+                          "bias per matrix")
         reader.bias = _bias_of(node, n)
     return reader
 
@@ -260,9 +341,13 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
                     steps is not None and int(steps.reshape(-1)[0]) != 1):
                 return None
             value = node.inputs[0]
-        elif node.op_type == "Gather":
-            index = const_array(node.inputs[1])
-            if index is None or index.size != 1 or int(index.reshape(-1)[0]) != -1:
+        elif node.op_type == "Gather":  # Shape(x)[-1], or Shape(x)[i] with i the last axis of x (legacy exports)
+            index, shape = const_array(node.inputs[1]), node.inputs[0].producer()
+            if index is None or index.size != 1:
+                return None
+            index = int(index.reshape(-1)[0])
+            if index != -1 and not (shape is not None and _onnx(shape, "Shape") and
+                                    _rank_of(shape.inputs[0]) == index + 1):
                 return None
             value = node.inputs[0]
         else:
@@ -270,23 +355,128 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
     return None
 
 
-def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
-    """Reshape(x, [..., d]): rows of d channels stay intact (GPT-2's Conv1D reads through view(-1, d))."""
-    if not _onnx(node, "Reshape") or index != 0:
+_SAME_RANK = {"Identity", "Cast", "Neg", "Sqrt", "Reciprocal", "Relu", "Sigmoid", "Tanh", "Erf", "Softmax", "Exp",
+              "Log", "Abs", "Not", "Slice", "Tile", "Transpose", "CumSum", "Trilu", "TopK", "Dropout", "Concat",
+              "LayerNormalization", "Gelu", "Softplus", "IsNaN", "IsInf"}
+_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+              "And", "Or", "Max", "Min", "Mod"}
+_RANKS: "weakref.WeakKeyDictionary[ir.Graph, dict[ir.Value, int]]" = weakref.WeakKeyDictionary()
+
+
+def _rank_of(value: ir.Value | None) -> int | None:
+    """The rank of `value`: recorded by the exporter, or worked out once per graph from its inputs' ranks through
+    the graph's ops (legacy exports record no shapes)."""
+    if value is None:
         return None
-    last = _last_element(node.inputs[1]) if len(node.inputs) > 1 else None
-    if isinstance(last, ir.Value):
-        last = match.width if last is node.inputs[0] else last_dim(last)
-    if last is None:
-        raise Blocked(f"read by {describe(node)} whose target shape's last dimension is not known before run time")
-    if last != match.width:
-        raise Blocked(f"read by {describe(node)} to a shape ending in {last}, "
-                      f"which does not keep the last dimension ({match.width})")
+    if value.shape is not None:
+        return len(value.shape)
+    array = const_array(value)
+    if array is not None:
+        return array.ndim
+    graph = value.graph
+    if graph is None:
+        return None
+    if graph not in _RANKS:
+        _RANKS[graph] = _infer_ranks(graph)
+    return _RANKS[graph].get(value)
+
+
+def _infer_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
+    """The rank of each node's first output, in graph (topological) order, where the op's rule and its inputs'
+    ranks give it."""
+    ranks: dict[ir.Value, int] = {}
+
+    def rank(v: ir.Value | None) -> int | None:
+        if v is None:
+            return None
+        if v.shape is not None:
+            return len(v.shape)
+        return len(v.const_value.shape) if v.const_value is not None else ranks.get(v)
+
+    for node in graph:
+        if node.domain != "" or not node.outputs:
+            continue
+        op, inputs = node.op_type, [rank(v) for v in node.inputs]
+        first = inputs[0] if inputs else None
+        out = None
+        if op == "Constant":
+            tensor = ir.convenience.get_const_tensor(node.outputs[0])
+            out = None if tensor is None else len(tensor.shape)
+        elif op == "Shape":
+            out = 1
+        elif op == "Gather" and None not in inputs[:2]:
+            out = inputs[0] - 1 + inputs[1]
+        elif op in ("Unsqueeze", "Squeeze") and first is not None and (axes := _axes(node)) is not None:
+            out = first + len(axes) if op == "Unsqueeze" else first - len(axes)
+        elif op in ("Reshape", "Expand", "ConstantOfShape"):
+            length = _length(node.inputs[1 if op != "ConstantOfShape" else 0], rank)
+            out = length if op != "Expand" or length is None or first is None else max(first, length)
+        elif op in ("Flatten", "Gemm"):
+            out = 2
+        elif op in _SAME_RANK:
+            out = first
+        elif op in _BROADCAST and inputs and None not in inputs:
+            out = max(inputs)
+        elif op == "MatMul" and None not in inputs[:2] and min(inputs[:2]) >= 2:
+            out = max(inputs[:2])
+        if out is not None:
+            ranks[node.outputs[0]] = out
+    return ranks
+
+
+def _length(value: ir.Value, rank: Callable[[ir.Value], int | None] | None = None, depth: int = 8) -> int | None:
+    """The number of elements of a 1-D shape tensor (Concat's parts: constants and unsqueezed scalars); `rank`
+    gives values' ranks (`_rank_of` by default)."""
+    if value.shape is not None and len(value.shape) == 1 and isinstance(value.shape[0], int):
+        return value.shape[0]
+    array = const_array(value)
+    if array is not None:
+        return array.size
+    node = value.producer()
+    if depth == 0 or node is None or node.domain != "":
+        return None
+    if node.op_type == "Concat":
+        parts = [_length(v, rank, depth - 1) for v in node.inputs]
+        return None if None in parts else sum(parts)
+    if node.op_type == "Unsqueeze" and (rank or _rank_of)(node.inputs[0]) == 0:
+        return 1
+    return None
+
+
+def _axes(node: ir.Node) -> list[int] | None:
+    """The axes of an Unsqueeze / Squeeze (an input from opset 13, an attribute before)."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = const_array(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    axes = node.attributes.get_ints("axes", None)
+    return None if axes is None else list(axes)
+
+
+def _passing_on(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader:
+    """The step `node`, whose output holds the channels as `channels` says: its own readers take the fold."""
     try:
-        inner = readers_of(node.outputs[0], match)
+        inner = readers_of(node.outputs[0], match, channels)
     except Blocked as why:
         raise Blocked(f"{why}, after {describe(node)}") from None
     return ChannelPreservingReader(node, index, inner)
+
+
+def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Reshape(x, [..., d]): rows of d channels stay intact (GPT-2's Conv1D reads through view(-1, d)). A last
+    dimension known only at run time keeps the order of the rows, which a layer contracting d channels makes
+    whole again (`Channels.exact`)."""
+    if not _onnx(node, "Reshape") or index != 0:
+        return None
+    if channels.axis != -1:
+        raise Blocked(f"read by {describe(node)}, which moves the channel axis")
+    last = _last_element(node.inputs[1]) if len(node.inputs) > 1 else None
+    if isinstance(last, ir.Value):
+        last = match.width if last is node.inputs[0] and channels.exact else last_dim(last)
+    if last is not None and last != match.width:
+        raise Blocked(f"read by {describe(node)} to a shape ending in {last}, "
+                      f"which does not keep the last dimension ({match.width})")
+    rank = _length(node.inputs[1]) if len(node.inputs) > 1 else None
+    return _passing_on(node, index, match, Channels(-1, last is not None, rank))
 
 
 def _rank(value: ir.Value, match: NormMatch) -> int | None:
@@ -296,11 +486,12 @@ def _rank(value: ir.Value, match: NormMatch) -> int | None:
     return None
 
 
-def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reader | None:
-    """Slice / Gather along axes other than the last (keep the last position's logits): rows stay intact."""
+def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Slice / Gather along axes before the channel axis (keep the last position's logits, select rows): rows stay
+    intact."""
     if not _onnx(node, "Slice", "Gather") or index != 0:
         return None
-    rank = _rank(node.inputs[0], match)
+    rank = channels.rank if channels.rank is not None else _rank(node.inputs[0], match)
     if node.op_type == "Gather":
         axes = [node.attributes.get_int("axis", 0)]
     else:
@@ -310,17 +501,53 @@ def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch) -> Reade
             None if starts is None else np.arange(starts.size))
     if axes is None or rank is None:
         raise Blocked(f"read by {describe(node)} whose axes are not known before run time")
-    if any(int(a) % rank == rank - 1 for a in np.ravel(axes)):
+    if not channels.exact:
+        raise Blocked(f"read by {describe(node)}, whose rows are known only at run time")
+    if any(int(a) % rank - rank >= channels.axis for a in np.ravel(axes)):
         raise Blocked(f"read by {describe(node)} along the channel axis")
-    try:
-        inner = readers_of(node.outputs[0], match)
-    except Blocked as why:
-        raise Blocked(f"{why}, after {describe(node)}") from None
-    return ChannelPreservingReader(node, index, inner)
+    if node.op_type == "Gather":
+        ids = _rank_of(node.inputs[1])
+        rank = None if ids is None else rank - 1 + ids
+    return _passing_on(node, index, match, Channels(channels.axis, True, rank))
 
 
-ReaderKind = Callable[[ir.Node, int, NormMatch], "Reader | None"]
-READER_KINDS: list[ReaderKind] = [shape_only, linear_layer, reshape_keeping_channels, slice_keeping_channels]
+def rows_copied(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Unsqueeze, Expand, Tile and Flatten copy or regroup whole rows of channels without touching them
+    (transformers' MoE experts at `batched_mm`: repeat_interleave of the tokens, then a column per token)."""
+    if not _onnx(node, "Unsqueeze", "Expand", "Tile", "Flatten") or index != 0:
+        return None
+    rank = channels.rank
+    if node.op_type == "Unsqueeze":
+        axes = _axes(node)
+        rank = None if rank is None or axes is None else rank + len(axes)
+        if axes is None or (rank is None and any(a >= 0 for a in axes)):
+            raise Blocked(f"read by {describe(node)} whose axes are not known before run time")
+        axis = channels.axis
+        for position in sorted((a if a < 0 else a - rank for a in axes), reverse=True):
+            if position >= axis:  # a new axis after the channel axis
+                axis -= 1
+        return _passing_on(node, index, match, Channels(axis, channels.exact, rank))
+    if channels.axis != -1 and node.op_type != "Expand":
+        raise Blocked(f"read by {describe(node)} with the channels on axis {channels.axis}")
+    if node.op_type == "Flatten":  # joins the last axes: the elements keep their order
+        return _passing_on(node, index, match, Channels(-1, False, 2))
+    if not channels.exact:
+        raise Blocked(f"read by {describe(node)}, whose rows are known only at run time")
+    if node.op_type == "Expand":  # the channel axis (size d > 1) cannot be expanded: only other axes grow
+        length = _length(node.inputs[1])
+        rank = None if rank is None or length is None else max(rank, length)
+        return _passing_on(node, index, match, Channels(channels.axis, True, rank))
+    return _passing_on(node, index, match, Channels(-1, False, rank))  # Tile: rows repeated, whole
+
+
+def shape_only(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Shape and Size read only the shape: they never block a fold (legacy exports put one before each view)."""
+    return ShapeReader(node, index) if _onnx(node, *SHAPE_OPS) else None
+
+
+ReaderKind = Callable[[ir.Node, int, NormMatch, Channels], "Reader | None"]
+READER_KINDS: list[ReaderKind] = [shape_only, linear_layer, reshape_keeping_channels, slice_keeping_channels,
+                                  rows_copied]
 
 _ACTIVATIONS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Softmax", "FastGelu", "BiasGelu", "Silu", "Swish"}
 
@@ -333,21 +560,24 @@ def _not_a_reader(node: ir.Node, index: int) -> str:
     return f"read by {describe(node)}, which is not a linear layer"
 
 
-def reader_of(node: ir.Node, index: int, match: NormMatch) -> Reader:
+def reader_of(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader:
     for kind in READER_KINDS:
-        if (reader := kind(node, index, match)) is not None:
+        if (reader := kind(node, index, match, channels)) is not None:
             return reader
     raise Blocked(_not_a_reader(node, index))
 
 
-def readers_of(value: ir.Value, match: NormMatch) -> list[Reader]:
-    """A Reader for every use of `value`, or Blocked naming the first that cannot take the fold."""
+def readers_of(value: ir.Value, match: NormMatch, channels: Channels | None = None) -> list[Reader]:
+    """A Reader for every use of `value` (the norm's output unless `channels` says where they are now), or
+    Blocked naming the first that cannot take the fold."""
+    if channels is None:
+        channels = Channels(rank=_rank_of(match.output))
     if value.is_graph_output():
         raise Blocked(f"its output is the graph output '{value.name}'")
     uses = list(value.uses())
     if not uses:
         raise Blocked("nothing reads its output")
-    readers = [reader_of(node, index, match) for node, index in uses]
+    readers = [reader_of(node, index, match, channels) for node, index in uses]
     if all(isinstance(r, ShapeReader) for r in readers):
         raise Blocked("only shape readers read its output: there is no linear layer to fold into")
     return readers

@@ -24,6 +24,8 @@ def _configs() -> dict:
     llama_like = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS)
     no_tokens = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # defaults outside the tiny vocabulary
+    falcon = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  max_position_embeddings=POSITIONS)
     return {
         "llama": lambda: T.LlamaConfig(**llama_like),
         "qwen2": lambda: T.Qwen2Config(**llama_like),
@@ -46,11 +48,22 @@ def _configs() -> dict:
         "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=DIM, ffn_dim=2 * DIM, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
                                    word_embed_proj_dim=DIM),
+        "mixtral": lambda: T.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**llama_like, **no_tokens, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=DIM // 2, shared_expert_intermediate_size=DIM),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**llama_like, **no_tokens, head_dim=DIM // HEADS, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=DIM // 2),
+        "falcon": lambda: T.FalconConfig(**falcon, **no_tokens),  # Falcon-7B's layout: one norm, parallel attention
+        "falcon_new": lambda: T.FalconConfig(**falcon, **no_tokens, new_decoder_architecture=True, num_kv_heads=2),
+        "stablelm": lambda: T.StableLmConfig(**llama_like, **no_tokens),
+        "stablelm_parallel": lambda: T.StableLmConfig(**llama_like, **no_tokens, use_parallel_residual=True,
+                                                      qk_layernorm=True),
     }
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt", "gemma2",
-            "gemma3_text", "olmo2", "glm4", "exaone4", "bloom", "olmo")
+            "gemma3_text", "olmo2", "glm4", "exaone4", "bloom", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "falcon",
+            "falcon_new", "stablelm", "stablelm_parallel")
 
 
 def tiny_model(family: str, seed: int = 0) -> nn.Module:
@@ -58,11 +71,13 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
     a no-op, and a γ of ones would hide a wrong fold)."""
     from transformers import AutoModelForCausalLM
 
+    from taperfold.hf.model import exportable
+
     config = _configs()[family]()
     config.use_cache = False
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = exportable(AutoModelForCausalLM.from_config(config).eval())  # MoE experts as the exporters take them
     with torch.no_grad():
         for _, norm in norm_modules(model):
             for name in ("weight", "bias"):

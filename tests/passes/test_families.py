@@ -15,9 +15,16 @@ from taperfold.passes.testing import FAMILIES, LAYERS, constant_norms, export, t
 
 pytest.importorskip("transformers")
 
-# Norms on a head's q/k (Qwen3, Gemma 3, EXAONE 4) are read by attention's RoPE, and produced by a reshape into
-# heads, not by a linear layer: kept by design.
-PER_HEAD = {"qwen3": 2 * 2, "gemma3_text": 2 * 2, "exaone4": 2 * 2}
+# Norms on a head's q/k (Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4; StableLM's qk_layernorm, one LayerNorm per head: 4 q
+# and 2 k heads) are read by attention's RoPE, and produced by a reshape into heads, not by a linear layer: kept by
+# design.
+PER_HEAD = {"qwen3": 2 * 2, "qwen3_moe": 2 * 2, "gemma3_text": 2 * 2, "exaone4": 2 * 2, "stablelm_parallel": 2 * 6}
+# StableLM's per-head wrapper (StableLmLayerNormPerHead: split into heads, a LayerNorm each, concat) is named like a
+# LayerNorm class; the dynamo export's metadata shows its split and concat, which the report lists as a real norm.
+WRAPPERS = {"stablelm_parallel": 2 * 2}
+# Families added with their MoE experts (a norm read by the router and every expert, through reshapes and
+# unsqueezes), both Falcon architectures and StableLM's two layouts: exported by dynamo as well.
+NEW_DYNAMO = ["mixtral", "qwen2_moe", "qwen3_moe", "falcon", "falcon_new", "stablelm", "stablelm_parallel"]
 # Norms that read a projection's output fold backwards into it: post-norms (Gemma 2/3, OLMo 2, GLM-4, EXAONE 4) and
 # OLMo 2's q/k norms, which span every head, each with the projection it reads.
 PRODUCED_BY = {
@@ -41,9 +48,10 @@ def fold_and_check(tmp_path, model, exporter, opset=18, optimize=True):
     return report, check_fold(src, tmp_path / "folded.onnx", {"input_ids": [2, 7], "attention_mask": [2, 7]})
 
 
-def assert_folds_all(report, check, norms, family):
+def assert_folds_all(report, check, norms, family, wrappers=0):
     kept = PER_HEAD.get(family, 0)
-    assert statuses(report) == {"folded": norms - kept, **({"kept": kept} if kept else {})}, \
+    assert statuses(report) == {"folded": norms - kept, **({"kept": kept} if kept else {}),
+                                **({"real_norm": wrappers} if wrappers else {})}, \
         [e.message for e in report.norms if e.status != NormStatus.FOLDED]
     (logits,) = check.outputs
     assert check.passed and logits.metrics.max_rel <= 1e-5
@@ -84,6 +92,38 @@ def test_legacy_export_of_real_norms_is_untouched(tmp_path, models, family):
 def test_dynamo_export_folds_conv1d_readers_and_parallel_residuals(tmp_path, models, family):
     _, tapered, norms = models[family]
     assert_folds_all(*fold_and_check(tmp_path, tapered, "dynamo", opset=20), norms, family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_DYNAMO)
+def test_dynamo_export_folds_moe_experts_and_parallel_layouts(tmp_path, models, family):
+    original, tapered, norms = models[family]
+    (tmp_path / "tapered").mkdir()
+    (tmp_path / "original").mkdir()
+    assert_folds_all(*fold_and_check(tmp_path / "tapered", tapered, "dynamo", opset=20), norms, family,
+                     WRAPPERS.get(family, 0))
+    assert_untouched(*fold_and_check(tmp_path / "original", original, "dynamo", opset=20),
+                     norms + WRAPPERS.get(family, 0))
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_moe_norm_folds_into_the_router_and_every_experts_matrix(tmp_path, models, exporter):
+    # The norm before the experts reaches the router through a Reshape and each token's selected experts through
+    # repeat_interleave and a column per token (dynamo: Unsqueeze, Expand, Reshape, Unsqueeze; legacy: a Reshape to
+    # a run-time shape, Unsqueeze, Tile, Flatten, Unsqueeze) into MatMul(Gather(experts' weights), x).
+    import onnx_ir as ir
+
+    _, tapered, norms = models["mixtral"]
+    report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18)
+    assert_folds_all(report, check, norms, "mixtral")
+
+    def stacks(path):  # the experts' gate/up matrices of each layer, [experts, 2·intermediate, hidden]
+        return [v.const_value.numpy() for v in ir.load(path).graph.initializers.values()
+                if v.const_value is not None and len(v.const_value.shape) == 3 and v.const_value.shape[-1] == 32]
+
+    before, after = stacks(tmp_path / "m.onnx"), stacks(tmp_path / "folded.onnx")
+    assert len(before) == len(after) == LAYERS  # rewritten in place, not copied
+    assert not any(np.array_equal(a, b) for a in after for b in before)
 
 
 def assert_folded_into_producers(report, family):
@@ -133,25 +173,27 @@ def test_merge_norm_weights_is_opt_in_and_reported_under_its_own_name(tmp_path, 
     assert check.passed and np.isfinite(check.outputs[0].metrics.max_rel)
 
 
+@pytest.mark.parametrize("family, norm_names", [("gpt_neox", ("input_layernorm", "post_attention_layernorm")),
+                                                ("falcon_new", ("ln_attn", "ln_mlp"))])
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
-def test_parallel_norms_with_equal_c_fold_and_keep_their_own_names(tmp_path, models, exporter):
+def test_parallel_norms_with_equal_c_fold_and_keep_their_own_names(tmp_path, models, exporter, family, norm_names):
     # Calibration gives two norms that read one input the same c; the dynamo exporter then computes (h - mean)·c
     # once for both. Each norm is still folded, and named after its own module, not the first one's.
     import copy
 
     import torch
 
-    tapered, norms = copy.deepcopy(models["gpt_neox"][1]), models["gpt_neox"][2]  # the fixture's stays as it is
+    tapered, norms = copy.deepcopy(models[family][1]), models[family][2]  # the fixture's stays as it is
     with torch.no_grad():
         for module in tapered.modules():
             if isinstance(getattr(module, "c", None), torch.nn.Parameter):
                 module.c.fill_(0.8)
     report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18)
-    assert_folds_all(report, check, norms, "gpt_neox")
+    assert_folds_all(report, check, norms, family)
     names = [e.name.replace("/", ".") for e in report.norms]
     for i in range(LAYERS):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            assert sum(f"layers.{i}.{norm}" in name for name in names) == 1, names
+        for norm in norm_names:
+            assert sum(f".{i}.{norm}" in name for name in names) == 1, names
     assert not any("#" in name for name in names)
 
 
