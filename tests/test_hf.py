@@ -268,3 +268,32 @@ def test_an_alibi_model_whose_config_states_no_context_takes_its_familys(tmp_pat
     plain_model("bloom").save_pretrained(tmp_path / "bloom")
     assert "max_position_embeddings" not in json.loads((tmp_path / "bloom" / "config.json").read_text())
     assert load_hf_directory(tmp_path / "bloom").config.max_seq_len == family_for("bloom").context == 2048
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_norm_folds_in_torch_into_the_router_and_every_expert(model_type):
+    # A save_pretrained MoE directory stores per-expert weights that only transformers' conversion stacks, so the
+    # directory path is not run here; the tapering and the torch fold are (the graph passes: tests/passes).
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
+    from taperfold.passes.testing import tiny_model
+
+    hf = tiny_model(model_type)
+    tapering = taper_model(hf, "all")
+    readers = tapering.readers["model.layers.0.post_attention_layernorm"]
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"} <= set(readers)
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.5, 2.0)
+    tapering.set_gate(0.0)
+    family = tapering.family
+    model = HFCausalLM(hf, HFModelInfo.from_config(hf.config, family, "all", aux=True, tokenizer="bytes"), family)
+    folded = fold_in_torch(model)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = model(ids, logits="all"), folded(ids, logits="all")
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+    norm = hf.get_submodule("model.layers.0.post_attention_layernorm")
+    scale = tapering.kind.constant_map(norm).scale.float()  # diag(scale) moves into each [..., out, in] matrix
+    for path in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"):
+        torch.testing.assert_close(folded.hf.get_parameter(path), hf.get_parameter(path) * scale)
