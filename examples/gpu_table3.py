@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from taperfold.bench.floors import decode_floor, gpu_spec, prefill_floor
+from taperfold.bench.report import FORMAT, check_report, throughput_stats
 from taperfold.errors import TaperfoldError
 from taperfold.models import ModelConfig
 
@@ -169,7 +170,8 @@ def load_reports(folder: Path) -> list[dict]:
     reports = []
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
-        if isinstance(data, dict) and data.get("format") == "taperfold-bench":
+        if isinstance(data, dict) and data.get("format") == FORMAT:
+            check_report(data, path)  # a version this taperfold cannot read: one line naming the file
             data["_file"] = path.name
             reports.append(data)
     return reports
@@ -185,7 +187,7 @@ def measurements(reports: list[dict]) -> dict:
                                  f"{report['engine']} {row.get('execution', 'eager')}")
             phase = "prompt" if report["mode"] == "decode" and row["phase"] == "prefill" else row["phase"]
             key = (report["dtype"], phase, config, row["batch"], row["seq"], row["variant"])
-            table[key] = {"tokens_per_s": row["tokens_per_s"], "cv_pct": row["stats_ms"]["cv_pct"],
+            table[key] = {"tokens_per_s": row["tokens_per_s"], "cv_pct": throughput_stats(row)["cv_pct"],
                           "new_tokens": row.get("new_tokens"), "file": report.get("_file")}
     return table
 
@@ -268,7 +270,7 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
             lines += ["folded / nonorm (zero residue = 1.000): " + "; ".join(residue) + ".", ""]
             cvs = [(v["cv_pct"], k) for k, v in data.items() if k[0] == dtype and k[1] == phase]
             worst = max(cvs)
-            lines += [f"CV over the timed calls: median {sorted(c for c, _ in cvs)[len(cvs) // 2]:.1f} %, max "
+            lines += [f"CV of the samples behind each figure: median {sorted(c for c, _ in cvs)[len(cvs) // 2]:.1f} %, max "
                       f"{worst[0]:.1f} % ({worst[1][2]}, {worst[1][5]}, B{worst[1][3]} T{worst[1][4]}).", ""]
     lines += ["### Targets (issue 13)", ""]
     if targets["ratio"]:

@@ -231,6 +231,10 @@ def print_fold_check(check, console: Console) -> None:
     console.print(f"{verdict}: {len(check.outputs) - len(failed)} of {len(check.outputs)} outputs within tolerance")
 
 
+# how a throughput table's title names the timing its figures come from (a row's `throughput_from`)
+THROUGHPUT_FROM = {"pipelined": "pipelined calls", "synced": "synced calls", "generation": "whole generations"}
+
+
 @contextlib.contextmanager
 def bench_progress(total: int):
     """Yields on_call(): one tick per model call (first runs, warm-up and timed calls)."""
@@ -244,9 +248,12 @@ def bench_progress(total: int):
 
 
 def throughput_table(report: dict, phase: str) -> Table:
+    """Tokens per second of every variant: the median of the timing each row names in `throughput_from`."""
     scale, unit = UNIT[phase]
-    title = (f"{phase} throughput ({unit}, median) — {report['engine']} {report['device']} {report['dtype']}, "
-             f"{report['threads']} threads")
+    timing = "/".join(dict.fromkeys(THROUGHPUT_FROM[r["throughput_from"]] for r in report["results"]
+                                    if r["phase"] == phase))
+    title = (f"{phase} throughput ({unit}, median, {timing}) — {report['engine']} {report['device']} "
+             f"{report['dtype']}, {report['threads']} threads")
     table = Table(title=title)
     table.add_column("batch", justify="right")
     table.add_column("prompt" if phase == "decode" else "seq", justify="right")
@@ -265,13 +272,14 @@ def throughput_table(report: dict, phase: str) -> Table:
 
 
 def detail_table(report: dict) -> Table:
-    table = Table(title="latency per call (ms)" if report["mode"] == "prefill" else
-                  "latency (ms): prefill per prompt, decode per token")
+    """Latency: the synced calls (each timed alone, waited for) of every row."""
+    table = Table(title="latency per call (ms, synced calls)" if report["mode"] == "prefill" else
+                  "latency (ms, synced calls): prefill per prompt, decode per token")
     for col in ("phase", "variant", "B", "T", "n", "median", "mean", "p90", "p99", "min", "std", "CV %", "first run"):
         table.add_column(col, justify="left" if col in ("phase", "variant") else "right")
     threshold = report["settings"]["cv_warn_pct"]
     for r in report["results"]:
-        s = r["stats_ms"]
+        s = r["synced"]["stats_ms"]
         cv = f"{s['cv_pct']:.1f}"
         table.add_row(r["phase"], row_label(r), str(r["batch"]), str(r["seq"]), str(s["n"]),
                       *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
@@ -288,6 +296,8 @@ def print_bench(report: dict) -> None:
     s = report["settings"]
     out.print(f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
               f"first run reported apart; {report['seconds']:.0f} s")
+    for mode, meaning in report["timing"].items():
+        out.print(f"{mode}: {meaning}", highlight=False)
     if report.get("cuda_graph"):
         out.print("rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run "
                   "plainly", highlight=False)

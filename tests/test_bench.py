@@ -2,20 +2,25 @@
 These check logic, never speed: shapes are tiny and iteration counts minimal."""
 
 import csv
+import io
 import json
 from pathlib import Path
 import math
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from taperfold.bench.decode import generate
-from taperfold.bench.harness import Schedule, rotated, run_rounds, split
-from taperfold.bench.report import CSV_COLUMNS
+from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
+from taperfold.bench.report import CSV_COLUMNS, check_report, csv_rows, throughput_stats
 from taperfold.bench.stats import summarize
 from taperfold.checkpoint import load_checkpoint
+from taperfold.engines import ENGINES, MODELS, Engine
+from taperfold.errors import TaperfoldError
+from taperfold.runners.base import InputSpec, Runner
 from taperfold.runners.torch_runner import TorchRunner
 
 TRT_LINE = "taperfold: error: tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU\n"
@@ -58,20 +63,26 @@ def test_schedule_spreads_iterations_and_warmup_over_rounds():
     assert sched.warmup_slices == [1, 1, 1]  # at least one warm-up call before every slice
     assert Schedule(warmup=0, iters=3, rounds=3).warmup_slices == [0, 0, 0]
     assert sched.calls_per_variant() == 1 + 3 + 7
+    assert Schedule(warmup=2, iters=7, rounds=3, pipelined=True).calls_per_variant() == 1 + 3 + 7 + 7
     with pytest.raises(ValueError):
         Schedule(warmup=1, iters=2, rounds=3)
 
 
+def _recording_job(name, calls):
+    """A job whose sample is the position of its call in `calls` (to check which calls were kept)."""
+    def synced():
+        calls.append(name)
+        return len(calls)
+
+    def pipelined(n):
+        calls.append(f"{name}x{n}")
+        return len(calls)
+    return Job(synced, pipelined)
+
+
 def test_rounds_alternate_variants_in_rotated_order():
     calls = []
-
-    def job(name):
-        def call():
-            calls.append(name)
-            return len(calls)  # the sample: the call's position, to check which calls were kept
-        return call
-
-    samples = run_rounds({v: job(v) for v in "ABC"}, Schedule(warmup=3, iters=6, rounds=3))
+    samples = run_rounds({v: _recording_job(v, calls) for v in "ABC"}, Schedule(warmup=3, iters=6, rounds=3))
     expected = list("ABC")  # first runs
     for r in range(3):
         for v in rotated(list("ABC"), r):
@@ -79,8 +90,23 @@ def test_rounds_alternate_variants_in_rotated_order():
     assert calls == expected
     assert rotated(list("ABC"), 1) == list("BCA") and rotated(list("ABC"), 2) == list("CAB")
     assert samples.first == {"A": 1, "B": 2, "C": 3}
-    assert samples.timed["A"] == [5, 6, 20, 21, 26, 27]  # call 4, 19, 25: warm-up, not recorded
-    assert all(len(t) == 6 for t in samples.timed.values())
+    assert samples.synced["A"] == [5, 6, 20, 21, 26, 27]  # call 4, 19, 25: warm-up, not recorded
+    assert all(len(t) == 6 for t in samples.synced.values()) and samples.pipelined == {}
+
+
+def test_a_pipelined_schedule_adds_one_sample_of_each_slice_s_calls():
+    calls, ticks = [], []
+    samples = run_rounds({v: _recording_job(v, calls) for v in "AB"}, Schedule(warmup=2, iters=5, rounds=2,
+                                                                                pipelined=True),
+                         on_call=lambda: ticks.append(1))
+    # first runs; then per slice: a warm-up call, the synced calls, their count again as one pipelined sample
+    assert calls == ["A", "B", "A", "A", "A", "A", "Ax3", "B", "B", "B", "B", "Bx3",
+                     "B", "B", "B", "Bx2", "A", "A", "A", "Ax2"]
+    assert samples.synced == {"A": [4, 5, 6, 18, 19], "B": [9, 10, 11, 14, 15]}
+    assert samples.pipelined == {"A": [7, 20], "B": [12, 16]}
+    assert len(ticks) == 2 * Schedule(warmup=2, iters=5, rounds=2, pipelined=True).calls_per_variant()
+    with pytest.raises(ValueError, match="pipelined"):
+        run_rounds({"A": Job(lambda: 0)}, Schedule(warmup=0, iters=1, rounds=1, pipelined=True))
 
 
 # ---- KV-cached decoding --------------------------------------------------------------------------
@@ -117,6 +143,141 @@ def test_ort_decoder_graph_matches_the_torch_full_forward(bench_export, tiny_mod
     np.testing.assert_allclose(gen.last_logits, _full_forward_logits(tiny_model, prompt, gen), rtol=1e-4, atol=1e-5)
 
 
+# ---- synced and pipelined timings in the report and the tables --------------------------------------------
+
+
+class DeviceClock:
+    """The device time of the calls launched since start, plus `wait_s` for the one wait that ends a measurement."""
+
+    def __init__(self, runner, wait_s: float):
+        self.runner, self.wait_s = runner, wait_s
+
+    def start(self):
+        self.first = self.runner.launched
+
+    def stop(self, wait):
+        wait()
+        return (self.runner.launched - self.first) * self.runner.call_s + self.wait_s
+
+
+class LaunchBoundRunner(Runner):
+    """A GPU-like engine without a GPU: each call costs `call_s` of device time (baseline 2 ms, others 1 ms) and each
+    wait for the device 1 ms, so synced calls cost call_s + 1 ms and n pipelined calls call_s + 1 ms / n each.
+    Launch number `fail_at` fails in the engine."""
+
+    def __init__(self, name: str, fail_at: int | None = None):
+        super().__init__(name)
+        self._inputs, self._outputs = ["input_ids"], ["logits"]
+        self._specs = {"input_ids": InputSpec(rank=2, floating=False)}
+        self.call_s = 2e-3 if name.startswith("baseline") else 1e-3
+        self.launched, self.fail_at = 0, fail_at
+
+    def _load(self):
+        pass
+
+    def _prepare(self, feeds):
+        return feeds["input_ids"]
+
+    def _launcher(self, prepared):
+        def launch():
+            self.launched += 1
+            if self.launched == self.fail_at:
+                raise self.error("the engine failed")
+            return {"logits": np.zeros((prepared.shape[0], 4), np.float32)}
+        return launch
+
+    def _clock(self):
+        return DeviceClock(self, 1e-3)
+
+    def to_numpy(self, value):
+        return value
+
+
+def launch_bound_engine(fail_at: int | None = None) -> Engine:
+    """Stands in for the torch engine (its name and options, so that the CLI's flags still map to an engine)."""
+    def open_runner(model, *, device, threads, decoder, logits, name, shapes=None, **options):
+        return LaunchBoundRunner(name, fail_at)
+
+    return Engine("torch", "Launch-bound", MODELS, default_device="cpu", devices=("cpu",), decodes=False,
+                  options=ENGINES["torch"].options,
+                  module=SimpleNamespace(open_runner=open_runner, unavailable=lambda device: None))
+
+
+@pytest.fixture
+def launch_bound_report(monkeypatch):
+    """Baseline and folded through LaunchBoundRunner, B2 T8, 4 timed calls in 2 rounds: pipelined samples of 2 calls."""
+    from taperfold.bench.measure import BenchOptions, load_bench, run_bench
+    from taperfold.bench.source import resolve_source
+
+    monkeypatch.setitem(ENGINES, "torch", launch_bound_engine())
+    opts = BenchOptions(engine="torch", variants=["baseline", "folded"], batches=[2], seqs=[8], warmup=1, iters=4,
+                        rounds=2)
+    with load_bench(resolve_source(None, None, "tiny"), opts) as loaded:
+        return run_bench(loaded)
+
+
+def test_report_carries_both_timings_and_takes_throughput_from_pipelined(launch_bound_report):
+    report = launch_bound_report
+    assert report["format_version"] == 2 and list(report["timing"]) == ["synced", "pipelined"]
+    rows = {r["variant"]: r for r in report["results"]}
+    for variant, call_ms in (("baseline", 2.0), ("folded", 1.0)):
+        row = rows[variant]
+        assert row["throughput_from"] == "pipelined" and row["pipelined"]["calls"] == [2, 2]
+        assert len(row["synced"]["times_ms"]) == 4 and len(row["pipelined"]["times_ms"]) == 2
+        assert row["synced"]["stats_ms"]["median"] == pytest.approx(call_ms + 1.0)  # each call waited for
+        assert row["pipelined"]["stats_ms"]["median"] == pytest.approx(call_ms + 0.5)  # one wait per 2 calls
+        assert row["tokens_per_s"] == pytest.approx(16 / ((call_ms + 0.5) / 1e3))
+        assert throughput_stats(row) == row["pipelined"]["stats_ms"]
+    assert rows["folded"]["speedup_vs_baseline"] == pytest.approx(2.5 / 1.5)  # pipelined; synced would give 3 / 2
+    csv_row = {r["variant"]: r for r in csv_rows(report)}["folded"]
+    assert (csv_row["synced_median_ms"], csv_row["pipelined_median_ms"]) == pytest.approx((2.0, 1.5))
+    assert (csv_row["synced_n"], csv_row["pipelined_n"], csv_row["pipelined_calls"]) == (4, 2, 4)
+    assert csv_row["throughput_from"] == "pipelined" and list(csv_row) == CSV_COLUMNS
+
+
+def _rows(table) -> list[list[str]]:
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=240, color_system=None)
+    console.print(table)
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in console.file.getvalue().splitlines()
+            if line.startswith("│")]
+
+
+def test_throughput_table_shows_pipelined_and_latency_table_synced(launch_bound_report):
+    from taperfold.ui import detail_table, throughput_table
+
+    table = throughput_table(launch_bound_report, "prefill")
+    assert table.title == ("prefill throughput (k tokens/s, median, pipelined calls) — torch cpu fp32, "
+                           f"{launch_bound_report['threads']} threads")
+    # k tokens/s = 16 tokens / ms per call: baseline 2.5 ms, folded 1.5 ms pipelined (3 and 2 ms synced)
+    assert _rows(table) == [["2", "8", f"{16 / 2.5:.1f}", f"{16 / 1.5:.1f}", f"{2.5 / 1.5:.3f}"]]
+    table = detail_table(launch_bound_report)
+    assert table.title == "latency per call (ms, synced calls)"
+    assert [(r[1], r[5]) for r in _rows(table)] == [("baseline", "3.000"), ("folded", "2.000")]  # the medians
+
+
+@pytest.mark.parametrize("fail_at, what", [(2, "a synced call"), (5, "a pipelined run of 2 calls")])
+def test_a_failure_in_either_timing_is_one_line(fail_at, what, monkeypatch, cli):
+    # launches: the first run (1), two synced calls (2, 3), then the two pipelined calls (4, 5)
+    monkeypatch.setitem(ENGINES, "torch", launch_bound_engine(fail_at))
+    r = cli("bench", "--preset", "tiny", "--variants", "folded", "--batch", "1", "--seq", "8", "--warmup", "0",
+            "--iters", "2", "--rounds", "1")
+    assert (r.exit_code, r.stderr) == (2, f"taperfold: error: folded (--preset tiny): the engine failed "
+                                          f"(during {what})\n")
+
+
+def test_reports_of_both_versions_are_read_and_others_refused(launch_bound_report):
+    v1_row = {"stats_ms": {"cv_pct": 3.0}, "tokens_per_s": 1.0}  # version 1: one set of synced timings
+    assert throughput_stats(v1_row) == {"cv_pct": 3.0}
+    assert check_report({**launch_bound_report, "format_version": 1}, "old.json")["format_version"] == 1
+    with pytest.raises(TaperfoldError, match=r"^new\.json: key 'format_version' is 3; this taperfold reads "
+                                             r"taperfold-bench versions 1, 2$"):
+        check_report({**launch_bound_report, "format_version": 3}, "new.json")
+    with pytest.raises(TaperfoldError, match=r"^x\.json: not a taperfold-bench report \(key 'format'\)$"):
+        check_report({"format": "taperfold-export"}, "x.json")
+
+
 # ---- CLI: reports and errors ---------------------------------------------------------------------
 
 
@@ -126,25 +287,31 @@ def test_bench_end_to_end_json_csv_and_bench_json(bench_export, tmp_path, cli):
     r = cli("bench", bench_export, "--engine", "ort", "--batch", "1,2", "--seq", "8,16", "--iters", "2",
                 "--warmup", "1", "--threads", "1", "--json", out_json, "--csv", out_csv)
     assert r.exit_code == 0, r.stderr
-    assert "prefill throughput" in r.stdout
+    assert "prefill throughput (k tokens/s, median, pipelined calls)" in r.stdout
+    assert "latency per call (ms, synced calls)" in r.stdout
     report = json.loads(out_json.read_text())
     assert json.loads((bench_export / "bench.json").read_text()) == report
-    for key in ("format", "format_version", "created", "mode", "engine", "device", "dtype", "threads", "source",
-                "config", "settings", "environment", "results", "warnings"):
+    for key in ("format", "format_version", "created", "mode", "engine", "device", "dtype", "threads", "timing",
+                "source", "config", "settings", "environment", "results", "warnings"):
         assert key in report, key
     assert report["threads"] == 1 and report["settings"]["rounds"] == 2 and report["settings"]["cv_warn_pct"] == 5.0
     assert {"cpu", "versions", "torch_threads"} <= set(report["environment"])
+    assert list(report["timing"]) == ["synced", "pipelined"]
     assert len(report["results"]) == 3 * 4  # variants x cells
     for row in report["results"]:
-        assert row["phase"] == "prefill" and len(row["times_ms"]) == 2
-        assert set(row["stats_ms"]) == {"n", "median", "mean", "p90", "p99", "min", "max", "std", "cv_pct"}
-        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / (row["stats_ms"]["median"] / 1e3))
+        assert row["phase"] == "prefill" and len(row["synced"]["times_ms"]) == 2
+        assert row["pipelined"]["calls"] == [1, 1] and len(row["pipelined"]["times_ms"]) == 2
+        for mode in ("synced", "pipelined"):
+            assert set(row[mode]["stats_ms"]) == {"n", "median", "mean", "p90", "p99", "min", "max", "std", "cv_pct"}
+        assert row["throughput_from"] == "pipelined"
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / (row["pipelined"]["stats_ms"]["median"] / 1e3))
         assert row["first_run_ms"] > 0
         if row["variant"] == "baseline":
             assert row["speedup_vs_baseline"] == 1.0
     rows = list(csv.DictReader(out_csv.open()))
     assert list(rows[0]) == CSV_COLUMNS and len(rows) == 12
     assert {r["variant"] for r in rows} == {"baseline", "unfolded", "folded"}
+    assert all(float(r["synced_median_ms"]) > 0 and float(r["pipelined_median_ms"]) > 0 for r in rows)
 
 
 @pytest.mark.slow
@@ -153,12 +320,19 @@ def test_bench_decode_mode_reports_per_token_times(bench_export, tmp_path, cli):
     r = cli("bench", bench_export, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3",
                 "--iters", "2", "--warmup", "1", "--variants", "unfused,folded", "--json", out_json)
     assert r.exit_code == 0, r.stderr
-    rows = json.loads(out_json.read_text())["results"]
+    assert "decode throughput (tokens/s, median, whole generations)" in r.stdout
+    assert "prefill throughput (k tokens/s, median, synced calls)" in r.stdout  # the prompts
+    report = json.loads(out_json.read_text())
+    rows = report["results"]
     assert [(row["variant"], row["phase"]) for row in rows] == [
         ("unfolded", "prefill"), ("unfolded", "decode"), ("folded", "prefill"), ("folded", "decode")]
-    decode = rows[1]
-    assert len(decode["times_ms"]) == 2 and all(len(t) == 3 for t in decode["times_ms"])
-    assert decode["stats_ms"]["n"] == 6 and len(decode["generation_ms"]) == 2
+    assert list(report["timing"]) == ["synced", "generation"]
+    prompt, decode = rows[0], rows[1]
+    assert prompt["throughput_from"] == "synced" and "pipelined" not in prompt
+    assert decode["throughput_from"] == "generation" and "pipelined" not in decode
+    assert len(decode["synced"]["times_ms"]) == 2 and all(len(t) == 3 for t in decode["synced"]["times_ms"])
+    assert decode["synced"]["stats_ms"]["n"] == 6 and len(decode["generation"]["times_ms"]) == 2
+    assert decode["tokens_per_s"] == pytest.approx(3 / (decode["generation"]["stats_ms"]["median"] / 1e3))
     assert rows[0]["speedup_vs_baseline"] is None  # no baseline asked for
 
 

@@ -131,6 +131,20 @@ def test_ort_cuda_graph_session_failure_is_one_line(tiny_export, monkeypatch):
         ort_runner.open_session(decoder, device="cuda", cuda_graph=True)
 
 
+class CallClock:
+    """`seconds` per call the runner launched between start and stop."""
+
+    def __init__(self, runner, seconds: float):
+        self.runner, self.seconds = runner, seconds
+
+    def start(self):
+        self.first = self.runner.launched
+
+    def stop(self, wait):
+        wait()
+        return (self.runner.launched - self.first) * self.seconds
+
+
 class FakeRunner(Runner):
     """Deterministic 'latencies' per variant and execution, and a logged capture per new shape in graph mode."""
 
@@ -143,6 +157,7 @@ class FakeRunner(Runner):
         self._specs = {"input_ids": InputSpec(rank=2, floating=False)}
         self.setup_log = []
         self._captured = set()
+        self.launched = 0
 
     @property
     def execution(self):
@@ -154,15 +169,19 @@ class FakeRunner(Runner):
     def _prepare(self, feeds):
         return feeds
 
-    def _run(self, prepared):
+    def _launcher(self, prepared):
         shape = prepared["input_ids"].shape
         if self.cuda_graph and shape not in self._captured:
             self._captured.add(shape)
             self.setup_log.append(("capture", shape, 0.5))
-        return {"logits": np.zeros((shape[0], self.vocab), np.float32)}
 
-    def _timed_run(self, prepared):
-        return self._run(prepared), self.MS[self.variant, self.cuda_graph] / 1e3
+        def launch():
+            self.launched += 1
+            return {"logits": np.zeros((shape[0], self.vocab), np.float32)}
+        return launch
+
+    def _clock(self):
+        return CallClock(self, self.MS[self.variant, self.cuda_graph] / 1e3)
 
     def to_numpy(self, value):
         return value

@@ -1,11 +1,11 @@
 """The runner interface: the base class's guards (load before run, feeds checked against the model's inputs,
-one RunnerError naming the model) hold for every real runner (torch, ONNX Runtime) and for a fake one;
-the engine registry opens each engine's runner. TensorRT's runner is tested in test_trt.py (GPU only)."""
+one RunnerError naming the model) and its two timings (synced: one call waited for; pipelined: calls back to back,
+one wait) hold for every real runner (torch, ONNX Runtime) and for fake ones; the engine registry opens each
+engine's runner. TensorRT's runner is tested in test_trt.py (GPU only)."""
 
 import importlib
 import re
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from taperfold.engines import ENGINES, GRAPHS, MODELS, changed_options, check_op
 from taperfold.errors import TaperfoldError
 from taperfold.models import build_model, preset_config
 from taperfold.runners.base import InputSpec, Runner, RunnerError
-from taperfold.runners.ort import OrtRunner, open_session
+from taperfold.runners.ort import OrtRunner, open_session, queued_run_options
 from taperfold.runners.torch_runner import TorchRunner
 
 
@@ -37,14 +37,11 @@ class EchoRunner(Runner):
         self.calls["prepare"] += 1
         return feeds["x"]
 
-    def _run(self, prepared):
-        self.calls["run"] += 1
-        return {"y": prepared * 2}
-
-    def _timed_run(self, prepared):
-        t0 = time.perf_counter()
-        out = self._run(prepared)
-        return out, time.perf_counter() - t0
+    def _launcher(self, prepared):
+        def call():
+            self.calls["run"] += 1
+            return {"y": prepared * 2}
+        return call
 
     def to_numpy(self, value):
         return np.asarray(value)
@@ -102,11 +99,137 @@ def test_runs_and_times_after_load(case):
     assert not runner.is_loaded
 
 
-@pytest.mark.parametrize("call", ["prepare", "run", "timed_run"])
+@pytest.mark.parametrize("call", ["prepare", "run", "timed_run", "pipelined_run"])
 def test_use_before_load_is_one_error_naming_the_model(case, call):
     runner, feeds, model_name, _, _ = case
+    args = (feeds, 2) if call == "pipelined_run" else (feeds,)
     with pytest.raises(RunnerError, match=rf"^{re.escape(model_name)}: .*\.{call}\(\) called before load\(\)$"):
-        getattr(runner, call)(feeds)
+        getattr(runner, call)(*args)
+
+
+def test_pipelined_runs_give_the_outputs_of_a_plain_run(case):
+    runner, feeds, model_name, _, _ = case
+    with runner:
+        expected = runner.infer(feeds)
+        outputs, per_call = runner.pipelined_run(runner.prepare(feeds), 3)
+        assert per_call > 0 and set(outputs) == set(expected)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(runner.to_numpy(outputs[name]), value)
+        with pytest.raises(RunnerError, match=rf"^{re.escape(model_name)}: pipelined_run needs at least one call, "
+                                              r"got 0$"):
+            runner.pipelined_run(runner.prepare(feeds), 0)
+
+
+class RecordingClock:
+    """Marks the log at start and end; 'measures' 1 ms per call launched in between plus 1 ms for the wait."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def start(self):
+        self.log.append("start")
+        self._mark = len(self.log)
+
+    def stop(self, wait):
+        launched = self.log[self._mark:].count("launch")
+        self.log.append("end")
+        wait()
+        return (launched + 1) * 1e-3
+
+
+class QueueRunner(EchoRunner):
+    """An engine whose calls return before the work is done (as on a GPU): records, in order, the one-off set-up of
+    an input, every launch, every wait and the clock's marks; launch number `fail_at` fails in the engine."""
+
+    def __init__(self, fail_at: int | None = None):
+        super().__init__()
+        self.log, self.fail_at = [], fail_at
+
+    def _launcher(self, prepared):
+        self.log.append("setup")
+
+        def launch():
+            self.log.append("launch")
+            if self.log.count("launch") == self.fail_at:
+                raise self.error("the engine failed")
+            return {"y": prepared * 2}
+        return launch
+
+    def _synchronize(self):
+        self.log.append("synchronize")
+
+    def _clock(self):
+        return RecordingClock(self.log)
+
+
+def test_pipelined_calls_are_queued_back_to_back_and_waited_for_once():
+    runner = QueueRunner()
+    with runner:
+        prepared = runner.prepare({"x": np.ones((1, 2), np.float32)})
+        _, per_call = runner.pipelined_run(prepared, 4)
+        # set-up before the clock, queued work drained before it starts, then no wait until the last call is queued
+        assert runner.log == ["setup", "synchronize", "start", *["launch"] * 4, "end", "synchronize"]
+        assert per_call == pytest.approx(5e-3 / 4)
+        runner.log.clear()
+        _, seconds = runner.timed_run(prepared)
+        assert runner.log == ["setup", "synchronize", "start", "launch", "end", "synchronize"]
+        assert seconds == pytest.approx(2e-3)  # one call and its wait
+        runner.log.clear()
+        runner.run(prepared)
+        assert runner.log == ["setup", "launch", "synchronize"]
+
+
+@pytest.mark.parametrize("fail_at, timing, what", [
+    (1, lambda r, p: r.timed_run(p), "a synced call"),
+    (2, lambda r, p: r.pipelined_run(p, 3), "a pipelined run of 3 calls"),  # the second of three queued calls
+])
+def test_an_engine_failure_while_timing_is_one_line_naming_the_model_and_the_timing(fail_at, timing, what):
+    runner = QueueRunner(fail_at=fail_at)
+    with runner:
+        with pytest.raises(RunnerError) as info:
+            timing(runner, runner.prepare({"x": np.ones((1, 2), np.float32)}))
+    assert str(info.value) == f"echo-model: the engine failed (during {what})"
+
+
+class RecordingSession:
+    """Stands in for an InferenceSession on CUDA (none here): logs each IOBinding run with its RunOptions."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def run_with_iobinding(self, binding, run_options=None):
+        queued = run_options is not None and \
+            run_options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
+        self.log.append("run (queued)" if queued else "run (waits)")
+
+
+class RecordingBinding:
+    def __init__(self, log: list):
+        self.log = log
+
+    def synchronize_outputs(self):
+        self.log.append("synchronize")
+
+    def get_outputs(self):
+        return ["device logits"]
+
+
+def test_ort_on_cuda_queues_bound_runs_and_synchronizes_once(onnx_path):
+    """The IOBinding path, checked on the CPU: runs are issued with RunOptions that skip ORT's wait at the end of a
+    run, outputs stay bound, and the runner synchronizes once per measurement."""
+    from taperfold.runners.ort import BoundInputs
+
+    log = []
+    with OrtRunner(onnx_path, threads=1) as runner:
+        runner.device, runner.session = "cuda", RecordingSession(log)
+        runner._queued, runner._sync_binding = queued_run_options(), RecordingBinding(log)
+        prepared = BoundInputs(RecordingBinding(log), {})
+        outputs, _ = runner.pipelined_run(prepared, 3)
+        assert log == ["synchronize", *["run (queued)"] * 3, "synchronize"]
+        assert outputs == {"logits": "device logits"}
+        log.clear()
+        runner.timed_run(prepared)
+        assert log == ["synchronize", "run (queued)", "synchronize"]
 
 
 def test_feed_names_are_checked(case):

@@ -3,20 +3,24 @@
 
 For one cell (one input shape) with variants A, B, C and R rounds:
 
-    first runs:  A B C                       (one call each on a fresh shape: reported apart)
-    round 0:     A(w + i) B(w + i) C(w + i)  (w warm-up calls, then i timed calls)
-    round 1:     B(w + i) C(w + i) A(w + i)  (order rotated by one each round)
+    first runs:  A B C                             (one call each on a fresh shape: reported apart)
+    round 0:     A(w + i + i) B(w + i + i) C(...)  (w warm-up calls, i synced calls, then i pipelined calls)
+    round 1:     B(...) C(...) A(...)              (order rotated by one each round)
     ...
 
-`--iters` is the total number of timed calls per variant and cell, spread as evenly as possible over the
-rounds; `--warmup` likewise, but every slice gets at least one warm-up call when warm-up is asked for,
+Synced calls are each a sample (one call timed alone, waited for: latency). The i pipelined calls of a slice are
+one sample (issued back to back, one wait at the end: time per call, for throughput); a schedule without
+pipelining (a decode run: one sample is one whole generation) skips them.
+
+`--iters` is the total number of timed calls per variant and cell in each mode, spread as evenly as possible over
+the rounds; `--warmup` likewise, but every slice gets at least one warm-up call when warm-up is asked for,
 because the variant measured just before has pushed this one's weights out of the caches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar
 
 Sample = TypeVar("Sample")
 
@@ -26,6 +30,7 @@ class Schedule:
     warmup: int
     iters: int
     rounds: int
+    pipelined: bool = False  # also a pipelined sample of each slice's iters calls
 
     def __post_init__(self):
         if self.warmup < 0 or self.iters < 1 or self.rounds < 1:
@@ -45,7 +50,7 @@ class Schedule:
 
     def calls_per_variant(self) -> int:
         """Calls of one variant in one cell, the first run included (for a progress bar)."""
-        return 1 + sum(self.warmup_slices) + self.iters
+        return 1 + sum(self.warmup_slices) + self.iters * (2 if self.pipelined else 1)
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -59,27 +64,44 @@ def rotated(names: list[str], round_index: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+@dataclass(frozen=True)
+class Job(Generic[Sample]):
+    """How one variant is measured in one cell: `synced()` makes one call, waited for, and returns its sample;
+    `pipelined(n)` makes n calls back to back with one wait and returns their sample (None: not measured so)."""
+
+    synced: Callable[[], Sample]
+    pipelined: Callable[[int], Sample] | None = None
+
+
 @dataclass
 class CellSamples:
-    first: dict  # variant -> the first call's sample
-    timed: dict  # variant -> list of samples, in the order taken
+    first: dict  # variant -> the first call's sample (synced)
+    synced: dict  # variant -> list of samples, in the order taken
+    pipelined: dict = field(default_factory=dict)  # variant -> list of samples, one per round (pipelined schedules)
 
 
-def run_rounds(jobs: dict[str, Callable[[], Sample]], schedule: Schedule,
-               on_call: Callable[[], None] = lambda: None) -> CellSamples:
-    """Call each job (one measured run of one variant, returning its sample) as the schedule says."""
+def run_rounds(jobs: dict[str, Job], schedule: Schedule, on_call: Callable[[], None] = lambda: None) -> CellSamples:
+    """Measure each job as the schedule says; `on_call` ticks once per model call."""
     names = list(jobs)
+    if schedule.pipelined and any(jobs[name].pipelined is None for name in names):
+        raise ValueError("a pipelined schedule needs every job's pipelined measurement")
     first = {}
     for name in names:
-        first[name] = jobs[name]()
+        first[name] = jobs[name].synced()
         on_call()
-    timed: dict[str, list] = {name: [] for name in names}
+    synced: dict[str, list] = {name: [] for name in names}
+    pipelined: dict[str, list] = {name: [] for name in names} if schedule.pipelined else {}
     for r, (n_warm, n_iter) in enumerate(zip(schedule.warmup_slices, schedule.iter_slices)):
         for name in rotated(names, r):
+            job = jobs[name]
             for _ in range(n_warm):
-                jobs[name]()
+                job.synced()
                 on_call()
             for _ in range(n_iter):
-                timed[name].append(jobs[name]())
+                synced[name].append(job.synced())
                 on_call()
-    return CellSamples(first, timed)
+            if schedule.pipelined:
+                pipelined[name].append(job.pipelined(n_iter))
+                for _ in range(n_iter):
+                    on_call()
+    return CellSamples(first, synced, pipelined)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from taperfold.bench.decode import generate
-from taperfold.bench.harness import Schedule, run_rounds
+from taperfold.bench.harness import Job, Schedule, run_rounds
+from taperfold.bench.report import FORMAT, FORMAT_VERSION
 from taperfold.bench.source import Source
 from taperfold.bench.stats import summarize
 from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, open_runners
@@ -20,11 +21,19 @@ from taperfold.errors import TaperfoldError
 from taperfold.export import MAX_EXPORT_BATCH
 from taperfold.exportdir import ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, INPUT, VARIANTS, torch_dtype
 from taperfold.models import ModelConfig
-from taperfold.runners.base import Runner
+from taperfold.runners.base import PIPELINED, SYNCED, Runner
 from taperfold.variants import build_variants
 
-FORMAT = "taperfold-bench"
-FORMAT_VERSION = 1
+GENERATION = "generation"
+# What each timing mode of a report is: the report's `timing` lists those it used, and each row says in
+# `throughput_from` which of them its tokens_per_s (and speedup) comes from.
+TIMING = {
+    SYNCED: "latency: each call timed alone, its outputs synchronized before the clock stops",
+    PIPELINED: "throughput: the calls of a sample issued back to back between two timestamps, one synchronize at "
+               "the end; time / calls",
+    GENERATION: "a whole KV-cached generation: the summed times of its steps, each synced (its logits come back to "
+                "the host for the next token)",
+}
 
 
 def cv_threshold_pct(device: str) -> float:
@@ -57,7 +66,8 @@ class BenchOptions:
 
     @property
     def schedule(self) -> Schedule:
-        return Schedule(self.warmup, self.iters, self.rounds)
+        # prefill calls are timed both ways; a decode sample is a whole generation, each step synced
+        return Schedule(self.warmup, self.iters, self.rounds, pipelined=self.mode == "prefill")
 
 
 def cells(opts: BenchOptions) -> list[tuple[int, int]]:
@@ -196,13 +206,17 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
-            jobs = {name: (lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype)) for name, r in runners.items()}
+            jobs = {name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype))
+                    for name, r in runners.items()}
             rows = _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
         else:
             prepared = {name: r.prepare({INPUT: ids}) for name, r in runners.items()}
-            jobs = {name: (lambda r=r, p=prepared[name]: r.timed_run(p)[1]) for name, r in runners.items()}
+            jobs = {name: Job(synced=lambda r=r, p=prepared[name]: r.timed_run(p)[1],
+                              pipelined=lambda calls, r=r, p=prepared[name]: r.pipelined_run(p, calls)[1])
+                    for name, r in runners.items()}
             samples = run_rounds(jobs, schedule, on_call)
-            rows = [_row("prefill", name, batch, seq, samples.first[name], samples.timed[name]) for name in runners]
+            rows = [_prefill_row(name, batch, seq, samples.first[name], samples.synced[name],
+                                 samples.pipelined[name], schedule.iter_slices) for name in runners]
         for row in rows:
             name = row.pop("runner")
             row["execution"] = execution_of(runners[name])
@@ -225,6 +239,7 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         else None,
         "cuda_graph": bool(opts.engine_options.get("cuda_graph")),
         "executions": list(dict.fromkeys(r["execution"] for r in results)),
+        "timing": {mode: meaning for mode, meaning in TIMING.items() if any(mode in r for r in results)},
         "setup_s": _setup_totals(results),
         "engine_options": opts.engine_options,
         "source": bench.source.to_dict(),
@@ -234,7 +249,8 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
                      "cv_warn_pct": threshold},
         "environment": machine_info(),
         "results": results,
-        "warnings": [_cv_warning(r, threshold) for r in results if r["stats_ms"]["cv_pct"] > threshold],
+        "warnings": [_cv_warning(r, mode, threshold) for r in results for mode in (SYNCED, PIPELINED)
+                     if mode in r and r[mode]["stats_ms"]["cv_pct"] > threshold],
     }
 
 
@@ -265,28 +281,47 @@ def _setup_totals(rows: list[dict]) -> dict:
     return totals
 
 
-def _row(phase: str, label: str, batch: int, seq: int, first_s: float, times_s: list[float]) -> dict:
-    stats = summarize(times_s)
-    variant = label.removesuffix(GRAPH_LABEL)
-    return {"phase": phase, "variant": variant, "label": label, "runner": label, "batch": batch, "seq": seq,
-            "tokens": batch * seq,
-            "first_run_ms": round(first_s * 1e3, 6), "times_ms": _ms(times_s),
-            "stats_ms": stats.scaled(1e3).to_dict(), "tokens_per_s": batch * seq / stats.median}
+def _timings(seconds) -> dict:
+    return {"times_ms": _ms(seconds), "stats_ms": summarize(seconds).scaled(1e3).to_dict()}
+
+
+def _head(phase: str, label: str, batch: int, seq: int, tokens: int, first_s: float) -> dict:
+    return {"phase": phase, "variant": label.removesuffix(GRAPH_LABEL), "label": label, "runner": label,
+            "batch": batch, "seq": seq, "tokens": tokens, "first_run_ms": round(first_s * 1e3, 6)}
+
+
+def _prefill_row(label: str, batch: int, seq: int, first_s: float, synced_s: list[float], pipelined_s: list[float],
+                 calls: list[int]) -> dict:
+    """Latency from the synced calls, throughput from the pipelined samples (`calls[i]` calls each)."""
+    row = _head("prefill", label, batch, seq, batch * seq, first_s)
+    row[SYNCED] = _timings(synced_s)
+    row[PIPELINED] = {"calls": list(calls), **_timings(pipelined_s)}
+    row["throughput_from"] = PIPELINED
+    row["tokens_per_s"] = batch * seq / float(np.median(pipelined_s))
+    return row
 
 
 def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
+    """The prompt call of every generation (synced, a prefill row) and its steps (a decode row: per-token latency,
+    throughput from whole generations)."""
     rows = []
-    for name, gens in samples.timed.items():
+    for name, gens in samples.synced.items():
         first = samples.first[name]
-        rows.append(_row("prefill", name, batch, prompt, first.prefill_s, [g.prefill_s for g in gens]))
+        prompt_s = [g.prefill_s for g in gens]
+        row = _head("prefill", name, batch, prompt, batch * prompt, first.prefill_s)
+        row[SYNCED] = _timings(prompt_s)
+        row["throughput_from"] = SYNCED
+        row["tokens_per_s"] = batch * prompt / float(np.median(prompt_s))
+        rows.append(row)
         totals = [sum(g.step_s) for g in gens]
-        per_token = summarize([s for g in gens for s in g.step_s])
-        rows.append({"phase": "decode", "variant": name.removesuffix(GRAPH_LABEL), "label": name, "runner": name,
-                     "batch": batch, "seq": prompt, "new_tokens": steps,
-                     "tokens": batch * steps, "first_run_ms": round(sum(first.step_s) * 1e3, 6),
-                     "times_ms": [_ms(g.step_s) for g in gens], "generation_ms": _ms(totals),
-                     "stats_ms": per_token.scaled(1e3).to_dict(),
-                     "tokens_per_s": batch * steps / float(np.median(totals))})
+        row = _head("decode", name, batch, prompt, batch * steps, sum(first.step_s))
+        row["new_tokens"] = steps
+        row[SYNCED] = {"times_ms": [_ms(g.step_s) for g in gens],
+                       "stats_ms": summarize([s for g in gens for s in g.step_s]).scaled(1e3).to_dict()}
+        row[GENERATION] = _timings(totals)
+        row["throughput_from"] = GENERATION
+        row["tokens_per_s"] = batch * steps / float(np.median(totals))
+        rows.append(row)
     return rows
 
 
@@ -302,6 +337,6 @@ def _add_speedups(rows: list[dict]) -> None:
         r["speedup_vs_baseline"] = r["tokens_per_s"] / ref if ref else None
 
 
-def _cv_warning(row: dict, threshold: float) -> str:
-    return (f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']}: CV {row['stats_ms']['cv_pct']:.1f} % "
-            f"> {threshold:g} %")
+def _cv_warning(row: dict, mode: str, threshold: float) -> str:
+    return (f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']} ({mode}): "
+            f"CV {row[mode]['stats_ms']['cv_pct']:.1f} % > {threshold:g} %")

@@ -7,10 +7,20 @@ from pathlib import Path
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_path
+from taperfold.runners.base import PIPELINED, SYNCED
 
-CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "phase", "variant", "execution", "batch", "seq", "new_tokens",
-               "iters", "first_run_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "min_ms", "max_ms", "std_ms",
-               "cv_pct", "tokens_per_s", "speedup_vs_baseline"]
+FORMAT = "taperfold-bench"
+# 2: a row's timings under `synced` (latency), `pipelined` (throughput, prefill) or `generation` (decode), and
+#    `throughput_from` naming the one tokens_per_s comes from; 1: one set of synced timings (`times_ms`, `stats_ms`)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+STATS = ("median", "mean", "p90", "p99", "min", "max", "std")
+CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "phase", "variant", "execution", "batch", "seq",
+               "new_tokens", "first_run_ms",
+               "synced_n", *(f"synced_{k}_ms" for k in STATS), "synced_cv_pct",
+               "pipelined_n", "pipelined_calls", *(f"pipelined_{k}_ms" for k in STATS), "pipelined_cv_pct",
+               "throughput_from", "tokens_per_s", "speedup_vs_baseline"]
 # Prefill throughput in thousands of tokens per second, as the paper's Table 3; decode in tokens per second.
 UNIT = {"prefill": (1e3, "k tokens/s"), "decode": (1.0, "tokens/s")}
 
@@ -40,19 +50,38 @@ def speedup_labels(labels: list[str]) -> list[str]:
     return [v for v in labels if not v.startswith("baseline") and baseline_label(v) in labels]
 
 
+def check_report(report, origin) -> dict:
+    """A bench report this taperfold can read (any of READABLE_VERSIONS), or one line naming `origin` (its file)."""
+    if not isinstance(report, dict) or report.get("format") != FORMAT:
+        raise TaperfoldError(f"{origin}: not a {FORMAT} report (key 'format')")
+    if report.get("format_version") not in READABLE_VERSIONS:
+        raise TaperfoldError(f"{origin}: key 'format_version' is {report.get('format_version')!r}; this taperfold "
+                             f"reads {FORMAT} versions {', '.join(map(str, READABLE_VERSIONS))}")
+    return report
+
+
+def throughput_stats(row: dict) -> dict:
+    """The statistics (ms) of the samples a row's tokens_per_s comes from: the timing its `throughput_from` names;
+    a version-1 row has one set (synced calls; per token in decode rows)."""
+    return row[row["throughput_from"]]["stats_ms"] if "throughput_from" in row else row["stats_ms"]
+
+
 def csv_rows(report: dict) -> list[dict]:
     rows = []
     for r in report["results"]:
-        s = r["stats_ms"]
-        rows.append({"mode": report["mode"], "engine": report["engine"], "device": report["device"],
-                     "dtype": report["dtype"], "threads": report["threads"], "phase": r["phase"],
-                     "variant": r["variant"], "execution": r.get("execution", "eager"), "batch": r["batch"],
-                     "seq": r["seq"],
-                     "new_tokens": r.get("new_tokens", ""), "iters": len(r["times_ms"]),
-                     "first_run_ms": r["first_run_ms"], **{f"{k}_ms": s[k] for k in
-                                                           ("median", "mean", "p90", "p99", "min", "max", "std")},
-                     "cv_pct": s["cv_pct"], "tokens_per_s": r["tokens_per_s"],
-                     "speedup_vs_baseline": "" if r["speedup_vs_baseline"] is None else r["speedup_vs_baseline"]})
+        row = {"mode": report["mode"], "engine": report["engine"], "device": report["device"],
+               "dtype": report["dtype"], "threads": report["threads"], "phase": r["phase"], "variant": r["variant"],
+               "execution": r.get("execution", "eager"), "batch": r["batch"], "seq": r["seq"],
+               "new_tokens": r.get("new_tokens", ""), "first_run_ms": r["first_run_ms"],
+               "throughput_from": r["throughput_from"], "tokens_per_s": r["tokens_per_s"],
+               "speedup_vs_baseline": "" if r["speedup_vs_baseline"] is None else r["speedup_vs_baseline"]}
+        for mode in (SYNCED, PIPELINED):
+            stats = r[mode]["stats_ms"] if mode in r else {}
+            row[f"{mode}_n"] = stats.get("n", "")
+            row.update({f"{mode}_{k}_ms": stats.get(k, "") for k in STATS})
+            row[f"{mode}_cv_pct"] = stats.get("cv_pct", "")
+        row["pipelined_calls"] = sum(r[PIPELINED]["calls"]) if PIPELINED in r else ""
+        rows.append({column: row[column] for column in CSV_COLUMNS})
     return rows
 
 

@@ -1,20 +1,30 @@
-"""The runner interface every engine implements, with the guards done once here (as Polygraphy's BaseRunner).
+"""The runner interface every engine implements, with the guards and the timing done once here (as Polygraphy's
+BaseRunner).
 
-A subclass implements the engine part: `_load`, `_prepare`, `_run`, `_timed_run`, `to_numpy` and, if it
-holds resources, `_close`. The base class makes sure the model is loaded before it runs, and checks host
-feeds against the runner's inputs (names, integer vs floating type, rank) before the engine sees them,
-so that every engine answers bad feeds with the same one-line `RunnerError` naming the model.
+A subclass implements the engine part: `_load`, `_prepare`, `_launcher`, `to_numpy`; an engine whose calls return
+before the device has finished also `_synchronize` and `_clock` (CUDA events), and one that holds resources
+`_close`. The base class makes sure the model is loaded before it runs, checks host feeds against the runner's
+inputs (names, integer vs floating type, rank) before the engine sees them, so that every engine answers bad
+feeds with the same one-line `RunnerError` naming the model, and times calls the same way on every engine:
+
+- synced (`timed_run`, latency): one call between two timestamps, its outputs waited for before the clock stops;
+- pipelined (`pipelined_run`, throughput): N calls issued back to back between two timestamps and one wait at
+  the end; the time divided by N. On an engine whose calls are synchronous (the CPU) both are the same
+  measurement; on a GPU pipelined lets the host queue the next call while the device runs this one.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from taperfold.errors import TaperfoldError
+
+SYNCED, PIPELINED = "synced", "pipelined"  # the two timing modes, as reports name them
 
 
 class RunnerError(TaperfoldError):
@@ -27,13 +37,44 @@ class InputSpec:
     floating: bool  # False: integer ids
 
 
-class Runner(abc.ABC):
-    """Load a model, run it on named inputs, time one run with the engine's own clock.
+class WallClock:
+    """perf_counter: the clock stops after the wait, so the time covers the device's work."""
 
-    Life cycle: `load()` once, then any number of `prepare()` / `run()` / `timed_run()`, then `close()`.
-    `prepare` moves host arrays to where the engine runs (outside any timing); `run` and `timed_run`
-    take what `prepare` returned and return outputs in the engine's native form (kept on the device,
-    so a KV cache can be fed back without a copy); `to_numpy` brings one output back to the host.
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self, wait: Callable[[], None]) -> float:
+        wait()
+        return time.perf_counter() - self._start
+
+
+class CudaEventClock:
+    """Two CUDA events on `stream` (None: the current stream): the end is recorded behind the last queued call,
+    before the host waits, so the time is the device's from the first call's start to the last call's end."""
+
+    def __init__(self, stream=None):
+        import torch
+
+        self._stream = stream
+        self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self._start.record(self._stream)
+
+    def stop(self, wait: Callable[[], None]) -> float:
+        self._end.record(self._stream)
+        wait()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
+class Runner(abc.ABC):
+    """Load a model, run it on named inputs, time calls synced (latency) or pipelined (throughput).
+
+    Life cycle: `load()` once, then any number of `prepare()` / `run()` / `timed_run()` / `pipelined_run()`, then
+    `close()`. `prepare` moves host arrays to where the engine runs (outside any timing); the others take what
+    `prepare` returned and return outputs in the engine's native form (kept on the device, so a KV cache can be
+    fed back without a copy); `to_numpy` brings one output back to the host.
     """
 
     name: str = "runner"
@@ -56,14 +97,18 @@ class Runner(abc.ABC):
     def _prepare(self, feeds: dict[str, Any]) -> Any: ...
 
     @abc.abstractmethod
-    def _run(self, prepared: Any) -> dict[str, Any]: ...
-
-    @abc.abstractmethod
-    def _timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
-        """Run once; return (outputs, seconds) measured with CUDA events on a GPU, perf_counter on CPU."""
+    def _launcher(self, prepared: Any) -> Callable[[], dict[str, Any]]:
+        """What issues one call on `prepared` and returns its outputs, without waiting for the device. One-off work
+        for a new input (compiling, capturing a CUDA graph, binding addresses) is done here, before any clock."""
 
     @abc.abstractmethod
     def to_numpy(self, value: Any) -> np.ndarray: ...
+
+    def _synchronize(self) -> None:
+        """Wait until every call issued so far has finished (nothing to wait for when calls are synchronous)."""
+
+    def _clock(self) -> WallClock | CudaEventClock:
+        return WallClock()
 
     def _close(self) -> None:
         """Release the model and its buffers."""
@@ -101,12 +146,25 @@ class Runner(abc.ABC):
         return self._prepare(feeds)
 
     def run(self, prepared: Any) -> dict[str, Any]:
+        """One call, waited for, untimed."""
         self._require_loaded("run")
-        return self._run(prepared)
+        outputs = self._launcher(prepared)()
+        self._synchronize()
+        return outputs
 
     def timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
+        """Synced (latency): one call timed alone, its outputs waited for before the clock stops; (outputs, seconds)."""
         self._require_loaded("timed_run")
-        return self._timed_run(prepared)
+        return self._timed(prepared, 1, SYNCED)
+
+    def pipelined_run(self, prepared: Any, calls: int) -> tuple[dict[str, Any], float]:
+        """Pipelined (throughput): `calls` calls issued back to back between two timestamps, one wait at the end;
+        (the last call's outputs, seconds per call)."""
+        self._require_loaded("pipelined_run")
+        if calls < 1:
+            raise self.error(f"pipelined_run needs at least one call, got {calls}")
+        outputs, seconds = self._timed(prepared, calls, PIPELINED)
+        return outputs, seconds / calls
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Host in, host out: what `taperfold verify` needs."""
@@ -118,6 +176,19 @@ class Runner(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+    def _timed(self, prepared: Any, calls: int, mode: str) -> tuple[dict[str, Any], float]:
+        launch = self._launcher(prepared)  # one-off work for a new input (its errors are its own), untimed
+        try:
+            self._synchronize()  # work queued before (a prepare's copies) stays out of the clock
+            clock = self._clock()
+            clock.start()
+            for _ in range(calls):
+                outputs = launch()
+            return outputs, clock.stop(self._synchronize)
+        except RunnerError as e:  # say which measurement failed, still in one line
+            what = "synced call" if mode == SYNCED else f"pipelined run of {calls} calls"
+            raise RunnerError(f"{e} (during a {what})") from None
 
     # ---- guards ----
 

@@ -29,7 +29,7 @@ from taperfold.engines import OPTIMIZATION_LEVELS
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import PAST
 from taperfold.onnx_files import check_onnx_file
-from taperfold.runners.base import InputSpec, Runner
+from taperfold.runners.base import InputSpec, Runner, RunnerError
 
 DEVICES = ("cpu", "cuda")
 
@@ -142,6 +142,17 @@ def bind_on_cuda(session, feeds: dict, output_names: list[str]) -> BoundInputs:
     return BoundInputs(binding, device_inputs)
 
 
+def queued_run_options():
+    """RunOptions whose run returns once its work is queued on the device: ONNX Runtime synchronizes the execution
+    providers at the end of every run unless told not to (a run config key of onnxruntime_run_options_config_keys.h);
+    the caller synchronizes instead (IOBinding.synchronize_outputs)."""
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return options
+
+
 class OrtRunner(Runner):
     """`threads`: intra-op threads (None: ORT's default, one per physical core); `optimization`: the graph
     optimization level, one of OPTIMIZATION_LEVELS."""
@@ -165,6 +176,7 @@ class OrtRunner(Runner):
         self.optimization = optimization
         self.cuda_graph = cuda_graph
         self.session = None
+        self._queued = self._sync_binding = None  # CUDA: RunOptions that queue a run, a binding to synchronize with
         self.setup_log: list[tuple[str, tuple, float]] = []  # ("capture", shape signature, seconds) per slot
         self._slots: dict[tuple, GraphSlot] = {}
         self._slot_device = "cuda"  # where slots keep their buffers (tests check the bookkeeping on the CPU)
@@ -179,6 +191,9 @@ class OrtRunner(Runner):
         self._inputs = [i.name for i in inputs]
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._specs = {i.name: InputSpec(rank=len(i.shape), floating="float" in i.type) for i in inputs}
+        if self.device == "cuda":
+            self._queued = queued_run_options()
+            self._sync_binding = self.session.io_binding()
 
     def _prepare(self, feeds: dict[str, np.ndarray]) -> Any:
         import onnxruntime as ort
@@ -190,32 +205,46 @@ class OrtRunner(Runner):
                     for name, value in feeds.items()}
         return bind_on_cuda(self.session, feeds, self._outputs)
 
-    def _run(self, prepared: Any) -> dict[str, Any]:
+    def _launcher(self, prepared: Any):
+        """One call on `prepared`. On CUDA the run is issued with IOBinding, outputs kept on the device, and
+        RunOptions that skip ONNX Runtime's wait at the end of the run, so that calls can be queued back to back;
+        `_synchronize` waits. On the CPU a call returns finished. A new CUDA-graph shape is captured here, untimed."""
         if isinstance(prepared, NewShape):
             prepared = self._slot_for(prepared)
-        try:
-            if isinstance(prepared, GraphSlot):
-                self.session.run_with_iobinding(prepared.binding, prepared.run_options)
+        session, names = self.session, self._outputs
+        if isinstance(prepared, GraphSlot):
+            def replay():
+                try:
+                    session.run_with_iobinding(prepared.binding, prepared.run_options)
+                except _ort_errors() as e:
+                    raise self._run_failed(e) from None
                 return dict(prepared.outputs)
-            if self.device == "cpu":
-                return dict(zip(self._outputs, self.session.run(None, prepared)))
-            self.session.run_with_iobinding(prepared.binding)
-            return dict(zip(self._outputs, prepared.binding.get_outputs()))
-        except _ort_errors() as e:
-            raise self.error(f"onnxruntime run failed ({first_line(e)})") from None
+            return replay
+        if self.device == "cpu":
+            def run_on_cpu():
+                try:
+                    return dict(zip(names, session.run(None, prepared)))
+                except _ort_errors() as e:
+                    raise self._run_failed(e) from None
+            return run_on_cpu
+        binding, queued = prepared.binding, self._queued
 
-    def _timed_run(self, prepared: Any) -> tuple[dict[str, Any], float]:
-        """Wall time around one run. On CUDA, ORT exposes no CUDA events: `run_with_iobinding` returns
-        only after the execution provider synchronised its stream, and `synchronize_outputs` makes sure
-        of it, so the wall time covers the GPU work and no host/device copies. A new CUDA-graph shape is
-        captured first, untimed."""
-        if isinstance(prepared, NewShape):
-            prepared = self._slot_for(prepared)
-        start = time.perf_counter()
-        outputs = self._run(prepared)
+        def run_bound():
+            try:
+                session.run_with_iobinding(binding, queued)
+            except _ort_errors() as e:
+                raise self._run_failed(e) from None
+            return dict(zip(names, binding.get_outputs()))
+        return run_bound
+
+    def _run_failed(self, error: BaseException) -> RunnerError:
+        return self.error(f"onnxruntime run failed ({first_line(error)})")
+
+    def _synchronize(self) -> None:
+        """On CUDA: the execution provider's Sync (cudaDeviceSynchronize), reached through IOBinding, the only
+        handle ORT's Python API gives; any binding of the session will do (it syncs the providers, not the binding)."""
         if self.device == "cuda":
-            prepared.binding.synchronize_outputs()
-        return outputs, time.perf_counter() - start
+            self._sync_binding.synchronize_outputs()
 
     # ---- CUDA graphs: one slot per input shape ----
 
@@ -268,7 +297,7 @@ class OrtRunner(Runner):
             self.session.run_with_iobinding(first, no_capture)
             first.synchronize_outputs()
             outputs = dict(zip(self._outputs, first.get_outputs()))
-            run_options = ort.RunOptions()
+            run_options = queued_run_options()  # the capture runs below wait with synchronize_outputs
             run_options.add_run_config_entry("gpu_graph_id", str(len(self._slots) + 1))  # 0 is ORT's default id
             binding = bound(outputs)
             for _ in range(CAPTURE_RUNS):

@@ -35,7 +35,7 @@ from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
 from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names
 from taperfold.taper import TaperedLM
-from taperfold.runners.base import InputSpec, Runner
+from taperfold.runners.base import CudaEventClock, InputSpec, Runner, WallClock
 
 
 @dataclass
@@ -159,26 +159,9 @@ class TorchRunner(Runner):
                 present = [(k.clone(), v.clone()) for k, v in present]
         return {OUTPUT: logits, **dict(zip(self._outputs[1:], (t for kv in present for t in kv)))}
 
-    def _run(self, prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        launch = self._launcher(prepared)
-        return launch()
-
-    def _timed_run(self, prepared: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-        launch = self._launcher(prepared)  # compiles or captures a new shape first, untimed
-        if self.device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = launch()
-            end.record()
-            end.synchronize()
-            return out, start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        out = launch()
-        return out, time.perf_counter() - t0
-
     def _launcher(self, prepared: dict[str, torch.Tensor]):
-        """What runs `prepared` once: the eager or compiled forward, or a graph's replay. A shape seen for the first
-        time is compiled or captured here, its time logged apart."""
+        """What runs `prepared` once: the eager or compiled forward, or a graph's replay (on a GPU it returns once the
+        kernels are queued). A shape seen for the first time is compiled or captured here, its time logged apart."""
         signature = _signature(prepared)
         if self.cuda_graph:
             captured = self._graphs.get(signature)
@@ -193,10 +176,10 @@ class TorchRunner(Runner):
         return lambda: self._forward(prepared)
 
     def _timed_setup(self, kind: str, signature: tuple, work, prepared):
-        self._sync()
+        self._synchronize()
         t0 = time.perf_counter()
         result = work(prepared)
-        self._sync()
+        self._synchronize()
         self.setup_log.append((kind, signature, time.perf_counter() - t0))
         return result
 
@@ -235,9 +218,15 @@ class TorchRunner(Runner):
         captured.graph.replay()
         return dict(captured.outputs)
 
-    def _sync(self) -> None:
+    def _synchronize(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
+
+    def _clock(self) -> WallClock | CudaEventClock:
+        """CUDA events on the stream the calls are issued on; perf_counter on the CPU (calls are synchronous)."""
+        if self.device.startswith("cuda"):
+            return CudaEventClock(torch.cuda.current_stream(self.device))
+        return WallClock()
 
     def to_numpy(self, value: torch.Tensor) -> np.ndarray:
         if value.dtype == torch.bfloat16:  # numpy has no bfloat16

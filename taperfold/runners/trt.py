@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 import weakref
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from taperfold.errors import TaperfoldError
-from taperfold.runners.base import InputSpec, Runner
+from taperfold.runners.base import CudaEventClock, InputSpec, Runner
 
 # trt.DataType member name -> torch dtype
 _DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
@@ -73,7 +72,6 @@ class TrtRunner(Runner):
             self._out_buffers = {n: torch.empty(math.prod(context.get_tensor_shape(n)), dtype=self._dtypes[n],
                                                 device=self._device) for n in self._outputs}
             self._stream = torch.cuda.Stream(self._device)  # TensorRT warns about the default stream
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         self._engine, self._context = engine, context
         self._bound = None  # the prepared inputs whose shapes and addresses the context holds
         self._graphs = weakref.WeakKeyDictionary()
@@ -97,23 +95,24 @@ class TrtRunner(Runner):
         torch.cuda.synchronize(self._device)
         return _Prepared(tensors)
 
-    def _run(self, prepared: _Prepared) -> dict[str, Any]:
-        outputs, launch = self._bind(prepared), self._launcher(prepared)
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            launch()
-        self._stream.synchronize()  # outputs are read on other streams (to_numpy, verify, torch)
-        return dict(outputs)
+    def _launcher(self, prepared: _Prepared):
+        """Enqueue one inference (or a graph replay) on the runner's stream; shapes, addresses and graph capture are
+        set here, before any clock. Outputs are read on other streams (to_numpy, verify, torch) only after
+        `_synchronize`, which every public call ends with."""
+        outputs, launch = self._bind(prepared), self._executor(prepared)
+        device, stream = self._device, self._stream
 
-    def _timed_run(self, prepared: _Prepared) -> tuple[dict[str, Any], float]:
-        # shapes, addresses and graph capture happen before the start event: they are not inference time
-        outputs, launch = self._bind(prepared), self._launcher(prepared)
-        start, end = self._events
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            start.record(self._stream)
-            launch()
-            end.record(self._stream)
-        end.synchronize()
-        return dict(outputs), start.elapsed_time(end) / 1e3
+        def enqueue():
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                launch()
+            return dict(outputs)
+        return enqueue
+
+    def _synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def _clock(self) -> CudaEventClock:
+        return CudaEventClock(self._stream)
 
     def to_numpy(self, value) -> np.ndarray:
         if value.dtype == torch.bfloat16:  # numpy has no bfloat16
@@ -142,7 +141,8 @@ class TrtRunner(Runner):
     def _execute(self) -> None:
         self._check(self._context.execute_async_v3(self._stream.cuda_stream), "execute_async_v3")
 
-    def _launcher(self, prepared: _Prepared):
+    def _executor(self, prepared: _Prepared):
+        """execute_async_v3 on the stream, or the replay of the graph captured for `prepared`."""
         if not self.cuda_graph:
             return self._execute
         graph = self._graphs.get(prepared)
