@@ -18,7 +18,7 @@ from taperfold.errors import NumericMismatch, TaperfoldError
 from taperfold.interrupts import interrupted_line
 from taperfold.exportdir import DTYPES, LOGITS, VARIANT_TABLE, VARIANTS
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
-from taperfold.presets import ARCHS, PRESETS
+from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
 
 
 MAX_THREADS = 1024
@@ -106,9 +106,14 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
 @cli.command()
 @click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True)
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
-@click.option("--taper", type=click.Choice(["internal", "all", "none"]), default="internal", show_default=True,
-              help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.")
-@click.option("--aux/--no-aux", default=True, show_default=True, help="Fixed-target scale anchoring loss (eq. 5).")
+@click.option("--taper", type=click.Choice(["internal", "all", "none"]), default=None,
+              help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.  "
+                   "[default: internal; all with --norm dyt]")
+@click.option("--norm", type=click.Choice(STAND_IN_NORMS), default=None,
+              help="Put DyT (Zhu et al. 2025: tanh(αh)·γ + β, no gate) where --taper says instead of tapering the "
+                   "norms; export folds its γ and β and keeps the tanh (docs/dyt.md).")
+@click.option("--aux/--no-aux", default=True, show_default=True,
+              help="Fixed-target scale anchoring loss (eq. 5); none with --norm dyt.")
 @click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=600, show_default=True,
               help=f"Optimizer steps; at least {MIN_STEPS}, the shortest schedule that settles at g = 0 "
                    "(docs/training.md).")
@@ -123,14 +128,23 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
               help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
                    "--preset are ignored); -o is then a tapered Hugging Face directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, source, as_json):
-    """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0."""
+def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out, source, as_json):
+    """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0. With --norm dyt, train
+    a DyT model instead (no gate: it is foldable from the start)."""
     from taperfold.checkpoint import checkpoint_output
     from taperfold.fsutil import check_outputs
     from taperfold.models import preset_config
     from taperfold.train import TrainOptions, train as train_preset
     from taperfold.ui import train_progress
 
+    taper = taper or ("all" if norm else "internal")
+    aux = aux and norm is None
+    if norm and taper == "none":
+        raise TaperfoldError(f"--norm {norm} with --taper none: --taper says which norms {norm} replaces "
+                             "(internal or all)")
+    if norm and source:
+        raise TaperfoldError(f"--norm {norm} with --from: a Hugging Face model takes DyT through the Python API "
+                             "(taperfold.hf.taper_model(model, kind='dyt')), not train --from")
     check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
     if source:
         _check_fine_tune(source, out, taper)
@@ -142,11 +156,12 @@ def train(arch, preset, taper, aux, steps, batch_size, lr, seed, data, out, sour
 
             result = fine_tune(source, opts, files, taper=taper, aux=aux, on_step=on_step)
         else:
-            result = train_preset(preset_config(preset, arch=arch, taper=taper, aux=aux), opts, files, on_step=on_step)
+            result = train_preset(preset_config(preset, arch=arch, taper=taper, norm=norm, aux=aux), opts, files,
+                                  on_step=on_step)
     result.save(out)
     gate = result.gate
     summary = {"checkpoint": out, **({"from": source} if source else {"arch": arch, "preset": preset}),
-               "taper": taper, "aux": aux and taper != "none", "steps": steps, "gate": gate,
+               "taper": taper, "norm": norm, "aux": aux and taper != "none", "steps": steps, "gate": gate,
                "val_loss": round(result.val_loss, 4), "seconds": round(result.seconds, 1),
                "tokenizer": result.tokenizer_name}
     if as_json:

@@ -14,14 +14,22 @@ PLAIN_KEPT = "plain model: an Internal-Taper keeps it"
 
 
 def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: list[str]) -> dict:
-    """One tapered norm, with whether export can fold it and why."""
+    """One tapered norm (or a norm kind without a gate in a norm's place: DyT), with whether export can fold it
+    and why."""
+    kind = tapered_kind(module)
+    if not kind.gated:
+        folds = bool(folds_into)
+        reason = (f"{kind.name}: γ, β fold into the readers, tanh(αh) stays" if folds else
+                  f"{kind.name}: after a post-norm's tanh, γ and β cannot reach the producer; left as it is")
+        return {"name": name, "kind": type(module).__name__, "tapered": True, "gate": None, "c": None,
+                "alpha": float(module.alpha.detach()), "gamma_tilde_min": None, "gamma_tilde_max": None,
+                "folds_into": folds_into, "foldable": folds, "reason": reason}
     tilde = module.gain(module.weight_tilde.detach())
     if not bool(module.calibrated):
         foldable, reason = False, "never calibrated: training stopped before taper start"
     elif gate != 0.0:
         foldable, reason = False, f"gate is {gate:g}, not 0: the layer still uses per-token statistics"
     else:
-        kind = tapered_kind(module)
         foldable, reason = True, "g = 0: constant " + ("affine" if kind.centered or kind.shift else "diagonal") + " map"
     return {"name": name, "kind": type(module).__name__, "tapered": True, "gate": gate, "c": float(module.c),
             "gamma_tilde_min": float(tilde.min()), "gamma_tilde_max": float(tilde.max()), "folds_into": folds_into,

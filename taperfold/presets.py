@@ -16,6 +16,9 @@ class Arch:
 
 
 ARCHS = {"llama": Arch(rotary=True), "gpt2": Arch(defaults={"norm_eps": 1e-5})}  # ModelConfig.arch values
+# ModelConfig.norm values besides null: the norm kinds without a gate (taperfold.norms), spelled here so that the
+# command line needs no torch to offer them (a test checks the two agree)
+STAND_IN_NORMS = ("dyt",)
 
 
 PRESETS: dict[str, dict] = {

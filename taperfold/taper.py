@@ -30,6 +30,7 @@ class Tapering:
 
     family: Family
     taper: str
+    kind_name: str  # the norm kind now in the norms' places: the family's own, tapered, or one replacing it (DyT)
     gate: TaperGate
     norms: dict[str, nn.Module]  # module path -> tapered norm
     readers: dict[str, list[str]]  # module path -> reader module paths (what a forward fold rewrites)
@@ -39,11 +40,14 @@ class Tapering:
 
     @property
     def kind(self) -> NormKind:
-        return norm_kind(self.family.norm)
+        return norm_kind(self.kind_name)
 
     def folds_into(self, path: str) -> list[str]:
-        """Where the tapered norm at `path` folds: its readers, or the producer of a post-norm."""
-        return self.readers[path] if path in self.readers else [self.producers[path]]
+        """Where the tapered norm at `path` folds: its readers, or the producer of a post-norm ([] for a post-norm
+        of a kind that keeps an element-wise op: DyT's γ, β sit after its tanh, out of the producer's reach)."""
+        if path in self.readers:
+            return self.readers[path]
+        return [self.producers[path]] if path in self.producers else []
 
     def set_gate(self, value: float, calibrating: bool = False) -> None:
         self.gate.value, self.gate.calibrating = float(value), calibrating
@@ -57,7 +61,8 @@ class Tapering:
 
     @property
     def calibrated(self) -> bool:
-        return all(bool(norm.calibrated) for norm in self.norms.values())
+        """Whether every tapered norm has its c (a kind without a gate has nothing to calibrate)."""
+        return not self.kind.gated or all(bool(norm.calibrated) for norm in self.norms.values())
 
 
 class GateDriver:
@@ -176,12 +181,14 @@ def _check_fold_targets(model: nn.Module, family: Family, path: str, dim: int, r
                                  f"(family {family.name} says it produces the input of {path})")
 
 
-def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, aux: bool = True,
-                aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8, gate: float = 1.0,
-                where: str = "model") -> Tapering:
+def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, kind: str | None = None,
+                aux: bool = True, aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8,
+                gate: float = 1.0, where: str = "model") -> Tapering:
     """Replace the norms `family` names in `model` by tapered ones, in place; return what was done (also
     attached as `model.tapering`, a plain attribute, so the state dict keeps exactly the model's names).
 
+    `kind`: the norm kind to put there, the family's own by default; a kind without a gate (DyT) replaces
+    the norms instead, is foldable at once (the gate is 0) and has no scale-anchoring loss.
     `aux`: the fixed-target scale anchoring loss (eq. 5) on the final norm's input. `momentum`: μ of the
     calibration EMAs. `gate`: the initial gate value.
     """
@@ -189,10 +196,19 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
         raise TaperfoldError(f"taper must be one of {TAPERS}, got {taper!r}")
     if getattr(model, "tapering", None) is not None:
         raise TaperfoldError(f"{where}: already tapered")
-    kind = norm_kind(family.norm)
+    try:
+        kind = norm_kind(kind or family.norm)
+    except ValueError as e:
+        raise TaperfoldError(f"{where}: {e}") from None
+    if kind.gated and kind.name != family.norm:
+        raise TaperfoldError(f"{where}: {family.name}'s norms taper as {family.norm}, not {kind.name}; only a kind "
+                             "without a gate (dyt) takes their place")
+    if not kind.gated:
+        aux, gate = False, 0.0
     shared = TaperGate(gate)
     n_layers = len(model.get_submodule(family.layers))
-    readers, producers = family.norm_readers(n_layers, taper), family.norm_producers(n_layers)
+    readers = family.norm_readers(n_layers, taper)
+    producers = family.norm_producers(n_layers) if kind.elementwise is None else {}
     norms = {}
     for path in family.norm_paths(n_layers, taper):
         try:
@@ -217,6 +233,6 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, au
     if aux:
         scale_loss = ScaleAnchorLoss(centered=kind.centered, weight=aux_weight,
                                      eps=norm_eps(model.get_submodule(family.final), family), momentum=momentum)
-    tapering = Tapering(family, taper, shared, norms, readers, producers, untapered, scale_loss)
+    tapering = Tapering(family, taper, kind.name, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

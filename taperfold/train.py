@@ -142,7 +142,8 @@ def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: 
     if len(val_tokens) <= seq + 1:
         raise TaperfoldError(f"training data too small for windows of {seq} tokens")
     model.train()
-    driver = GateDriver(model.tapering, gate_schedule(opts)) if model.tapering is not None else None
+    gated = model.tapering is not None and model.tapering.kind.gated  # DyT trains with no gate to drive
+    driver = GateDriver(model.tapering, gate_schedule(opts)) if gated else None
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(opts.seed)
     history, t0 = [], time.perf_counter()

@@ -71,7 +71,9 @@ def _fmt(x, spec=".4g"):
 
 
 def print_inspect(info: dict) -> None:
-    out.print(f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, aux={info['aux']}, "
+    norm = info["config"].get("norm")
+    out.print(f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, "
+              + (f"norm={norm}, " if norm else "") + f"aux={info['aux']}, "
               f"{info['parameters']:,} parameters, step {info['step']}, gate {info['gate']:g}"
               + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else ""))
     table = Table(show_lines=False)
@@ -80,6 +82,8 @@ def print_inspect(info: dict) -> None:
     for n in info["norms"]:
         readers = ", ".join(r.rsplit(".", 1)[-1] for r in n["folds_into"]) or "-"
         verdict = "[green]yes[/]" if n["foldable"] else f"[yellow]no[/]: {n['reason']}"
+        if n["foldable"] and n.get("alpha") is not None:  # DyT: what folds and what stays
+            verdict += f" (γ, β; tanh(αh) stays, α {n['alpha']:.4g})"
         table.add_row(n["name"], n["kind"], _fmt(n["gate"], "g"), _fmt(n["c"]), _fmt(n["gamma_tilde_min"]),
                       _fmt(n["gamma_tilde_max"]), readers, verdict)
     out.print(table)

@@ -77,16 +77,22 @@ def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def fold_in_torch(model: TaperedLM) -> TaperedLM:
-    """The 'folded' variant: every g = 0 tapered norm folded into its readers and replaced by Identity."""
+    """The 'folded' variant: every g = 0 tapered norm folded into its readers (or producer) and replaced by what
+    its kind leaves in its place (nothing; DyT's tanh)."""
     if model.tapering is None:
         raise ValueError("nothing to fold: the model has no tapered norms")
     if model.gate.value != 0.0:
         raise ValueError(f"gate is {model.gate.value:g}, not 0: the tapered norms are not constant maps")
     folded = model.copy()
     network, tapering = folded.network, folded.tapering
+    kind = tapering.kind
     for path in tapering.norms:
-        constant = tapering.kind.constant_map(network.get_submodule(path))
-        for target in tapering.folds_into(path):
+        targets = tapering.folds_into(path)
+        if not targets:
+            continue  # a DyT post-norm stays as it is
+        norm = network.get_submodule(path)
+        constant = kind.constant_map(norm)
+        for target in targets:
             layer = fold_target(network, target)
             tied = isinstance(layer, nn.Module) and _shares_weight(network, target, layer.weight)
             if tied:  # untie: the embedding stays as it is
@@ -95,7 +101,7 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
                 fold_into_reader(layer, constant)
             else:
                 fold_into_producer(layer, constant)
-        network.set_submodule(path, nn.Identity())
+        network.set_submodule(path, kind.residue(norm))
     folded.forget_tapering()
     return folded
 

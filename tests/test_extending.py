@@ -82,12 +82,12 @@ def test_a_registered_norm_kind_is_asked_where_it_is_registered(registries):
     custom = dataclasses.replace(rms, name="scaled-rms", title="ScaledRMSNorm",
                                  class_names=lambda name: name.endswith("ScaledRMSNorm"))
     norms.register(custom)
-    assert [k.name for k in norms.norm_kinds()] == ["ln", "rms", "scaled-rms"]
+    assert [k.name for k in norms.norm_kinds()] == ["dyt", "ln", "rms", "scaled-rms"]
     assert norms.kind_of_class("MyScaledRMSNorm") is not None
     norms.register(custom, before="rms")  # a special case of rms's pattern is tried first
-    assert [k.name for k in norms.norm_kinds()] == ["ln", "scaled-rms", "rms"]
-    with pytest.raises(ValueError, match="norm kind must be one of ln, scaled-rms, rms"):
-        norms.norm_kind("dyt")
+    assert [k.name for k in norms.norm_kinds()] == ["dyt", "ln", "scaled-rms", "rms"]
+    with pytest.raises(ValueError, match="norm kind must be one of dyt, ln, scaled-rms, rms"):
+        norms.norm_kind("tanh")
 
 
 def test_a_registered_engine_gets_its_runner_from_its_module(registries):

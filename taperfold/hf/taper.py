@@ -11,21 +11,22 @@ from taperfold.errors import TaperfoldError
 from taperfold.families import family_for
 
 
-def taper_model(model: nn.Module, taper: str = "internal", *, aux: bool = True, aux_weight: float = 0.1,
-                momentum: float = 0.1, delta: float = 1e-8, gate: float = 1.0, where: str = "model") -> core.Tapering:
+def taper_model(model: nn.Module, taper: str = "internal", *, kind: str | None = None, aux: bool = True,
+                aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8, gate: float = 1.0,
+                where: str = "model") -> core.Tapering:
     """Replace `model`'s norms with tapered ones in place and return what was done (also `model.tapering`).
 
     `taper`: "internal" (every norm but the final one) or "all". `aux`: the fixed-target scale anchoring
     loss (eq. 5) on the final norm's input, added to the loss the model returns once its target is frozen
     (see taperfold.hf.training). `momentum`: μ of the calibration EMAs (the paper's GPT-2 fine-tuning uses
-    0.1). `gate`: the initial gate value.
+    0.1). `gate`: the initial gate value. `kind="dyt"` swaps the norms for DyT instead (taperfold.norms.dyt).
     """
     family = family_for(getattr(model.config, "model_type", None), where)
     why_not = family.check(model.config)
     if why_not:
         raise TaperfoldError(f"{where}: {why_not}")
     family = family.for_config(model.config)
-    return core.taper_model(model, family, taper, aux=aux, aux_weight=aux_weight, momentum=momentum, delta=delta,
+    return core.taper_model(model, family, taper, kind=kind, aux=aux, aux_weight=aux_weight, momentum=momentum, delta=delta,
                              gate=gate, where=where)
 
 

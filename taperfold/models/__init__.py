@@ -30,7 +30,7 @@ def build_model(cfg: ModelConfig) -> CausalLM:
     """The model `cfg` describes, tapered as `cfg.taper` says (at gate 1, before any calibration)."""
     model = MODEL_CLASSES[cfg.arch](cfg)
     if cfg.taper != "none":
-        tapering = taper_model(model, family_for(cfg.arch, "config"), cfg.taper, aux=cfg.aux,
+        tapering = taper_model(model, family_for(cfg.arch, "config"), cfg.taper, kind=cfg.norm, aux=cfg.aux,
                                aux_weight=cfg.aux_weight, momentum=cfg.ema_momentum, delta=cfg.calib_delta)
         if tapering.scale_loss is not None:
             model.scale_loss = tapering.scale_loss  # a submodule: its frozen target is saved with the checkpoint
@@ -38,8 +38,10 @@ def build_model(cfg: ModelConfig) -> CausalLM:
 
 
 def baseline_of(model: CausalLM) -> CausalLM:
-    """The same architecture and weights with plain norms where the model tapers (γ, β kept): the baseline."""
-    cfg = replace(model.cfg, taper="none", aux=False)
+    """The same architecture and weights with plain norms where the model tapers (γ, β kept): the baseline. For
+    a DyT model, the arch's own norms where it has DyTs (γ, β copied): the same places, timed, not the same
+    function."""
+    cfg = replace(model.cfg, taper="none", norm=None, aux=False)
     base = build_model(cfg)
     state = {k: v for k, v in model.state_dict().items() if k in base.state_dict()}
     base.load_state_dict(state, strict=True)
@@ -54,6 +56,10 @@ def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overri
     torch.manual_seed(seed)
     model = build_model(preset_config(preset, arch=arch, **overrides))
     for norm in model.tapered_norms().values():
+        if not model.tapering.kind.gated:  # DyT: random α, γ, β
+            for p in norm.parameters():
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if p.numel() == 1 else 1 + 0.1 * torch.randn_like(p))
+            continue
         norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
         norm.weight_tilde.copy_(1 + 0.1 * torch.randn_like(norm.weight_tilde))
         norm.c.fill_(float(torch.empty(()).uniform_(0.5, 2.0)))

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 
 from taperfold import taper
 from taperfold.families import family_for
+from taperfold.norms import norm_kind, norm_kinds
 from taperfold.presets import ARCHS, PRESETS
 
 TAPERS = ("none", *taper.TAPERS)  # none: the baseline, plain norms
@@ -27,7 +28,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     taper: str = "internal"  # none (baseline) | internal (final norm kept) | all
-    aux: bool = True  # fixed-target scale anchoring loss (eq. 5)
+    norm: str | None = None  # None: the arch's own norm, tapered; "dyt": DyT in those places instead (no gate)
+    aux: bool = True  # fixed-target scale anchoring loss (eq. 5); never with DyT, which has no taper to anchor
     aux_weight: float = 0.1
     ema_momentum: float = 0.01
     calib_delta: float = 1e-8
@@ -35,6 +37,8 @@ class ModelConfig:
 
     def __post_init__(self):
         validate_config(self)
+        if self.norm is not None and not norm_kind(self.norm).gated:
+            self.aux = False  # the scale anchor holds the residual stream's scale through a taper; DyT has none
 
     @property
     def kv_heads(self) -> int:
@@ -75,6 +79,13 @@ def validate_config(cfg: "ModelConfig") -> None:
     for name, choices in (("arch", tuple(ARCHS)), ("taper", TAPERS)):
         if getattr(cfg, name) not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+    if cfg.norm is not None:
+        stand_ins = [k.name for k in norm_kinds() if not k.gated]
+        if cfg.norm not in stand_ins:
+            raise ValueError(f"norm must be null (the arch's own, tapered) or one of {stand_ins}, got {cfg.norm!r}")
+        if cfg.taper == "none":
+            raise ValueError(f"norm {cfg.norm!r} with taper 'none': taper says which norms it replaces "
+                             "(internal or all)")
     for name in ("tie_embeddings", "aux"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")

@@ -3,15 +3,18 @@ how it shows in an exported graph. Everything else asks this registry instead of
 
     rms   RMSNorm: h / r(h) · diag(γ)                 tapered by TaperNorm (eq. 3)   g = 0: h · diag(s)
     ln    LayerNorm: (h − μ_h) / σ_h · diag(γ) + β     tapered by TaperLN (eq. 6)     g = 0: (h − μ_h) · diag(s) + β
+    dyt   DyT (Zhu et al. 2025): tanh(αh) · diag(γ) + β, no statistics and no gate: γ, β fold, tanh(αh) stays
 
 with s = c·γ̃ (c·(1 + γ̃) for Gemma's gain offset). A kind gives:
 - torch: the tapered module, torch's fused module (the benchmark baseline's norm), the same norm written
   as element-wise ops (the `baseline-decomposed` variant), and the class names its modules have in any
   model (LlamaRMSNorm, OlmoLayerNorm, ...);
-- its g = 0 map (`constant_map`): what a fold moves into the linear layers that read the norm;
-- its ONNX pattern, which taperfold.passes.detect reads: at g = 0, [ReduceMean → Sub when `centered`] →
-  Muls by constants (c, γ̃) → [Add β when `shift`]; a real norm of the kind divides by a root-mean
-  statistic of its (centred) input, or is one of its `fused_ops`.
+- its g = 0 map (`constant_map`): what a fold moves into the linear layers that read the norm, and what stays
+  in the norm's place (`residue`: nothing, or DyT's tanh(αh));
+- its ONNX pattern, which taperfold.passes.detect reads: at g = 0, [ReduceMean → Sub when `centered`, or the
+  `elementwise` op of a scalar multiple of the input] → Muls by constants (c, γ̃) → [Add β when `shift`]; a
+  real norm of a kind with statistics divides by a root-mean statistic of its (centred) input, or is one of
+  its `fused_ops`.
 
 Adding a kind is one module here plus its name in `_MODULES`; docs/extending.md walks through it.
 """
@@ -48,6 +51,17 @@ class NormKind:
     # fused ONNX ops of the kind: op type -> (index of its scale input, index of its bias input or None)
     fused_ops: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     gain_offset_allowed: bool = False  # the tapered module can compute x·(offset + γ) (Gemma)
+    # Trained through the gate schedule: its module has c, γ̃ and calibration EMAs, and a real norm of the kind
+    # computes per-token statistics. DyT has neither: it is foldable from the first step.
+    gated: bool = True
+    # The per-element op the kind keeps in front of its gain, applied to a scalar multiple of the input
+    # (DyT: "Tanh" of αh); None when the gain reads the (centred) input itself.
+    elementwise: str | None = None
+    folded_note: str = ""  # what a fold report adds to "folded" for a norm of the kind
+
+    def residue(self, norm: nn.Module) -> nn.Module:
+        """What stays in the norm's place once its constant map has moved into the layers around it."""
+        return nn.Identity()
 
     def new_tapered(self, dim: int, gate, eps: float, momentum: float, delta: float,
                     gain_offset: float = 0.0) -> nn.Module:
@@ -86,8 +100,8 @@ class NormKind:
 
 
 # The kinds taperfold ships, one module each. Order matters to detect: a kind whose ONNX pattern extends
-# another's (LayerNorm: a centering, then an RMS-like chain) comes first.
-_MODULES = ("ln", "rms")
+# another's (DyT: a tanh, then an RMS-like chain; LayerNorm: a centering, then one) comes first.
+_MODULES = ("dyt", "ln", "rms")
 _KINDS: dict[str, NormKind] = {}
 
 

@@ -21,13 +21,15 @@ _EXACT_WIDER = {
 class NormMatch:
     """A constant-scale norm found in the graph: output = (input [- mean(input)]) * scale [+ bias]."""
 
-    kind: str  # "rms": a diagonal scale; "ln": mean subtraction, scale, optional bias
+    kind: str  # "rms": a diagonal scale; "ln": mean subtraction, scale, optional bias; "dyt": scale and bias
     input: ir.Value
     output: ir.Value
     nodes: list[ir.Node]  # the norm's own nodes, in graph order (shared centering nodes included)
     scale: np.ndarray  # float64 [d], the product of the chain's constants
     bias: np.ndarray | None = None  # float64 [d], LN's beta
     centered: bool = False  # the match includes the mean subtraction, so a fold must absorb it
+    # the norm's nodes a fold leaves in place, in front of `input` (DyT's Mul by α and Tanh)
+    kept: list[ir.Node] = dataclasses.field(default_factory=list)
 
     @property
     def width(self) -> int:

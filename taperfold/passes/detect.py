@@ -7,7 +7,9 @@ Three things are told apart:
   per-channel [d] vectors, either operand order), possibly with Cast/Identity steps in between. LN form
   (`(h - h.mean(-1, keepdim=True)) * c * weight_tilde + bias`): ReduceMean(h, last axis) -> Sub(h, mean)
   -> that chain -> optional Add(., beta). The centering may be shared by several chains (parallel
-  residual blocks read one input through two norms, and the exporter computes its mean once).
+  residual blocks read one input through two norms, and the exporter computes its mean once). DyT form
+  (`tanh(alpha * h) * weight + bias`): Mul(h, scalar) -> Tanh -> that chain -> Add(., beta); the fold takes
+  the chain and keeps the Tanh.
 - **real norms**: anything that divides by a statistic of its input, x·rsqrt(mean(x²)+ε),
   (x−μ)/sqrt(var+ε), or a fused op (LayerNormalization, RMSNormalization, ORT's Simplified/Skip
   variants). A Mul by γ after one looks exactly like a candidate chain; it is the real norm's gain, and
@@ -215,6 +217,22 @@ def _centering(x: ir.Value) -> list[ir.Node] | None:
     return [mean, sub]
 
 
+def _scaled_elementwise(x: ir.Value, op_type: str) -> list[ir.Node] | None:
+    """[Mul, op] when x = op(a·h) for a scalar constant a (DyT: tanh(α·h)), else None."""
+    node = x.producer()
+    if node is None or node.op_type != op_type or node.domain != "" or len(node.inputs) != 1:
+        return None
+    mul = node.inputs[0].producer()
+    if mul is None or mul.op_type != "Mul" or mul.domain != "" or len(mul.inputs) != 2 \
+            or sole_use(mul.outputs[0]) is None:
+        return None
+    for i in (0, 1):
+        factor = channel_const(mul.inputs[1 - i], mul.inputs[i])
+        if not is_const(mul.inputs[i]) and factor is not None and factor.size == 1:
+            return [mul, node]
+    return None
+
+
 def _with_bias(match: NormMatch) -> NormMatch:
     """The match extended by an Add of a per-channel constant (LN's beta) that alone reads its output."""
     use = sole_use(match.output)
@@ -245,8 +263,11 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     for kind in norm_kinds():
         if kind.centered and head is None:
             continue
+        kept = _scaled_elementwise(x, kind.elementwise) if kind.elementwise else []
+        if kept is None:
+            continue
         match = NormMatch(kind.name, head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True) \
-            if kind.centered else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale)
+            if kind.centered else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale, kept=kept)
         return _with_bias(match) if kind.shift else match
     return None
 
@@ -341,7 +362,7 @@ def _real_norm_at(value: ir.Value) -> tuple[NormKind, str, ir.Node] | None:
     if x is None:
         return None
     centered = _centering_of(x)
-    kind = next((k for k in norm_kinds() if k.centered == centered), None)
+    kind = next((k for k in norm_kinds() if k.gated and k.centered == centered), None)
     if kind is None:
         return None
     return kind, "(x−mean)/sqrt(var+ε)" if centered else "x·rsqrt(mean(x²)+ε)", node
@@ -402,8 +423,8 @@ def norm_name(nodes: list[ir.Node]) -> str:
 
 
 def _owned_nodes(match: NormMatch) -> set[ir.Node]:
-    """The match's nodes and the nodes that compute the constants they read."""
-    return set(with_const_producers(match.nodes))
+    """The match's nodes, those it keeps, and the nodes that compute the constants they read."""
+    return set(with_const_producers([*match.kept, *match.nodes]))
 
 
 def detect_norms(model: ir.Model) -> NormAnalysis:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from taperfold.norms import norm_kind
 from taperfold.passes._graph import remove_if_dead
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
@@ -37,7 +38,8 @@ class FoldIntoReadersPass(AfterConstantsPass):
             effects = move_into_readers(model.graph, match, readers)
             remove_if_dead(model.graph, match.nodes)
             self.rewritten.append((candidate.name, match.output))
-            entry.status, entry.into, entry.reason = NormStatus.FOLDED, "consumers", ""
+            entry.status, entry.into = NormStatus.FOLDED, "consumers"
+            entry.reason = norm_kind(candidate.kind).folded_note  # "" but for a kind that keeps a part (DyT)
             entry.bytes_rewritten += effects.bytes_rewritten
             entry.copied += effects.copied
             modified = True
