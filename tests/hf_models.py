@@ -1,5 +1,6 @@
 """Tiny random transformers configs, one per family taperfold tapers, and one per layout where a family has several
-(Falcon's two architectures, StableLM's parallel residual with per-head q/k norms); no download: built from configs."""
+(Falcon's two architectures, StableLM's parallel residual with per-head q/k norms); `UNLISTED`: architectures no family
+is shipped for, tapered generically (taperfold.hf.trace). No download: built from configs."""
 
 COMMON = dict(vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 RMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON)
@@ -44,13 +45,25 @@ def tiny_config(model_type: str):
         "stablelm": lambda: t.StableLmConfig(num_key_value_heads=2, **RMS),
         "stablelm_parallel": lambda: t.StableLmConfig(num_key_value_heads=2, use_parallel_residual=True,
                                                       qk_layernorm=True, **RMS),
+        # MoE: save_pretrained writes each expert's matrices, which loading stacks as transformers does
+        "mixtral": lambda: t.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **RMS),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16, shared_expert_intermediate_size=32, **RMS),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16, **RMS),
+        # unlisted: Cohere (one LayerNorm without β read by attention and the MLP in parallel, logit scale) and
+        # Persimmon (LayerNorms, per-head q/k LayerNorms that stay), Starcoder2 (LayerNorms with β)
+        "cohere": lambda: t.CohereConfig(num_key_value_heads=2, logit_scale=0.5, **RMS),
+        "persimmon": lambda: t.PersimmonConfig(qk_layernorm=True, partial_rotary_factor=0.5, **RMS),
+        "starcoder2": lambda: t.Starcoder2Config(num_key_value_heads=2, **RMS),
     }
     return configs[model_type]()
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
-            "stablelm_parallel")
+            "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
+UNLISTED = ("cohere", "persimmon", "starcoder2")
 
 
 def tapered_tiny_model(model_type: str):

@@ -272,8 +272,8 @@ def test_an_alibi_model_whose_config_states_no_context_takes_its_familys(tmp_pat
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_norm_folds_in_torch_into_the_router_and_every_expert(model_type):
-    # A save_pretrained MoE directory stores per-expert weights that only transformers' conversion stacks, so the
-    # directory path is not run here; the tapering and the torch fold are (the graph passes: tests/passes).
+    # The fold's arithmetic on the router and the stacked experts (the directory path: the `fam` tests; the graph
+    # passes: tests/passes).
     from taperfold.hf.model import HFCausalLM, HFModelInfo
     from taperfold.passes.testing import tiny_model
 

@@ -60,10 +60,18 @@ def test_directory_without_weights(cli, tmp_path, broken):
 
 
 def test_unknown_model_type(cli, tmp_path, broken):
+    # BERT is no family taperfold ships, and tracing finds none (its LayerNorms read the residual Add's output)
     _write_config(broken, {**_config(broken), "model_type": "bert"})
-    line = _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'bert'", "supported")
+    line = _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'bert'", "tracing its model found none",
+                    "docs/hf.md, section 'Adding a family'")
     for family in ("llama", "gpt2", "gpt_neox", "opt", "gemma", "qwen3", "phi3"):
         assert family in line
+
+
+def test_model_type_transformers_does_not_know(cli, tmp_path, broken):
+    _write_config(broken, {**_config(broken), "model_type": "no_such_arch"})
+    _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'no_such_arch'", "no config class",
+             "docs/hf.md, section 'Adding a family'")
 
 
 def test_auto_map_is_refused(cli, tmp_path, broken):

@@ -16,7 +16,9 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `context`: the context of a model whose config.json states none (ALiBi models have no position table);
 - `norm_eps`: the norms' epsilon where their module has no attribute for it;
 - `configure`: where one model type lays its layers out in several ways (Falcon's two architectures, StableLM's
-  parallel residual), the fields that differ for a config (`Family.for_config`).
+  parallel residual), the fields that differ for a config (`Family.for_config`);
+- `traced`: the family was found by tracing a transformers model whose model_type none is registered for
+  (taperfold.hf.trace: generic tapering), not written by hand.
 
 A reader is a module (nn.Linear, GPT-2's Conv1D) or a weight that F.linear applies, named by its own path: a
 router's `mlp.gate.weight`, or MoE experts' stacked matrices `mlp.experts.gate_up_proj` ([experts, out, in]).
@@ -51,6 +53,7 @@ class Family:
     norm_eps: float | None = None  # the norms' epsilon where their module hard-codes it (OLMo's LayerNorm)
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
     configure: Callable[[object], dict] | None = None  # config -> the fields that differ for its layout
+    traced: bool = False  # found by tracing the model (taperfold.hf.trace), not written by hand
 
     def for_config(self, config) -> "Family":
         """The family as a model of `config` lays out its layers (itself unless `configure` says otherwise)."""
@@ -97,6 +100,12 @@ def _load_shipped() -> None:
         module = importlib.import_module(f"{__name__}.{name}")
         for model_type in module.FAMILY.model_types:
             _REGISTRY.setdefault(model_type, module.FAMILY)
+
+
+def is_registered(model_type) -> bool:
+    """Whether a family is shipped or registered for `model_type`."""
+    _load_shipped()
+    return isinstance(model_type, str) and model_type in _REGISTRY
 
 
 def supported_model_types() -> list[str]:

@@ -2,14 +2,17 @@
 config.json when the model is tapered.
 
     DIR/config.json                      transformers' config + "taperfold": {format_version, gate, taper,
-                                         step, schedule, aux, calibration}
+                                         step, schedule, aux, calibration[, family]}
     DIR/model.safetensors                or model-0000i-of-0000n.safetensors + model.safetensors.index.json
     DIR/tokenizer.json ...               optional: the tokenizer, as save_pretrained writes it
 
 Loading never runs code from the directory: the model class comes from transformers' own registry for
 `model_type` (AutoModelForCausalLM.from_config; a config asking for its own code through `auto_map` is
 refused), the weights are read with safetensors only. A directory without the block is a plain
-(untapered) model. See docs/checkpoint-format.md.
+(untapered) model. See docs/checkpoint-format.md. A model_type no family is shipped for gets one by tracing
+transformers' model (taperfold.hf.trace); a tapered directory records it as data (`taperfold.family`), so it
+is read back, not traced again. Experts that save_pretrained writes one by one (MoE: `experts.0.w1.weight`) are
+stacked by transformers' own conversion mapping for the model type, applied to the tensors read.
 
 A directory is input and is checked as taperfold's own checkpoints are (taperfold.sources.builtin), each problem
 one `TaperfoldError` naming the file and the key: config.json's numeric keys (types and ranges) before
@@ -22,6 +25,7 @@ would refuse (NaN or Inf in a parameter or buffer, a block out of range).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import re
@@ -32,10 +36,12 @@ from pathlib import Path
 import torch
 
 from taperfold.errors import TaperfoldError, first_line
-from taperfold.families import Family, family_for
+from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import atomic_dir, read_json_object
 from taperfold.hf.model import HFCausalLM, HFModelInfo
 from taperfold.hf.taper import taper_model, tapering_of
+from taperfold.hf.trace import (GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note,
+                                traced_family)
 from taperfold.sources.base import ModelSource, read_safetensors
 from taperfold.sources.builtin import C_RANGE
 from taperfold.taper import TAPERS
@@ -81,11 +87,13 @@ class TaperBlock:
     schedule: dict | None = None  # {"taper_start": int, "taper_end": int}
     aux: dict | None = None  # {"weight": λ, "target": s_tgt or null}
     calibration: dict = field(default_factory=lambda: {"momentum": 0.1, "delta": 1e-8})
+    family: Family | None = None  # a traced family (no shipped one for the model_type), as it was tapered with
     format_version: int = BLOCK_VERSION
 
     def to_dict(self) -> dict:
         return {"format_version": self.format_version, "gate": self.gate, "taper": self.taper, "step": self.step,
-                "schedule": self.schedule, "aux": self.aux, "calibration": self.calibration}
+                "schedule": self.schedule, "aux": self.aux, "calibration": self.calibration,
+                **({"family": family_to_data(self.family)} if self.family is not None else {})}
 
 
 def _number(value) -> bool:
@@ -96,7 +104,10 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def parse_block(raw, where: Path) -> TaperBlock:
+_BLOCK_KEYS = ("format_version", "gate", "taper", "step", "schedule", "aux", "calibration", "family")
+
+
+def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
     """Validate config.json's `taperfold` block; one error naming the file and the key otherwise."""
 
     def bad(key: str, why: str):
@@ -104,9 +115,9 @@ def parse_block(raw, where: Path) -> TaperBlock:
 
     if not isinstance(raw, dict):
         raise TaperfoldError(f"{where}: key '{BLOCK}' must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - {"format_version", "gate", "taper", "step", "schedule", "aux", "calibration"})
+    unknown = sorted(set(raw) - set(_BLOCK_KEYS))
     if unknown:
-        raise bad(unknown[0], "is not a known key (format_version, gate, taper, step, schedule, aux, calibration)")
+        raise bad(unknown[0], f"is not a known key ({', '.join(_BLOCK_KEYS)})")
     if raw.get("format_version") != BLOCK_VERSION:
         raise bad("format_version", f"is {raw.get('format_version')!r}; this taperfold reads version {BLOCK_VERSION}")
     gate = raw.get("gate")
@@ -138,7 +149,8 @@ def parse_block(raw, where: Path) -> TaperBlock:
         if not _number(value) or not (0 < value < 1 if key == "momentum" else value >= 0):
             raise bad(f"calibration.{key}", f"must be a number in {'(0, 1)' if key == 'momentum' else '[0, ∞)'}, "
                                             f"got {value!r}")
-    return TaperBlock(float(gate), raw["taper"], step, schedule, aux, dict(calibration))
+    family = family_from_data(raw["family"], model_type, bad) if "family" in raw else None
+    return TaperBlock(float(gate), raw["taper"], step, schedule, aux, dict(calibration), family)
 
 
 # ---- weights --------------------------------------------------------------------------------------------
@@ -321,11 +333,12 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
                              f"[{-vocab}, {vocab - 1}], got {_short(pad)}")
 
 
-def _check_config_object(hf_config, where: Path, family: Family) -> None:
-    """The same keys as transformers' config object holds them: its defaults included, and the ones it derives."""
+def _check_config_object(hf_config, where: Path, context: int | None) -> None:
+    """The same keys as transformers' config object holds them: its defaults included, and the ones it derives
+    (`context`: the family's, for configs that state none)."""
     cls = type(hf_config)
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                *(() if family.context else ("max_position_embeddings",)))
+                *(() if context else ("max_position_embeddings",)))
     for name in required:
         if getattr(hf_config, name, None) is None:
             raise TaperfoldError(f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
@@ -378,15 +391,17 @@ def _check_size(hf_config, present: int, where: Path, weights: Path) -> None:
 # ---- the checkpoint -------------------------------------------------------------------------------------
 
 
-def _hf_config(config: dict, where: Path, family: Family):
+def _hf_config(config: dict, where: Path, family: Family | None):
+    """transformers' config object for config.json (`family`: the shipped one, None for a model_type traced)."""
     from transformers import CONFIG_MAPPING
 
     plain = {k: v for k, v in config.items() if k != BLOCK}
     try:
         config_class = CONFIG_MAPPING[plain["model_type"]]
-    except KeyError:  # a family registered for a model type this transformers does not know
+    except (KeyError, TypeError):  # a model type this transformers does not know (a family may be registered for it)
         raise TaperfoldError(f"{where}: key 'model_type' is {_short(plain.get('model_type'))}, which this "
-                             "transformers has no config class for") from None
+                             f"transformers has no config class for ({shipped_note()}; {GUIDE} says how to add "
+                             "one)") from None
     _check_config_json(plain, config_class, where)
     try:
         hf_config = config_class.from_dict(plain)
@@ -397,7 +412,7 @@ def _hf_config(config: dict, where: Path, family: Family):
         field_name = re.search(r"field '(\w+)'", detail)
         key = f"key '{field_name.group(1)}': " if field_name and field_name.group(1) in plain else ""
         raise TaperfoldError(f"{where}: {key}not a valid {plain['model_type']} config ({detail})") from None
-    _check_config_object(hf_config, where, family)
+    _check_config_object(hf_config, where, family.context if family is not None else None)
     return hf_config
 
 
@@ -408,12 +423,13 @@ def _new_model(hf_config, device=None):
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
-def _taper(model, block: "TaperBlock | None", where: str):
+def _taper(model, block: "TaperBlock | None", family: Family, where: str):
     if block is None:
         return None
     aux = block.aux or {}
-    tapering = taper_model(model, block.taper, aux=block.aux is not None, aux_weight=aux.get("weight", 0.1),
-                           momentum=block.calibration["momentum"], delta=block.calibration["delta"], where=where)
+    tapering = taper_model(model, block.taper, family=family, aux=block.aux is not None,
+                           aux_weight=aux.get("weight", 0.1), momentum=block.calibration["momentum"],
+                           delta=block.calibration["delta"], where=where)
     tapering.set_gate(block.gate)
     if tapering.scale_loss is not None and aux.get("target") is not None:
         tapering.scale_loss.target.fill_(aux["target"])
@@ -444,6 +460,9 @@ class HFCheckpoint(ModelSource):
 
     @property
     def arch(self) -> str:
+        if self.family.traced:
+            return f"{self.config.arch} (transformers; no shipped family: its norms and their readers were found by " \
+                   "tracing the model)"
         return f"{self.config.arch} (transformers)"
 
     @property
@@ -453,7 +472,7 @@ class HFCheckpoint(ModelSource):
     def hf_model(self, tapered: bool = True, gate: float | None = None):
         """The transformers model with the directory's weights (its original norms when not `tapered`)."""
         model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG, self.family))
-        tapering = _taper(model, self.block, str(self.path)) if tapered else None
+        tapering = _taper(model, self.block, self.family, str(self.path)) if tapered else None
         state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items()
                                                  if k in model.state_dict()}
         missing, _ = model.load_state_dict(state, strict=False)
@@ -473,8 +492,8 @@ class HFCheckpoint(ModelSource):
         return HFCausalLM(self.hf_model(tapered=False), info, self.family).eval()
 
     def manifest_block(self) -> dict:
-        return {"source": {"format": "huggingface", "family": self.family.name, "model_type": self.config.arch,
-                           "taper": self.config.taper, "untapered": self.untapered}}
+        return {"source": {"format": "huggingface", "family": self.family.name, "family_traced": self.family.traced,
+                           "model_type": self.config.arch, "taper": self.config.taper, "untapered": self.untapered}}
 
 
 def load_hf_directory(path: str | Path) -> HFCheckpoint:
@@ -490,19 +509,29 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     if "auto_map" in config:
         raise TaperfoldError(f"{config_file}: key 'auto_map' asks for the directory's own modeling code; "
                              "taperfold never runs code from a checkpoint (only transformers' built-in models)")
-    family = family_for(config.get("model_type"), str(config_file))
-    block = parse_block(config[BLOCK], config_file) if BLOCK in config else None
-    hf_config = _hf_config(config, config_file, family)
-    why_not = family.check(hf_config)
-    if why_not:
-        raise TaperfoldError(f"{config_file}: {why_not}")
-    family = family.for_config(hf_config)
+    model_type = config.get("model_type")
+    shipped = family_for(model_type, str(config_file)) if is_registered(model_type) else None
+    block = parse_block(config[BLOCK], config_file, model_type) if BLOCK in config else None
+    hf_config = _hf_config(config, config_file, shipped)
+    if shipped is not None:
+        why_not = shipped.check(hf_config)
+        if why_not:
+            raise TaperfoldError(f"{config_file}: {why_not}")
     tensors, origin = read_weights(path)
     _check_size(hf_config, sum(t.numel() for t in tensors.values()), config_file,
                 path / INDEX if (path / INDEX).is_file() else path / WEIGHTS)
     with torch.device("meta"):  # shapes only: no memory, no init
         expected_model = _new_model(hf_config)
-        tapering = _taper(expected_model, block, str(config_file))
+    if shipped is not None:
+        family = shipped.for_config(hf_config)
+    elif block is not None and block.family is not None:  # as the directory was tapered: read, not traced again
+        family = block.family
+        check_family_paths(expected_model, family,
+                           lambda key, why: TaperfoldError(f"{config_file}: key '{BLOCK}.{key}' {why}"))
+    else:
+        family = traced_family(hf_config, str(config_file))
+    with torch.device("meta"):
+        tapering = _taper(expected_model, block, family, str(config_file))
     tensors, origin, stored = _renamed(expected_model, tensors, origin)
     _check_state(path, tensors, origin, stored, expected_model, set(tapering.norms) if tapering else None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
@@ -513,13 +542,16 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
 
 
 def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
-    """Checkpoint names -> the model's, with transformers' own renamings (e.g. GPT-NeoX stores its
-    `lm_head` as `embed_out`; save_pretrained writes that legacy name, from_pretrained maps it back).
-    Returns the tensors and their files under the model's names, and each model name's name in the file."""
+    """Checkpoint names -> the model's, with transformers' own conversion mapping for the model type: renamings
+    (GPT-NeoX stores its `lm_head` as `embed_out`; save_pretrained writes that legacy name, from_pretrained maps it
+    back) and weight conversions (MoE experts saved one by one, `experts.0.w1.weight`, stacked into the model's
+    `experts.gate_up_proj`), applied to the tensors read, as from_pretrained applies them; nothing from the
+    directory runs. Returns the tensors and their files under the model's names, and each model name's name in
+    the file (for a stacked tensor: its first and last source key)."""
     same = {key: key for key in tensors}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
     except ImportError:  # an older transformers: names are stored as the modules have them
         return tensors, origin, same
     transforms = get_model_conversion_mapping(model)
@@ -529,13 +561,44 @@ def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
         return tensors, origin, same
     meta = model.state_dict()
     renamed, new_origin, stored = {}, {}, {}
-    for key, value in tensors.items():
-        new_key, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        if converter is not None:
-            raise TaperfoldError(f"{origin[key]}: key '{_printable(key)}' needs transformers' weight conversion "
-                                 f"({converter}), which taperfold does not apply; save the model again")
-        renamed[new_key], new_origin[new_key], stored[new_key] = value, origin[key], key
+    stacks: dict[str, tuple] = {}  # model name -> (its converter, {source pattern: [checkpoint keys]})
+    for key in sorted(tensors, key=dot_natural_key):  # experts in index order, as from_pretrained stacks them
+        new_key, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if pattern is None:
+            renamed[new_key], new_origin[new_key], stored[new_key] = tensors[key], origin[key], key
+            continue
+        if new_key not in stacks:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            stacks[new_key] = (copy.deepcopy(converter), {})
+        converter, sources = stacks[new_key]
+        converter.add_tensor(new_key, key, pattern, tensors[key])
+        sources.setdefault(pattern, []).append(key)
+    for new_key, (converter, sources) in stacks.items():
+        keys = [key for group in sources.values() for key in group]
+        _check_expert_indices(sources, origin)
+        try:
+            converted = converter.convert(new_key, model=model, config=model.config)
+        except Exception as e:  # noqa: BLE001 - transformers' ops raise what torch raises (mismatched shapes)
+            raise TaperfoldError(f"{origin[keys[0]]}: keys '{_printable(keys[0])}' ... '{_printable(keys[-1])}' do "
+                                 f"not stack into '{new_key}' ({first_line(e)})") from None
+        for name, value in converted.items():
+            renamed[name] = value[0] if isinstance(value, list) else value
+            new_origin[name], stored[name] = origin[keys[0]], f"{keys[0]} ... {keys[-1]}"
     return renamed, new_origin, stored
+
+
+def _check_expert_indices(sources: dict[str, list[str]], origin: dict) -> None:
+    """Each pattern's keys number the experts 0, 1, ..., n - 1, the same n for every pattern: a gap would stack the
+    next expert in its place, with the right shape."""
+    count = None
+    for pattern, keys in sources.items():
+        found = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        indices = [int(m.group(1)) if (m := found.search(key)) else -1 for key in keys]
+        if indices != list(range(len(keys))) or (count is not None and len(keys) != count):
+            wrong = next((key for i, key in zip(range(len(keys)), keys) if indices[i] != i), keys[-1])
+            raise TaperfoldError(f"{origin[wrong]}: key '{_printable(wrong)}' does not continue experts 0 ... "
+                                 f"{len(keys) - 1} of '{pattern}' (every expert, numbered from 0, once)")
+        count = len(keys)
 
 
 def _check_state(path: Path, tensors: dict, origin: dict, stored: dict, model, norms: set[str] | None) -> None:
@@ -593,8 +656,10 @@ def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=Non
         schedule=None if schedule is None else {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end},
         aux=None if loss is None else {"weight": loss.weight,
                                        "target": float(loss.target) if bool(loss.frozen) else None},
-        calibration={"momentum": first.momentum, "delta": first.delta})
-    parse_block(block.to_dict(), out_dir / CONFIG)  # as it will be read back (a NaN gate or target included)
+        calibration={"momentum": first.momentum, "delta": first.delta},
+        family=tapering.family if tapering.family.traced else None)
+    parse_block(block.to_dict(), out_dir / CONFIG, model.config.model_type)  # as it will be read back (a NaN gate
+    # or target included)
     model.config.taperfold = block.to_dict()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     with atomic_dir(out_dir) as tmp, _no_progress_bars():

@@ -158,7 +158,7 @@ def train_hf_directory(source: str | Path | HFCheckpoint, opts: TrainOptions, da
     torch.manual_seed(opts.seed)
     hf = ckpt.hf_model(tapered=False)
     tokens, tokenizer = _tokens(ckpt.path, data_files, opts, ckpt.config.vocab_size)
-    tapering = taper_model(hf, taper, aux=aux, where=str(ckpt.path))
+    tapering = taper_model(hf, taper, family=ckpt.family, aux=aux, where=str(ckpt.path))
     info = HFModelInfo(**{**ckpt.config.to_dict(), "taper": taper, "aux": aux})
     model = HFCausalLM(hf, info, tapering.family)
     seq = min(opts.seq_len or 128, ckpt.config.max_seq_len)

@@ -1,0 +1,538 @@
+"""A family for a model_type taperfold does not ship, found by tracing the model (generic tapering).
+
+transformers' own model class for the config (never code from a directory) is built on the meta device and
+traced once with torch.export (a forward on a tiny input, no weights read), keeping each norm module's call
+signature: the exact graph value it reads and the one it returns. Then, for each norm:
+
+- its readers: the linear layers reading its output directly, through steps that only move rows (views and
+  reshapes keeping the last axis, slices and selections of other axes, casts). Every reader a linear layer:
+  the norm folds forwards into them (`Family.internal`);
+- otherwise its producer: a norm whose input is one linear layer's output that nothing else reads, and whose
+  output keeps its channels (no per-head split), folds backwards into it (`Family.post`: Gemma 2's sandwich);
+- otherwise it is left untapered, with the reader that stops it (a residual Add reading the normed value, a
+  per-head reshape, attention).
+
+The head is the model's output embeddings; the final norm is the norm it alone reads. A norm's kind and gain
+are measured, not guessed from its class name: on a random input, its output is compared with each norm kind's
+own module with γ and with 1 + γ (Gemma's gain). The final norm's kind is the family's; a norm of another kind
+or gain is left untapered. What a family lists per layer must hold in every layer; a norm whose readers differ
+between layers is left untapered.
+
+The result is a plain `Family` (`traced=True`), stored as data in a tapered directory's `taperfold` block
+(`family_to_data` / `family_from_data`), so export and verify read it instead of tracing again.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.families import Family, is_registered, supported_model_types
+from taperfold.norms import is_norm_module, norm_kind, norm_kinds
+from taperfold.taper import fold_target
+
+GUIDE = "docs/hf.md, section 'Adding a family'"  # where a refusal sends the user
+TRACE_TOKENS = 8  # a tiny input: the graph, not the numbers, is what tracing is for
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+_CONFIG_EPS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+_HARD_CODED_EPS = (1e-5, 1e-6, 1e-8, 1e-12)  # tried, measured, for a norm that states none (OLMo's LayerNorm)
+
+
+def family_for_model(model: nn.Module, where: str = "model") -> Family:
+    """The family of a transformers model: the shipped (or registered) one for its model_type, else one traced
+    from transformers' own class for its config. `TaperfoldError` naming `where` when neither is possible."""
+    from taperfold.families import family_for
+
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if is_registered(model_type):
+        family = family_for(model_type, where)
+        why_not = family.check(config)
+        if why_not:
+            raise TaperfoldError(f"{where}: {why_not}")
+        return family.for_config(config)
+    return traced_family(config, where)
+
+
+# ---- measuring a norm module ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormBehaviour:
+    kind: str | None  # the norm kind whose module computes the same, or None
+    gain_offset: float  # 1.0: it computes x·(1 + γ)
+    eps: float | None
+    why_not: str = ""  # when kind is None
+
+
+def _eps_of(module: nn.Module, config) -> tuple[float | None, bool]:
+    """The epsilon of a norm module, and whether the module itself says it (else config.json's)."""
+    for attr in _EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), True
+    for key in _CONFIG_EPS:
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), False
+    return None, False
+
+
+def measure_norm(module: nn.Module, config) -> NormBehaviour:
+    """Which norm kind `module` computes, with which gain: its output on a random input against each kind's own
+    module with γ and with 1 + γ (a CPU copy with random γ and β; the model itself may be on the meta device)."""
+    weight = getattr(module, "weight", None)
+    shape = tuple(getattr(module, "normalized_shape", ()) or ())
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        dim = weight.shape[0]
+    elif weight is None and len(shape) == 1:
+        dim = shape[0]
+    else:
+        return NormBehaviour(None, 0.0, None, "no per-feature weight (a norm over several axes or per head)")
+    eps, own = _eps_of(module, config)
+    gen = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    with torch.no_grad():
+        for name, tensor in [*probe.named_parameters(), *probe.named_buffers()]:
+            if name.endswith("weight"):
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
+            elif tensor.is_floating_point():
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) * 0.2 - 0.1)
+    # off-centre, at two scales: a LayerNorm and an RMSNorm differ, and at the small one so do epsilons
+    x = torch.randn(2, 3, dim, generator=gen) * 3 + 0.5
+    x = torch.cat([x, x * 1e-3])
+    gain = getattr(probe, "weight", None)
+    gain = torch.ones(dim) if gain is None else gain.detach()
+    bias = getattr(probe, "bias", None)
+    try:
+        with torch.no_grad():
+            got = probe(x)
+    except Exception as e:  # noqa: BLE001 - any module: what it raises says why it is not a plain norm
+        return NormBehaviour(None, 0.0, eps, f"its forward on a [batch, tokens, {dim}] input failed ({first_line(e)})")
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return NormBehaviour(None, 0.0, eps, "it does not return one tensor of its input's shape")
+    # a module stating none: config.json's, then the usual ones, each measured
+    for candidate in [eps] if own else [*([eps] if eps is not None else []), *_HARD_CODED_EPS]:
+        for kind in (k for k in norm_kinds() if k.gated):
+            for offset in (0.0, 1.0):
+                reference = kind.plain(dim, candidate)
+                with torch.no_grad():
+                    reference.weight.copy_(gain + offset)
+                    if kind.shift:
+                        reference.bias.copy_(bias.detach() if isinstance(bias, torch.Tensor) else torch.zeros(dim))
+                    elif isinstance(bias, torch.Tensor):
+                        continue  # a β the kind has no place for
+                    if torch.allclose(got, reference(x), rtol=1e-4, atol=1e-5):
+                        return NormBehaviour(kind.name, offset, candidate)
+    return NormBehaviour(None, 0.0, eps, "it computes neither an RMSNorm nor a LayerNorm of its input (with γ or "
+                                         "1 + γ)" + ("" if own else " at any usual epsilon"))
+
+
+# ---- the traced graph ---------------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+# Steps that move rows (tokens) and keep each value's channel: what lies between a norm and a layer it feeds.
+_LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor, aten.select.int,
+           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.flatten.using_ints,
+           aten.index.Tensor, aten.index_select.default, aten.transpose.int, aten.permute.default,
+           aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+           aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+           aten.dropout.default}
+# Steps between a weight and the linear op using it: casts and an expert's selection, and transposes (counted).
+_WEIGHT_STEPS = {aten.select.int, aten.index.Tensor, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+                 aten.alias.default, aten.detach.default, aten.contiguous.default}
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int}
+# linear op -> (index of its input, index of its weight, whether it takes the weight as [in, out])
+_LINEAR = {aten.linear.default: (0, 1, False), aten.addmm.default: (1, 2, True), aten.mm.default: (0, 1, True),
+           aten.matmul.default: (0, 1, True)}
+
+
+def _shape(node) -> tuple | None:
+    value = node.meta.get("val") if hasattr(node, "meta") else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _keeps_channels(node, source) -> bool:
+    """Whether `node`, reading `source` as its data input, keeps every row's channels in its last axis."""
+    if node.target not in _LAYOUT or not node.args or node.args[0] is not source:
+        return False
+    before, after = _shape(source), _shape(node)
+    if not before or not after or before[-1] != after[-1]:
+        return False
+    last = len(before) - 1
+    if node.target in (aten.slice.Tensor, aten.select.int, aten.index_select.default):
+        dim = node.args[1] if len(node.args) > 1 else 0
+        return dim % len(before) != last
+    if node.target is aten.index.Tensor:
+        return len(node.args[1]) <= last  # the indices address leading axes only
+    if node.target is aten.transpose.int:
+        return last not in (node.args[1] % len(before), node.args[2] % len(before))
+    if node.target is aten.permute.default:
+        return node.args[1][-1] % len(before) == last
+    if node.target is aten.flatten.using_ints:
+        end = node.args[2] if len(node.args) > 2 else -1
+        return end % len(before) != last
+    return True  # views, reshapes, expands, (un)squeezes and casts keeping the last axis's size keep its channels
+
+
+def _scope(node) -> str | None:
+    """The innermost module a graph node ran in."""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else None
+
+
+def _in_module(node, path: str) -> bool:
+    return any(value[0] == path for value in (node.meta.get("nn_module_stack") or {}).values())
+
+
+def _linear_layer_class(module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def _stores_in_out(module) -> bool:
+    """GPT-2's Conv1D stores its weight [in, out]; nn.Linear [out, in]."""
+    return not isinstance(module, nn.Linear)
+
+
+class _Graph:
+    """The traced forward, with what a placeholder of it stands for."""
+
+    def __init__(self, program, model: nn.Module):
+        self.graph, self.model = program.graph, model
+        signature = program.graph_signature
+        self.parameters = dict(signature.inputs_to_parameters)
+        self.nodes = {node.name: node for node in self.graph.nodes}
+
+    def parameter(self, node) -> tuple[str | None, bool]:
+        """The parameter a linear op's weight argument is (through casts, expert selections and transposes), and
+        whether it was transposed on the way."""
+        transposed = False
+        while node.op == "call_function" and (node.target in _WEIGHT_STEPS or node.target in _TRANSPOSES):
+            if node.target is aten.transpose.int:
+                rank = len(_shape(node) or ())
+                if {node.args[1] % rank, node.args[2] % rank} != {rank - 2, rank - 1}:
+                    return None, False  # not a matrix transpose
+            transposed ^= node.target in _TRANSPOSES
+            node = node.args[0]
+        return (self.parameters.get(node.name) if node.op == "placeholder" else None), transposed
+
+    def linear_reader(self, node, value) -> str | None:
+        """The path of the linear layer `node` applies to `value` (a module: nn.Linear / Conv1D, or a weight that
+        F.linear applies: a router's, stacked experts'), or None when `node` is no such layer."""
+        spec = _LINEAR.get(node.target)
+        if spec is None or len(node.args) <= spec[1] or node.args[spec[0]] is not value:
+            return None
+        weight, transposed = self.parameter(node.args[spec[1]])
+        if weight is None:
+            return None  # a product of two activations: attention
+        stored_in_out = spec[2] != transposed  # how the parameter itself is laid out, as this op reads it
+        scope = _scope(node)
+        try:
+            module = self.model.get_submodule(scope) if scope else None
+        except AttributeError:
+            module = None
+        if module is not None and _linear_layer_class(module) and \
+                module.weight is self.model.get_parameter(weight) and stored_in_out == _stores_in_out(module):
+            return scope
+        if not stored_in_out and self.model.get_parameter(weight).dim() >= 2:
+            return weight  # F.linear(x, W): W is [..., out, in]
+        return None
+
+    def readers(self, output) -> tuple[list[str], list[str]]:
+        """The linear layers reading `output` through channel-keeping steps, and every other reader (described)."""
+        linears, others, todo, seen = [], [], [output], set()
+        while todo:
+            value = todo.pop()
+            for user in value.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user.op == "output":
+                    others.append("the model's output")
+                elif _keeps_channels(user, value):
+                    todo.append(user)
+                elif (reader := self.linear_reader(user, value)) is not None:
+                    linears.append(reader)
+                elif user.target is not aten._assert_tensor_metadata.default:
+                    others.append(_describe(user, value))
+        return list(dict.fromkeys(linears)), list(dict.fromkeys(others))
+
+    def producer(self, norm_input, norm: str) -> str | None:
+        """The linear layer whose output, and nothing else, the norm at `norm` reads (through channel-keeping
+        steps), or None."""
+        value, came_from = norm_input, None
+        while True:
+            if not _read_only_by(value, norm, came_from) or value.op != "call_function":
+                return None
+            spec = _LINEAR.get(value.target)
+            if spec is not None:
+                return self.linear_reader(value, value.args[spec[0]])
+            if not value.args or not _keeps_channels(value, value.args[0]):
+                return None
+            came_from, value = value, value.args[0]
+
+
+def _read_only_by(value, norm: str, came_from) -> bool:
+    """Whether `value` is read by `came_from` and the norm's own nodes only, counting what reads the norm's
+    copies and casts of it (export may hand the residual Add the norm's float32 cast of its input)."""
+    for user in value.users:
+        if user is came_from or user.target is aten._assert_tensor_metadata.default:
+            continue
+        if not _in_module(user, norm):
+            return False
+        if _keeps_channels(user, value) and not _read_only_by(user, norm, None):
+            return False
+    return True
+
+
+def _describe(node, value) -> str:
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    where = _scope(node) or "the model"
+    if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) and node.args[0] is value:
+        return f"a reshape to {list(_shape(node) or ())} in {where} (a per-head split)"
+    if node.target is aten.scaled_dot_product_attention.default:
+        return f"attention in {where}"
+    return f"{op} in {where}"
+
+
+def _trace(model: nn.Module, norms: list[str], config):
+    """torch.export of `model` (on the meta device) on a tiny input, keeping each norm's call signature."""
+    tokens = min(TRACE_TOKENS, getattr(config, "max_position_embeddings", None) or TRACE_TOKENS)
+    input_ids = torch.zeros(2, tokens, dtype=torch.long, device="meta")
+    return torch.export.export(model, (), {"input_ids": input_ids, "use_cache": False}, strict=False,
+                               preserve_module_call_signature=tuple(norms))
+
+
+# ---- the family -------------------------------------------------------------------------------------------
+
+
+def shipped_note() -> str:
+    return f"taperfold ships families for {', '.join(supported_model_types())}"
+
+
+def _refuse(where: str, model_type: str, why: str) -> TaperfoldError:
+    return TaperfoldError(f"{where}: key 'model_type' is {model_type!r}, for which no family is shipped "
+                          f"({shipped_note()}), and tracing its model found none: {why}; {GUIDE} says how to add one")
+
+
+def _layer_of(path: str, model: nn.Module) -> tuple[str, int, str] | None:
+    """(ModuleList path, index, path inside the layer) of a module path inside a ModuleList, else None."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
+            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1:])
+    return None
+
+
+def traced_family(config, where: str = "model") -> Family:
+    """The family of transformers' own model for `config`, found by tracing it (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.model_type
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise _refuse(where, model_type, "transformers has no causal LM class for it")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config).eval()
+    except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for a config they refuse
+        raise _refuse(where, model_type, f"transformers cannot build it ({first_line(e)})") from None
+    head = model.get_output_embeddings()
+    head_path = next((name for name, module in model.named_modules() if module is head), None) if head else None
+    if head_path is None:
+        raise _refuse(where, model_type, "the model has no output embeddings (head)")
+
+    candidates = [name for name, module in model.named_modules() if is_norm_module(module)]
+    behaviour = {name: measure_norm(model.get_submodule(name), config) for name in candidates}
+    measured = [name for name in candidates if behaviour[name].kind is not None]
+    try:
+        program = _trace(model, measured, config)
+    except Exception as e:  # noqa: BLE001 - torch.export raises many types for code it cannot take
+        raise _refuse(where, model_type, f"torch.export cannot trace it ({type(e).__name__}: {first_line(e)})") \
+            from None
+    graph = _Graph(program, model)
+    signatures = {entry.fqn: entry.signature for entry in program.module_call_graph if entry.signature}
+
+    why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if behaviour[name].kind is None}
+    readers: dict[str, list[str]] = {}
+    producers: dict[str, str] = {}
+    for name in measured:
+        signature = signatures.get(name)
+        if signature is None or len(signature.inputs) != 1 or len(signature.outputs) != 1:
+            why[name] = "not called once on one tensor in the forward"
+            continue
+        norm_input = graph.nodes.get(signature.inputs[0].name)
+        output = graph.nodes.get(signature.outputs[0].name)
+        linears, others = graph.readers(output)
+        if linears and not others:
+            readers[name] = linears
+            continue
+        split = [o for o in others if "per-head" in o or o.startswith("attention")]
+        producer = graph.producer(norm_input, name) if norm_input is not None and not split else None
+        if producer is not None:
+            producers[name] = producer
+        else:
+            read_by = " and ".join(others[:3]) if others else "nothing"
+            why[name] = f"its output is read by {read_by}, not only by linear layers" + \
+                ("" if split or norm_input is None else ", and its input is not one linear layer's output alone")
+
+    final = next((name for name, rs in readers.items() if rs == [head_path]), None)
+    if final is None:
+        raise _refuse(where, model_type, f"no norm is read by the head ({head_path}) alone")
+    kind, offset = behaviour[final].kind, behaviour[final].gain_offset
+    if offset and not norm_kind(kind).gain_offset_allowed:
+        raise _refuse(where, model_type, f"its norms compute a {norm_kind(kind).title} with gain 1 + γ, which "
+                      f"taperfold's tapered {norm_kind(kind).title} does not")
+    for name in [*readers, *producers]:
+        b = behaviour[name]
+        if (b.kind, b.gain_offset) != (kind, offset):
+            why[name] = (f"a {norm_kind(b.kind).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
+                         f"final norm is a {norm_kind(kind).title}{' with gain 1 + γ' if offset else ''}")
+    placed = [name for name in [*readers, *producers] if name not in why and name != final]
+
+    layers = _layer_of(placed[0], model) if placed else None
+    if layers is None:
+        raise _refuse(where, model_type, "no norm inside its decoder layers folds into a linear layer")
+    layers_path, n_layers = layers[0], len(model.get_submodule(layers[0]))
+    per_norm: dict[str, dict[int, tuple]] = defaultdict(dict)  # path in a layer -> layer -> how it folds
+    for name in placed:
+        where_in = _layer_of(name, model)
+        if where_in is None or where_in[0] != layers_path:
+            why[name] = f"outside the decoder layers ({layers_path})"
+            continue
+        prefix = f"{layers_path}.{where_in[1]}."
+        targets = readers.get(name) or [producers[name]]
+        if not all(t.startswith(prefix) for t in targets):
+            why[name] = f"it folds into {', '.join(targets)}, outside its own layer"
+            continue
+        per_norm[where_in[2]][where_in[1]] = (name in readers, tuple(t[len(prefix):] for t in targets))
+    internal, post = {}, {}
+    for relative, by_layer in per_norm.items():
+        folds = set(by_layer.values())
+        if len(by_layer) == n_layers and len(folds) == 1:
+            forwards, targets = folds.pop()
+            if forwards:
+                internal[relative] = targets
+            else:
+                post[relative] = targets[0]
+            continue
+        reason = "its readers differ between layers" if len(folds) > 1 else "it folds in some layers only"
+        for index in range(n_layers):
+            why[f"{layers_path}.{index}.{relative}"] = reason
+    if not internal and not post:
+        raise _refuse(where, model_type, "no norm folds alike in every decoder layer")
+    untapered = {}
+    for name, reason in why.items():
+        key = next((part for part in reversed(name.split(".")) if not part.isdigit()), name)
+        untapered.setdefault(key, reason)
+    own = _eps_of(model.get_submodule(final), config)[1]
+    eps = behaviour[final].eps
+    return Family(name=model_type, model_types=(model_type,), norm=kind, layers=layers_path, internal=internal,
+                  final=final, post=post, head=head_path, gain_offset=offset, untapered=untapered,
+                  norm_eps=None if own else eps, traced=True)
+
+
+# ---- as data in a tapered directory -------------------------------------------------------------------------
+
+_DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
+_PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+
+
+def family_to_data(family: Family) -> dict:
+    """A traced family as the JSON a tapered directory's `taperfold.family` key holds."""
+    return {"norm": family.norm, "gain_offset": family.gain_offset, "layers": family.layers,
+            "internal": {norm: list(readers) for norm, readers in family.internal.items()}, "post": dict(family.post),
+            "final": family.final, "head": family.head, "untapered": dict(family.untapered),
+            "norm_eps": family.norm_eps}
+
+
+def family_from_data(raw, model_type: str, bad) -> Family:
+    """The family a `taperfold.family` key holds; `bad(key, why)` makes the error for a wrong one."""
+    if not isinstance(raw, dict):
+        raise bad("family", f"must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_DATA_KEYS))
+    if unknown:
+        raise bad(f"family.{unknown[0]}", f"is not a known key ({', '.join(_DATA_KEYS)})")
+    missing = [key for key in _DATA_KEYS if key not in raw]
+    if missing:
+        raise bad(f"family.{missing[0]}", "is missing")
+    gated = [k.name for k in norm_kinds() if k.gated]
+    if raw["norm"] not in gated:
+        raise bad("family.norm", f"must be one of {', '.join(gated)}, got {raw['norm']!r}")
+    offset = raw["gain_offset"]
+    if offset not in (0, 1) or isinstance(offset, bool) or (offset and not norm_kind(raw["norm"]).gain_offset_allowed):
+        raise bad("family.gain_offset", f"must be 0{' or 1' if norm_kind(raw['norm']).gain_offset_allowed else ''}, "
+                                        f"got {offset!r}")
+    for key in ("layers", "final", "head"):
+        if not _is_path(raw[key]):
+            raise bad(f"family.{key}", f"must be a module path, got {raw[key]!r}")
+    internal, post, untapered = raw["internal"], raw["post"], raw["untapered"]
+    if not isinstance(internal, dict) or not all(_is_path(k) and isinstance(v, list) and v and all(map(_is_path, v))
+                                                 for k, v in internal.items()):
+        raise bad("family.internal", "must map each norm's path in a layer to a non-empty list of reader paths")
+    if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
+        raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
+    if not internal and not post:
+        raise bad("family.internal", "and 'post' are both empty: no norm to taper")
+    if set(internal) & set(post):
+        raise bad("family.post", f"names {sorted(set(internal) & set(post))[0]!r}, which 'internal' names too")
+    if not isinstance(untapered, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in untapered.items()):
+        raise bad("family.untapered", "must map module names to the reasons they are left untapered")
+    eps = raw["norm_eps"]
+    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool)
+                                and math.isfinite(eps) and 0 < eps <= 1):
+        raise bad("family.norm_eps", f"must be null or a number in (0, 1], got {eps!r}")
+    return Family(name=model_type, model_types=(model_type,), norm=raw["norm"], layers=raw["layers"],
+                  internal={k: tuple(v) for k, v in internal.items()}, final=raw["final"], post=dict(post),
+                  head=raw["head"], gain_offset=float(offset), untapered=dict(untapered),
+                  norm_eps=None if eps is None else float(eps), traced=True)
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, str) and _PATH.fullmatch(value) is not None
+
+
+def check_family_paths(model: nn.Module, family: Family, bad) -> None:
+    """The modules a stored family names exist in `model` (built from config.json, on the meta device): its
+    layers, each norm and what it folds into in every layer, the final norm and the head; `bad(key, why)` makes
+    the error otherwise (whether each is a linear layer of the right width, taperfold.taper checks)."""
+    try:
+        layers = model.get_submodule(family.layers)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList):
+        raise bad("family.layers", f"{family.layers!r} is not a list of layers in this {family.name} model")
+    for key, folds in (("internal", family.internal), ("post", {n: [p] for n, p in family.post.items()})):
+        for norm, targets in folds.items():
+            for i in range(len(layers)):
+                if not _has_norm(model, f"{family.layers}.{i}.{norm}"):
+                    raise bad(f"family.{key}", f"names {norm!r}, which is not a norm module in layer {i}")
+                for target in targets:
+                    try:
+                        fold_target(model, f"{family.layers}.{i}.{target}")
+                    except AttributeError:
+                        raise bad(f"family.{key}", f"names {target!r} for {norm!r}, which layer {i} has no layer "
+                                                   "or weight of") from None
+    if not _has_norm(model, family.final):
+        raise bad("family.final", f"{family.final!r} is not a norm module of this {family.name} model")
+    try:
+        model.get_submodule(family.head)
+    except AttributeError:
+        raise bad("family.head", f"{family.head!r} is not a module of this {family.name} model") from None
+
+
+def _has_norm(model: nn.Module, path: str) -> bool:
+    try:
+        return is_norm_module(model.get_submodule(path))
+    except AttributeError:
+        return False

@@ -1,0 +1,201 @@
+"""Generic tapering (taperfold.hf.trace): a model_type with no shipped family gets one by tracing transformers' model.
+
+The traced family is held to the shipped ones (each family's model tapered both ways: the same norms, readers,
+producers and untapered modules); architectures taperfold does not ship run the whole command line (train --from,
+inspect, export, verify, every tapered norm folded); the family a tapered directory records is what export and
+verify use, and bad data there is one line naming the file and the key; models tracing cannot place are refused in
+one line naming docs/hf.md's section on adding a family. Tiny random models built from configs: nothing downloaded.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import onnx_ir as ir
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import FAMILIES, UNLISTED, tiny_config  # noqa: E402
+
+from taperfold.families import family_for, is_registered  # noqa: E402
+from taperfold.hf import taper_model  # noqa: E402
+from taperfold.hf import trace  # noqa: E402
+from taperfold.passes import detect_norms  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # experts run through grouped_mm: the traced family leaves their norm
+
+
+def _model(name, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+
+
+def test_the_guide_a_refusal_names_is_a_section_of_hf_md():
+    assert trace.GUIDE == "docs/hf.md, section 'Adding a family'"
+    assert "\n## Adding a family\n" in (ROOT / "docs" / "hf.md").read_text()
+
+
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f not in MOE])
+def test_traced_family_tapers_as_the_shipped_one(name):
+    # Each shipped family treated as unlisted: its model tapered with the traced family and with the shipped one.
+    config = tiny_config(name)
+    traced = trace.traced_family(config, name)
+    shipped = family_for(config.model_type).for_config(config)
+    assert traced.traced and not shipped.traced
+    assert (traced.norm, traced.gain_offset, traced.layers, traced.final, traced.head) == \
+        (shipped.norm, shipped.gain_offset, shipped.layers, shipped.final, shipped.head)
+    assert traced.internal == dict(shipped.internal) and traced.post == shipped.post
+    for taper in ("internal", "all"):
+        by_trace = taper_model(_model(name), taper, family=traced, aux=False)
+        by_hand = taper_model(_model(name), taper, family=shipped, aux=False)
+        assert by_trace.readers == by_hand.readers and by_trace.producers == by_hand.producers
+        assert set(by_trace.norms) == set(by_hand.norms)
+        assert set(by_trace.untapered) == set(by_hand.untapered)  # Qwen3's q/k norms, Bloom's embedding norm, ...
+
+
+def test_traced_reasons_name_what_stops_a_norm():
+    untapered = trace.traced_family(tiny_config("olmo2"), "olmo2").untapered
+    assert set(untapered) == {"q_norm", "k_norm"} and all("per-head split" in why for why in untapered.values())
+    bloom = trace.traced_family(tiny_config("bloom"), "bloom").untapered
+    assert "add" in bloom["word_embeddings_layernorm"]  # the residual stream reads the normed embedding
+
+
+def test_gemma_gain_and_olmo_epsilon_are_measured():
+    assert trace.traced_family(tiny_config("gemma"), "gemma").gain_offset == 1.0
+    assert trace.traced_family(tiny_config("llama"), "llama").gain_offset == 0.0
+    olmo = trace.traced_family(tiny_config("olmo"), "olmo")  # weightless LayerNorms that state no epsilon
+    assert olmo.norm == "ln" and olmo.norm_eps == family_for("olmo").norm_eps
+
+
+@pytest.mark.parametrize("name", UNLISTED)
+def test_unlisted_architectures_are_traced_and_taper_exactly_at_gate_1(name):
+    model = _model(name)
+    assert not is_registered(model.config.model_type)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        tapering = taper_model(model, "all")
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    assert tapering.family.traced and tapering.family.final in tapering.norms
+
+
+def test_a_layernorm_with_gain_one_plus_weight_is_refused_naming_the_guide():
+    # Nemotron's LayerNorm1P computes (x - mean)/std·(1 + γ) + β: measured, and TaperLN has no gain offset.
+    config = transformers.NemotronConfig(num_key_value_heads=2, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                                         max_position_embeddings=32)
+    with pytest.raises(Exception) as refused:
+        taper_model(transformers.AutoModelForCausalLM.from_config(config))
+    message = str(refused.value)
+    assert "\n" not in message and "1 + γ" in message and trace.GUIDE in message
+
+
+def test_an_architecture_torch_export_cannot_take_is_refused_naming_the_guide():
+    config = transformers.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=256)
+    with pytest.raises(Exception) as refused:
+        taper_model(transformers.AutoModelForCausalLM.from_config(config))
+    message = str(refused.value)
+    assert "\n" not in message and "torch.export cannot trace it" in message and trace.GUIDE in message
+
+
+# ---- the command line ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("".join((ROOT / "taperfold" / f).read_text() for f in ("taper.py", "train.py", "export.py")))
+    return path
+
+
+def _plain(name, folder):
+    model = _model(name)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norm gains away from 1: a wrong gain cannot pass unnoticed
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if "Norm" in type(module).__name__ and isinstance(weight, torch.Tensor):
+                weight.copy_(torch.rand(weight.shape, generator=gen) + 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cohere", "persimmon"])
+def test_unlisted_architecture_through_the_command_line(cli, tmp_path, corpus, name):
+    plain = _plain(name, tmp_path / "plain")
+    shown = cli("inspect", plain, "--json")
+    assert shown.exit_code == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert "found by tracing" in info["arch"] and info["would_fold"] > 0
+    would_fold = {n["name"]: n["folds_into"] for n in info["norms"] if n["folds_into"]}
+    tapered, out = tmp_path / "tapered", tmp_path / "out"
+    trained = cli("train", "--from", plain, "--data", corpus, "--steps", "30", "--batch-size", "2", "--out", tapered)
+    assert trained.exit_code == 0, trained.stderr
+    block = json.loads((tapered / "config.json").read_text())["taperfold"]
+    traced = trace.traced_family(transformers.AutoConfig.from_pretrained(plain), name)
+    assert block["family"] == trace.family_to_data(traced)  # recorded as data
+    shown = json.loads(cli("inspect", tapered, "--json").stdout)
+    tapered_norms = {n["name"]: n["folds_into"] for n in shown["norms"] if n["tapered"]}
+    assert tapered_norms == would_fold and all(n["foldable"] for n in shown["norms"] if n["tapered"])
+    assert cli("export", tapered, "-o", out).exit_code == 0
+    verified = cli("verify", out)
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["family_traced"] is True and manifest["source"]["family"] == name
+    assert manifest["fold_report"]["summary"]["folded"] == len(tapered_norms)
+    left = detect_norms(ir.load(out / "model.onnx"))
+    assert left.candidates == [] and len(left.real_norms) == len(manifest["source"]["untapered"])
+    if name == "persimmon":  # its per-head q/k LayerNorms read a per-head split: left, with the reason
+        qk = {k: v for k, v in manifest["source"]["untapered"].items() if re.search(r"[qk]_layernorm$", k)}
+        assert len(qk) == 4 and all("not only by linear layers" in why for why in qk.values())
+
+
+@pytest.fixture(scope="module")
+def tapered_unlisted(tmp_path_factory):
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    return save_hf_directory(tapered_tiny_model("starcoder2"), tmp_path_factory.mktemp("traced") / "tapered", step=3)
+
+
+def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered_unlisted, monkeypatch):
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(trace, "_trace", no_tracing)
+    result = cli("export", tapered_unlisted, "-o", tmp_path / "out", "--no-baseline")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "manifest.json").read_text())["fold_report"]["summary"]
+    assert report["folded"] == 4  # two layers, two norms each
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("norm", "dyt", "must be one of"),
+    ("gain_offset", 1.0, "must be 0"),
+    ("layers", "model.blocks", "not a list of layers"),
+    ("internal", {"input_layernorm": ["self_attn.no_such_proj"]}, "no_such_proj"),
+    ("internal", {"input_layernorm": []}, "non-empty list"),
+    ("post", {"input_layernorm": "mlp.c_proj"}, "which 'internal' names too"),
+    ("final", "model.layers.0.self_attn.q_proj", "not a norm module"),
+    ("norm_eps", -1, "(0, 1]"),
+    ("surprise", 1, "not a known key"),
+])
+def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):
+    folder = shutil.copytree(tapered_unlisted, tmp_path / "in")
+    config = json.loads((folder / "config.json").read_text())
+    config["taperfold"]["family"][key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    for args in (["inspect", folder], ["export", folder, "-o", tmp_path / "out"]):
+        result = cli(*args)
+        assert result.exit_code == 2, (result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(folder / "config.json") in lines[0], result.stderr
+        assert f"'taperfold.family.{key}'" in lines[0] and needle in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
