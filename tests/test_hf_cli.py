@@ -229,3 +229,18 @@ def test_train_from_refuses_bytes_that_do_not_fit(cli, tmp_path):
     config.vocab_size = 128
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     _refused(cli, tmp_path, folder, "'vocab_size'", "byte tokens", command="train-from")
+
+
+def test_moe_directory_with_an_expert_missing(cli, tmp_path):
+    # save_pretrained writes Mixtral's experts one by one; loading stacks them, and a gap would put the next expert
+    # in the missing one's place with the right shape: refused, naming the key after the gap
+    folder = tmp_path / "mixtral"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral")).save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    del tensors[f"{prefix}.1.w1.weight"]
+    tensors[f"{prefix}.4.w1.weight"] = tensors[f"{prefix}.0.w1.weight"].clone()  # the count still matches
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _refused(cli, tmp_path, folder, "model.safetensors", f"'{prefix}.2.w1.weight'", "experts 0 ... 3",
+             command="inspect")
