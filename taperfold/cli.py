@@ -106,12 +106,12 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
 @cli.command()
 @click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True)
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
-@click.option("--taper", type=click.Choice(["internal", "all", "none"]), default=None,
-              help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.  "
-                   "[default: internal; all with --norm dyt]")
+@click.option("--taper", type=click.Choice(["internal", "all", "none"]), default="internal", show_default=True,
+              help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.")
 @click.option("--norm", type=click.Choice(STAND_IN_NORMS), default=None,
               help="Put DyT (Zhu et al. 2025: tanh(αh)·γ + β, no gate) where --taper says instead of tapering the "
-                   "norms; export folds its γ and β and keeps the tanh (docs/dyt.md).")
+                   "norms, and a learnable scalar after the embedding; export folds its γ and β and keeps the tanh "
+                   "(docs/dyt.md).")
 @click.option("--aux/--no-aux", default=True, show_default=True,
               help="Fixed-target scale anchoring loss (eq. 5); none with --norm dyt.")
 @click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=600, show_default=True,
@@ -137,7 +137,6 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     from taperfold.train import TrainOptions, train as train_preset
     from taperfold.ui import train_progress
 
-    taper = taper or ("all" if norm else "internal")
     aux = aux and norm is None
     if norm and taper == "none":
         raise TaperfoldError(f"--norm {norm} with --taper none: --taper says which norms {norm} replaces "

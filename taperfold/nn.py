@@ -166,6 +166,22 @@ class TaperLN(_Tapered):
         return g * normed + (1.0 - g) * (centred * self.c * self.weight_tilde + self.bias)
 
 
+class ScaledEmbedding(nn.Module):
+    """A token embedding times one learnable scalar: what DyT's LLaMA recipe adds after the embedding (Zhu et al.
+    2025, sec. 5), since without a norm nothing else brings the residual stream to the scale the blocks expect.
+    Holds the embedding's own weight (a head tied to it stays tied); the state dict gains `scale`."""
+
+    def __init__(self, embedding: nn.Embedding, scale: float):
+        super().__init__()
+        self.weight = embedding.weight
+        self.padding_idx = embedding.padding_idx
+        self.scale = nn.Parameter(torch.tensor(float(scale), dtype=embedding.weight.dtype,
+                                               device=embedding.weight.device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx) * self.scale
+
+
 def token_scale(h: torch.Tensor, centered: bool, eps: float) -> torch.Tensor:
     """s(h) of eq. 5 per token: r(h) for RMS models, σ_h for LayerNorm models (`centered`). Shape h.shape[:-1]."""
     x = h.float()

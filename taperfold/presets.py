@@ -11,11 +11,13 @@ class Arch:
     """One of taperfold's own architectures (its modeling code is taperfold.models.NAME; its norms and their
     readers are the transformers family of the same name, taperfold.families.NAME)."""
 
+    embedding: str  # the token embedding's module path
     defaults: dict = field(default_factory=dict)  # ModelConfig fields its presets set
     rotary: bool = False  # RoPE: the head dimension must be even
 
 
-ARCHS = {"llama": Arch(rotary=True), "gpt2": Arch(defaults={"norm_eps": 1e-5})}  # ModelConfig.arch values
+ARCHS = {"llama": Arch("model.embed_tokens", rotary=True),  # ModelConfig.arch values
+         "gpt2": Arch("transformer.wte", defaults={"norm_eps": 1e-5})}
 # ModelConfig.norm values besides null: the norm kinds without a gate (taperfold.norms), spelled here so that the
 # command line needs no torch to offer them (a test checks the two agree)
 STAND_IN_NORMS = ("dyt",)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from taperfold.checkpoint import checkpoint_from_model, load_checkpoint, save_checkpoint
-from taperfold.models import baseline_of, build_model, preset_config, random_gate0_model
+from taperfold.models import EMBED_SCALE0, baseline_of, build_model, preset_config, random_gate0_model
+from taperfold.nn import ScaledEmbedding
 from taperfold.norms import norm_kind, norm_kinds
 from taperfold.norms.dyt import DyT, ScaledTanh
 from taperfold.presets import STAND_IN_NORMS
@@ -54,16 +55,23 @@ def test_a_dyt_model_has_no_gate_to_drive_and_its_baseline_has_the_archs_norms()
     model = build_model(preset_config("tiny", norm="dyt", taper="all", n_layers=2))
     assert model.cfg.aux is False and model.gate.value == 0.0 and model.tapering.calibrated
     assert all(isinstance(n, DyT) for n in model.tapered_norms().values()) and len(model.tapered_norms()) == 5
+    # the paper's LLaMA recipe: a learnable scalar after the embedding, the head still tied to the table
+    embedding = model.network.model.embed_tokens
+    assert isinstance(embedding, ScaledEmbedding) and float(embedding.scale) == EMBED_SCALE0
+    assert model.network.lm_head.weight is embedding.weight
     baseline = baseline_of(model)
-    assert baseline.tapering is None
+    assert baseline.tapering is None and isinstance(baseline.network.model.embed_tokens, ScaledEmbedding)
     assert sum(isinstance(m, nn.RMSNorm) for m in baseline.modules()) == 5
+    tapered = build_model(preset_config("tiny", n_layers=2))
+    assert isinstance(tapered.network.model.embed_tokens, nn.Embedding)  # TaperNorm models have no such scalar
     internal = build_model(preset_config("tiny", arch="gpt2", norm="dyt", taper="internal", n_layers=2))
     assert isinstance(internal.network.get_submodule("transformer.ln_f"), nn.LayerNorm)  # the final norm stays
 
 
 @pytest.mark.parametrize("bad,message", [(dict(norm="dyt", taper="none"), "taper 'none'"),
                                          (dict(norm="rms"), "norm must be null"),
-                                         (dict(norm="tanh"), "norm must be null")])
+                                         (dict(norm="tanh"), "norm must be null"),
+                                         (dict(norm="dyt", embed_scale=1), "embed_scale must be")])
 def test_a_wrong_norm_in_a_config_is_refused_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         preset_config("tiny", **bad)
@@ -99,15 +107,17 @@ def test_train_inspect_export_verify_bench_a_dyt_model(cli, tmp_path):
     r = cli("train", "--preset", "tiny", "--norm", "dyt", "--steps", "30", "--batch-size", "4", "-o", ckpt, "--json")
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert (summary["norm"], summary["taper"], summary["aux"], summary["gate"]) == ("dyt", "all", False, 0.0)
+    assert (summary["norm"], summary["taper"], summary["aux"], summary["gate"]) == ("dyt", "internal", False, 0.0)
     r = cli("inspect", ckpt, "--json")
     assert r.exit_code == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["foldable"] == len(info["norms"]) == 9 and {n["kind"] for n in info["norms"]} == {"DyT"}
-    assert all(n["alpha"] > 0 for n in info["norms"])
+    dyts = [n for n in info["norms"] if n["kind"] == "DyT"]
+    assert info["foldable"] == len(dyts) == 8 and all(n["alpha"] > 0 for n in dyts)
+    assert [n["name"] for n in info["norms"] if n["kind"] != "DyT"] == ["model.norm"]  # Internal: the final RMSNorm
     assert cli("export", ckpt, "-o", out).exit_code == 0
     report = json.loads((out / "manifest.json").read_text())["fold_report"]
-    assert {(n["kind"], n["status"], n["reason"]) for n in report["norms"]} == {("dyt", "folded", "γ, β folded, tanh kept")}
+    assert [(n["kind"], n["status"], n["reason"]) for n in report["norms"] if n["kind"] == "dyt"] == \
+        [("dyt", "folded", "γ, β folded, tanh kept")] * 8
     r = cli("verify", out)
     assert r.exit_code == 0, r.stdout + r.stderr
     r = cli("bench", out, "--batch", "1", "--seq", "16", "--warmup", "1", "--iters", "2", "--rounds", "1",

@@ -17,6 +17,7 @@ from taperfold.models.base import CausalLM, num_parameters
 from taperfold.models.config import TAPERS, ModelConfig, implied_parameters, preset_config, validate_config
 from taperfold.models.gpt2 import GPT2LMHeadModel
 from taperfold.models.llama import LlamaForCausalLM
+from taperfold.nn import ScaledEmbedding
 from taperfold.presets import ARCHS, PRESETS
 from taperfold.taper import taper_model
 
@@ -26,9 +27,17 @@ __all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "baseline_of
            "num_parameters", "preset_config", "random_gate0_model", "validate_config"]
 
 
+# 1 / the embedding's initial std (0.02, models.base.init_weights): the residual stream starts at RMS 1, the scale a
+# norm gives the blocks' inputs (DyT computes none: without it q/k gradients start below Adam's ε and do not learn)
+EMBED_SCALE0 = 50.0
+
+
 def build_model(cfg: ModelConfig) -> CausalLM:
     """The model `cfg` describes, tapered as `cfg.taper` says (at gate 1, before any calibration)."""
     model = MODEL_CLASSES[cfg.arch](cfg)
+    if cfg.embed_scale:
+        path = ARCHS[cfg.arch].embedding
+        model.set_submodule(path, ScaledEmbedding(model.get_submodule(path), EMBED_SCALE0))
     if cfg.taper != "none":
         tapering = taper_model(model, family_for(cfg.arch, "config"), cfg.taper, kind=cfg.norm, aux=cfg.aux,
                                aux_weight=cfg.aux_weight, momentum=cfg.ema_momentum, delta=cfg.calib_delta)

@@ -29,6 +29,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     taper: str = "internal"  # none (baseline) | internal (final norm kept) | all
     norm: str | None = None  # None: the arch's own norm, tapered; "dyt": DyT in those places instead (no gate)
+    # a learnable scalar after the token embedding (DyT's LLaMA recipe); None: the norm's default (on for DyT)
+    embed_scale: bool | None = None
     aux: bool = True  # fixed-target scale anchoring loss (eq. 5); never with DyT, which has no taper to anchor
     aux_weight: float = 0.1
     ema_momentum: float = 0.01
@@ -37,8 +39,11 @@ class ModelConfig:
 
     def __post_init__(self):
         validate_config(self)
-        if self.norm is not None and not norm_kind(self.norm).gated:
+        stand_in = self.norm is not None and not norm_kind(self.norm).gated
+        if stand_in:
             self.aux = False  # the scale anchor holds the residual stream's scale through a taper; DyT has none
+        if self.embed_scale is None:
+            self.embed_scale = stand_in
 
     @property
     def kv_heads(self) -> int:
@@ -86,6 +91,8 @@ def validate_config(cfg: "ModelConfig") -> None:
         if cfg.taper == "none":
             raise ValueError(f"norm {cfg.norm!r} with taper 'none': taper says which norms it replaces "
                              "(internal or all)")
+    if cfg.embed_scale is not None and not isinstance(cfg.embed_scale, bool):
+        raise ValueError(f"embed_scale must be true, false or null, got {cfg.embed_scale!r}")
     for name in ("tie_embeddings", "aux"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
