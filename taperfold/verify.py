@@ -12,8 +12,9 @@ gate. Pairs (reference -> candidate):
   report's note says there is nothing folded to verify
 - checkpoint -> engine: the TensorRT plan, when the export has one; skipped, with the reason, when
   TensorRT or a GPU is missing
-- with decoders (`export --kv-cache`), every `*.decoder.onnx` against the same torch model decoding:
-  a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's logits compared
+- with decoders (`export --kv-cache`), every `*.decoder.onnx` and `*.static.onnx` against the same torch model
+  decoding with a growing cache: a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's
+  logits compared (a static decoder's prompt and steps write its fixed-size cache at their positions)
 
 Every graph runs on shapes far from the one the exporter traced (export.TRACE_SHAPE, TRACE_PAST):
 batch 1 and 4, sequence 1 to the model's longest, past 0 to the longest, so a graph that only works
@@ -27,7 +28,9 @@ reported but never fails: the user asked for the change, and how much loss it is
 
 from __future__ import annotations
 
+import ctypes
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,8 +40,8 @@ import numpy as np
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.engines import ENGINES, open_runners
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, INPUT, OUTPUT, UNFOLDED, Manifest,
-                                 artifact_key, decoder_io_names, read_manifest)
+from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, GROWING, INPUT, KV_CACHES,
+                                 OUTPUT, STATIC, UNFOLDED, Manifest, artifact_key, read_manifest)
 from taperfold.runners.base import Runner
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
@@ -279,30 +282,38 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     ENGINES[GRAPH_ENGINE].require(device)
     ckpt = _load_reference_checkpoint(manifest)
     cfg, dtype, logits, forced = ckpt.config, manifest.dtype, manifest.logits, manifest.forced_gate0
+    checkpoint_path, stored_gate = ckpt.path, ckpt.gate
     batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
     id_arrays = [_checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
 
     # The torch references run in fp32 on the CPU, whatever the export's dtype: they are the truth.
     torch_engine, graph_engine, plan_engine = (ENGINES[name] for name in (REFERENCE_ENGINE, GRAPH_ENGINE, PLAN_ENGINE))
     reference = "checkpoint@g=0" if forced else "checkpoint"
+    at_gate = f"checkpoint@g={stored_gate:g}"
     baseline_only = _baseline_only(manifest)
-    # each torch model is built once and shared by the prefill and the decoder checks
-    models = {reference: ckpt.build(gate=0.0 if forced else None)}
-    if not baseline_only and any(manifest.has_artifact(v, decoder=d) for v in (BASELINE, DECOMPOSED_BASELINE)
-                                 for d in (False, True)):
-        models[TORCH_BASELINE] = ckpt.build_baseline()  # the source's own untapered norms
-    runners = {reference: torch_engine.runner(models[reference], device="cpu", logits=logits,
-                                              name=f"{ckpt.path} (reference)")}
+    # built when asked for, from one copy of the checkpoint's weights; shared by the prefill and the decoder checks
+    models = TorchModels(manifest, ckpt, {reference: lambda source: source.build(gate=0.0 if forced else None),
+                                          at_gate: lambda source: source.build(),
+                                          TORCH_BASELINE: lambda source: source.build_baseline()})
+    del ckpt  # `models` holds the weights now, and lets them go when the torch models have run
+
+    def torch_model(name: str, label: str) -> ModelRun:
+        return ModelRun(name, lambda: torch_engine.runner(models[name], device="cpu", logits=logits, name=label))
+
+    def graph(variant: str) -> ModelRun:
+        return ModelRun(variant, lambda: graph_engine.runner(manifest.artifact(variant), device=device,
+                                                             threads=threads))
+
+    # One model in memory at a time: the torch models first (then the checkpoint goes), then each graph
+    run = [torch_model(reference, f"{checkpoint_path} (reference)")]
     if forced:
-        runners[f"checkpoint@g={ckpt.gate:g}"] = torch_engine.runner(ckpt.build(), device="cpu", logits=logits,
-                                                                     name=f"{ckpt.path} at g = {ckpt.gate:g}")
+        run.append(torch_model(at_gate, f"{checkpoint_path} at g = {stored_gate:g}"))
     overrides = tolerances or {}
     export_tol = default_tolerance(dtype, "export").override(**overrides)
     fold_tol = default_tolerance(dtype, "fold").override(**overrides)
-    pairs = []
+    pairs, graphs = [], []
     if not baseline_only:
-        for variant in (UNFOLDED, FOLDED):
-            runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
+        graphs += [graph(UNFOLDED), graph(FOLDED)]
         pairs += [PairResult(reference, UNFOLDED, "export", export_tol),
                   PairResult(reference, FOLDED, "export", export_tol),
                   PairResult(UNFOLDED, FOLDED, "fold", fold_tol)]
@@ -311,10 +322,9 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
         # a plain checkpoint is its own baseline: its forward is the reference, built once
         baseline_ref = reference if baseline_only else TORCH_BASELINE
         if not baseline_only:
-            runners[TORCH_BASELINE] = torch_engine.runner(models[TORCH_BASELINE], device="cpu", logits=logits,
-                                                          name=f"{ckpt.path} with plain norms (reference)")
+            run.append(torch_model(TORCH_BASELINE, f"{checkpoint_path} with plain norms (reference)"))
         for variant in baselines:
-            runners[variant] = graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
+            graphs.append(graph(variant))
             pairs.append(PairResult(baseline_ref, variant, "export", export_tol))
         if len(baselines) == 2:  # the fused norm against the plain ops it replaced
             pairs.append(PairResult(DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol))
@@ -325,48 +335,105 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
         if why_not:
             engine_pair.status, engine_pair.reason = "skipped", why_not
         else:
-            runners[ENGINE_ARTIFACT] = plan_engine.runner(manifest.engine_plan(FOLDED))
+            graphs.append(ModelRun(ENGINE_ARTIFACT, lambda: plan_engine.runner(manifest.engine_plan(FOLDED))))
     if forced:
-        pairs.append(PairResult(f"checkpoint@g={ckpt.gate:g}", FOLDED, "cost", None, status="info"))
+        pairs.append(PairResult(at_gate, FOLDED, "cost", None, status="info"))
+    run[-1].then = models.release
+    run += graphs
 
     progress = on_progress or (lambda done, total, description: None)
-    _run(list(zip(batches, id_arrays)), runners, pairs, threads, progress)
-    if any(manifest.has_artifact(v, decoder=True) for v in (UNFOLDED, BASELINE)):
-        pairs += _verify_decoders(manifest, ckpt.config, models, reference, dtype, device, threads, export_tol, seed,
+    _run(list(zip(batches, id_arrays)), run, pairs, threads, progress)
+    if any(manifest.has_artifact(v, decoder=cache) for v in (UNFOLDED, BASELINE) for cache in KV_CACHES):
+        pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed,
                                   progress)
+        models.release()
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
-                        note=NOTHING_FOLDED.format(checkpoint=ckpt.path) if baseline_only else None,
-                        checkpoint={"path": str(ckpt.path), "sha256": manifest.checkpoint_sha256,
-                                    "gate": ckpt.gate, "reference_gate": 0.0 if forced else ckpt.gate},
+                        note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if baseline_only else None,
+                        checkpoint={"path": str(checkpoint_path), "sha256": manifest.checkpoint_sha256,
+                                    "gate": stored_gate, "reference_gate": 0.0 if forced else stored_gate},
                         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
                         pairs=pairs)
 
 
-def _run(batches: list[tuple[InputBatch, np.ndarray]], runners: dict[str, Runner], pairs: list[PairResult],
+class TorchModels(Mapping):
+    """The torch models verify holds graphs to, by name, each built from the checkpoint when asked for and not kept:
+    they hold the checkpoint's own tensors (sources.ModelSource.build), so several at once cost one copy of the
+    weights. `release()` lets the checkpoint go; a model asked for afterwards reads it again (checked against
+    manifest.json as the first time)."""
+
+    def __init__(self, manifest: Manifest, source: ModelSource, builders: dict[str, Callable[[ModelSource], object]]):
+        self._manifest, self._source, self._builders = manifest, source, builders
+
+    def __getitem__(self, name: str):
+        if self._source is None:
+            self._source = _load_reference_checkpoint(self._manifest)
+        return self._builders[name](self._source)
+
+    def __iter__(self):
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def release(self) -> None:
+        self._source = None
+
+
+@dataclass
+class ModelRun:
+    """One model of verify's prefill run: its runner is made when its turn comes, and closed before the next's."""
+
+    name: str
+    runner: Callable[[], Runner]
+    then: Callable[[], None] = lambda: None  # after its runs: let go of what no later model needs
+
+
+def _run(batches: list[tuple[InputBatch, np.ndarray]], run: list[ModelRun], pairs: list[PairResult],
          threads: int | None, progress: Callable[[int, int, str], None]) -> None:
-    """Run every model on every batch and fill in the pairs. One batch at a time: only its logits are held."""
+    """Run each model of `run` in turn on every batch, closing it before the next one opens (one model's weights in
+    memory at a time); a pair is compared as soon as both its models have run, and a model's logits are dropped once
+    no pair waits for them."""
     import torch
 
     judged = [p for p in pairs if p.status != "skipped"]
+    waiting = list(judged)
     collected: dict[str, list[Metrics]] = {p.name: [] for p in judged}
-    total, done = len(batches) * len(runners), 0
+    logits: dict[str, list[np.ndarray]] = {}
+    total, done = len(batches) * len(run), 0
     torch_threads = torch.get_num_threads()
     try:
         if threads:
             torch.set_num_threads(threads)
-        with open_runners(runners):
-            for batch, ids in batches:
-                outputs = {}
-                for name, runner in runners.items():
-                    progress(done, total, f"{name} on {batch.label}")
-                    outputs[name] = runner.infer({INPUT: ids})[OUTPUT].astype(np.float32)
+        for model in run:
+            outputs = []
+            with model.runner() as runner:
+                for batch, ids in batches:
+                    progress(done, total, f"{model.name} on {batch.label}")
+                    outputs.append(runner.infer({INPUT: ids})[OUTPUT].astype(np.float32))
                     done += 1
-                for pair in judged:
-                    _compare_one(pair, batch, outputs[pair.reference], outputs[pair.candidate], collected[pair.name])
+            del runner
+            model.then()
+            _return_freed_memory()
+            logits[model.name] = outputs
+            for pair in [p for p in waiting if p.reference in logits and p.candidate in logits]:
+                for (batch, _), ref, cand in zip(batches, logits[pair.reference], logits[pair.candidate]):
+                    _compare_one(pair, batch, ref, cand, collected[pair.name])
+                waiting.remove(pair)
+            logits = {name: out for name, out in logits.items()
+                      if any(name in (p.reference, p.candidate) for p in waiting)}
     finally:
         torch.set_num_threads(torch_threads)
     for pair in judged:
         _conclude(pair, collected[pair.name])
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap a closed model freed back to the system: glibc keeps it otherwise, and ONNX Runtime sessions
+    opened one after another then grew the process by ~0.5x the weights each (a 1.5 GB model, measured)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _compare_one(pair: PairResult, batch: InputBatch, reference: np.ndarray, candidate: np.ndarray,
@@ -402,58 +469,67 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
 
 def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtype: str, device: str,
                      threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
-    """Every *.decoder.onnx against its torch model (`models`: name -> model, as verify_export built them)
-    decoding the same tokens (see decode_cases)."""
-    variants = [v for v in (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
-                if manifest.has_artifact(v, decoder=True)]
+    """Every decoder graph (`*.decoder.onnx`, `*.static.onnx`) against its torch model (`models`: name -> model, as
+    verify_export built them) decoding the same tokens with a growing cache (see decode_cases): a static graph is
+    held to the same reference as a growing one, at every step. A static graph decodes cases that fit its cache."""
+    variants = (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
+    graphs = [(v, cache) for cache in KV_CACHES for v in variants if manifest.has_artifact(v, decoder=cache)]
     baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
-    refs = {v: baseline_ref if v in (BASELINE, DECOMPOSED_BASELINE) else reference for v in variants}
-    pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
-    cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
-    why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
-               f"the context ({cfg.max_seq_len}) holds no prompt and {DECODE_STEPS} steps" if not cases else None)
-    if why_not:
-        for pair in pairs.values():
+    refs = {g: baseline_ref if g[0] in (BASELINE, DECOMPOSED_BASELINE) else reference for g in graphs}
+    keys = {g: artifact_key(*g) for g in graphs}
+    pairs = {g: PairResult(refs[g], keys[g], "export", tolerance) for g in graphs}
+    cache_len = {GROWING: None, STATIC: manifest.max_cache or cfg.max_seq_len}
+    cases = {cache: decode_cases(cfg.vocab_size, cache_len[cache] or cfg.max_seq_len, seed) for _, cache in graphs}
+    for g, pair in pairs.items():
+        why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
+                   f"{'the static cache' if g[1] == STATIC else 'the context'} ({cache_len[g[1]] or cfg.max_seq_len}) "
+                   f"holds no prompt and {DECODE_STEPS} steps" if not cases[g[1]] else None)
+        if why_not:
             pair.status, pair.reason = "skipped", why_not
+    judged = [g for g in graphs if pairs[g].status != "skipped"]
+    if not judged:
         return list(pairs.values())
-    torch_models = {name: models[name] for name in set(refs.values())}
+    torch_models = {name: models[name] for name in {refs[g] for g in judged}}
     torch_engine, graph_engine = ENGINES[REFERENCE_ENGINE], ENGINES[GRAPH_ENGINE]
     runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
                                   for name, model in torch_models.items()}
-    runners.update({v: graph_engine.runner(manifest.artifact(v, decoder=True), device=device, threads=threads,
-                                           decoder=True) for v in variants})
-    collected: dict[str, list[Metrics]] = {v: [] for v in variants}
-    total, done = len(cases) * len(runners), 0
+    runners.update({keys[g]: graph_engine.runner(manifest.artifact(*g), device=device, threads=threads,
+                                                 decoder=g[1]) for g in judged})
+    collected: dict[tuple, list[Metrics]] = {g: [] for g in judged}
+    reference_logits: dict[tuple[str, str], list[np.ndarray]] = {}  # (torch model, case label): one run per case
+    total = sum(len(cases[g[1]]) for g in judged) + len({(refs[g], c.label) for g in judged for c in cases[g[1]]})
+    done = 0
     with open_runners(runners):
-        for case in cases:
-            steps = {}
-            for name, runner in runners.items():
-                progress(done, total, f"{name} decoding {case.label}")
-                kv_dtype = "fp32" if name in torch_models else dtype
-                steps[name] = _decode_logits(runner, case.ids, cfg, kv_dtype)
+        for g in judged:
+            for case in cases[g[1]]:
+                ref_key = (refs[g], case.label)
+                if ref_key not in reference_logits:
+                    progress(done, total, f"{refs[g]} decoding {case.label}")
+                    reference_logits[ref_key] = _decode_logits(runners[refs[g]], case.ids, cfg, "fp32")
+                    done += 1
+                progress(done, total, f"{keys[g]} decoding {case.label}")
+                candidate = _decode_logits(runners[keys[g]], case.ids, cfg, dtype, cache_len[g[1]])
                 done += 1
-            for variant, pair in pairs.items():
-                for k, (ref, cand) in enumerate(zip(steps[refs[variant]], steps[variant])):
+                for k, (ref, cand) in enumerate(zip(reference_logits[ref_key], candidate)):
                     label = f"{case.label} {'prompt' if k == 0 else f'step {k}'}"
-                    _compare_one(pair, InputBatch(label, case.ids), ref, cand, collected[variant])
-    for variant, pair in pairs.items():
-        _conclude(pair, collected[variant])
+                    _compare_one(pairs[g], InputBatch(label, case.ids), ref, cand, collected[g])
+    for g in judged:
+        _conclude(pairs[g], collected[g])
     return list(pairs.values())
 
 
-def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str) -> list[np.ndarray]:
-    """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past) and of each KV-cached step
-    fed the next column of ids; the presents stay in the runner's own form between steps."""
-    from taperfold.bench.decode import empty_cache
+def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str,
+                   cache_len: int | None = None) -> list[np.ndarray]:
+    """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past; a static cache of `cache_len`) and of
+    each KV-cached step fed the next column of ids; the presents stay in the runner's own form between steps."""
+    from taperfold.bench.decode import prompt_feeds, step_feeds
 
-    past_names, present_names = (names[1:] for names in decoder_io_names(cfg.n_layers))
     prompt = ids.shape[1] - DECODE_STEPS
-    feeds = {INPUT: ids[:, :prompt], **empty_cache(cfg, ids.shape[0], kv_dtype)}
+    feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
     logits = []
     for k in range(DECODE_STEPS + 1):
         out = runner.infer(feeds)
         logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
         if k < DECODE_STEPS:
-            feeds = {INPUT: ids[:, prompt + k:prompt + k + 1],
-                     **{past: out[present] for past, present in zip(past_names, present_names)}}
+            feeds = step_feeds(cfg, ids[:, prompt + k:prompt + k + 1], out, prompt + k, cache_len is not None)
     return logits

@@ -8,9 +8,11 @@ Their norms and the layers that read them are described by the transformers fami
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from taperfold.families import family_for
 from taperfold.models.base import CausalLM, num_parameters
@@ -23,8 +25,8 @@ from taperfold.taper import taper_model
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}  # one per ARCHS entry
 
-__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "baseline_of", "build_model", "implied_parameters",
-           "num_parameters", "preset_config", "random_gate0_model", "validate_config"]
+__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "baseline_of", "build_model", "build_with_weights",
+           "implied_parameters", "num_parameters", "preset_config", "random_gate0_model", "validate_config"]
 
 
 # 1 / the embedding's initial std (0.02, models.base.init_weights): the residual stream starts at RMS 1, the scale a
@@ -51,10 +53,57 @@ def baseline_of(model: CausalLM) -> CausalLM:
     a DyT model, the arch's own norms where it has DyTs (γ, β copied): the same places, timed, not the same
     function."""
     cfg = replace(model.cfg, taper="none", norm=None, aux=False)
-    base = build_model(cfg)
-    state = {k: v for k, v in model.state_dict().items() if k in base.state_dict()}
-    base.load_state_dict(state, strict=True)
+    with torch.device("meta"):  # its keys only
+        keys = set(build_model(cfg).state_dict())
+    # the baseline holds the model's own tensors (no copy): neither is changed in place
+    base, missing, _ = build_with_weights(cfg, {k: v for k, v in model.state_dict().items() if k in keys})
+    if missing:
+        raise ValueError(f"the model has no {missing[0]!r} for its baseline")
     return base.to(next(model.parameters()).dtype)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no initialisation) and their
+    buffers as usual: the rotary tables and positions are computed at construction and are in no state dict."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:  # a meta one is a tie (lm_head = embedding): keep it
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[CausalLM, list[str], list[str]]:
+    """The model `cfg` describes, holding the tensors of `state` themselves: no freshly initialised copy and no
+    second one (a 5 GB checkpoint stays 5 GB once built). A tensor of another dtype than the model's is cast (a
+    copy, as load_state_dict makes); a tied weight (lm_head = embedding) stays one parameter whichever of its keys
+    `state` has. Returns (model, missing keys, unexpected keys) as load_state_dict does; a missing parameter is
+    left on the meta device, so the caller must refuse the model."""
+    with _parameters_on_meta():
+        model = build_model(cfg)
+    ties = {}  # a parameter several modules hold: id -> all its names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(param), []).append(name)
+    expected = model.state_dict()
+    state = {k: v.to(expected[k].dtype) if k in expected and v.dtype != expected[k].dtype else v
+             for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    for names in (names for names in ties.values() if len(names) > 1):
+        loaded = next((n for n in names if n in state), None)
+        if loaded is None:
+            continue  # none of its keys: reported missing
+        for name in names:  # assign=True gave each key its own Parameter: one again
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(loaded))
+        missing = [k for k in missing if k not in names]
+    return model, missing, unexpected
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import torch
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for
 from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
-from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, implied_parameters
+from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, build_with_weights, implied_parameters
 from taperfold.sources.base import ModelSource, SourceKind, read_safetensors
 
 FORMAT = "taperfold-checkpoint"
@@ -50,9 +50,9 @@ class Checkpoint(ModelSource):
         return "trained with --taper none; `taperfold train --taper internal` trains a tapered one"
 
     def build(self, gate: float | None = None) -> CausalLM:
-        """The model in eval mode at the stored gate (or `gate`), weights loaded and checked."""
-        model = build_model(self.config)
-        _load_into(model, self.state_dict, self.path)
+        """The model in eval mode at the stored gate (or `gate`), weights checked. It holds the checkpoint's
+        tensors themselves (no copy: models built from one checkpoint share them, and none is changed in place)."""
+        model = _load_into(self.config, self.state_dict, self.path)
         model.set_gate(self.gate if gate is None else gate)
         return model.eval()
 
@@ -250,12 +250,12 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
                                  f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
 
 
-def _load_into(model: CausalLM, state: dict, path) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied_ok = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
-    if set(missing) - tied_ok or unexpected:
-        raise TaperfoldError(f"{path}: state dict does not match the model (missing {sorted(set(missing) - tied_ok)}, "
+def _load_into(config: ModelConfig, state: dict, path) -> CausalLM:
+    model, missing, unexpected = build_with_weights(config, state)
+    if missing or unexpected:
+        raise TaperfoldError(f"{path}: state dict does not match the model (missing {sorted(missing)}, "
                              f"unexpected {sorted(unexpected)})")
+    return model
 
 
 # Claims every path no other kind claims; its manifest configs are ModelConfigs (a transformers model's names
