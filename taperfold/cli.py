@@ -16,7 +16,7 @@ from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
 from taperfold.interrupts import interrupted_line
-from taperfold.exportdir import DTYPES, LOGITS, VARIANT_TABLE, VARIANTS
+from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIANTS
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
 
@@ -217,7 +217,12 @@ def inspect(checkpoint, as_json):
                    "norm form (docs/opsets.md).  [default: trt with --trt, else ort]")
 @click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET),
               help="One opset for every graph, instead of the per-graph table (docs/opsets.md).")
-@click.option("--kv-cache", is_flag=True, help="Also export KV-cached decoders (*.decoder.onnx) for bench --mode decode.")
+@click.option("--kv-cache", metavar="[growing|static]", is_flag=False, flag_value="growing",
+              help="Also export KV-cached decoders for bench --mode decode: growing (the flag alone; *.decoder.onnx, "
+                   "the cache grows every step), static (*.static.onnx: a fixed-size cache written at a position, "
+                   "the same shapes every step), or growing,static.")
+@click.option("--max-cache", type=click.IntRange(min=1),
+              help="The static cache's length (with --kv-cache static).  [default: the model's context]")
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also export baseline.onnx (plain norms, the benchmark's reference).")
@@ -228,25 +233,26 @@ def inspect(checkpoint, as_json):
 @click.option("--trt-seq", metavar="MIN/OPT/MAX",
               help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, force_gate0, baseline,
-           fuse_projections, trt_batch, trt_seq, as_json):
+def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, max_cache,
+           force_gate0, baseline, fuse_projections, trt_batch, trt_seq, as_json):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
     from taperfold import interrupts
-    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.exportdir import is_export_dir
     from taperfold.fsutil import Output, check_outputs
     from taperfold.ui import print_export, stage_status
 
+    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
+                         kv_cache=tuple(kv_cache.split(",")) if kv_cache else False, max_cache=max_cache,
+                         force_gate0=force_gate0, baseline=baseline, fuse_projections=fuse_projections)
+    check_options(opts)
     check_outputs([Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
                   inputs=[checkpoint])
     if to_trt:
         from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
-    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
-                         kv_cache=kv_cache, force_gate0=force_gate0, baseline=baseline,
-                         fuse_projections=fuse_projections)
     with stage_status(quiet=as_json) as show_stage:
         def on_stage(name: str) -> None:
             interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
@@ -373,6 +379,9 @@ def _engine_options(command):
               help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context]")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Decode steps after the prompt (decode).")
+@click.option("--kv-cache", type=click.Choice(KV_CACHES),
+              help="The decoders' KV cache (decode): static (fixed-size buffers written at a position) or growing.  "
+                   "[default: static where the export has static decoders (torch: where the model takes one)]")
 @click.option("--dtype", type=click.Choice(DTYPES),
               help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.")
 @click.option("--device", type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
@@ -391,7 +400,7 @@ def _engine_options(command):
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False),
               help="Write one row per variant, cell and phase ('-': stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
-def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, dtype,
+def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, kv_cache, dtype,
           device, threads, checkpoint, preset, arch, seed, json_path, csv_path, plot_path, **engine_options):
     """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
@@ -399,6 +408,7 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     Examples:
       taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
+      taperfold bench out/ --engine ort --mode decode --kv-cache growing
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
@@ -430,7 +440,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
     opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches, MAX_BATCH),
                         seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS), warmup=warmup, iters=iters,
                         rounds=rounds or min(5, iters), mode=mode, prompt=prompt or DEFAULT_PROMPT,
-                        new_tokens=new_tokens, dtype=dtype, device=device or ENGINES[engine].default_device,
+                        new_tokens=new_tokens, kv_cache=kv_cache, dtype=dtype,
+                        device=device or ENGINES[engine].default_device,
                         threads=threads, engine_options=changed_options(engine_options), seed=seed)
     opts, notes = fit_to_context(opts, source.config, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:
@@ -490,7 +501,7 @@ def demo(ctx, out_dir, steps):
          dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),
         ("2/6 inspect", inspect, dict(checkpoint=str(ckpt))),
         ("3/6 export: baseline, unfolded and folded ONNX", export,
-         dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache=True)),
+         dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache="growing")),
         ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
         ("5/6 bench: last-token logits (prefill), ONNX Runtime CPU", bench,
          dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20,

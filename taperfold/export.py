@@ -17,9 +17,18 @@ artifact entry says what was fused (`projections`, null when the option was off)
 Each graph's opset comes from `taperfold.opsets` (per graph: prefill or decoder; per target: ONNX
 Runtime or TensorRT) unless `--opset` overrides it; the manifest records the choice per artifact.
 
-With `kv_cache=True` each variant also gets a KV-cached decoder (`*.decoder.onnx`), with the tensor
-names optimum and onnxruntime-genai use: inputs `input_ids`, `past_key_values.{i}.key|value`,
-outputs `logits`, `present.{i}.key|value` (axes batch, kv_heads, past_sequence_length, head_dim).
+With `kv_cache` each variant also gets KV-cached decoders, with the tensor names optimum and onnxruntime-genai
+use: inputs `input_ids`, `past_key_values.{i}.key|value`, outputs `logits`, `present.{i}.key|value`. Two caches
+(`kv_cache=True` or "growing", "static", or both):
+
+- growing (`*.decoder.onnx`): the cache axes are (batch, kv_heads, past_sequence_length, head_dim); present is past
+  plus the new tokens, so every step has new shapes;
+- static (`*.static.onnx`): the cache is `max_cache` long (default: the model's context) and a `cache_position`
+  input (int64 [sequence], transformers' name) says where the new tokens go; the graph writes their keys and values
+  there (ScatterElements on the past input: onnxruntime-genai's past_present_share_buffer binds present to the past's
+  buffer, which ONNX Runtime then updates in place) and masks every position beyond each query's. Every step has
+  the same shapes: what CUDA graphs need. taperfold's own models take one, and transformers models as
+  transformers' StaticCache (hf/model.py) unless their cache has sliding-window layers (STATIC_CACHE_REFUSED).
 """
 
 from __future__ import annotations
@@ -38,8 +47,8 @@ from torch import nn
 from taperfold import exportdir
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
-from taperfold.exportdir import (BASELINE, DTYPES, FOLDED, INPUT, LOGITS, MANIFEST, OUTPUT, UNFOLDED, decoder_io_names,
-                                 onnx_file, torch_dtype)
+from taperfold.exportdir import (BASELINE, DTYPES, FOLDED, GROWING, INPUT, KV_CACHES, LOGITS, MANIFEST,
+                                 OUTPUT, STATIC, UNFOLDED, cache_of, decoder_io_names, onnx_file, torch_dtype)
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.norms import norm_kinds
 from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
@@ -72,10 +81,24 @@ class ExportOptions:
     dtype: str = "fp32"
     opset: int | None = None  # None: per graph and target from taperfold.opsets.TABLE
     target: str = "ort"  # "ort" (ONNX Runtime) | "trt" (TensorRT's ONNX parser): decides opsets and norm fusion
-    kv_cache: bool = False
+    kv_cache: bool | str | tuple[str, ...] = False  # decoders: True = "growing", "static", or both as a tuple
+    max_cache: int | None = None  # the static cache's length (None: the model's context)
     force_gate0: bool = False
     baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
     fuse_projections: bool = True  # every graph: linear layers reading one tensor become one and a Split
+
+    @property
+    def caches(self) -> tuple[str, ...]:
+        """The decoders to export, in KV_CACHES order (the growing one first)."""
+        if self.kv_cache is False or self.kv_cache is None:
+            return ()
+        asked = (self.kv_cache,) if isinstance(self.kv_cache, (bool, str)) else tuple(self.kv_cache)
+        kinds = {GROWING if kind is True else kind for kind in asked}
+        unknown = sorted(str(kind) for kind in kinds - set(KV_CACHES))
+        if unknown or not kinds:
+            raise TaperfoldError(f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got "
+                                 f"{','.join(unknown) or 'nothing'}")
+        return tuple(kind for kind in KV_CACHES if kind in kinds)
 
 
 @dataclass
@@ -100,6 +123,21 @@ class _Decoder(nn.Module):
         return logits, *[t for kv in present for t in kv]
 
 
+class _StaticDecoder(_Decoder):
+    """The static cache's decoder: the model writes the new keys and values into its cache buffers in place; the
+    copies make the exported graph a function of its inputs (ScatterElements(past) → present, no copy node)."""
+
+    def forward(self, input_ids, cache_position, past: list[torch.Tensor]):
+        pairs = [(past[2 * i].clone(), past[2 * i + 1].clone()) for i in range(len(past) // 2)]
+        logits, present = self.model(input_ids, logits="last", past_key_values=pairs, use_cache=True,
+                                     cache_position=cache_position)
+        return logits, *[t for kv in present for t in kv]
+
+
+STATIC_CACHE_REFUSED = ("{path}: --kv-cache static: the model's transformers cache has sliding-window layers, which "
+                        "keep a window rather than the positions a static cache names; use --kv-cache growing")
+
+
 @contextlib.contextmanager
 def _quiet():
     """torch.onnx prints progress lines and warnings meant for its own debugging; keep ours clean."""
@@ -114,16 +152,26 @@ def _quiet():
             logger.setLevel(level)
 
 
-def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool = False, opset: int | None = None):
+def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = False, opset: int | None = None):
     """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
-    one `opts` chooses for this graph)."""
+    one `opts` chooses for this graph). `decoder`: False (prefill), True / "growing" or "static" (exportdir)."""
     opset = opset or choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset).opset
     cfg = model.cfg
     batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
     seq_len, past_len = trace_lengths(cfg.max_seq_len)
     ids = torch.randint(0, cfg.vocab_size, (TRACE_SHAPE[0], seq_len))
-    if decoder:
+    if cache_of(decoder) == STATIC:
+        cache_len = static_cache_length(cfg, opts)
+        seq = torch.export.Dim("sequence", min=1, max=cache_len)
+        seq_len = min(seq_len, cache_len // 2)  # a prompt that fits, not the whole cache (2 at least: MIN_CONTEXT)
+        ids = ids[:, :seq_len]
+        kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, cache_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
+        past = [kv.clone() for _ in range(2 * cfg.n_layers)]
+        inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
+        module, args, kwargs = _StaticDecoder(model), (ids, torch.arange(seq_len), past), {}
+        shapes = ({0: batch, 1: seq}, {0: seq}, [{0: batch}] * len(past))
+    elif decoder:
         past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
         kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, past_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
@@ -160,12 +208,34 @@ def _load(path: Path):
 
 
 def check_options(opts: ExportOptions) -> None:
-    """A bad --dtype, --logits, --target or --opset fails before any work."""
+    """A bad --dtype, --logits, --target, --opset, --kv-cache or --max-cache fails before any work."""
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
     choose_opset(opts.target, "prefill", opts.opset)
+    if opts.max_cache is not None:
+        if STATIC not in opts.caches:
+            raise TaperfoldError(f"--max-cache {opts.max_cache}: only a static cache has a length; add --kv-cache "
+                                 "static")
+        if opts.max_cache < MIN_CONTEXT:
+            raise TaperfoldError(f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got "
+                                 f"{opts.max_cache}")
+
+
+def static_cache_length(cfg, opts: ExportOptions) -> int:
+    """The static cache's length: --max-cache, or the model's context."""
+    return opts.max_cache or cfg.max_seq_len
+
+
+def _check_static_cache(source: ModelSource, model: TaperedLM, opts: ExportOptions) -> None:
+    if STATIC not in opts.caches:
+        return
+    if not model.static_cache:
+        raise TaperfoldError(STATIC_CACHE_REFUSED.format(path=source.path))
+    if opts.max_cache is not None and opts.max_cache > source.config.max_seq_len:
+        raise TaperfoldError(f"--max-cache {opts.max_cache} exceeds the model's context (max_seq_len "
+                             f"{source.config.max_seq_len}): positions beyond it have no embedding")
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
@@ -185,6 +255,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOp
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
+    _check_static_cache(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         exported = export_graphs(sources, tmp, opts, on_stage)
@@ -206,13 +277,13 @@ class ExportedGraphs:
 def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions,
                   on_stage=lambda name: None) -> ExportedGraphs:
     """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
-    KV-cache decoders with `opts.kv_cache`; an unfolded graph is also folded and written as `folded`. The fold
+    KV-cache decoders `opts.caches` names; an unfolded graph is also folded and written as `folded`. The fold
     reports name norms by their paths in the model's `network`, as the family does."""
     from taperfold.passes import fold_model
 
     out = ExportedGraphs()
     timings = out.timings
-    for decoder in (False, True) if opts.kv_cache else (False,):
+    for decoder in (False, *opts.caches):
         choice = choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset)
         for variant, model in sources:
             name = exportdir.artifact_key(variant, decoder)
@@ -346,10 +417,13 @@ def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder:
         config=source.config.to_dict(), gate=source.gate, forced_gate0=source.tapered and source.gate != 0.0,
         export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
                 "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
-                "kv_cache": opts.kv_cache, "fuse_projections": opts.fuse_projections,
+                "kv_cache": list(opts.caches),
+                "max_cache": static_cache_length(source.config, opts) if STATIC in opts.caches else None,
+                "fuse_projections": opts.fuse_projections,
                 "inputs": [INPUT], "outputs": [OUTPUT]},
         versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get(UNFOLDED),
-        decoder_fold_report=exported.reports.get("unfolded.decoder"),
+        decoder_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, GROWING)),
+        static_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, STATIC)),
         timings=exported.timings)
     manifest.update(source.manifest_block())
     if not source.tapered:

@@ -5,7 +5,9 @@
     DIR/baseline.decomposed.onnx  the same RMSNorm as plain ops (what hand-written norms export to)
     DIR/unfolded.onnx          tapered norms at g = 0 as explicit constant multiplies
     DIR/model.onnx             those constants folded into their readers (the "folded" variant)
-    DIR/*.decoder.onnx         KV-cached decoders of each variant (`export --kv-cache`)
+    DIR/*.decoder.onnx         KV-cached decoders of each variant, the cache growing every step (`export --kv-cache`)
+    DIR/*.static.onnx          KV-cached decoders with a static cache: fixed-size buffers written at a position
+                               (`export --kv-cache static`)
     DIR/*.plan                 TensorRT engines (`export --trt`, or built by `bench --engine trt`)
     DIR/*.onnx.data            each graph's weights (external data)
 
@@ -33,7 +35,7 @@ class Variant:
     """One row of the variant table: what a variant is, and what its files are called."""
 
     name: str
-    stem: str  # its files: STEM.onnx, STEM.decoder.onnx (with --kv-cache), STEM.plan (TensorRT)
+    stem: str  # its files: STEM.onnx, STEM.decoder.onnx / STEM.static.onnx (--kv-cache), STEM.plan (TensorRT)
     meaning: str
     default: bool = False  # in the set bench and verify take when none is named
     exported: bool = True  # written by `taperfold export` (else a reference built for timing only)
@@ -89,15 +91,37 @@ def canonical_variants(names: list[str]) -> list[str]:
     return list(dict.fromkeys(ALIASES.get(n, n) for n in names))
 
 
-def artifact_key(variant: str, decoder: bool = False) -> str:
-    """The key of `variant`'s graph in manifest.json's `artifacts`: `folded`, `unfolded.decoder`, ..."""
-    return canonical_variant(variant) + (".decoder" if decoder else "")
+# The KV caches a decoder may have: growing (past + new every step, the shapes change each step) and static
+# (buffers of a fixed length written at a position: every step has the same shapes). Each is a graph of its own,
+# named by its suffix. Wherever a graph is named, `decoder` is False (the prefill graph), True (the growing
+# decoder, what `--kv-cache` meant before static caches) or one of KV_CACHES.
+GROWING, STATIC = "growing", "static"
+KV_CACHES = (GROWING, STATIC)
+_DECODER_SUFFIX = {GROWING: "decoder", STATIC: "static"}
 
 
-def onnx_file(variant: str, decoder: bool = False) -> str:
-    """`model.onnx`, `unfolded.decoder.onnx`, ...: the file name export writes for a variant."""
+def cache_of(decoder: bool | str) -> str | None:
+    """The KV cache of the graph `decoder` names: None (prefill), GROWING or STATIC."""
+    if decoder is False or decoder is None:
+        return None
+    if decoder is True:
+        return GROWING
+    if decoder not in KV_CACHES:
+        raise ValueError(f"a decoder's cache is one of {KV_CACHES}, got {decoder!r}")
+    return decoder
+
+
+def artifact_key(variant: str, decoder: bool | str = False) -> str:
+    """The key of `variant`'s graph in manifest.json's `artifacts`: `folded`, `unfolded.decoder`, `folded.static`..."""
+    cache = cache_of(decoder)
+    return canonical_variant(variant) + (f".{_DECODER_SUFFIX[cache]}" if cache else "")
+
+
+def onnx_file(variant: str, decoder: bool | str = False) -> str:
+    """`model.onnx`, `unfolded.decoder.onnx`, `model.static.onnx`...: the file name export writes for a variant."""
+    cache = cache_of(decoder)
     stem = VARIANTS_BY_NAME[canonical_variant(variant)].stem
-    return f"{stem}.decoder.onnx" if decoder else f"{stem}.onnx"
+    return f"{stem}.{_DECODER_SUFFIX[cache]}.onnx" if cache else f"{stem}.onnx"
 
 
 def torch_dtype(name: str):
@@ -116,13 +140,29 @@ def numpy_dtype(name: str):
 
 
 PAST = "past_key_values."  # the prefix of a decoder's cache inputs
+# A static decoder's positions of the new tokens (int64 [sequence]), as transformers' StaticCache names them; where
+# its keys and values are written in the cache, and how far each query sees
+CACHE_POSITION = "cache_position"
+# What the torch runner's static decoder also returns: the greedy token of the last position, [batch, 1] int64,
+# computed on the device (fed back as the next step's input_ids without a trip to the host)
+NEXT_TOKEN = "next_token"
 
 
-def decoder_io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    """Input and output names of a KV-cached decoder, as optimum and onnxruntime-genai name them."""
+def decoder_io_names(n_layers: int, decoder: bool | str = True) -> tuple[list[str], list[str]]:
+    """Input and output names of a KV-cached decoder, as optimum and onnxruntime-genai name them: `input_ids`,
+    (`cache_position` for a static cache), `past_key_values.{i}.key|value` → `logits`, `present.{i}.key|value`. A
+    static cache's present is its past, written at the positions: onnxruntime-genai's past_present_share_buffer
+    binds the two to one buffer (shape [batch, kv_heads, cache length, head_dim])."""
     past = [f"{PAST}{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    return [INPUT, *past], [OUTPUT, *present]
+    positions = [CACHE_POSITION] if cache_of(decoder) == STATIC else []
+    return [INPUT, *positions, *past], [OUTPUT, *present]
+
+
+def shared_cache_buffers(n_layers: int) -> dict[str, str]:
+    """A static decoder's outputs that may share their input's buffer: present name -> past name."""
+    inputs, outputs = decoder_io_names(n_layers, STATIC)
+    return dict(zip(outputs[1:], inputs[2:]))
 
 
 # ---- manifest.json -----------------------------------------------------------------------------------
@@ -179,14 +219,22 @@ class Manifest:
         except (TypeError, ValueError) as e:
             raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
 
-    def has_artifact(self, variant: str, decoder: bool = False) -> bool:
+    def has_artifact(self, variant: str, decoder: bool | str = False) -> bool:
         return artifact_key(variant, decoder) in self.artifacts
 
-    def artifact(self, variant: str, decoder: bool = False) -> Path:
-        """Path of `variant`'s graph (its decoder with `decoder=True`); a one-line error naming manifest.json
-        and the key when the manifest does not list it, or the file it lists is gone."""
+    @property
+    def max_cache(self) -> int | None:
+        """The cache length of the static decoders (None: the export has none)."""
+        return self.data["export"].get("max_cache")
+
+    def artifact(self, variant: str, decoder: bool | str = False) -> Path:
+        """Path of `variant`'s graph (its growing-cache decoder with `decoder=True`, its static one with
+        `decoder="static"`); a one-line error naming manifest.json and the key when the manifest does not list it,
+        or the file it lists is gone."""
         key = artifact_key(variant, decoder)
-        return self._file(key, "re-export with --kv-cache" if decoder else None)
+        cache = cache_of(decoder)
+        hint = None if cache is None else "re-export with --kv-cache" + (" static" if cache == STATIC else "")
+        return self._file(key, hint)
 
     def engine_plan(self, variant: str = FOLDED) -> Path:
         """Path of the TensorRT engine built for `variant`."""
@@ -252,7 +300,7 @@ def describe_artifacts(folder: Path) -> dict:
     """The `artifacts` entry of a manifest: every ONNX graph in `folder`, keyed by variant."""
     out = {}
     for variant in ALL_VARIANTS:
-        for decoder in (False, True):
+        for decoder in (False, *KV_CACHES):
             path = folder / onnx_file(variant, decoder)
             if not path.is_file():
                 continue
@@ -265,7 +313,7 @@ def describe_artifacts(folder: Path) -> dict:
 
 def new_manifest(*, checkpoint: dict, config: dict, gate: float, forced_gate0: bool, export: dict, versions: dict,
                  artifacts: dict, fold_report: dict | None, decoder_fold_report: dict | None,
-                 timings: dict) -> dict:
+                 static_fold_report: dict | None, timings: dict) -> dict:
     """A format_version 1 manifest object (docs/design.md lists its keys)."""
     return {
         "format": FORMAT,
@@ -281,5 +329,6 @@ def new_manifest(*, checkpoint: dict, config: dict, gate: float, forced_gate0: b
         "artifacts": artifacts,
         "fold_report": fold_report,
         "decoder_fold_report": decoder_fold_report,
+        "static_fold_report": static_fold_report,
         "timings": {k: round(v, 3) for k, v in timings.items()},
     }

@@ -92,7 +92,8 @@ class TaperedLM:
     """The taper's side of every model taperfold runs (taperfold.models.CausalLM, taperfold.hf.model.HFCausalLM).
 
     Such a model also has `cfg` (its shape: vocab_size, n_layers, kv_heads, head_dim, max_seq_len, ...),
-    `forward(input_ids, logits="last"|"all", past_key_values=None, use_cache=False)`, `loss(inputs, targets)`
+    `forward(input_ids, logits="last"|"all", past_key_values=None, use_cache=False)` (and
+    `cache_position=` where `static_cache`), `loss(inputs, targets)`
     -> (cross-entropy, scale-anchoring loss), `copy()`, and `network`: the module tree its family's paths
     name, to which `taper_model` attaches the tapering (None on a plain model).
     """
@@ -100,6 +101,7 @@ class TaperedLM:
     network: nn.Module
     network_path = ""  # where `network` sits in the model, as module paths spell it ("": the model itself)
     tapering: Tapering | None = None
+    static_cache = False  # forward takes `cache_position` and a static cache (taperfold.models.base)
 
     @property
     def gate(self) -> TaperGate:

@@ -302,6 +302,9 @@ def print_bench(report: dict) -> None:
               f"first run reported apart; {report['seconds']:.0f} s")
     for mode, meaning in report["timing"].items():
         out.print(f"{mode}: {meaning}", highlight=False)
+    if report.get("kv_cache"):
+        length = f" of {report['cache_length']} positions" if report.get("cache_length") else ""
+        out.print(f"decoders: {report['kv_cache']} KV cache{length}", highlight=False)
     if report.get("cuda_graph"):
         out.print("rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run "
                   "plainly", highlight=False)

@@ -12,8 +12,9 @@ gate. Pairs (reference -> candidate):
   report's note says there is nothing folded to verify
 - checkpoint -> engine: the TensorRT plan, when the export has one; skipped, with the reason, when
   TensorRT or a GPU is missing
-- with decoders (`export --kv-cache`), every `*.decoder.onnx` against the same torch model decoding:
-  a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's logits compared
+- with decoders (`export --kv-cache`), every `*.decoder.onnx` and `*.static.onnx` against the same torch model
+  decoding with a growing cache: a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's
+  logits compared (a static decoder's prompt and steps write its fixed-size cache at their positions)
 
 Every graph runs on shapes far from the one the exporter traced (export.TRACE_SHAPE, TRACE_PAST):
 batch 1 and 4, sequence 1 to the model's longest, past 0 to the longest, so a graph that only works
@@ -39,8 +40,8 @@ import numpy as np
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.engines import ENGINES, open_runners
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, INPUT, OUTPUT, UNFOLDED, Manifest,
-                                 artifact_key, decoder_io_names, read_manifest)
+from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, GROWING, INPUT, KV_CACHES,
+                                 OUTPUT, STATIC, UNFOLDED, Manifest, artifact_key, read_manifest)
 from taperfold.runners.base import Runner
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
@@ -342,7 +343,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
 
     progress = on_progress or (lambda done, total, description: None)
     _run(list(zip(batches, id_arrays)), run, pairs, threads, progress)
-    if any(manifest.has_artifact(v, decoder=True) for v in (UNFOLDED, BASELINE)):
+    if any(manifest.has_artifact(v, decoder=cache) for v in (UNFOLDED, BASELINE) for cache in KV_CACHES):
         pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed,
                                   progress)
         models.release()
@@ -468,58 +469,67 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
 
 def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtype: str, device: str,
                      threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
-    """Every *.decoder.onnx against its torch model (`models`: name -> model, as verify_export built them)
-    decoding the same tokens (see decode_cases)."""
-    variants = [v for v in (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
-                if manifest.has_artifact(v, decoder=True)]
+    """Every decoder graph (`*.decoder.onnx`, `*.static.onnx`) against its torch model (`models`: name -> model, as
+    verify_export built them) decoding the same tokens with a growing cache (see decode_cases): a static graph is
+    held to the same reference as a growing one, at every step. A static graph decodes cases that fit its cache."""
+    variants = (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
+    graphs = [(v, cache) for cache in KV_CACHES for v in variants if manifest.has_artifact(v, decoder=cache)]
     baseline_ref = reference if _baseline_only(manifest) else TORCH_BASELINE
-    refs = {v: baseline_ref if v in (BASELINE, DECOMPOSED_BASELINE) else reference for v in variants}
-    pairs = {v: PairResult(refs[v], artifact_key(v, decoder=True), "export", tolerance) for v in variants}
-    cases = decode_cases(cfg.vocab_size, cfg.max_seq_len, seed)
-    why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
-               f"the context ({cfg.max_seq_len}) holds no prompt and {DECODE_STEPS} steps" if not cases else None)
-    if why_not:
-        for pair in pairs.values():
+    refs = {g: baseline_ref if g[0] in (BASELINE, DECOMPOSED_BASELINE) else reference for g in graphs}
+    keys = {g: artifact_key(*g) for g in graphs}
+    pairs = {g: PairResult(refs[g], keys[g], "export", tolerance) for g in graphs}
+    cache_len = {GROWING: None, STATIC: manifest.max_cache or cfg.max_seq_len}
+    cases = {cache: decode_cases(cfg.vocab_size, cache_len[cache] or cfg.max_seq_len, seed) for _, cache in graphs}
+    for g, pair in pairs.items():
+        why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
+                   f"{'the static cache' if g[1] == STATIC else 'the context'} ({cache_len[g[1]] or cfg.max_seq_len}) "
+                   f"holds no prompt and {DECODE_STEPS} steps" if not cases[g[1]] else None)
+        if why_not:
             pair.status, pair.reason = "skipped", why_not
+    judged = [g for g in graphs if pairs[g].status != "skipped"]
+    if not judged:
         return list(pairs.values())
-    torch_models = {name: models[name] for name in set(refs.values())}
+    torch_models = {name: models[name] for name in {refs[g] for g in judged}}
     torch_engine, graph_engine = ENGINES[REFERENCE_ENGINE], ENGINES[GRAPH_ENGINE]
     runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
                                   for name, model in torch_models.items()}
-    runners.update({v: graph_engine.runner(manifest.artifact(v, decoder=True), device=device, threads=threads,
-                                           decoder=True) for v in variants})
-    collected: dict[str, list[Metrics]] = {v: [] for v in variants}
-    total, done = len(cases) * len(runners), 0
+    runners.update({keys[g]: graph_engine.runner(manifest.artifact(*g), device=device, threads=threads,
+                                                 decoder=g[1]) for g in judged})
+    collected: dict[tuple, list[Metrics]] = {g: [] for g in judged}
+    reference_logits: dict[tuple[str, str], list[np.ndarray]] = {}  # (torch model, case label): one run per case
+    total = sum(len(cases[g[1]]) for g in judged) + len({(refs[g], c.label) for g in judged for c in cases[g[1]]})
+    done = 0
     with open_runners(runners):
-        for case in cases:
-            steps = {}
-            for name, runner in runners.items():
-                progress(done, total, f"{name} decoding {case.label}")
-                kv_dtype = "fp32" if name in torch_models else dtype
-                steps[name] = _decode_logits(runner, case.ids, cfg, kv_dtype)
+        for g in judged:
+            for case in cases[g[1]]:
+                ref_key = (refs[g], case.label)
+                if ref_key not in reference_logits:
+                    progress(done, total, f"{refs[g]} decoding {case.label}")
+                    reference_logits[ref_key] = _decode_logits(runners[refs[g]], case.ids, cfg, "fp32")
+                    done += 1
+                progress(done, total, f"{keys[g]} decoding {case.label}")
+                candidate = _decode_logits(runners[keys[g]], case.ids, cfg, dtype, cache_len[g[1]])
                 done += 1
-            for variant, pair in pairs.items():
-                for k, (ref, cand) in enumerate(zip(steps[refs[variant]], steps[variant])):
+                for k, (ref, cand) in enumerate(zip(reference_logits[ref_key], candidate)):
                     label = f"{case.label} {'prompt' if k == 0 else f'step {k}'}"
-                    _compare_one(pair, InputBatch(label, case.ids), ref, cand, collected[variant])
-    for variant, pair in pairs.items():
-        _conclude(pair, collected[variant])
+                    _compare_one(pairs[g], InputBatch(label, case.ids), ref, cand, collected[g])
+    for g in judged:
+        _conclude(pairs[g], collected[g])
     return list(pairs.values())
 
 
-def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str) -> list[np.ndarray]:
-    """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past) and of each KV-cached step
-    fed the next column of ids; the presents stay in the runner's own form between steps."""
-    from taperfold.bench.decode import empty_cache
+def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str,
+                   cache_len: int | None = None) -> list[np.ndarray]:
+    """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past; a static cache of `cache_len`) and of
+    each KV-cached step fed the next column of ids; the presents stay in the runner's own form between steps."""
+    from taperfold.bench.decode import prompt_feeds, step_feeds
 
-    past_names, present_names = (names[1:] for names in decoder_io_names(cfg.n_layers))
     prompt = ids.shape[1] - DECODE_STEPS
-    feeds = {INPUT: ids[:, :prompt], **empty_cache(cfg, ids.shape[0], kv_dtype)}
+    feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
     logits = []
     for k in range(DECODE_STEPS + 1):
         out = runner.infer(feeds)
         logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
         if k < DECODE_STEPS:
-            feeds = {INPUT: ids[:, prompt + k:prompt + k + 1],
-                     **{past: out[present] for past, present in zip(past_names, present_names)}}
+            feeds = step_feeds(cfg, ids[:, prompt + k:prompt + k + 1], out, prompt + k, cache_len is not None)
     return logits

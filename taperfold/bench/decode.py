@@ -1,9 +1,18 @@
 """KV-cached greedy decoding through the runner interface, with the decoder IO names of the export
-(`input_ids`, `past_key_values.{i}.key|value` → `logits`, `present.{i}.key|value`).
+(`input_ids`, [`cache_position`,] `past_key_values.{i}.key|value` → `logits`, `present.{i}.key|value`).
 
-The prompt is one call with an empty cache (past length 0), timed apart; then every step feeds the
-previous step's greedy token and the presents returned by the runner, which stay in the runner's native
-form (device tensors, OrtValues) between steps. Only the logits come back to the host, for the argmax.
+The prompt is one call, timed apart; then every step feeds the previous step's greedy token and the presents
+returned by the runner, which stay in the runner's native form (device tensors, OrtValues) between steps. Two
+caches (taperfold.exportdir.KV_CACHES):
+
+- growing: the prompt runs with an empty past (length 0); each step's present is one longer than its past;
+- static: the cache is `cache_len` zeros, `cache_position` says where the new tokens go (0..prompt-1, then one
+  position per step); the presents are the cache buffers themselves, written in place, and every step has the
+  same shapes.
+
+The greedy token is the runner's `next_token` output where it has one (the torch runner's static decoder takes the
+argmax on the device and the next step is fed that device tensor); otherwise the logits come back to the host for
+the argmax.
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names, numpy_dtype
+from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, OUTPUT, STATIC, decoder_io_names,
+                                 numpy_dtype)
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
 
@@ -25,25 +35,61 @@ class Generation:
     last_logits: np.ndarray  # [batch, vocab] of the final step
 
 
-def empty_cache(cfg: ModelConfig, batch: int, dtype: str) -> dict[str, np.ndarray]:
-    """Past length 0: the prompt runs through the same decoder graph as every later step."""
-    names = decoder_io_names(cfg.n_layers)[0][1:]
-    shape = (batch, cfg.kv_heads, 0, cfg.head_dim)
+def empty_cache(cfg: ModelConfig, batch: int, dtype: str, cache_len: int | None = None) -> dict[str, np.ndarray]:
+    """The cache before the prompt: past length 0 (growing: the prompt runs through the same decoder graph as every
+    later step), or `cache_len` zeros (static)."""
+    names = [n for n in decoder_io_names(cfg.n_layers)[0] if n != INPUT]
+    shape = (batch, cfg.kv_heads, cache_len or 0, cfg.head_dim)
     return {name: np.zeros(shape, dtype=numpy_dtype(dtype)) for name in names}
 
 
-def generate(runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str) -> Generation:
-    past_names, present_names = decoder_io_names(cfg.n_layers)[0][1:], decoder_io_names(cfg.n_layers)[1][1:]
-    feeds = {INPUT: prompt_ids, **empty_cache(cfg, prompt_ids.shape[0], dtype)}
-    out, prefill_s = runner.timed_run(runner.prepare(feeds))
-    logits = runner.to_numpy(out[OUTPUT])
-    tokens = [logits.argmax(-1)]
-    step_s = []
-    for _ in range(steps):
-        feeds = {INPUT: tokens[-1][:, None].astype(np.int64)}
-        feeds.update({past: out[present] for past, present in zip(past_names, present_names)})
-        out, seconds = runner.timed_run(runner.prepare(feeds))
+def is_static(runner: Runner) -> bool:
+    """Whether `runner` runs a static-cache decoder (it takes `cache_position`)."""
+    return CACHE_POSITION in runner.input_names
+
+
+def prompt_feeds(cfg: ModelConfig, ids: np.ndarray, dtype: str, cache_len: int | None = None) -> dict:
+    """The feeds of the prompt call: an empty growing cache, or (with `cache_len`) a static one and the prompt's
+    positions."""
+    feeds = {INPUT: ids, **empty_cache(cfg, ids.shape[0], dtype, cache_len)}
+    if cache_len is not None:
+        feeds[CACHE_POSITION] = np.arange(ids.shape[1], dtype=np.int64)
+    return feeds
+
+
+def step_feeds(cfg: ModelConfig, tokens, previous: dict, position: int, static: bool) -> dict:
+    """The feeds of one step: `tokens` ([batch, 1], host or the runner's own), the presents of the `previous` call as
+    the past, and for a static cache the step's `position`."""
+    inputs, outputs = decoder_io_names(cfg.n_layers, STATIC if static else GROWING)
+    cache_inputs = [n for n in inputs if n not in (INPUT, CACHE_POSITION)]
+    feeds = {INPUT: tokens, **{past: previous[present] for past, present in zip(cache_inputs, outputs[1:])}}
+    if static:
+        feeds[CACHE_POSITION] = np.array([position], dtype=np.int64)
+    return feeds
+
+
+def generate(runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str,
+             cache_len: int | None = None) -> Generation:
+    """A prompt and `steps` greedy steps; `cache_len`: the static cache's length, for a runner of a static decoder."""
+    static = is_static(runner)
+    if static != (cache_len is not None):
+        raise ValueError("a static decoder needs cache_len (and a growing one takes none)")
+    on_device = NEXT_TOKEN in runner.output_names
+
+    def greedy(out) -> tuple:
+        """(what the next step is fed, the tokens on the host)."""
+        if on_device:
+            return out[NEXT_TOKEN], runner.to_numpy(out[NEXT_TOKEN])[:, 0]  # fed as it is: it stays on the device
+        token = runner.to_numpy(out[OUTPUT]).argmax(-1)
+        return token[:, None].astype(np.int64), token
+
+    prompt = prompt_ids.shape[1]
+    out, prefill_s = runner.timed_run(runner.prepare(prompt_feeds(cfg, prompt_ids, dtype, cache_len)))
+    feed, token = greedy(out)
+    tokens, step_s = [token], []
+    for k in range(steps):
+        out, seconds = runner.timed_run(runner.prepare(step_feeds(cfg, feed, out, prompt + k, static)))
         step_s.append(seconds)
-        logits = runner.to_numpy(out[OUTPUT])
-        tokens.append(logits.argmax(-1))
-    return Generation(prefill_s, step_s, np.stack(tokens, axis=1), logits)
+        feed, token = greedy(out)
+        tokens.append(token)
+    return Generation(prefill_s, step_s, np.stack(tokens, axis=1), runner.to_numpy(out[OUTPUT]))

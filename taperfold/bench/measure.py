@@ -19,7 +19,8 @@ from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, op
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.export import MAX_EXPORT_BATCH
-from taperfold.exportdir import ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, INPUT, VARIANTS, torch_dtype
+from taperfold.exportdir import (ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, GROWING, INPUT, KV_CACHES, STATIC,
+                                 VARIANTS, torch_dtype)
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
 from taperfold.variants import build_variants
@@ -58,6 +59,7 @@ class BenchOptions:
     mode: str = "prefill"  # prefill | decode
     prompt: int = DEFAULT_PROMPT  # decode: prompt length
     new_tokens: int = 32  # decode: decode steps after the prompt
+    kv_cache: str | None = None  # decode: "static" | "growing"; None: static where the export (torch: the model) has it
     dtype: str | None = None  # None: fp32 for torch, the export's dtype for ort / trt
     device: str = "cpu"
     threads: int | None = None  # None: torch's default (the physical cores), used for every engine
@@ -106,7 +108,26 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
                              "use --engine torch --dtype bf16")
 
 
-def _check_exported(manifest, variants: list[str], decoder: bool) -> None:
+def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[str, int | None]:
+    """The decoders' KV cache (--kv-cache; else static where the export has static decoders of every variant, or,
+    for torch, where the source is taperfold's own model) and the static cache's length (the export's --max-cache,
+    else the context; None for a growing cache). A torch model that takes no static cache is refused by its runner."""
+    manifest = source.manifest
+    if opts.kv_cache is not None and opts.kv_cache not in KV_CACHES:
+        raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
+    exported_static = manifest is not None and all(manifest.has_artifact(v, STATIC) for v in opts.variants)
+    has_static = exported_static or (chosen.runs != GRAPHS and isinstance(source.config, ModelConfig))
+    cache = opts.kv_cache or (STATIC if has_static else GROWING)
+    if cache == GROWING:
+        return GROWING, None
+    length = manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
+    if opts.prompt + opts.new_tokens > length:
+        raise TaperfoldError(f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
+                             f"({length} positions: export --max-cache, else the context)")
+    return STATIC, length
+
+
+def _check_exported(manifest, variants: list[str], decoder: bool | str) -> None:
     """A plain model's export has its baseline only: asking for anything else is one line saying what it can time.
     (Other missing graphs are named by `Manifest.artifact` when the runners open.)"""
     present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, decoder=decoder)]
@@ -125,6 +146,8 @@ class LoadedBench:
     dtype: str
     threads: int
     runners: dict[str, Runner]
+    cache: str | None = None  # decode: the decoders' KV cache (GROWING | STATIC)
+    cache_len: int | None = None  # a static cache's length
 
 
 @contextlib.contextmanager
@@ -135,20 +158,26 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     exported = source.manifest.dtype if chosen.runs == GRAPHS and source.manifest else "fp32"
     dtype = opts.dtype or exported
     _check(opts, source.config, dtype)
+    if opts.kv_cache is not None and opts.mode != "decode":
+        raise TaperfoldError("--kv-cache chooses the decoders' cache: it needs --mode decode")
+    cache, cache_len = decode_cache(chosen, source, opts) if opts.mode == "decode" else (None, None)
+    decoder = cache or False
     if chosen.runs == GRAPHS and source.manifest:
-        _check_exported(source.manifest, opts.variants, decoder=opts.mode == "decode")
+        _check_exported(source.manifest, opts.variants, decoder=decoder)
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    runners = make_runners(chosen, source, opts.variants, decoder=opts.mode == "decode", device=opts.device,
-                           dtype=dtype, threads=threads, options=opts.engine_options, shapes=shape_count(opts))
+    runners = make_runners(chosen, source, opts.variants, decoder=decoder, device=opts.device,
+                           dtype=dtype, threads=threads, options=opts.engine_options, shapes=shape_count(opts, cache))
     with open_runners(runners):
-        yield LoadedBench(source, opts, source.config, dtype, threads, runners)
+        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len)
 
 
-def shape_count(opts: BenchOptions) -> int:
-    """Distinct input shapes one runner sees: a cell each in prefill; in decode the prompt and every step
-    (the cache grows by one each step) per batch size."""
-    return len(cells(opts)) * (1 + opts.new_tokens if opts.mode == "decode" else 1)
+def shape_count(opts: BenchOptions, cache: str | None = GROWING) -> int:
+    """Distinct input shapes one runner sees: a cell each in prefill; in decode the prompt and every step per batch
+    size with a growing cache (one longer each step), the prompt and one step shape with a static cache."""
+    if opts.mode != "decode":
+        return len(cells(opts))
+    return len(cells(opts)) * (2 if cache == STATIC else 1 + opts.new_tokens)
 
 
 GRAPH_LABEL = " (cuda graph)"
@@ -163,10 +192,11 @@ def execution_of(runner: Runner) -> str:
     return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
 
 
-def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool, device: str, dtype: str,
+def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool | str, device: str, dtype: str,
                  threads: int, options: dict, shapes: int | None = None) -> dict[str, Runner]:
-    """One runner per variant (not loaded yet). With `cuda_graph`, two per variant: the plain one and one that
-    replays CUDA graphs (keyed `runner_label(variant, "cuda-graph")`), measured side by side."""
+    """One runner per variant (not loaded yet) of the prefill graph or `decoder` (True / "growing", "static"). With
+    `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
+    `runner_label(variant, "cuda-graph")`), measured side by side."""
     check_options(engine, options, device)
     engine.require(device)
     if decoder and not engine.decodes:
@@ -206,7 +236,7 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
-            jobs = {name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype))
+            jobs = {name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
                     for name, r in runners.items()}
             rows = _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
         else:
@@ -230,6 +260,8 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "mode": opts.mode,
+        "kv_cache": bench.cache,  # decode: the decoders' cache; null in prefill
+        "cache_length": bench.cache_len,  # a static cache's positions
         "engine": opts.engine,
         "device": opts.device,
         "dtype": bench.dtype,

@@ -4,6 +4,10 @@ taperfold's runners and exporter call `model(input_ids, logits="last"|"all", pas
 use_cache=...)` and read `model.cfg` (vocabulary, context, layers, KV heads). `HFCausalLM` gives a
 transformers model that interface and nothing more: every layer runs transformers' own code.
 
+A static KV cache (`cache_position=` with fixed-size buffers, as taperfold's own models take one) runs as
+transformers' StaticCache over the given buffers, updated in place; a model whose cache has sliding-window layers
+takes none (`static_cache` is False).
+
 Every call is transformers' own forward (`model(input_ids, logits_to_keep=1, ...)`), head included: a family's
 logit softcapping (Gemma 2/3) or scaling (Granite, Cohere) is in the graph because the modeling code does it.
 MoE experts run as `EXPERTS`, the form the exporters take.
@@ -119,10 +123,38 @@ class HFCausalLM(TaperedLM, nn.Module):
             return None
         return DynamicCache(ddp_cache_data=[(k, v) for k, v in past_key_values], config=self.hf.config)
 
-    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False):
+    @property
+    def static_cache(self) -> bool:
+        """Whether transformers' StaticCache of this model is plain static layers (sliding-window layers keep a
+        window, not the positions `cache_position` names)."""
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        return all(type(layer) is StaticLayer for layer in StaticCache(config=self.hf.config, max_cache_len=1).layers)
+
+    def _static(self, past_key_values, cache_position):
+        """transformers' StaticCache over the given buffers, which its layers update in place (index_copy_). A layer
+        writes from its `cumulative_length` on: here the first position of this call."""
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.hf.config, max_cache_len=past_key_values[0][0].shape[2])
+        for layer, (keys, values) in zip(cache.layers, past_key_values, strict=True):
+            layer.keys, layer.values, layer.device = keys, values, keys.device
+            layer.batch_size, layer.num_heads = keys.shape[:2]
+            layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+            layer.cumulative_length = cache_position[0].clone()  # StaticLayer adds to it in place
+            layer.is_initialized = True
+        return cache
+
+    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False,
+                cache_position=None):
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        out = self.hf(input_ids=input_ids, past_key_values=self._cache(past_key_values), use_cache=use_cache,
+        if cache_position is None:
+            cache = self._cache(past_key_values)
+        else:
+            cache = self._static(past_key_values, cache_position)
+        out = self.hf(input_ids=input_ids, past_key_values=cache, use_cache=use_cache, cache_position=cache_position,
                       logits_to_keep=1 if logits == "last" else 0)
         result = out.logits[:, -1, :] if logits == "last" else out.logits
         if not use_cache:

@@ -5,11 +5,20 @@ follow Hugging Face's, so Hugging Face checkpoints map onto them one to one and 
 descriptions (taperfold.families) describe them too. A model is built with plain norms and tapered by
 taperfold.taper, which adds `weight_tilde` (γ̃), `c` and its calibration EMAs next to each norm's `weight` (γ).
 
-Forward: `model(input_ids, logits="last" | "all", past_key_values=None, use_cache=False)`.
+Forward: `model(input_ids, logits="last" | "all", past_key_values=None, use_cache=False, cache_position=None)`.
 "last" materialises only the final position's logits (the paper's benchmark mode); the slice is taken
 before the final norm so that a tapered final norm still feeds the lm_head directly and can fold into it.
-With `use_cache=True` it returns `(logits, present)`, present a tuple of (key, value) per layer shaped
-`[batch, kv_heads, past + seq, head_dim]`.
+With `use_cache=True` it returns `(logits, present)`, present a tuple of (key, value) per layer. Two caches:
+
+- growing (no `cache_position`): the new keys and values are appended to the past, present is shaped
+  `[batch, kv_heads, past + seq, head_dim]`;
+- static (`cache_position`: the positions of the new tokens, int64 `[seq]`): `past_key_values` are buffers of a
+  fixed length, `[batch, kv_heads, cache_len, head_dim]`; the new keys and values are written into them in place
+  at those positions, attention masks every position beyond each query's, and present is those same buffers.
+  Every step has the same shapes, so one compiled or captured graph serves them all.
+
+What depends only on the context is built once, as non-persistent buffers (not in the state dict): the RoPE
+cos/sin tables and the position index the masks are read from; a forward slices or gathers them.
 """
 
 from __future__ import annotations
@@ -30,22 +39,26 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return norm_kind(cfg.norm_kind).plain(cfg.d_model, cfg.norm_eps)
 
 
-def attend(q, k, v, past, use_cache: bool):
-    """Causal attention over [batch, heads, seq, head_dim]; prepends the cache when given."""
-    if past is not None:
+def attend(q, k, v, past, use_cache: bool, mask=None, cache_position=None):
+    """Attention over [batch, heads, seq, head_dim]. With a growing past the new keys and values are appended to it;
+    with `cache_position` (a static cache) they are written into the past buffers in place. `mask` (boolean
+    [seq, keys], True = attend; None: plain causal, no past) is the step's, built once per forward."""
+    if cache_position is not None:
+        k_cache, v_cache = past
+        index = cache_position[None, None, :, None].expand_as(k)
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
+        k, v = k_cache, v_cache
+    elif past is not None:
         k = torch.cat([past[0], k], dim=2)
         v = torch.cat([past[1], v], dim=2)
     present = (k, v) if use_cache else None
     if k.shape[1] != q.shape[1]:  # grouped-query attention
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if past is None:
+    if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
-        # Query i sits at absolute position past_len + i and sees keys 0 .. past_len + i.
-        q_len, k_len = q.shape[2], k.shape[2]
-        q_pos = torch.arange(q_len, device=q.device) + (k_len - q_len)
-        mask = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out, present
 
@@ -66,13 +79,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CausalLM(TaperedLM, nn.Module):
     """What both architectures share: logits, the losses, and the taper's state (`tapering`, set by build_model)."""
 
+    static_cache = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # position k of the context, for the masks (non-persistent: the state dict stays the weights)
+        self.register_buffer("positions", torch.arange(cfg.max_seq_len), persistent=False)
 
     @property
     def network(self) -> nn.Module:
         return self
+
+    def step_positions(self, t: int, past_key_values, cache_position):
+        """(slice or index of the new tokens' positions, the attention mask) for one forward of `t` tokens: the
+        mask is None without a past (plain causal); a growing past puts the tokens after it; a static cache at
+        `cache_position`, each query seeing the cache up to its own position."""
+        if cache_position is not None:
+            cache_len = past_key_values[0][0].shape[2]
+            return cache_position, self.positions[:cache_len][None, :] <= cache_position[:, None]
+        if past_key_values is None:
+            return slice(0, t), None
+        past_len = past_key_values[0][0].shape[2]
+        keys = self.positions[:past_len + t]
+        return slice(past_len, past_len + t), keys[None, :] <= keys[past_len:, None]
 
     def copy(self) -> "CausalLM":
         return copy.deepcopy(self)
@@ -84,14 +114,17 @@ class CausalLM(TaperedLM, nn.Module):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         return self.lm_head(self.final_norm(h))
 
-    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False):
-        h, present = self.body(input_ids, past_key_values, use_cache)
+    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False,
+                cache_position=None):
+        if cache_position is not None and past_key_values is None:
+            raise ValueError("cache_position needs the static cache's buffers (past_key_values)")
+        h, present = self.body(input_ids, past_key_values, use_cache, cache_position)
         out = self._logits(h, logits)
         return (out, present) if use_cache else out
 
     def loss(self, input_ids, targets, mask=None):
         """Cross-entropy on next-token targets plus the scale anchoring loss on the pre-logit stream."""
-        h, _ = self.body(input_ids, None, False)
+        h, _ = self.body(input_ids, None, False, None)
         logits = self.lm_head(self.final_norm(h))
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
         keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()

@@ -31,11 +31,11 @@ class GPT2Attention(nn.Module):
         self.c_attn = Conv1D(cfg.d_model, 3 * cfg.d_model)
         self.c_proj = Conv1D(cfg.d_model, cfg.d_model)
 
-    def forward(self, x, past, use_cache):
+    def forward(self, x, past, use_cache, mask, cache_position):
         b, t, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.cfg.n_heads, -1).transpose(1, 2) for z in (q, k, v))
-        out, present = attend(q, k, v, past, use_cache)
+        out, present = attend(q, k, v, past, use_cache, mask, cache_position)
         return self.c_proj(out.transpose(1, 2).reshape(b, t, d)), present
 
 
@@ -57,8 +57,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, h, past, use_cache):
-        a, present = self.attn(self.ln_1(h), past, use_cache)
+    def forward(self, h, past, use_cache, mask, cache_position):
+        a, present = self.attn(self.ln_1(h), past, use_cache, mask, cache_position)
         h = h + a
         return h + self.mlp(self.ln_2(h)), present
 
@@ -87,13 +87,12 @@ class GPT2LMHeadModel(CausalLM):
     def final_norm(self):
         return self.transformer.ln_f
 
-    def body(self, input_ids, past_key_values, use_cache):
-        past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        positions = torch.arange(past_len, past_len + input_ids.shape[1], device=input_ids.device)
-        h = self.transformer.wte(input_ids) + self.transformer.wpe(positions)[None]
+    def body(self, input_ids, past_key_values, use_cache, cache_position):
+        positions, mask = self.step_positions(input_ids.shape[1], past_key_values, cache_position)
+        h = self.transformer.wte(input_ids) + self.transformer.wpe.weight[positions][None]
         present = []
         for i, block in enumerate(self.transformer.h):
-            h, p = block(h, None if past_key_values is None else past_key_values[i], use_cache)
+            h, p = block(h, None if past_key_values is None else past_key_values[i], use_cache, mask, cache_position)
             present.append(p)
         return h, (tuple(present) if use_cache else None)
 

@@ -21,14 +21,14 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, past, use_cache):
+    def forward(self, x, cos, sin, past, use_cache, mask, cache_position):
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, present = attend(q, k, v, past, use_cache)
+        out, present = attend(q, k, v, past, use_cache, mask, cache_position)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), present
 
 
@@ -51,8 +51,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h, cos, sin, past, use_cache):
-        a, present = self.self_attn(self.input_layernorm(h), cos, sin, past, use_cache)
+    def forward(self, h, cos, sin, past, use_cache, mask, cache_position):
+        a, present = self.self_attn(self.input_layernorm(h), cos, sin, past, use_cache, mask, cache_position)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), present
 
@@ -75,20 +75,22 @@ class LlamaForCausalLM(CausalLM):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(init_weights)
+        # RoPE for every position of the context, once (a forward slices or gathers the rows it needs)
+        cos, sin = rope_cos_sin(self.positions, cfg.head_dim, cfg.rope_theta, torch.float32)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def final_norm(self):
         return self.model.norm
 
-    def body(self, input_ids, past_key_values, use_cache):
-        past_len = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        t = input_ids.shape[1]
+    def body(self, input_ids, past_key_values, use_cache, cache_position):
+        positions, mask = self.step_positions(input_ids.shape[1], past_key_values, cache_position)
         h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(past_len, past_len + t, device=input_ids.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         present = []
         for i, layer in enumerate(self.model.layers):
             past = None if past_key_values is None else past_key_values[i]
-            h, p = layer(h, cos, sin, past, use_cache)
+            h, p = layer(h, cos, sin, past, use_cache, mask, cache_position)
             present.append(p)
         return h, (tuple(present) if use_cache else None)

@@ -14,7 +14,13 @@ settle its memory arena; 1.31 captures on the third). Later calls write new valu
 are the next slot's inputs already, so steady-state decoding copies nothing. Session creation fails when a node
 would run on the CPU; that is reported as one line. taperfold's own KV-cached decoders always fail so in
 ONNX Runtime 1.31 (measured on an H100: 5 shape nodes on the CPU at opset 23, 45 at opset 20): their
-past length changes every step, so decode slots serve graphs whose every node runs on the GPU."""
+past length changes every step, so decode slots serve graphs whose every node runs on the GPU.
+
+Static-cache decoders (`*.static.onnx`: a `cache_position` input, the cache a fixed-size buffer) run with IOBinding
+on every device, as onnxruntime-genai's past_present_share_buffer does: each `present.{i}.key|value` output is bound
+to the very buffer fed as `past_key_values.{i}.key|value`, which the graph's ScatterElements then updates in place
+(ONNX Runtime's kernel skips its copy when input and output are one buffer). A step feeds back the presents it
+returned, so the cache never moves and every step has one shape: one CUDA-graph slot serves all the steps."""
 
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import numpy as np
 
 from taperfold.engines import OPTIMIZATION_LEVELS
 from taperfold.errors import TaperfoldError, first_line
-from taperfold.exportdir import PAST
+from taperfold.exportdir import CACHE_POSITION, PAST, shared_cache_buffers
 from taperfold.onnx_files import check_onnx_file
 from taperfold.runners.base import InputSpec, Runner, RunnerError
 
@@ -77,8 +83,9 @@ def providers_for(device: str, cuda_graph: bool = False) -> list:
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
-def _is_kv_cached_decoder(model) -> bool:
-    return any(i.name.startswith(PAST) for i in model.graph.input)
+def _is_growing_decoder(model) -> bool:
+    names = [i.name for i in model.graph.input]
+    return any(n.startswith(PAST) for n in names) and CACHE_POSITION not in names
 
 
 def _has_bf16_outputs(model) -> bool:
@@ -102,7 +109,7 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
         if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
             why = ("a KV-cached decoder: its past grows every step, and ONNX Runtime keeps the shape arithmetic "
                    "that follows from it on the CPU; CUDA graphs are for prefill graphs, see "
-                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_kv_cached_decoder(header)
+                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_growing_decoder(header)
                    else "every node must run on the GPU")
             raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
                                  f"({why}; {first_line(e)})") from None
@@ -126,19 +133,36 @@ class BoundInputs:
     device_inputs: dict
 
 
-def bind_on_cuda(session, feeds: dict, output_names: list[str]) -> BoundInputs:
-    """IOBinding on CUDA device 0: host inputs are copied there once, outputs stay there, so timing sees no
-    copies. OrtValues the session returned (a KV cache fed back while decoding) are already there: bound as is."""
+def device_copy(array: np.ndarray, device: str):
+    """An OrtValue on `device` holding a copy of `array`, in memory ONNX Runtime owns: outputs bound to it (a static
+    cache's present) stay valid after the binding is gone, and the graph never writes into the caller's array (an
+    OrtValue made from a numpy array on the CPU would share that array's memory, freed with it)."""
+    import onnxruntime as ort
+
+    array = np.ascontiguousarray(array)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, device, 0)
+    value.update_inplace(array)
+    return value
+
+
+def bind_io(session, feeds: dict, output_names: list[str], device: str = "cuda",
+            shared: dict[str, str] | None = None) -> BoundInputs:
+    """IOBinding on `device` (CUDA device 0, or the CPU): host inputs are copied there once, outputs stay there, so
+    timing sees no copies. OrtValues the session returned (a KV cache fed back while decoding) are already there:
+    bound as is. `shared` (output name -> input name): outputs bound to their input's buffer, a static cache's
+    present to its past, which the graph then updates in place."""
     import onnxruntime as ort
 
     binding = session.io_binding()
-    device_inputs = {name: value if isinstance(value, ort.OrtValue)
-                     else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), "cuda", 0)
+    device_inputs = {name: value if isinstance(value, ort.OrtValue) else device_copy(value, device)
                      for name, value in feeds.items()}
     for name, value in device_inputs.items():
         binding.bind_ortvalue_input(name, value)
     for name in output_names:
-        binding.bind_output(name, "cuda", 0)
+        if shared and name in shared:
+            binding.bind_ortvalue_output(name, device_inputs[shared[name]])
+        else:
+            binding.bind_output(name, device, 0)
     return BoundInputs(binding, device_inputs)
 
 
@@ -178,6 +202,7 @@ class OrtRunner(Runner):
         self.session = None
         self._queued = self._sync_binding = None  # CUDA: RunOptions that queue a run, a binding to synchronize with
         self.setup_log: list[tuple[str, tuple, float]] = []  # ("capture", shape signature, seconds) per slot
+        self._shared: dict[str, str] = {}  # a static decoder's present -> past: one buffer each (shared_cache_buffers)
         self._slots: dict[tuple, GraphSlot] = {}
         self._slot_device = "cuda"  # where slots keep their buffers (tests check the bookkeeping on the CPU)
 
@@ -191,6 +216,8 @@ class OrtRunner(Runner):
         self._inputs = [i.name for i in inputs]
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._specs = {i.name: InputSpec(rank=len(i.shape), floating="float" in i.type) for i in inputs}
+        if CACHE_POSITION in self._inputs:
+            self._shared = shared_cache_buffers(sum(n.startswith(PAST) for n in self._inputs) // 2)
         if self.device == "cuda":
             self._queued = queued_run_options()
             self._sync_binding = self.session.io_binding()
@@ -200,10 +227,10 @@ class OrtRunner(Runner):
 
         if self.cuda_graph:
             return self._prepare_slot(feeds)
-        if self.device == "cpu":
+        if self.device == "cpu" and not self._shared:
             return {name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
                     for name, value in feeds.items()}
-        return bind_on_cuda(self.session, feeds, self._outputs)
+        return bind_io(self.session, feeds, self._outputs, self.device, self._shared)
 
     def _launcher(self, prepared: Any):
         """One call on `prepared`. On CUDA the run is issued with IOBinding, outputs kept on the device, and
@@ -220,7 +247,7 @@ class OrtRunner(Runner):
                     raise self._run_failed(e) from None
                 return dict(prepared.outputs)
             return replay
-        if self.device == "cpu":
+        if isinstance(prepared, dict):  # the CPU without IOBinding
             def run_on_cpu():
                 try:
                     return dict(zip(names, session.run(None, prepared)))
@@ -255,8 +282,7 @@ class OrtRunner(Runner):
         signature = tuple((name, _shape_of(value), _type_of(value)) for name, value in feeds.items())
         slot = self._slots.get(signature)
         if slot is None:
-            device_inputs = {name: value if isinstance(value, ort.OrtValue)
-                             else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self._slot_device, 0)
+            device_inputs = {name: value if isinstance(value, ort.OrtValue) else device_copy(value, self._slot_device)
                              for name, value in feeds.items()}
             return NewShape(signature, device_inputs)
         for name, value in feeds.items():
@@ -279,19 +305,20 @@ class OrtRunner(Runner):
     def _capture(self, device_inputs: dict) -> "GraphSlot":
         import onnxruntime as ort
 
-        def bound(outputs: dict | None):
+        def bound(outputs: dict):
             binding = self.session.io_binding()
             for name, value in device_inputs.items():
                 binding.bind_ortvalue_input(name, value)
             for name in self._outputs:
-                if outputs is None:
+                if name not in outputs:
                     binding.bind_output(name, self._slot_device, 0)
                 else:
                     binding.bind_ortvalue_output(name, outputs[name])
             return binding
 
         try:
-            first = bound(None)  # ORT allocates the outputs; the slot keeps them as its fixed buffers
+            # ORT allocates the outputs (but a static cache's present: its past's buffer); the slot keeps them
+            first = bound({out: device_inputs[past] for out, past in self._shared.items()})
             no_capture = ort.RunOptions()
             no_capture.add_run_config_entry("gpu_graph_id", "-1")
             self.session.run_with_iobinding(first, no_capture)

@@ -1,9 +1,12 @@
 """PyTorch runner: eager, torch.compile, or replayed CUDA graphs, on the CPU or a CUDA device.
 
-Two input/output layouts, so that one benchmark loop drives torch and ONNX Runtime alike:
+Three input/output layouts, so that one benchmark loop drives torch and ONNX Runtime alike:
 - full forward: `input_ids` → `logits`;
-- decoder (`decoder=True`): the names of the exported KV-cached decoders, `input_ids` and
-  `past_key_values.{i}.key|value` → `logits` and `present.{i}.key|value` (see taperfold.exportdir).
+- growing-cache decoder (`decoder=True`): the names of the exported KV-cached decoders, `input_ids` and
+  `past_key_values.{i}.key|value` → `logits` and `present.{i}.key|value` (see taperfold.exportdir);
+- static-cache decoder (`decoder="static"`): also `cache_position`; the model writes the new keys and values into
+  the fed cache buffers in place and returns those same tensors as present (so a step feeds back its presents
+  without a copy and every step has the same shapes), and `next_token`: the greedy token, taken on the device.
 
 torch.compile (`compile=True`): dynamo caches compiled graphs on the Python code object, and every variant of a
 model runs the same `CausalLM.forward`; compiled through one code object, three variants times six shapes
@@ -12,12 +15,14 @@ the forward's code (its own cache), with a recompile limit that fits the shapes 
 and a hit of the limit or any graph break raised as an error instead of a fallback. The first call on a new
 shape compiles; it is run untimed and its time recorded apart (`setup_log`).
 
-CUDA graphs (`cuda_graph=True`): one graph per input shape, captured on the first call with that shape as
-torch documents (warm-up calls on a side stream, then capture into a private memory pool). The tensors of
-that first call become the graph's static inputs and its outputs the static outputs; later calls copy new
-values into the static inputs (in `prepare`, untimed) and replay. A decode step feeds the presents the
-previous step's graph returned: those are the next graph's static inputs already, so steady-state decoding
-copies nothing. Outputs are the graph's buffers: valid until the next call with the same shape.
+CUDA graphs (`cuda_graph=True`): one graph per input shape (a static cache's steps all share one), captured on
+the first call with that shape as torch documents (warm-up calls on a side stream, then capture into a private
+memory pool). The tensors of that first call become the graph's static inputs and its outputs the static outputs;
+later calls copy new values into the static inputs (in `prepare`, untimed) and replay. A decode step feeds the
+presents the previous step's graph returned: those are the next graph's static inputs already, so steady-state
+decoding copies nothing (with a static cache the step's graph writes its own static cache inputs in place, and only the
+`next_token` it returned, [batch, 1], is copied into its input ids). Outputs are the graph's buffers: valid until
+the next call with the same shape.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
-from taperfold.exportdir import INPUT, OUTPUT, decoder_io_names
+from taperfold.exportdir import CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, OUTPUT, STATIC, cache_of, decoder_io_names
 from taperfold.taper import TaperedLM
 from taperfold.runners.base import CudaEventClock, InputSpec, Runner, WallClock
 
@@ -81,7 +86,7 @@ class TorchRunner(Runner):
 
     name = "torch"
 
-    def __init__(self, model: TaperedLM, device: str = "cpu", compile: bool = False, decoder: bool = False,
+    def __init__(self, model: TaperedLM, device: str = "cpu", compile: bool = False, decoder: bool | str = False,
                  logits: str = "last", name: str = "torch model", compile_mode: str = "default",
                  cuda_graph: bool = False, shapes: int | None = None):
         super().__init__(name, device)
@@ -92,15 +97,22 @@ class TorchRunner(Runner):
         if cuda_graph and compile:
             raise self.error("choose torch.compile or CUDA graphs, not both")
         self.model, self.compile, self.decoder, self.logits = model, compile, decoder, logits
+        self.cache = cache_of(decoder)
+        if self.cache == STATIC and not model.static_cache:
+            raise self.error("this model takes no static KV cache (its transformers cache has sliding-window layers); "
+                             "use --kv-cache growing")
         self.compile_mode, self.cuda_graph, self.shapes = compile_mode, cuda_graph, shapes or 8
         self._outputs_in_graph_pool = (compile and compile_mode in ("reduce-overhead", "max-autotune")
                                        and self.device.startswith("cuda"))
         if decoder:
-            self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers)
+            self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers, decoder)
         else:
             self._inputs, self._outputs = [INPUT], [OUTPUT]
+        if self.cache == STATIC:
+            self._outputs.append(NEXT_TOKEN)
         self._specs = {n: InputSpec(rank=4, floating=True) for n in self._inputs}
         self._specs[INPUT] = InputSpec(rank=2, floating=False)
+        self._specs[CACHE_POSITION] = InputSpec(rank=1, floating=False)
         self._module = None
         # one-off work per input shape, outside every timing: ("compile" | "capture", shape signature, seconds)
         self.setup_log: list[tuple[str, tuple, float]] = []
@@ -117,11 +129,12 @@ class TorchRunner(Runner):
         self._module = self.model
         if self.compile:
             configure_dynamo(self.shapes)
-            # decoding grows the cache every step: let dynamo turn the changing sizes dynamic after the first
-            # recompile instead of compiling every step; prefill cells are few and fixed: one static graph each
+            # a growing cache changes shape every step: let dynamo turn the changing sizes dynamic after the first
+            # recompile instead of compiling every step; prefill cells and a static cache's prompt and step are
+            # few and fixed shapes: one static graph each
             self._module = torch.compile(own_forward(self.model), mode=None if self.compile_mode == "default"
                                          else self.compile_mode, fullgraph=True,
-                                         dynamic=None if self.decoder else False)
+                                         dynamic=None if self.cache == GROWING else False)
 
     # ---- running ----
 
@@ -131,6 +144,8 @@ class TorchRunner(Runner):
         dtype = next(self.model.parameters()).dtype
         out = {}
         for name, value in feeds.items():
+            if isinstance(value, np.ndarray) and self.cache == STATIC:
+                value = np.array(value)  # the model writes into its cache: never into the caller's arrays
             t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
             if t.is_floating_point():
                 t = t.to(dtype)  # the KV cache lives in the model's dtype
@@ -149,8 +164,13 @@ class TorchRunner(Runner):
         with torch.inference_mode():
             if not self.decoder:
                 return {OUTPUT: self._module(prepared[INPUT], logits=self.logits)}
-            keys, values = self._inputs[1::2], self._inputs[2::2]  # decoder_io_names: key, value per layer
-            past = [(prepared[k], prepared[v]) for k, v in zip(keys, values)]
+            cache_names = [n for n in self._inputs if n not in (INPUT, CACHE_POSITION)]  # key, value per layer
+            past = [(prepared[k], prepared[v]) for k, v in zip(cache_names[::2], cache_names[1::2])]
+            if self.cache == STATIC:
+                logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True,
+                                               cache_position=prepared[CACHE_POSITION])
+                presents = dict(zip(self._outputs[1:-1], (t for kv in present for t in kv)))
+                return {OUTPUT: logits, **presents, NEXT_TOKEN: logits.argmax(-1, keepdim=True)}
             logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True)
             if self._outputs_in_graph_pool:
                 # reduce-overhead / max-autotune replay CUDA graphs whose outputs live in a pool that the next

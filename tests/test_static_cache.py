@@ -1,0 +1,342 @@
+"""Static KV cache (issue 20, item 3) and no per-call shape work in taperfold's own model (item 4): the static
+decoder's export, its fixed shapes, its logits against the growing decoder and the checkpoint at every step, the
+fold of its norms, the runners (ONNX Runtime with shared past/present buffers, torch with the argmax on the device),
+verify, bench and the options' refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from taperfold.bench.decode import generate, prompt_feeds, step_feeds
+from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, STATIC, artifact_key, decoder_io_names,
+                                 read_manifest)
+from taperfold.export import ExportOptions, export_checkpoint
+from taperfold.models import random_gate0_model
+from taperfold.runners.ort import OrtRunner
+from taperfold.runners.torch_runner import TorchRunner
+from taperfold.verify import DECODE_STEPS, _decode_logits, decode_cases, verify_export
+
+MAX_CACHE = 48  # shorter than the tiny preset's context (128): the cache length is --max-cache's
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: torch sees none on this machine")
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def static_export(request, tmp_path_factory):
+    """A tiny g = 0 model of each built-in architecture exported with both decoders, the static one MAX_CACHE long."""
+    root = tmp_path_factory.mktemp(f"static-{request.param}")
+    model = random_gate0_model("tiny", arch=request.param)
+    ckpt = save_checkpoint(checkpoint_from_model(model, step=0), root / "tiny.pt")
+    opts = ExportOptions(kv_cache=(GROWING, STATIC), max_cache=MAX_CACHE)
+    return export_checkpoint(ckpt, root / "out", opts).out_dir, model
+
+
+def _ids(vocab: int, shape, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape, dtype=np.int64)
+
+
+# ---- the model: nothing per call that depends only on the shape ------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_forward_builds_no_position_tables_and_the_state_dict_stays_the_weights(arch, monkeypatch):
+    model = random_gate0_model("tiny", arch=arch)
+    buffers = {name for name, _ in model.named_buffers()}
+    assert {"positions"} <= buffers and (arch != "llama" or {"rope_cos", "rope_sin"} <= buffers)
+    assert not buffers & {"positions", "rope_cos", "rope_sin"} & set(model.state_dict())
+    cfg, ids = model.cfg, torch.from_numpy(_ids(256, (2, 9)))
+    cache = [(torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim), torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim))
+             for _ in range(cfg.n_layers)]
+    with torch.no_grad():
+        expected = model(ids, logits="all")
+        _, grown = model(ids[:, :8], past_key_values=None, use_cache=True)
+
+        def no_arange(*args, **kwargs):
+            raise AssertionError("a forward computed positions (torch.arange)")
+
+        monkeypatch.setattr(torch, "arange", no_arange)
+        full = model(ids, logits="all")  # prefill, a growing cache's step, a static cache's prompt
+        step = model(ids[:, 8:], past_key_values=grown)
+        prompt, _ = model(ids[:, :8], past_key_values=cache, use_cache=True, cache_position=torch.tensor(range(8)))
+    torch.testing.assert_close(full, expected)
+    torch.testing.assert_close(step, expected[:, 8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt, expected[:, 7], rtol=1e-5, atol=1e-5)
+
+
+# ---- the export ------------------------------------------------------------------------------------------
+
+
+def test_static_decoder_has_fixed_cache_shapes_and_named_tensors(static_export):
+    out, model = static_export
+    cfg = model.cfg
+    manifest = read_manifest(out)
+    assert manifest.data["export"]["kv_cache"] == [GROWING, STATIC] and manifest.max_cache == MAX_CACHE
+    graph = onnx.load(manifest.artifact("folded", STATIC), load_external_data=False).graph
+    inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
+    assert [i.name for i in graph.input] == inputs and inputs[:2] == ["input_ids", CACHE_POSITION]
+    assert [o.name for o in graph.output] == outputs
+
+    def dims(value):
+        return [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
+
+    for value in [*graph.input[2:], *graph.output[1:]]:
+        assert dims(value)[1:] == [cfg.kv_heads, MAX_CACHE, cfg.head_dim]  # only the batch is dynamic
+    assert len(dims(graph.input[1])) == 1 and graph.input[1].type.tensor_type.elem_type == onnx.TensorProto.INT64
+
+
+def test_folded_static_decoder_keeps_no_tapered_norm(static_export):
+    out, model = static_export
+    data = read_manifest(out).data
+    report, growing = data["static_fold_report"], data["decoder_fold_report"]
+    tapered = len(model.tapered_norms())
+    assert report["summary"]["folded"] == tapered == growing["summary"]["folded"]
+    assert report["summary"]["kept"] == 0 and report["summary"]["not_foldable"] == 0
+    norm_ops = data["artifacts"][artifact_key("folded", STATIC)]["norm_ops"]
+    assert sum(norm_ops.values()) == 1  # the final norm, kept as the scale anchor (Internal-Taper)
+    assert data["artifacts"][artifact_key("folded", STATIC)]["path"] == "model.static.onnx"
+
+
+def test_static_steps_share_one_shape_and_update_the_cache_in_place(static_export):
+    out, model = static_export
+    cfg = model.cfg
+    path = read_manifest(out).artifact("folded", STATIC)
+    with OrtRunner(path, threads=1) as runner:
+        ids = _ids(cfg.vocab_size, (2, 10))
+        out_ = runner.run(runner.prepare(prompt_feeds(cfg, ids[:, :6], "fp32", MAX_CACHE)))
+        present = [n for n in runner.output_names if n.startswith("present.")]
+        buffers = [out_[n].data_ptr() for n in present]
+        shapes = []
+        for k in range(6, 10):
+            feeds = step_feeds(cfg, ids[:, k:k + 1], out_, k, static=True)
+            shapes.append({n: tuple(v.shape()) for n, v in feeds.items() if n.startswith("past_")})
+            out_ = runner.run(runner.prepare(feeds))
+            assert [out_[n].data_ptr() for n in present] == buffers  # present is the past's buffer, written in place
+        assert all(s == shapes[0] for s in shapes)
+        assert set(shapes[0].values()) == {(2, cfg.kv_heads, MAX_CACHE, cfg.head_dim)}
+
+
+def test_static_logits_match_the_growing_decoder_and_the_checkpoint_at_every_step(static_export):
+    out, model = static_export
+    cfg, manifest = model.cfg, read_manifest(out)
+    with OrtRunner(manifest.artifact("folded", STATIC), threads=1) as static, \
+            OrtRunner(manifest.artifact("folded", GROWING), threads=1) as growing, \
+            TorchRunner(model, decoder=True) as checkpoint:
+        for case in decode_cases(cfg.vocab_size, MAX_CACHE):
+            got = _decode_logits(static, case.ids, cfg, "fp32", MAX_CACHE)
+            assert len(got) == DECODE_STEPS + 1
+            for reference in (growing, checkpoint):
+                want = _decode_logits(reference, case.ids, cfg, "fp32")
+                for step, (a, b) in enumerate(zip(got, want)):
+                    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), f"{case.label} step {step}"
+
+
+def test_verify_covers_the_static_decoders(static_export):
+    out, _ = static_export
+    report = verify_export(out, threads=1)
+    static = {p.candidate: p for p in report.pairs if p.candidate.endswith(".static")}
+    assert set(static) == {artifact_key(v, STATIC) for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
+                           if read_manifest(out).has_artifact(v, STATIC)}
+    assert all(p.status == "pass" for p in static.values()) and report.passed
+    steps = {r["input"].rsplit(" ", 2)[-1] for r in static[artifact_key("folded", STATIC)].per_input}
+    assert steps == {"prompt", *(str(k) for k in range(1, DECODE_STEPS + 1))}
+
+
+# ---- the runners -----------------------------------------------------------------------------------------
+
+
+def test_torch_static_runner_takes_the_argmax_on_the_device_and_matches_the_growing_one(static_export):
+    _, model = static_export
+    cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
+    with TorchRunner(model, decoder=True) as growing:
+        expected = generate(growing, prompt, 6, cfg, "fp32")
+    with TorchRunner(model, decoder=STATIC) as runner:
+        assert runner.output_names[-1] == NEXT_TOKEN and CACHE_POSITION in runner.input_names
+        got = generate(runner, prompt, 6, cfg, "fp32", cache_len=MAX_CACHE)
+        out = runner.run(runner.prepare(prompt_feeds(cfg, prompt, "fp32", MAX_CACHE)))
+        assert isinstance(out[NEXT_TOKEN], torch.Tensor) and out[NEXT_TOKEN].shape == (2, 1)
+        fed = runner.prepare(step_feeds(cfg, out[NEXT_TOKEN], out, 7, static=True))
+        assert fed[INPUT] is out[NEXT_TOKEN] and fed["past_key_values.0.key"] is out["present.0.key"]
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.last_logits, expected.last_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_runners_never_write_into_the_callers_cache_arrays(static_export):
+    out, model = static_export
+    cfg = model.cfg
+    feeds = prompt_feeds(cfg, _ids(cfg.vocab_size, (1, 5)), "fp32", MAX_CACHE)
+    with TorchRunner(model, decoder=STATIC) as torch_runner, \
+            OrtRunner(read_manifest(out).artifact("folded", STATIC), threads=1) as ort_runner:
+        for runner in (torch_runner, ort_runner):
+            runner.infer(feeds)
+            assert not any(v.any() for n, v in feeds.items() if n.startswith("past_"))
+
+
+class _ReplayOnCpu:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: a replay runs the captured forward on the static inputs and
+    writes into the static outputs (what a real replay does on the device)."""
+
+    def __init__(self, runner, inputs, outputs):
+        self.runner, self.inputs, self.outputs = runner, inputs, outputs
+
+    def replay(self):
+        fresh = self.runner._forward(self.inputs)
+        with torch.inference_mode():
+            for name, value in fresh.items():
+                if value is not self.outputs[name]:  # a static cache's present is its input, already written
+                    self.outputs[name].copy_(value)
+
+
+def test_torch_graph_bookkeeping_one_graph_serves_every_static_step(static_export):
+    from taperfold.runners import torch_runner
+
+    _, model = static_export
+    cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
+    with TorchRunner(model, decoder=STATIC) as eager:
+        expected = generate(eager, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+    runner = TorchRunner(model, decoder=STATIC)
+    runner.cuda_graph = True  # the constructor refuses it off CUDA; the capture below needs no CUDA
+
+    def capture(prepared):
+        outputs = runner._forward(prepared)
+        return torch_runner._Graph(_ReplayOnCpu(runner, dict(prepared), outputs), dict(prepared), outputs)
+
+    runner._capture = capture
+    with runner:
+        for _ in range(2):
+            got = generate(runner, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+            np.testing.assert_array_equal(got.tokens, expected.tokens)
+            np.testing.assert_allclose(got.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
+        assert len(runner.setup_log) == 2  # the prompt's graph and one for every step, in the first generation only
+        prompt_graph, step_graph = runner._graphs.values()
+        assert step_graph.inputs["past_key_values.0.key"] is prompt_graph.outputs["present.0.key"]
+        assert step_graph.outputs["present.0.key"] is step_graph.inputs["past_key_values.0.key"]  # written in place
+
+
+def test_ort_slot_bookkeeping_one_slot_serves_every_static_step(static_export):
+    out, model = static_export
+    cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
+    path = read_manifest(out).artifact("folded", STATIC)
+    with OrtRunner(path, threads=1) as plain:
+        expected = generate(plain, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+    runner = OrtRunner(path, device="cpu", threads=1)
+    load = runner._load
+
+    def load_on_cpu():  # a plain CPU session (no enable_cuda_graph), then slots kept on the CPU
+        load()
+        runner.cuda_graph, runner._slot_device = True, "cpu"  # the CPU EP ignores gpu_graph_id
+
+    runner._load = load_on_cpu
+    with runner:
+        for _ in range(2):
+            got = generate(runner, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+            np.testing.assert_array_equal(got.tokens, expected.tokens)
+            np.testing.assert_allclose(got.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
+        assert len(runner.setup_log) == 2  # a slot for the prompt, one for all the steps
+        prompt_slot, step_slot = runner._slots.values()
+        assert [s.run_options.get_run_config_entry("gpu_graph_id") for s in (prompt_slot, step_slot)] == ["1", "2"]
+        for name in (n for n in runner.output_names if n.startswith("present.")):
+            past = name.replace("present.", "past_key_values.")
+            assert step_slot.outputs[name].data_ptr() == step_slot.inputs[past].data_ptr()  # one buffer, past/present
+            assert step_slot.inputs[past].data_ptr() == prompt_slot.inputs[past].data_ptr()  # shared with the prompt
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_static_decoding_on_cuda_matches_the_cpu(static_export):
+    from taperfold.runners.ort import unavailable
+
+    out, model = static_export
+    cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
+    with TorchRunner(model.copy(), decoder=STATIC) as cpu:
+        expected = generate(cpu, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+    with TorchRunner(model.copy(), decoder=STATIC, device="cuda", cuda_graph=True) as graphs:
+        got = generate(graphs, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    if unavailable("cuda") is None:
+        with OrtRunner(read_manifest(out).artifact("folded", STATIC), device="cuda", cuda_graph=True) as ort_graphs:
+            got = generate(ort_graphs, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+        np.testing.assert_array_equal(got.tokens, expected.tokens)
+
+
+# ---- bench and the command line ------------------------------------------------------------------------------
+
+
+def test_bench_decodes_with_the_static_cache_when_the_export_has_it(static_export, tmp_path, cli):
+    out, _ = static_export
+    args = ("bench", out, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1",
+            "--iters", "2", "--rounds", "1", "--threads", "1", "--variants", "folded")
+    r = cli(*args, "--report", tmp_path / "static.json")
+    assert r.exit_code == 0, r.stderr
+    assert f"decoders: static KV cache of {MAX_CACHE} positions" in r.stdout
+    report = json.loads((tmp_path / "static.json").read_text())
+    assert report["kv_cache"] == STATIC and report["cache_length"] == MAX_CACHE
+    assert cli(*args, "--kv-cache", "growing", "--report", tmp_path / "growing.json").exit_code == 0
+    assert json.loads((tmp_path / "growing.json").read_text())["kv_cache"] == GROWING
+    r = cli(*args, "--engine", "torch", "--report", tmp_path / "torch.json")
+    assert r.exit_code == 0, r.stderr
+    report = json.loads((tmp_path / "torch.json").read_text())
+    assert (report["kv_cache"], report["cache_length"]) == (STATIC, MAX_CACHE)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-cache", "32"), "--max-cache 32: only a static cache has a length; add --kv-cache static"),
+    (("--kv-cache", "static", "--max-cache", "129"), "--max-cache 129 exceeds the model's context (max_seq_len 128)"),
+    (("--kv-cache", "static", "--max-cache", "3"), "--max-cache must be 4 or more"),
+    (("--kv-cache", "paged"), "--kv-cache must be growing or static (or both, comma-separated), got paged"),
+])
+def test_export_refuses_bad_cache_options_in_one_line(tiny_checkpoint, tmp_path, cli, args, message):
+    r = cli("export", tiny_checkpoint, "-o", tmp_path / "out", *args)
+    assert r.exit_code == 2 and r.stderr.startswith(f"taperfold: error: {message}") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_refuses_a_static_cache_the_export_lacks_in_one_line(tiny_export, tmp_path, cli):
+    r = cli("bench", tiny_export, "--mode", "decode", "--kv-cache", "static", "--prompt", "8", "--new-tokens", "2",
+            "--report", tmp_path / "r.json")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "missing key 'artifacts.baseline.static.path': re-export with --kv-cache static" in r.stderr
+    r = cli("bench", tiny_export, "--kv-cache", "static", "--seq", "8", "--report", tmp_path / "r.json")
+    assert r.exit_code == 2 and "--kv-cache chooses the decoders' cache: it needs --mode decode" in r.stderr
+
+
+def test_bench_refuses_a_generation_longer_than_the_static_cache(static_export, cli):
+    out, _ = static_export
+    r = cli("bench", out, "--mode", "decode", "--prompt", "40", "--new-tokens", "9")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert f"--prompt 40 + --new-tokens 9 exceeds the static cache ({MAX_CACHE} positions" in r.stderr
+
+
+# ---- transformers models -------------------------------------------------------------------------------------
+
+
+def test_a_transformers_model_exports_and_verifies_a_static_decoder(tmp_path):
+    pytest.importorskip("transformers")
+    from taperfold.hf import save_hf_directory
+    from hf_models import tapered_tiny_model
+
+    folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "tapered")
+    out = export_checkpoint(folder, tmp_path / "out", ExportOptions(baseline=False, kv_cache=STATIC)).out_dir
+    manifest = read_manifest(out)
+    assert manifest.has_artifact("folded", STATIC) and not manifest.has_artifact("folded", GROWING)
+    assert manifest.data["static_fold_report"]["summary"]["kept"] == 0
+    report = verify_export(out, threads=1)
+    static = [p for p in report.pairs if p.candidate.endswith(".static")]
+    assert {p.candidate for p in static} == {"unfolded.static", "folded.static"} and report.passed
+
+
+def test_a_transformers_model_with_sliding_window_layers_is_refused_in_one_line(tmp_path, cli):
+    pytest.importorskip("transformers")
+    from taperfold.hf import save_hf_directory
+    from hf_models import tapered_tiny_model
+
+    folder = save_hf_directory(tapered_tiny_model("gemma2"), tmp_path / "tapered")
+    r = cli("export", folder, "-o", tmp_path / "out", "--kv-cache", "static")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "--kv-cache static: the model's transformers cache has sliding-window layers" in r.stderr
+    assert not (tmp_path / "out").exists()
