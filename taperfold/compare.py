@@ -19,6 +19,7 @@ others are reported only. NaN or Inf anywhere in the candidate fails every bound
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -29,6 +30,7 @@ class Tolerance:
     rtol: float  # bound on max_rel
     min_top1: float  # bound on top1_decisive
     max_kl: float  # bound on the mean KL
+    basis: str | None = None  # why the bounds differ from the dtype's defaults (see between_graphs)
 
     def override(self, rtol: float | None = None, min_top1: float | None = None,
                  max_kl: float | None = None) -> "Tolerance":
@@ -58,6 +60,31 @@ def default_tolerance(dtype: str, kind: str) -> Tolerance:
     return DEFAULT_TOLERANCES[(dtype, kind)]
 
 
+# A pair of two exported graphs (unfolded -> folded, baseline-decomposed -> baseline) differs by rounding only, but
+# how much rounding grows with the model: depth and width add kernel-order differences, and at 683 M parameters the
+# unfolded graph sat 6.3e-5 from the checkpoint, the folded one 2.2e-5, and the two 4.3e-5 apart, 4x the fixed fp32
+# bound. So the pair is also allowed what the exporter itself costs: this many times the first graph's own distance
+# from its torch model (max rel; KL, which grows as the square of the error, this squared). A wrong fold (a gain off
+# by 1 %) is orders of magnitude beyond either bound; checkpoint -> folded keeps the export bound.
+EXPORT_SLACK = 2
+
+
+def between_graphs(tol: Tolerance, export: Metrics, export_pair: str, rtol_given: bool = False,
+                   max_kl_given: bool = False) -> Tolerance:
+    """The bound of a pair of two exported graphs: `tol` (its dtype's), or EXPORT_SLACK x `export` (the metrics of
+    `export_pair`: the pair's first graph against its torch model) where that is larger. A bound the user set
+    (`rtol_given`, `max_kl_given`) stays as given."""
+    rtol = EXPORT_SLACK * export.max_rel if not rtol_given and math.isfinite(export.max_rel) else 0.0
+    max_kl = EXPORT_SLACK ** 2 * export.kl if not max_kl_given and math.isfinite(export.kl) else 0.0
+    if rtol <= tol.rtol and max_kl <= tol.max_kl:
+        return tol
+    widened = [f"rtol {EXPORT_SLACK} x {export.max_rel:.3g}" if rtol > tol.rtol else "",
+               f"max_kl {EXPORT_SLACK ** 2} x {export.kl:.3g}" if max_kl > tol.max_kl else ""]
+    return replace(tol, rtol=max(rtol, tol.rtol), max_kl=max(max_kl, tol.max_kl),
+                   basis=f"{' and '.join(w for w in widened if w)} ({export_pair}): the exporter's own rounding, "
+                         f"above the fixed bound (rtol {tol.rtol:g}, max_kl {tol.max_kl:g})")
+
+
 def tolerance_help() -> str:
     """The default table, one line per (dtype, pair kind), as `taperfold verify --help` shows it."""
 
@@ -67,6 +94,8 @@ def tolerance_help() -> str:
     pair = {"export": "vs checkpoint", "fold": "unfolded -> folded"}
     rows = [f"{dtype}, {pair[kind]:<19} rtol {sci(t.rtol):<5}  min-top1 {t.min_top1:<5g}  max-kl {sci(t.max_kl)}"
             for (dtype, kind), t in DEFAULT_TOLERANCES.items()]
+    rows.append(f"graph -> graph (the fold, the fused norm): or {EXPORT_SLACK} x the first graph's own max rel "
+                f"({EXPORT_SLACK ** 2} x its KL) if larger")
     return "\n".join(rows)
 
 
@@ -161,9 +190,11 @@ def violations(metrics: Metrics, tol: Tolerance) -> list[str]:
     Written as `not (value <= limit)` so that NaN breaks every bound."""
     out = []
     if not metrics.max_rel <= tol.rtol:
-        out.append(f"max_rel {metrics.max_rel:.3g} > {tol.rtol:g}")
+        out.append(f"max_rel {metrics.max_rel:.3g} > {tol.rtol:.3g}")
     if not metrics.top1_decisive >= tol.min_top1:
         out.append(f"top1 {metrics.top1_decisive:.4g} < {tol.min_top1:g}")
     if not metrics.kl <= tol.max_kl:
-        out.append(f"kl {metrics.kl:.3g} > {tol.max_kl:g}")
+        out.append(f"kl {metrics.kl:.3g} > {tol.max_kl:.3g}")
+    if out and tol.basis:
+        out[-1] += f" (bound: {tol.basis})"
     return out

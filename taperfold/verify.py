@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
+from taperfold.compare import Metrics, Tolerance, between_graphs, compare_logits, default_tolerance, violations
 from taperfold.engines import ENGINES, open_runners
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, GROWING, INPUT, KV_CACHES,
@@ -180,6 +180,9 @@ class PairResult:
     violations: list[str] = field(default_factory=list)
     worst_input: str | None = None
     per_input: list[dict] = field(default_factory=list)
+    # a pair of two graphs: the pair holding its first graph to its torch model, whose distance may widen the bound
+    # (compare.between_graphs)
+    anchor: str | None = None
 
     @property
     def name(self) -> str:
@@ -316,7 +319,7 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
         graphs += [graph(UNFOLDED), graph(FOLDED)]
         pairs += [PairResult(reference, UNFOLDED, "export", export_tol),
                   PairResult(reference, FOLDED, "export", export_tol),
-                  PairResult(UNFOLDED, FOLDED, "fold", fold_tol)]
+                  PairResult(UNFOLDED, FOLDED, "fold", fold_tol, anchor=f"{reference} -> {UNFOLDED}")]
     baselines = [v for v in (BASELINE, DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
     if baselines:
         # a plain checkpoint is its own baseline: its forward is the reference, built once
@@ -327,7 +330,8 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
             graphs.append(graph(variant))
             pairs.append(PairResult(baseline_ref, variant, "export", export_tol))
         if len(baselines) == 2:  # the fused norm against the plain ops it replaced
-            pairs.append(PairResult(DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol))
+            pairs.append(PairResult(DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol,
+                                    anchor=f"{baseline_ref} -> {DECOMPOSED_BASELINE}"))
     if FOLDED in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
         engine_pair = PairResult(reference, ENGINE_ARTIFACT, "export", export_tol)
         pairs.append(engine_pair)
@@ -342,7 +346,8 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     run += graphs
 
     progress = on_progress or (lambda done, total, description: None)
-    _run(list(zip(batches, id_arrays)), run, pairs, threads, progress)
+    given = {name for name, value in overrides.items() if value is not None}
+    _run(list(zip(batches, id_arrays)), run, pairs, threads, progress, given)
     if any(manifest.has_artifact(v, decoder=cache) for v in (UNFOLDED, BASELINE) for cache in KV_CACHES):
         pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed,
                                   progress)
@@ -389,10 +394,11 @@ class ModelRun:
 
 
 def _run(batches: list[tuple[InputBatch, np.ndarray]], run: list[ModelRun], pairs: list[PairResult],
-         threads: int | None, progress: Callable[[int, int, str], None]) -> None:
+         threads: int | None, progress: Callable[[int, int, str], None], given: set[str] = frozenset()) -> None:
     """Run each model of `run` in turn on every batch, closing it before the next one opens (one model's weights in
-    memory at a time); a pair is compared as soon as both its models have run, and a model's logits are dropped once
-    no pair waits for them."""
+    memory at a time); a pair is compared as soon as both its models have run (a pair of two graphs after its
+    anchor, whose metrics may widen its bound unless the user `given` it), and a model's logits are dropped once no
+    pair waits for them."""
     import torch
 
     judged = [p for p in pairs if p.status != "skipped"]
@@ -416,6 +422,9 @@ def _run(batches: list[tuple[InputBatch, np.ndarray]], run: list[ModelRun], pair
             _return_freed_memory()
             logits[model.name] = outputs
             for pair in [p for p in waiting if p.reference in logits and p.candidate in logits]:
+                if pair.anchor and collected.get(pair.anchor):  # the anchor's models ran first (it is listed first)
+                    pair.tolerance = between_graphs(pair.tolerance, Metrics.merge(collected[pair.anchor]), pair.anchor,
+                                                    rtol_given="rtol" in given, max_kl_given="max_kl" in given)
                 for (batch, _), ref, cand in zip(batches, logits[pair.reference], logits[pair.candidate]):
                     _compare_one(pair, batch, ref, cand, collected[pair.name])
                 waiting.remove(pair)

@@ -212,6 +212,87 @@ def test_perturbed_weight_fails_naming_the_pair(cli, tiny_export, tmp_path):
     assert status == {"checkpoint -> unfolded": "pass", "checkpoint -> folded": "fail", "unfolded -> folded": "fail"}
 
 
+def _two_graphs(tiny_export, out):
+    """unfolded.onnx and model.onnx of the tiny export in `out`, with a manifest naming only them."""
+    out.mkdir()
+    for name in ("unfolded.onnx", "unfolded.onnx.data", "model.onnx", "model.onnx.data"):
+        shutil.copy(tiny_export / name, out / name)
+    manifest = json.loads((tiny_export / "manifest.json").read_text())
+    manifest["artifacts"] = {k: v for k, v in manifest["artifacts"].items() if k in ("unfolded", "folded")}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def _scale_weight(source, out, factor, pick):
+    """The graph `source` with the constant input that `pick(graph)` returns multiplied by `factor`, written in
+    folder `out` under the same name."""
+    import onnx_ir as ir
+
+    model = ir.load(source)
+    weight = pick(model.graph)
+    array = weight.const_value.numpy() * np.float32(factor)
+    weight.const_value = ir.tensor(array, name=weight.name)
+    ir.save(model, out / source.name, external_data=source.name + ".data")
+
+
+def _final_norm_gain(graph):
+    return next(n.inputs[1] for n in graph if n.op_type == "RMSNormalization")  # the final norm, kept in both
+
+
+def _first_projection(graph):
+    return next(v for node in graph if node.op_type == "MatMul" for v in node.inputs
+                if v is not None and v.const_value is not None)
+
+
+def test_fold_bound_follows_the_exporters_own_distance(tiny_export, tmp_path):
+    """At 683 M parameters unfolded.onnx sat 6.3e-5 from the checkpoint, model.onnx 2.2e-5, and the two 4.3e-5 apart:
+    over the fixed 1e-5 fold bound though the fold was right. Here the unfolded graph is put 5e-5 from the checkpoint
+    (its final norm's gain scaled by 1 + 5e-5: every logit moves by that fraction) and the correct folded graph
+    stays where the exporter put it: the fold pair passes on 2x the exporter's distance and says so. A wrong fold
+    (the first folded projection's norm gain 1 % off) still fails."""
+    from taperfold.verify import verify_export
+
+    out = _two_graphs(tiny_export, tmp_path / "right")
+    _scale_weight(tiny_export / "unfolded.onnx", out, 1 + 5e-5, _final_norm_gain)
+    report = verify_export(out, threads=1)
+    pairs = {p.name: p for p in report.pairs}
+    export, fold = pairs["checkpoint -> unfolded"], pairs["unfolded -> folded"]
+    assert 3e-5 < export.metrics.max_rel < 1e-4 and 1e-5 < fold.metrics.max_rel  # the fixed bound would fail it
+    assert report.passed, report.failure_message()
+    assert fold.tolerance.rtol == pytest.approx(2 * export.metrics.max_rel)
+    assert "checkpoint -> unfolded" in fold.tolerance.basis and fold.to_dict()["tolerance"]["basis"]
+
+    wrong = _two_graphs(tiny_export, tmp_path / "wrong")
+    _scale_weight(tiny_export / "unfolded.onnx", wrong, 1 + 5e-5, _final_norm_gain)
+    _scale_weight(tiny_export / "model.onnx", wrong, 1.01, _first_projection)
+    report = verify_export(wrong, threads=1)
+    fold = {p.name: p for p in report.pairs}["unfolded -> folded"]
+    assert fold.status == "fail" and fold.metrics.max_rel > 10 * fold.tolerance.rtol
+    assert "(bound: " in fold.violations[-1]
+    # a bound the user sets is the bound
+    report = verify_export(out, threads=1, tolerances={"rtol": 1e-5, "max_kl": 1e-8})
+    fold = {p.name: p for p in report.pairs}["unfolded -> folded"]
+    assert fold.status == "fail" and fold.tolerance == Tolerance(1e-5, 0.999, 1e-8)
+
+
+def test_between_graphs_widens_only_past_the_fixed_bound():
+    from taperfold.compare import between_graphs
+
+    fixed = default_tolerance("fp32", "fold")
+
+    def export(max_rel, kl):
+        return Metrics(rows=1, max_abs=max_rel, max_rel=max_rel, mean_abs=0.0, cosine=1.0, top1=1.0,
+                       decisive_rows=1, top1_decisive=1.0, top5=1.0, kl=kl)
+
+    assert between_graphs(fixed, export(4e-6, 1e-12), "c -> u") == fixed  # a small model: the fixed bound
+    wide = between_graphs(fixed, export(6.3e-5, 1e-9), "c -> u")
+    assert (wide.rtol, wide.max_kl, wide.min_top1) == (pytest.approx(1.26e-4), fixed.max_kl, fixed.min_top1)
+    assert wide.basis.startswith("rtol 2 x 6.3e-05 (c -> u)")
+    assert between_graphs(fixed, export(6.3e-5, 1e-8), "c -> u").max_kl == pytest.approx(4e-8)
+    assert between_graphs(fixed, export(float("nan"), float("nan")), "c -> u") == fixed
+    assert between_graphs(fixed, export(6.3e-5, 1e-8), "c -> u", rtol_given=True, max_kl_given=True) == fixed
+
+
 def test_tolerance_flags_apply(cli, export_copy):
     result = verify(cli, export_copy, "--rtol", "0")
     assert result.exit_code == 1 and "max_rel" in result.stderr
