@@ -66,6 +66,7 @@ MAX_EXPORT_BATCH = 4096  # the graphs' batch dimension is dynamic up to this
 # A dynamic axis is traced at 2 or more (torch.export specialises 0 and 1), and a decoder's prompt and past
 # together stay within the context: the shortest context export takes.
 MIN_CONTEXT = 4
+ATTENTION_OPSET = 23  # ONNX Attention; below it torch.onnx writes attention as MatMul and Softmax, which broadcast
 
 
 def trace_lengths(max_seq_len: int) -> tuple[int, int]:
@@ -152,6 +153,25 @@ def _quiet():
             logger.setLevel(level)
 
 
+def _attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+               scale: float | None = None, enable_gqa: bool = False):
+    """aten's scaled_dot_product_attention as one ONNX Attention (opset 23), whatever the key/value heads.
+
+    torch.onnx's own translation refuses fewer key/value heads than query heads unless enable_gqa is set, yet
+    torch broadcasts a single key/value head over every query head, and Falcon-7B's multi-query attention passes
+    one without the flag. One head shared by all is grouped-query attention with a single group, which Attention
+    computes (its q_num_heads and kv_num_heads come from the 4-D shapes). Inference graphs only: no dropout."""
+    from onnxscript import opset23 as op
+
+    if dropout_p != 0.0:
+        raise AssertionError("scaled_dot_product_attention with dropout: export the model in eval mode")
+    if query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
+        raise AssertionError(f"scaled_dot_product_attention: {query.shape[1]} query heads cannot share "
+                             f"{key.shape[1]} key and {value.shape[1]} value heads")
+    output, _, _, _ = op.Attention(query, key, value, attn_mask, scale=scale, is_causal=is_causal)
+    return output
+
+
 def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = False, opset: int | None = None):
     """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
     one `opts` chooses for this graph). `decoder`: False (prefill), True / "growing" or "static" (exportdir)."""
@@ -187,7 +207,9 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = Fa
         try:
             program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
-                                        optimize=True, verbose=False)
+                                        optimize=True, verbose=False, custom_translation_table=(
+                                            {torch.ops.aten.scaled_dot_product_attention.default: _attention}
+                                            if opset >= ATTENTION_OPSET else None))
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise TaperfoldError(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e

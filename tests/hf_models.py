@@ -36,10 +36,9 @@ def tiny_config(model_type: str):
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                    word_embed_proj_dim=32, **COMMON),
-        # multi_query=False: torch.onnx cannot export SDPA with one key/value head for four query heads (Falcon-7B's
-        # multi-query attention: "SDPA (MHA) requires q_num_heads = kv_num_heads"); the norms are the same
-        "falcon": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
-                                         **COMMON),
+        # Falcon-7B's layout: parallel attention, multi-query (one key/value head, broadcast by SDPA), tied head
+        "falcon": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                                         parallel_attn=True, **COMMON),
         "falcon_new": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                              new_decoder_architecture=True, num_kv_heads=2, **COMMON),
         "stablelm": lambda: t.StableLmConfig(num_key_value_heads=2, **RMS),

@@ -29,7 +29,9 @@ from taperfold.verify import verify_export  # noqa: E402
 
 # Families tapered with "all" (final norm too): the tied-head and final-norm paths get exercised.
 TAPER = {"llama": "all", "gemma": "all", "gemma2": "all", "granite": "all", "opt": "all", "phi": "all"}
-KV_CACHE = {"llama"}  # one family also exports KV-cache decoders
+# Families that also export KV-cache decoders: Falcon-7B's multi-query attention caches one head, which its config
+# does not name
+KV_CACHE = {"llama", "falcon"}
 
 
 def _randomise_norms(model, seed=0):
@@ -194,6 +196,8 @@ def test_falcon_layout_comes_from_the_config(fam):
     norms = set(fam.result.model.tapering.norms)
     expected = ("ln_attn", "ln_mlp") if fam.name == "falcon_new" else ("input_layernorm",)
     assert norms == {f"transformer.h.{i}.{n}" for i in range(2) for n in expected}
+    # what each caches: one key/value head (multi-query), or every query head (the new architecture expands them)
+    assert fam.manifest["config"]["kv_heads"] == (4 if fam.name == "falcon_new" else 1)
 
 
 # ---- without a family fixture -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ that Slice into the head (taperfold.passes.readers).
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import asdict, dataclass
 
 import torch.nn.functional as F
@@ -38,6 +39,22 @@ def exportable(hf: nn.Module) -> nn.Module:
     if hf._can_set_experts_implementation() and hf.config._experts_implementation != EXPERTS:
         hf.set_experts_implementation(EXPERTS)
     return hf
+
+
+def cached_heads(hf: nn.Module) -> tuple[int, int] | None:
+    """(heads, head dim) of the keys `hf` caches, from one two-token forward of a model on the meta device (shapes
+    only: no memory, no arithmetic). The modeling code decides what it caches and the config does not always say:
+    Falcon-7B's multi-query attention caches one key/value head and its config names none, Falcon-40B caches every
+    query head. None where the forward cannot run on the meta device."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            out = exportable(hf)(torch.zeros(1, 2, dtype=torch.long, device="meta"), use_cache=True)
+        keys = out["cache" if "cache" in out else "past_key_values"].layers[0].keys
+    except Exception:  # noqa: BLE001 - any modeling code; the config's numbers stand in
+        return None
+    return keys.shape[1], keys.shape[-1]
 
 
 @dataclass(frozen=True)
@@ -61,12 +78,16 @@ class HFModelInfo:
     source: str = SOURCE
 
     @classmethod
-    def from_config(cls, config, family: Family, taper: str, aux: bool, tokenizer: str) -> "HFModelInfo":
+    def from_config(cls, config, family: Family, taper: str, aux: bool, tokenizer: str,
+                    cache: tuple[int, int] | None = None) -> "HFModelInfo":
+        """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
+        config's key/value heads and head dim."""
         heads = config.num_attention_heads
+        kv_heads, head_dim = cache or (getattr(config, "num_key_value_heads", None) or heads,
+                                       getattr(config, "head_dim", None) or config.hidden_size // heads)
         return cls(arch=config.model_type, family=family.name, vocab_size=config.vocab_size,
                    d_model=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   kv_heads=kv_heads, head_dim=head_dim,
                    max_seq_len=getattr(config, "max_position_embeddings", None) or family.context, taper=taper,
                    norm_kind=family.norm,
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), aux=aux, tokenizer=tokenizer)
@@ -87,6 +108,8 @@ class HFCausalLM(TaperedLM, nn.Module):
     def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family):
         super().__init__()
         self.hf, self.cfg, self.family = exportable(hf), cfg, family
+        # transformers renamed `past_key_values` (argument and output) to `cache`: 5.24 warns the old name goes in 5.40
+        self._cache_argument = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
     @property
     def network(self) -> nn.Module:
@@ -154,10 +177,10 @@ class HFCausalLM(TaperedLM, nn.Module):
             cache = self._cache(past_key_values)
         else:
             cache = self._static(past_key_values, cache_position)
-        out = self.hf(input_ids=input_ids, past_key_values=cache, use_cache=use_cache, cache_position=cache_position,
-                      logits_to_keep=1 if logits == "last" else 0)
+        out = self.hf(input_ids=input_ids, **{self._cache_argument: cache}, use_cache=use_cache,
+                      cache_position=cache_position, logits_to_keep=1 if logits == "last" else 0)
         result = out.logits[:, -1, :] if logits == "last" else out.logits
         if not use_cache:
             return result
-        present = tuple((layer.keys, layer.values) for layer in out.past_key_values.layers)
+        present = tuple((layer.keys, layer.values) for layer in out[self._cache_argument].layers)
         return result, present

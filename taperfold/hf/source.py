@@ -38,7 +38,7 @@ import torch
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import atomic_dir, read_json_object
-from taperfold.hf.model import HFCausalLM, HFModelInfo
+from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.hf.trace import (GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note,
                                 traced_family)
@@ -536,7 +536,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     _check_state(path, tensors, origin, stored, expected_model, set(tapering.norms) if tapering else None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
     info = HFModelInfo.from_config(hf_config, family, block.taper if block else "none",
-                                   bool(block and block.aux is not None), tokenizer)
+                                   bool(block and block.aux is not None), tokenizer, cached_heads(expected_model))
     return HFCheckpoint(path, info, config, family, block, tensors, {"schedule": block.schedule if block else None},
                         untapered=tapering.untapered if tapering else {})
 
