@@ -55,6 +55,11 @@ def tiny_config(model_type: str):
         "cohere": lambda: t.CohereConfig(num_key_value_heads=2, logit_scale=0.5, **RMS),
         "persimmon": lambda: t.PersimmonConfig(qk_layernorm=True, partial_rotary_factor=0.5, **RMS),
         "starcoder2": lambda: t.Starcoder2Config(num_key_value_heads=2, **RMS),
+        # unlisted MoE: OLMoE (q/k RMSNorms over the whole projection, read per head: they stay) and GraniteMoE
+        # (its router reads the norm's output, and its dtype through type_as)
+        "olmoe": lambda: t.OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **RMS),
+        "granitemoe": lambda: t.GraniteMoeConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                 **RMS),
     }
     return configs[model_type]()
 
@@ -62,7 +67,7 @@ def tiny_config(model_type: str):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
             "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
-UNLISTED = ("cohere", "persimmon", "starcoder2")
+UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe")
 
 
 def tapered_tiny_model(model_type: str):

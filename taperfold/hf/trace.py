@@ -5,8 +5,10 @@ traced once with torch.export (a forward on a tiny input, no weights read), keep
 signature: the exact graph value it reads and the one it returns. Then, for each norm:
 
 - its readers: the linear layers reading its output directly, through steps that only move rows (views and
-  reshapes keeping the last axis, slices and selections of other axes, casts). Every reader a linear layer:
-  the norm folds forwards into them (`Family.internal`);
+  reshapes keeping the last axis, slices and selections of other axes, a row copied per expert, casts). A linear
+  layer is a module, a weight F.linear applies, or MoE experts' stacked matrices, applied as transformers' batched
+  experts (the form export runs) apply them. Every reader a linear layer: the norm folds forwards into them
+  (`Family.internal`);
 - otherwise its producer: a norm whose input is one linear layer's output that nothing else reads, and whose
   output keeps its channels (no per-head split), folds backwards into it (`Family.post`: Gemma 2's sandwich);
 - otherwise it is left untapered, with the reader that stops it (a residual Add reading the normed value, a
@@ -35,6 +37,7 @@ from torch import nn
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, is_registered, supported_model_types
+from taperfold.hf.model import exportable
 from taperfold.norms import is_norm_module, norm_kind, norm_kinds
 from taperfold.taper import fold_target
 
@@ -144,14 +147,14 @@ _LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, a
            aten.index.Tensor, aten.index_select.default, aten.transpose.int, aten.permute.default,
            aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
            aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-           aten.dropout.default}
+           aten.dropout.default, aten.repeat_interleave.self_int}
 # Steps between a weight and the linear op using it: casts and an expert's selection, and transposes (counted).
 _WEIGHT_STEPS = {aten.select.int, aten.index.Tensor, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
                  aten.alias.default, aten.detach.default, aten.contiguous.default}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int}
 # linear op -> (index of its input, index of its weight, whether it takes the weight as [in, out])
 _LINEAR = {aten.linear.default: (0, 1, False), aten.addmm.default: (1, 2, True), aten.mm.default: (0, 1, True),
-           aten.matmul.default: (0, 1, True)}
+           aten.matmul.default: (0, 1, True), aten.bmm.default: (0, 1, True)}
 
 
 def _shape(node) -> tuple | None:
@@ -170,6 +173,9 @@ def _keeps_channels(node, source) -> bool:
     if node.target in (aten.slice.Tensor, aten.select.int, aten.index_select.default):
         dim = node.args[1] if len(node.args) > 1 else 0
         return dim % len(before) != last
+    if node.target is aten.repeat_interleave.self_int:  # each row copied: MoE experts take a token once per expert
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        return dim is not None and dim % len(before) != last
     if node.target is aten.index.Tensor:
         return len(node.args[1]) <= last  # the indices address leading axes only
     if node.target is aten.transpose.int:
@@ -211,6 +217,7 @@ class _Graph:
         signature = program.graph_signature
         self.parameters = dict(signature.inputs_to_parameters)
         self.nodes = {node.name: node for node in self.graph.nodes}
+        self.position = {node: i for i, node in enumerate(self.graph.nodes)}
 
     def parameter(self, node) -> tuple[str | None, bool]:
         """The parameter a linear op's weight argument is (through casts, expert selections and transposes), and
@@ -247,8 +254,25 @@ class _Graph:
             return weight  # F.linear(x, W): W is [..., out, in]
         return None
 
+    def column_reader(self, node, value) -> str | None:
+        """The stacked weight W that `node`, a trailing unsqueeze of `value`, feeds as bmm(W[experts], x[..., None]):
+        [..., out, in] matrices applied to columns, as transformers' batched MoE experts apply theirs."""
+        if node.target is not aten.unsqueeze.default or node.args[0] is not value or \
+                _shape(node) != (*(_shape(value) or ()), 1):
+            return None
+        weights = set()
+        for user in node.users:
+            if user.target is not aten.bmm.default or user.args[1] is not node:
+                return None
+            weight, transposed = self.parameter(user.args[0])
+            if weight is None or transposed:
+                return None
+            weights.add(weight)
+        return weights.pop() if len(weights) == 1 else None
+
     def readers(self, output) -> tuple[list[str], list[str]]:
-        """The linear layers reading `output` through channel-keeping steps, and every other reader (described)."""
+        """The linear layers reading `output` through channel-keeping steps, in the order the forward runs them, and
+        every other reader (described)."""
         linears, others, todo, seen = [], [], [output], set()
         while todo:
             value = todo.pop()
@@ -260,11 +284,11 @@ class _Graph:
                     others.append("the model's output")
                 elif _keeps_channels(user, value):
                     todo.append(user)
-                elif (reader := self.linear_reader(user, value)) is not None:
-                    linears.append(reader)
-                elif user.target is not aten._assert_tensor_metadata.default:
+                elif (reader := self.linear_reader(user, value) or self.column_reader(user, value)) is not None:
+                    linears.append((self.position[user], reader))
+                elif not _reads_metadata_only(user, value):
                     others.append(_describe(user, value))
-        return list(dict.fromkeys(linears)), list(dict.fromkeys(others))
+        return list(dict.fromkeys(reader for _, reader in sorted(linears))), list(dict.fromkeys(others))
 
     def producer(self, norm_input, norm: str) -> str | None:
         """The linear layer whose output, and nothing else, the norm at `norm` reads (through channel-keeping
@@ -281,11 +305,17 @@ class _Graph:
             came_from, value = value, value.args[0]
 
 
+def _reads_metadata_only(node, value) -> bool:
+    """Whether `node` reads only `value`'s dtype and shape: a check, or the dtype a type_as casts to."""
+    return node.target is aten._assert_tensor_metadata.default or \
+        (node.target is aten.type_as.default and node.args[0] is not value)
+
+
 def _read_only_by(value, norm: str, came_from) -> bool:
     """Whether `value` is read by `came_from` and the norm's own nodes only, counting what reads the norm's
     copies and casts of it (export may hand the residual Add the norm's float32 cast of its input)."""
     for user in value.users:
-        if user is came_from or user.target is aten._assert_tensor_metadata.default:
+        if user is came_from or _reads_metadata_only(user, value):
             continue
         if not _in_module(user, norm):
             return False
@@ -343,7 +373,7 @@ def traced_family(config, where: str = "model") -> Family:
         raise _refuse(where, model_type, "transformers has no causal LM class for it")
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config).eval()
+            model = exportable(AutoModelForCausalLM.from_config(config).eval())  # MoE experts as export runs them
     except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for a config they refuse
         raise _refuse(where, model_type, f"transformers cannot build it ({first_line(e)})") from None
     head = model.get_output_embeddings()
