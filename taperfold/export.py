@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -172,6 +173,40 @@ def _attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_cau
     return output
 
 
+# onnxscript's optimizer (torch.onnx.export(optimize=True)) takes x + c, x - c for x when c is within 1e-8 of 0, and
+# x·c, x / c for x when c is within 1e-5 (relative) of 1: it drops an RMSNorm's epsilon of 1e-8 (Helium's), which
+# an all-zero row (a padding token's embedding) then turns into NaN. (op, inputs it may sit at, identity element)
+_NEAR_IDENTITY = {"Add": ((0, 1), 0.0), "Sub": ((1,), 0.0), "Mul": ((0, 1), 1.0), "Div": ((1,), 1.0)}
+
+
+def _keep_near_identity_constants(model_ir) -> None:
+    """Reshape each scalar constant the optimizer would take for an identity, but is not one, from [] to [1] (the
+    same broadcast against a tensor of rank ≥ 1), which its no-op rules do not match."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model_ir.graph):
+        positions, identity = _NEAR_IDENTITY.get(node.op_type, ((), None))
+        for i in positions:
+            other = node.inputs[1 - i] if len(node.inputs) == 2 else None
+            tensor = ir.convenience.get_const_tensor(node.inputs[i]) if node.inputs[i] is not None else None
+            if tensor is None or other is None or other.shape is None or other.shape.rank() == 0 or \
+                    tensor.shape.rank() != 0 or not tensor.dtype.is_floating_point():
+                continue
+            c = float(tensor.numpy())
+            if c != identity and math.isclose(c, identity, rel_tol=1e-5, abs_tol=1e-8):
+                node.replace_input_with(i, _initializer(model_ir.graph, f"{node.name}_kept_constant",
+                                                        tensor.numpy().reshape(1)))
+
+
+def _initializer(graph, name: str, array):
+    import onnx_ir as ir
+
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
 def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = False, opset: int | None = None):
     """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
     one `opts` chooses for this graph). `decoder`: False (prefill), True / "growing" or "static" (exportdir)."""
@@ -207,9 +242,11 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = Fa
         try:
             program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
-                                        optimize=True, verbose=False, custom_translation_table=(
+                                        optimize=False, verbose=False, custom_translation_table=(
                                             {torch.ops.aten.scaled_dot_product_attention.default: _attention}
                                             if opset >= ATTENTION_OPSET else None))
+            _keep_near_identity_constants(program.model)
+            program.optimize()
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise TaperfoldError(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e

@@ -182,3 +182,27 @@ def test_bad_inputs(cli, tmp_path):
     blocked.write_text("not a directory")
     result = cli("export", ckpt, "-o", blocked)
     assert result.exit_code == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_norm_epsilon_of_1e_8_survives_the_exporters_optimizer(tmp_path):
+    # onnxscript's no-op rules take x + 1e-8 for x. Helium's RMSNorm has epsilon 1e-8: without it, a padding token's
+    # all-zero embedding row becomes NaN in the baseline graph.
+    transformers = pytest.importorskip("transformers")
+    from hf_models import RMS
+
+    torch.manual_seed(0)
+    config = transformers.HeliumConfig(num_key_value_heads=2, head_dim=8, **RMS)  # pad_token_id 0: a zero row
+    assert config.rms_norm_eps == 1e-8
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "plain")
+    out = export_checkpoint(tmp_path / "plain", tmp_path / "out", ExportOptions(fuse_projections=False)).out_dir
+    ids = torch.tensor([[0, 5, 9, 0, 17, 3, 0, 8]])
+    with torch.no_grad():
+        expected = model(ids).logits[:, -1].numpy()
+    graph = onnx.load(out / "baseline.onnx")
+    epsilons = [a.f for n in graph.graph.node if n.op_type == "RMSNormalization" for a in n.attribute
+                if a.name == "epsilon"]
+    assert epsilons and all(e == pytest.approx(1e-8, rel=1e-6) for e in epsilons)
+    got = ort.InferenceSession(str(out / "baseline.onnx")).run(None, {"input_ids": ids.numpy()})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
