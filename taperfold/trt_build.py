@@ -18,6 +18,8 @@ from taperfold.errors import TaperfoldError
 from taperfold.exportdir import (ENGINE_ARTIFACT, FOLDED, INPUT, PLAN_FILES, Manifest, canonical_variant,
                                  read_manifest)
 from taperfold.fsutil import atomic_path
+from taperfold.onnx_files import check_onnx_file
+from taperfold.opsets import TRT_MIN_VERSION
 
 NOT_INSTALLED = "tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU"
 NO_GPU = "no CUDA GPU found: TensorRT engines need an NVIDIA GPU"
@@ -134,6 +136,15 @@ def _parser_error(parser, onnx_path: Path) -> str:
     return f"{onnx_path}: TensorRT cannot parse it: node {err.node()}: {desc}{more}"
 
 
+def _too_old_for_the_table(trt) -> str:
+    """Why a parse may have failed when this TensorRT is older than the one the opset table assumes."""
+    version = tuple(int(part) for part in trt.__version__.split(".")[:2])
+    if version >= TRT_MIN_VERSION:
+        return ""
+    return (f"; TensorRT {trt.__version__} is older than {'.'.join(map(str, TRT_MIN_VERSION))}, whose parser the "
+            "--target trt graphs assume (docs/opsets.md): upgrade it, or export with --opset 20")
+
+
 def _attach_timing_cache(config, path: Path | None):
     """Load the cache file if there is one; a cache from another TensorRT or GPU is replaced by an empty one."""
     blob = path.read_bytes() if path is not None and path.is_file() else b""
@@ -151,15 +162,14 @@ def build_engine(onnx_path, plan_path, profile: Profile, timing_cache=None,
     trt = require_tensorrt()
     onnx_path, plan_path = Path(onnx_path), Path(plan_path)
     timing_cache = Path(timing_cache) if timing_cache is not None else None
-    if not onnx_path.is_file():
-        raise TaperfoldError(f"{onnx_path}: no such ONNX model")
+    check_onnx_file(onnx_path)  # the parser reads external data wherever a location points: only beside the model
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     on_stage(f"TensorRT: parsing {onnx_path.name}")
     if not parser.parse_from_file(str(onnx_path)):
-        raise TaperfoldError(_parser_error(parser, onnx_path))
+        raise TaperfoldError(_parser_error(parser, onnx_path) + _too_old_for_the_table(trt))
 
     config = builder.create_builder_config()
     opt_profile = builder.create_optimization_profile()

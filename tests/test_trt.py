@@ -192,11 +192,25 @@ def fake_tensorrt(version, strongly_typed_flag=True, parse_ok=True, plan=b"PLAN"
     return mod
 
 
+def _onnx_model(weight: np.ndarray | None = None):
+    """A one-node ONNX model (x · w), its weight inline; the fake parsers below never read it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones(4, np.float32) if weight is None else weight, "w")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20)])
+
+
 @pytest.fixture
 def export_dir(tmp_path, monkeypatch):
+    import onnx
+
     monkeypatch.setattr(tftrt, "_gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
     for name in ("model", "unfolded", "baseline"):
-        (tmp_path / f"{name}.onnx").write_bytes(b"onnx")
+        onnx.save(_onnx_model(), tmp_path / f"{name}.onnx")
     manifest = {"format": "taperfold-export", "format_version": 1, "checkpoint": {"path": "x.pt", "sha256": "0"},
                 "gate": 0.0, "forced_gate0": False, "config": {"max_seq_len": 64},
                 "export": {"dtype": "fp16", "logits": "last"},
@@ -260,8 +274,28 @@ def test_parser_error_is_one_line_naming_the_file(monkeypatch, export_dir):
     with pytest.raises(TaperfoldError) as e:
         tftrt.build_engine_for_export(export_dir)
     assert str(e.value) == (f"{export_dir / 'model.onnx'}: TensorRT cannot parse it: node 7: "
-                            "Unsupported operator RMSNormalization (and 1 more)")
+                            "Unsupported operator RMSNormalization (and 1 more); TensorRT 10.13.3 is older than "
+                            "10.15, whose parser the --target trt graphs assume (docs/opsets.md): upgrade it, or "
+                            "export with --opset 20")
     assert not (export_dir / "model.plan").exists()
+    use(monkeypatch, fake_tensorrt("10.15.1", parse_ok=False))
+    with pytest.raises(TaperfoldError, match=r"\(and 1 more\)$"):  # new enough: the parser's word alone
+        tftrt.build_engine_for_export(export_dir)
+
+
+def test_external_data_outside_the_folder_is_refused_before_tensorrt_reads_it(monkeypatch, export_dir):
+    import onnx
+
+    model = _onnx_model()
+    tensor = model.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="../secret.bin")
+    onnx.save(model, export_dir / "model.onnx")
+    trt = use(monkeypatch, fake_tensorrt("10.15.1"))
+    with pytest.raises(TaperfoldError, match=r"model\.onnx.*outside"):
+        tftrt.build_engine_for_export(export_dir)
+    assert not any(c[0] == "parse_from_file" for c in trt.calls) and not (export_dir / "model.plan").exists()
 
 
 def test_failed_build_leaves_no_plan(monkeypatch, export_dir):
