@@ -192,12 +192,11 @@ def fake_tensorrt(version, strongly_typed_flag=True, parse_ok=True, plan=b"PLAN"
     return mod
 
 
-def _onnx_model(weight: np.ndarray | None = None):
+def _onnx_model():
     """A one-node ONNX model (x · w), its weight inline; the fake parsers below never read it."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    w = numpy_helper.from_array(np.ones(4, np.float32) if weight is None else weight, "w")
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
     graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
