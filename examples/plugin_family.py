@@ -37,9 +37,8 @@ GPTJ = register(Family(
     model_types=("gptj",),
     norm="ln",  # nn.LayerNorm with a bias: tapered by TaperLN
     layers="transformer.h",
-    internal={"ln_1": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")},  # paths inside a layer
+    internal={"ln_1": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")},  # attention and MLP read ln_1
     final="transformer.ln_f",
-    parallel=True,  # attention and the MLP read the same norm
 ))
 
 

@@ -10,7 +10,6 @@ because taperfold's own models use Hugging Face's module names. A family says, a
   OLMo 2, GLM-4, EXAONE 4) with the linear layer that produces its input, whose output columns the fold
   rewrites instead;
 - `final` and `head`: the final norm and the output projection that reads it;
-- `parallel`: attention and MLP read one residual stream (GPT-NeoX, Phi-1/2);
 - `untapered`: norm-like modules (by name: any part of their path) that are never tapered, with the reason;
 - `check`: a configuration the family refuses, as a reason (None: fine);
 - `context`: the context of a model whose config.json states none (ALiBi models have no position table);
@@ -47,7 +46,6 @@ class Family:
     post: dict[str, str] = field(default_factory=dict)  # post-norm in a layer -> the module producing its input
     head: str = "lm_head"  # path of the output projection, which reads the final norm
     gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
-    parallel: bool = False  # attention and the MLP read the same residual stream
     untapered: dict[str, str] = field(default_factory=dict)  # module name (a part of its path) -> why never tapered
     context: int | None = None  # tokens, for configs without max_position_embeddings (ALiBi: no position table)
     norm_eps: float | None = None  # the norms' epsilon where their module hard-codes it (OLMo's LayerNorm)

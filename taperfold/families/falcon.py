@@ -13,10 +13,10 @@ QKV, MLP = "self_attention.query_key_value", "mlp.dense_h_to_4h"
 
 def _layout(config) -> dict:
     if config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2:
-        return {"internal": {"ln_attn": (QKV,), "ln_mlp": (MLP,)}, "parallel": True}
+        return {"internal": {"ln_attn": (QKV,), "ln_mlp": (MLP,)}}
     if config.new_decoder_architecture or config.parallel_attn:
-        return {"internal": {"input_layernorm": (QKV, MLP)}, "parallel": True}
-    return {"internal": {"input_layernorm": (QKV,), "post_attention_layernorm": (MLP,)}, "parallel": False}
+        return {"internal": {"input_layernorm": (QKV, MLP)}}
+    return {"internal": {"input_layernorm": (QKV,), "post_attention_layernorm": (MLP,)}}
 
 
 def _check(config) -> str | None:
@@ -33,7 +33,6 @@ FAMILY = Family(
     layers="transformer.h",
     internal={"input_layernorm": (QKV, MLP)},  # the original architecture; `configure` gives each model's own
     final="transformer.ln_f",
-    parallel=True,
     configure=_layout,
     check=_check,
 )

@@ -11,5 +11,4 @@ FAMILY = Family(
     internal={"input_layernorm": ("attention.query_key_value",),
               "post_attention_layernorm": ("mlp.dense_h_to_4h",)},
     final="gpt_neox.final_layer_norm",
-    parallel=True,
 )

@@ -12,6 +12,5 @@ FAMILY = Family(
     layers="model.layers",
     internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1")},
     final="model.final_layernorm",
-    parallel=True,
     untapered={"q_layernorm": _QK, "k_layernorm": _QK},
 )

@@ -12,7 +12,7 @@ _QK = ("per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds R
 
 def _layout(config) -> dict:
     if config.use_parallel_residual:
-        return {"internal": {"input_layernorm": (*ATTENTION, *MLP)}, "parallel": True}
+        return {"internal": {"input_layernorm": (*ATTENTION, *MLP)}}
     return {}
 
 
