@@ -12,10 +12,25 @@ from dataclasses import dataclass
 import pytest
 
 
+TERMINAL_SIZE = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller: each worker gets the terminal size this process has (none when piped), which
+    the CLI's tables follow; xdist's workers would otherwise see COLUMNS=80."""
+    node.workerinput["terminal_size"] = {name: os.environ.get(name) for name in TERMINAL_SIZE}
+
+
 def pytest_configure(config):
     """Every temporary file of the run under one folder that goes when the run ends: pytest's tmp_path folders
     (kept by default: GBs of exports per run) and torch.compile's cache, for this process and the CLI processes
     tests start."""
+    for name, value in getattr(config, "workerinput", {}).get("terminal_size", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     if config.option.basetemp is None:
         config.option.basetemp = tempfile.mkdtemp(prefix="taperfold-tests-")
         config._taperfold_temp = config.option.basetemp
