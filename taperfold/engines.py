@@ -14,8 +14,8 @@ Two kinds of engine:
 - GRAPHS: runs the files of an export directory (ONNX graphs, or engines built from them).
 
 Adding an engine is its runner module plus one row here (docs/extending.md). `open_runners` loads the
-runners of a run up front and closes them all: bench (whose variants are timed in alternating rounds), fold --verify
-and verify's decoders; verify's prefill pairs load one model at a time (a model past 2 GB is never held twice).
+runners of a run up front and closes them all: bench (whose variants are timed in alternating rounds) and fold
+--verify; verify loads one model at a time, prefill and decoders alike (a model past 2 GB is never held twice).
 """
 
 from __future__ import annotations

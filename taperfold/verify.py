@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from taperfold.compare import Metrics, Tolerance, between_graphs, compare_logits, default_tolerance, violations
-from taperfold.engines import ENGINES, open_runners
+from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, GROWING, INPUT, KV_CACHES,
                                  OUTPUT, STATIC, UNFOLDED, Manifest, artifact_key, read_manifest)
@@ -351,7 +351,6 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     if any(manifest.has_artifact(v, decoder=cache) for v in (UNFOLDED, BASELINE) for cache in KV_CACHES):
         pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed,
                                   progress)
-        models.release()
     return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
                         note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if baseline_only else None,
                         checkpoint={"path": str(checkpoint_path), "sha256": manifest.checkpoint_sha256,
@@ -476,10 +475,10 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
 # ---- decoders ------------------------------------------------------------------------------------------
 
 
-def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtype: str, device: str,
+def _verify_decoders(manifest: Manifest, cfg, models: TorchModels, reference: str, dtype: str, device: str,
                      threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
-    """Every decoder graph (`*.decoder.onnx`, `*.static.onnx`) against its torch model (`models`: name -> model, as
-    verify_export built them) decoding the same tokens with a growing cache (see decode_cases): a static graph is
+    """Every decoder graph (`*.decoder.onnx`, `*.static.onnx`) against its torch model (`models`, as verify_export
+    built them; released here once the torch models have decoded) decoding the same tokens with a growing cache (see decode_cases): a static graph is
     held to the same reference as a growing one, at every step. A static graph decodes cases that fit its cache."""
     variants = (BASELINE, DECOMPOSED_BASELINE, UNFOLDED, FOLDED)
     graphs = [(v, cache) for cache in KV_CACHES for v in variants if manifest.has_artifact(v, decoder=cache)]
@@ -498,30 +497,33 @@ def _verify_decoders(manifest: Manifest, cfg, models: dict, reference: str, dtyp
     judged = [g for g in graphs if pairs[g].status != "skipped"]
     if not judged:
         return list(pairs.values())
-    torch_models = {name: models[name] for name in {refs[g] for g in judged}}
     torch_engine, graph_engine = ENGINES[REFERENCE_ENGINE], ENGINES[GRAPH_ENGINE]
-    runners: dict[str, Runner] = {name: torch_engine.runner(model, device="cpu", decoder=True, name=f"{name} decoder")
-                                  for name, model in torch_models.items()}
-    runners.update({keys[g]: graph_engine.runner(manifest.artifact(*g), device=device, threads=threads,
-                                                 decoder=g[1]) for g in judged})
     collected: dict[tuple, list[Metrics]] = {g: [] for g in judged}
-    reference_logits: dict[tuple[str, str], list[np.ndarray]] = {}  # (torch model, case label): one run per case
     total = sum(len(cases[g[1]]) for g in judged) + len({(refs[g], c.label) for g in judged for c in cases[g[1]]})
     done = 0
-    with open_runners(runners):
-        for g in judged:
-            for case in cases[g[1]]:
-                ref_key = (refs[g], case.label)
-                if ref_key not in reference_logits:
-                    progress(done, total, f"{refs[g]} decoding {case.label}")
-                    reference_logits[ref_key] = _decode_logits(runners[refs[g]], case.ids, cfg, "fp32")
-                    done += 1
-                progress(done, total, f"{keys[g]} decoding {case.label}")
-                candidate = _decode_logits(runners[keys[g]], case.ids, cfg, dtype, cache_len[g[1]])
+    # One model in memory at a time, as for the prefill: each torch reference decodes every case a graph needs of it,
+    # then the checkpoint goes; then each graph in turn, held to those logits.
+    reference_logits: dict[tuple[str, str], list[np.ndarray]] = {}  # (torch model, case label) -> per-step logits
+    for name in dict.fromkeys(refs[g] for g in judged):
+        with torch_engine.runner(models[name], device="cpu", decoder=True, name=f"{name} decoder") as runner:
+            for case in {c.label: c for g in judged if refs[g] == name for c in cases[g[1]]}.values():
+                progress(done, total, f"{name} decoding {case.label}")
+                reference_logits[(name, case.label)] = _decode_logits(runner, case.ids, cfg, "fp32")
                 done += 1
-                for k, (ref, cand) in enumerate(zip(reference_logits[ref_key], candidate)):
+        del runner
+        _return_freed_memory()
+    models.release()
+    for g in judged:
+        with graph_engine.runner(manifest.artifact(*g), device=device, threads=threads, decoder=g[1]) as runner:
+            for case in cases[g[1]]:
+                progress(done, total, f"{keys[g]} decoding {case.label}")
+                candidate = _decode_logits(runner, case.ids, cfg, dtype, cache_len[g[1]])
+                done += 1
+                for k, (ref, cand) in enumerate(zip(reference_logits[(refs[g], case.label)], candidate)):
                     label = f"{case.label} {'prompt' if k == 0 else f'step {k}'}"
                     _compare_one(pairs[g], InputBatch(label, case.ids), ref, cand, collected[g])
+        del runner
+        _return_freed_memory()
     for g in judged:
         _conclude(pairs[g], collected[g])
     return list(pairs.values())

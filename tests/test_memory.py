@@ -1,6 +1,7 @@
 """Memory: a model built from a checkpoint holds the checkpoint's tensors (no copy), and verify opens one model at a
 time. The peak of each command on a multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
 
+import pytest
 import torch
 
 from taperfold.sources.builtin import read_checkpoint
@@ -29,8 +30,9 @@ def test_built_models_hold_the_checkpoints_tensors(tiny_checkpoint):
         assert torch.equal(ckpt.build().eval()(ids, logits="all"), copied.eval()(ids, logits="all"))
 
 
-def test_verify_opens_one_model_at_a_time(tiny_checkpoint, tmp_path, monkeypatch):
-    out = export_checkpoint(tiny_checkpoint, tmp_path / "out", ExportOptions()).out_dir
+@pytest.mark.parametrize("kv_cache", [False, ("growing", "static")])
+def test_verify_opens_one_model_at_a_time(tiny_checkpoint, tmp_path, monkeypatch, kv_cache):
+    out = export_checkpoint(tiny_checkpoint, tmp_path / "out", ExportOptions(kv_cache=kv_cache)).out_dir
     loaded, most = set(), []
     load, close = Runner.load, Runner.close
 
@@ -47,5 +49,8 @@ def test_verify_opens_one_model_at_a_time(tiny_checkpoint, tmp_path, monkeypatch
     monkeypatch.setattr(Runner, "close", counting_close)
     report = verify_export(out, threads=1)
     assert report.passed
-    # the torch checkpoint and baseline, then unfolded, folded, baseline and baseline-decomposed: one after another
-    assert len(most) == 6 and max(most) == 1 and not loaded
+    # the torch checkpoint and baseline, then unfolded, folded, baseline and baseline-decomposed: one after another;
+    # with decoders, the same six again for each cache (the two torch models decode for both)
+    assert len(most) == (6 if not kv_cache else 6 + 2 + 4 * 2) and max(most) == 1 and not loaded
+    decoders = [p for p in report.pairs if p.candidate.endswith((".decoder", ".static"))]
+    assert len(decoders) == (0 if not kv_cache else 8) and all(p.status == "pass" for p in decoders)
