@@ -443,7 +443,7 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
                         new_tokens=new_tokens, kv_cache=kv_cache, dtype=dtype,
                         device=device or ENGINES[engine].default_device,
                         threads=threads, engine_options=changed_options(engine_options), seed=seed)
-    opts, notes = fit_to_context(opts, source.config, seqs_given=bool(seqs), prompt_given=prompt is not None)
+    opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
     runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each

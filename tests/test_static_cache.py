@@ -312,6 +312,22 @@ def test_bench_refuses_a_generation_longer_than_the_static_cache(static_export, 
     assert f"--prompt 40 + --new-tokens 9 exceeds the static cache ({MAX_CACHE} positions" in r.stderr
 
 
+def test_bench_fits_the_default_prompt_to_the_static_cache(static_export, tmp_path, cli):
+    # the default prompt (128) + 3 new tokens fits the context (128) of neither: with a static cache of 48, the
+    # prompt is 45; with the growing cache it is capped by the context alone
+    out, _ = static_export
+    args = ("bench", out, "--mode", "decode", "--batch", "1", "--new-tokens", "3", "--warmup", "1", "--iters", "1",
+            "--rounds", "1", "--threads", "1", "--variants", "folded")
+    r = cli(*args, "--report", tmp_path / "static.json")
+    assert r.exit_code == 0, r.stderr
+    assert (f"note: --prompt: the default 128 + --new-tokens 3 would pass the static cache (export --max-cache) "
+            f"({MAX_CACHE}): prompt {MAX_CACHE - 3}") in r.stderr
+    assert json.loads((tmp_path / "static.json").read_text())["settings"]["prompt"] == MAX_CACHE - 3
+    r = cli(*args, "--kv-cache", "growing", "--report", tmp_path / "growing.json")
+    assert r.exit_code == 0 and "would pass the model's context (128): prompt 125" in r.stderr
+    assert json.loads((tmp_path / "growing.json").read_text())["settings"]["prompt"] == 125
+
+
 # ---- transformers models -------------------------------------------------------------------------------------
 
 

@@ -78,10 +78,13 @@ def cells(opts: BenchOptions) -> list[tuple[int, int]]:
     return [(b, s) for b in opts.batches for s in lengths]
 
 
-def fit_to_context(opts: BenchOptions, cfg, seqs_given: bool, prompt_given: bool) -> tuple[BenchOptions, list[str]]:
-    """Default lengths capped to what the model's context holds, with a note saying so; lengths the user gave are
-    kept as given (and refused by `_check` if they do not fit)."""
-    context, notes = cfg.max_seq_len, []
+def fit_to_context(opts: BenchOptions, source: Source, seqs_given: bool,
+                   prompt_given: bool) -> tuple[BenchOptions, list[str]]:
+    """Default lengths capped to what the model's context holds (in decode mode with a static cache: what the cache
+    holds), with a note saying so; lengths the user gave are kept as given (and refused by `_check` or
+    `decode_cache` if they do not fit)."""
+    context, notes = source.config.max_seq_len, []
+    static = _static_cache_length(engine(opts.engine), source, opts) if opts.mode == "decode" else None
     if opts.mode == "prefill" and not seqs_given:
         fit = [s for s in opts.seqs if s <= context]
         if len(fit) < len(opts.seqs):
@@ -89,11 +92,12 @@ def fit_to_context(opts: BenchOptions, cfg, seqs_given: bool, prompt_given: bool
             notes.append(f"--seq: the defaults {','.join(map(str, opts.seqs))} are capped at the model's context "
                          f"({context}): timing {','.join(map(str, fit))}")
             opts = replace(opts, seqs=fit)
-    if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > context:
-        prompt = context - opts.new_tokens
+    room, what = (static, "static cache (export --max-cache)") if static else (context, "model's context")
+    if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > room:
+        prompt = room - opts.new_tokens
         if prompt >= 1:
-            notes.append(f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the model's "
-                         f"context ({context}): prompt {prompt}")
+            notes.append(f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the {what} "
+                         f"({room}): prompt {prompt}")
             opts = replace(opts, prompt=prompt)
     return opts, notes
 
@@ -112,19 +116,25 @@ def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[st
     """The decoders' KV cache (--kv-cache; else static where the export has static decoders of every variant, or,
     for torch, where the source is taperfold's own model) and the static cache's length (the export's --max-cache,
     else the context; None for a growing cache). A torch model that takes no static cache is refused by its runner."""
+    length = _static_cache_length(chosen, source, opts)
+    if length is None:
+        return GROWING, None
+    if opts.prompt + opts.new_tokens > length:
+        raise TaperfoldError(f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
+                             f"({length} positions: export --max-cache, else the context)")
+    return STATIC, length
+
+
+def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> int | None:
+    """The static cache's length when decode runs one (see decode_cache), else None (a growing cache)."""
     manifest = source.manifest
     if opts.kv_cache is not None and opts.kv_cache not in KV_CACHES:
         raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
     exported_static = manifest is not None and all(manifest.has_artifact(v, STATIC) for v in opts.variants)
     has_static = exported_static or (chosen.runs != GRAPHS and isinstance(source.config, ModelConfig))
-    cache = opts.kv_cache or (STATIC if has_static else GROWING)
-    if cache == GROWING:
-        return GROWING, None
-    length = manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
-    if opts.prompt + opts.new_tokens > length:
-        raise TaperfoldError(f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
-                             f"({length} positions: export --max-cache, else the context)")
-    return STATIC, length
+    if (opts.kv_cache or (STATIC if has_static else GROWING)) == GROWING:
+        return None
+    return manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
 
 
 def _check_exported(manifest, variants: list[str], decoder: bool | str) -> None:
