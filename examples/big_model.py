@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--max-seq-len", type=int, default=128, help="context (no parameters): verify's longest input")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache", choices=("growing", "static"),
+                        help="also export, and verify, KV-cache decoders of this kind")
     parser.add_argument("--keep", metavar="DIR", help="write into DIR and keep it (default: a temporary folder)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--write-checkpoint", metavar="PATH", help=argparse.SUPPRESS)  # the checkpoint's own process
@@ -112,8 +114,8 @@ def main() -> None:
         steps = [
             run_step("checkpoint", [sys.executable, __file__, *sys.argv[1:], "--write-checkpoint", str(ckpt)],
                      work / "checkpoint.log"),
-            run_step("export", [*taperfold, "export", str(ckpt), "-o", str(export_dir), "--overwrite"],
-                     work / "export.log"),
+            run_step("export", [*taperfold, "export", str(ckpt), "-o", str(export_dir), "--overwrite",
+                                *(["--kv-cache", args.kv_cache] if args.kv_cache else [])], work / "export.log"),
             run_step("fold", [*taperfold, "fold", str(export_dir / "unfolded.onnx"), "-o", str(folded)],
                      work / "fold.log"),
             # exit 1: a pair out of tolerance, reported below with the memory it took
