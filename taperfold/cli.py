@@ -376,7 +376,8 @@ def _engine_options(command):
 @click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
               help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).")
 @click.option("--prompt", type=click.IntRange(min=1),
-              help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context]")
+              help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context; "
+                   "with a static cache, in the cache (export --max-cache)]")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Decode steps after the prompt (decode).")
 @click.option("--kv-cache", type=click.Choice(KV_CACHES),
@@ -389,6 +390,11 @@ def _engine_options(command):
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS),
               help="CPU threads (torch and ORT intra-op). Default: torch's.")
 @_engine_options
+@click.option("--fuse-projections/--no-fuse-projections", default=None,
+              help="--engine torch: run each group of sibling projections (q/k/v, gate/up) as one linear layer, as "
+                   "export does in the graphs (other engines time the graphs as exported).  [default: as the export "
+                   "in DIR did, so that torch and its graphs time the same layers; unfused with --checkpoint or "
+                   "--preset]")
 @click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
@@ -401,7 +407,8 @@ def _engine_options(command):
               help="Write one row per variant, cell and phase ('-': stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
 def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, kv_cache, dtype,
-          device, threads, checkpoint, preset, arch, seed, json_path, csv_path, plot_path, **engine_options):
+          device, threads, fuse_projections, checkpoint, preset, arch, seed, json_path, csv_path, plot_path,
+          **engine_options):
     """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
     \b
@@ -412,6 +419,7 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
+      taperfold bench out/ --engine torch --no-fuse-projections
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
     from taperfold.bench.measure import (DEFAULT_PROMPT, DEFAULT_SEQS, MAX_BATCH, BenchOptions, cells, fit_to_context,
@@ -442,7 +450,8 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
                         rounds=rounds or min(5, iters), mode=mode, prompt=prompt or DEFAULT_PROMPT,
                         new_tokens=new_tokens, kv_cache=kv_cache, dtype=dtype,
                         device=device or ENGINES[engine].default_device,
-                        threads=threads, engine_options=changed_options(engine_options), seed=seed)
+                        threads=threads, engine_options=changed_options(engine_options), seed=seed,
+                        fuse_projections=fuse_projections)
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)

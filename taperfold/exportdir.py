@@ -227,6 +227,11 @@ class Manifest:
         """The cache length of the static decoders (None: the export has none)."""
         return self.data["export"].get("max_cache")
 
+    @property
+    def fused_projections(self) -> bool:
+        """Whether export fused each group of sibling projections (q/k/v, gate/up) into one MatMul and a Split."""
+        return bool(self.data["export"].get("fuse_projections"))
+
     def artifact(self, variant: str, decoder: bool | str = False) -> Path:
         """Path of `variant`'s graph (its growing-cache decoder with `decoder=True`, its static one with
         `decoder="static"`); a one-line error naming manifest.json and the key when the manifest does not list it,

@@ -302,6 +302,12 @@ def print_bench(report: dict) -> None:
               f"first run reported apart; {report['seconds']:.0f} s")
     for mode, meaning in report["timing"].items():
         out.print(f"{mode}: {meaning}", highlight=False)
+    if report.get("fused_projections"):
+        groups = ", ".join(f"{variant} {n}" for variant, n in report["projection_groups"].items())
+        out.print(f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: {groups}",
+                  highlight=False)
+    elif "fused_projections" in report:
+        out.print("projections unfused: each linear layer runs on its own", highlight=False)
     if report.get("kv_cache"):
         length = f" of {report['cache_length']} positions" if report.get("cache_length") else ""
         out.print(f"decoders: {report['kv_cache']} KV cache{length}", highlight=False)

@@ -135,9 +135,10 @@ class FusedProjection(nn.Module):
     whole product once and keeps its slices until every sibling has taken its own, later calls with that same tensor
     take theirs. A call with another tensor (or, in eager mode, with the same tensor changed in place since:
     its version counter moved) computes afresh, so a forward that does not call the siblings together still gets
-    the right values. torch.compile traces the same logic into one matmul per group (torch.compile cannot read
-    a version counter: there the tensor's identity alone keys the slices; no family's forward changes the
-    norm's output in place between its readers).
+    the right values. torch.compile traces the same logic into one matmul per group. Where there is no version
+    counter to read (under torch.compile, or a tensor made in torch.inference_mode, as bench's torch runner makes
+    them) the tensor's identity alone keys the slices: no family's forward changes the norm's output in place
+    between its readers.
     """
 
     def __init__(self, layers: list[nn.Linear]):
@@ -156,9 +157,9 @@ class FusedProjection(nn.Module):
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         held = self._slices
-        compiling = torch.compiler.is_compiling()
-        if held is None or held[0] is not x or index not in held[3] or (not compiling and held[1] != x._version):
-            held = (x, None if compiling else x._version, self(x).split(self.widths, dim=-1),
+        versioned = not torch.compiler.is_compiling() and not x.is_inference()
+        if held is None or held[0] is not x or index not in held[3] or (versioned and held[1] != x._version):
+            held = (x, x._version if versioned else None, self(x).split(self.widths, dim=-1),
                     set(range(len(self.widths))))
         held[3].discard(index)
         self._slices = held if held[3] else None  # the last sibling's call lets the output go
@@ -206,6 +207,11 @@ def fuse_projections_in_torch(model: TaperedLM, family) -> list[list[str]]:
             network.set_submodule(path, ProjectionPart(shared, index))
         fused.append([path for path, _ in group])
     return fused
+
+
+def fused_group_count(model: nn.Module) -> int:
+    """The sibling groups `fuse_projections_in_torch` made one layer in `model`."""
+    return sum(isinstance(module, FusedProjection) for module in model.modules())
 
 
 def build_variants(source, names: list[str], dtype: torch.dtype,

@@ -373,3 +373,45 @@ def test_bad_input_is_one_error_line(args, message, cli):
     r = cli("bench", *args)
     assert r.exit_code == 2
     assert r.stderr.startswith("taperfold: error: ") and message in r.stderr and r.stderr.count("\n") == 1
+
+
+# ---- fused projections on the torch engine -------------------------------------------------------------------
+
+
+def test_torch_engine_fuses_projections_as_the_export_did_unless_told(bench_export, tiny_checkpoint, tmp_path, cli):
+    groups = 2 * json.loads((Path(bench_export) / "manifest.json").read_text())["config"]["n_layers"]  # q/k/v, gate/up
+
+    def bench(*args):
+        report = tmp_path / "report.json"
+        r = cli("bench", *args, "--batch", "1", "--seq", "8", "--warmup", "1", "--iters", "2", "--rounds", "1",
+                "--threads", "1", "--variants", "baseline,folded", "--report", report, "--csv", tmp_path / "r.csv")
+        assert r.exit_code == 0, r.stderr
+        rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+        return json.loads(report.read_text()), r.stdout, {row["fused_projections"] for row in rows}
+
+    # the export fused its graphs (export's default): torch runs the same layers, one per group
+    ort, _, _ = bench(bench_export, "--engine", "ort")
+    report, stdout, column = bench(bench_export, "--engine", "torch")
+    assert report["fused_projections"] is True and column == {"True"}
+    assert report["projection_groups"] == ort["projection_groups"] == {"baseline": groups, "folded": groups}
+    assert f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: baseline " \
+           f"{groups}, folded {groups}" in stdout
+    report, stdout, column = bench(bench_export, "--engine", "torch", "--no-fuse-projections")
+    assert (report["fused_projections"], report["projection_groups"], column) == (
+        False, {"baseline": 0, "folded": 0}, {"False"})
+    assert "projections unfused: each linear layer runs on its own" in stdout
+    # a checkpoint has no export to match: unfused unless asked
+    report, _, _ = bench("--checkpoint", tiny_checkpoint)
+    assert (report["fused_projections"], report["projection_groups"]["folded"]) == (False, 0)
+    report, _, _ = bench("--checkpoint", tiny_checkpoint, "--fuse-projections")
+    assert (report["fused_projections"], report["projection_groups"]["folded"]) == (True, groups)
+
+
+def test_graph_engines_refuse_a_fusion_their_graphs_lack_in_one_line(bench_export, cli):
+    args = ("bench", bench_export, "--engine", "ort", "--seq", "8", "--iters", "1", "--warmup", "0")
+    r = cli(*args, "--no-fuse-projections")
+    manifest = Path(bench_export) / "manifest.json"
+    assert (r.exit_code, r.stderr) == (2, f"taperfold: error: --no-fuse-projections: --engine ort times the graphs as "
+                                          f"exported, fused ({manifest}: key 'export.fuse_projections'); re-export "
+                                          "with --no-fuse-projections, or time --engine torch\n")
+    assert cli(*args, "--fuse-projections").exit_code == 0  # what the graphs are: nothing to refuse

@@ -268,7 +268,7 @@ def test_static_decoding_on_cuda_matches_the_cpu(static_export):
 
 
 def test_bench_decodes_with_the_static_cache_when_the_export_has_it(static_export, tmp_path, cli):
-    out, _ = static_export
+    out, model = static_export
     args = ("bench", out, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1",
             "--iters", "2", "--rounds", "1", "--threads", "1", "--variants", "folded")
     r = cli(*args, "--report", tmp_path / "static.json")
@@ -280,8 +280,13 @@ def test_bench_decodes_with_the_static_cache_when_the_export_has_it(static_expor
     assert json.loads((tmp_path / "growing.json").read_text())["kv_cache"] == GROWING
     r = cli(*args, "--engine", "torch", "--report", tmp_path / "torch.json")
     assert r.exit_code == 0, r.stderr
-    report = json.loads((tmp_path / "torch.json").read_text())
-    assert (report["kv_cache"], report["cache_length"]) == (STATIC, MAX_CACHE)
+    torch_report = json.loads((tmp_path / "torch.json").read_text())
+    assert (torch_report["kv_cache"], torch_report["cache_length"]) == (STATIC, MAX_CACHE)
+    # torch decodes with the projections fused as the export's static decoders are: q/k/v and gate/up in every
+    # llama layer; GPT-2's c_attn and c_fc are one layer each already
+    groups = 2 * model.cfg.n_layers if model.cfg.arch == "llama" else 0
+    assert torch_report["fused_projections"] and torch_report["projection_groups"] == {"folded": groups}
+    assert report["projection_groups"] == {"folded": groups}
 
 
 @pytest.mark.parametrize("args, message", [

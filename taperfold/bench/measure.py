@@ -20,10 +20,10 @@ from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.export import MAX_EXPORT_BATCH
 from taperfold.exportdir import (ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, GROWING, INPUT, KV_CACHES, STATIC,
-                                 VARIANTS, torch_dtype)
+                                 VARIANTS, artifact_key, torch_dtype)
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
-from taperfold.variants import build_variants
+from taperfold.variants import build_variants, fused_group_count
 
 GENERATION = "generation"
 # What each timing mode of a report is: the report's `timing` lists those it used, and each row says in
@@ -65,6 +65,7 @@ class BenchOptions:
     threads: int | None = None  # None: torch's default (the physical cores), used for every engine
     engine_options: dict = field(default_factory=dict)  # runner keyword options the user set (engines.Option)
     seed: int = 0
+    fuse_projections: bool | None = None  # torch: sibling projections as one layer; None: as the export did (else no)
 
     @property
     def schedule(self) -> Schedule:
@@ -158,6 +159,8 @@ class LoadedBench:
     runners: dict[str, Runner]
     cache: str | None = None  # decode: the decoders' KV cache (GROWING | STATIC)
     cache_len: int | None = None  # a static cache's length
+    fused_projections: bool = False  # the variants run sibling projections (q/k/v, gate/up) as one
+    projection_groups: dict[str, int] = field(default_factory=dict)  # per variant: the sibling groups fused
 
 
 @contextlib.contextmanager
@@ -176,10 +179,12 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         _check_exported(source.manifest, opts.variants, decoder=decoder)
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    runners = make_runners(chosen, source, opts.variants, decoder=decoder, device=opts.device,
-                           dtype=dtype, threads=threads, options=opts.engine_options, shapes=shape_count(opts, cache))
+    fused = fused_projections(chosen, source, opts.fuse_projections)
+    runners, groups = make_runners(chosen, source, opts.variants, decoder=decoder, device=opts.device, dtype=dtype,
+                                   threads=threads, options=opts.engine_options, shapes=shape_count(opts, cache),
+                                   fuse_projections=fused)
     with open_runners(runners):
-        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len)
+        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len, fused, groups)
 
 
 def shape_count(opts: BenchOptions, cache: str | None = GROWING) -> int:
@@ -202,11 +207,33 @@ def execution_of(runner: Runner) -> str:
     return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
 
 
+def fused_projections(engine: Engine, source: Source, asked: bool | None) -> bool:
+    """Whether the variants bench times run each group of sibling projections (q/k/v, gate/up) as one layer.
+
+    Exported graphs run as export wrote them (`export --no-fuse-projections` is the switch there); a
+    --fuse-projections / --no-fuse-projections that contradicts them is refused, not ignored. torch models are fused
+    as asked, and by default as the export they come from (manifest `export.fuse_projections`): `bench DIR` on
+    torch and on ONNX Runtime then times the same layers, the comparison a user of a fused export expects. A
+    checkpoint or preset has no export to match and runs its layers as the model defines them (unfused)."""
+    manifest = source.manifest
+    exported = manifest is not None and manifest.fused_projections
+    if engine.runs == GRAPHS:
+        if asked is not None and asked != exported:
+            raise TaperfoldError(f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
+                                 f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
+                                 f"'export.fuse_projections'); re-export {'with' if exported else 'without'} "
+                                 "--no-fuse-projections, or time --engine torch")
+        return exported
+    return exported if asked is None else asked
+
+
 def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool | str, device: str, dtype: str,
-                 threads: int, options: dict, shapes: int | None = None) -> dict[str, Runner]:
+                 threads: int, options: dict, shapes: int | None = None,
+                 fuse_projections: bool = False) -> tuple[dict[str, Runner], dict[str, int]]:
     """One runner per variant (not loaded yet) of the prefill graph or `decoder` (True / "growing", "static"). With
     `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
-    `runner_label(variant, "cuda-graph")`), measured side by side."""
+    `runner_label(variant, "cuda-graph")`), measured side by side. Also each variant's fused projection groups:
+    counted in the torch models (built with `fuse_projections`), read from the manifest for exported graphs."""
     check_options(engine, options, device)
     engine.require(device)
     if decoder and not engine.decodes:
@@ -220,8 +247,10 @@ def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder
             raise TaperfoldError(f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
                                  f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}")
         targets = engine.files(source.manifest, variants, decoder)
+        groups = {name: _exported_groups(source.manifest, name, decoder) for name in targets}
     else:
-        targets = build_variants(source.model_source(), variants, torch_dtype(dtype))
+        targets = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
+        groups = {name: fused_group_count(model) for name, model in targets.items()}
     kinds = [False, True] if options.get("cuda_graph") else [False]
     runners = {}
     for name, target in targets.items():
@@ -230,7 +259,13 @@ def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder
             runner = engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
                                    name=f"{name} ({source.label})", shapes=shapes, **kind)
             runners[runner_label(name, "cuda-graph" if graph else "eager")] = runner
-    return runners
+    return runners, groups
+
+
+def _exported_groups(manifest, variant: str, decoder: bool | str) -> int:
+    """The projection groups export fused in `variant`'s graph (artifacts.<key>.projections; 0 where none)."""
+    projections = (manifest.artifacts.get(artifact_key(variant, decoder)) or {}).get("projections")
+    return projections["summary"]["groups"] if projections else 0
 
 
 def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
@@ -272,6 +307,8 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "mode": opts.mode,
         "kv_cache": bench.cache,  # decode: the decoders' cache; null in prefill
         "cache_length": bench.cache_len,  # a static cache's positions
+        "fused_projections": bench.fused_projections,  # the models ran q/k/v and gate/up as one layer each
+        "projection_groups": bench.projection_groups,  # per variant: the groups that ran as one layer
         "engine": opts.engine,
         "device": opts.device,
         "dtype": bench.dtype,

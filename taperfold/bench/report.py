@@ -16,8 +16,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 STATS = ("median", "mean", "p90", "p99", "min", "max", "std")
-CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "phase", "variant", "execution", "batch", "seq",
-               "new_tokens", "first_run_ms",
+CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "fused_projections", "phase", "variant", "execution",
+               "batch", "seq", "new_tokens", "first_run_ms",
                "synced_n", *(f"synced_{k}_ms" for k in STATS), "synced_cv_pct",
                "pipelined_n", "pipelined_calls", *(f"pipelined_{k}_ms" for k in STATS), "pipelined_cv_pct",
                "throughput_from", "tokens_per_s", "speedup_vs_baseline"]
@@ -70,7 +70,8 @@ def csv_rows(report: dict) -> list[dict]:
     rows = []
     for r in report["results"]:
         row = {"mode": report["mode"], "engine": report["engine"], "device": report["device"],
-               "dtype": report["dtype"], "threads": report["threads"], "phase": r["phase"], "variant": r["variant"],
+               "dtype": report["dtype"], "threads": report["threads"],
+               "fused_projections": report.get("fused_projections", ""), "phase": r["phase"], "variant": r["variant"],
                "execution": r.get("execution", "eager"), "batch": r["batch"], "seq": r["seq"],
                "new_tokens": r.get("new_tokens", ""), "first_run_ms": r["first_run_ms"],
                "throughput_from": r["throughput_from"], "tokens_per_s": r["tokens_per_s"],
