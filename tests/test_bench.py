@@ -415,3 +415,15 @@ def test_graph_engines_refuse_a_fusion_their_graphs_lack_in_one_line(bench_expor
                                           f"exported, fused ({manifest}: key 'export.fuse_projections'); re-export "
                                           "with --no-fuse-projections, or time --engine torch\n")
     assert cli(*args, "--fuse-projections").exit_code == 0  # what the graphs are: nothing to refuse
+
+
+def test_a_manifest_with_a_bad_projection_count_is_one_line(bench_export, tmp_path, cli):
+    import shutil
+
+    out = shutil.copytree(bench_export, tmp_path / "out")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["artifacts"]["folded"]["projections"]["summary"] = {"groups": "eight"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    r = cli("bench", out, "--engine", "ort", "--seq", "8", "--iters", "1", "--warmup", "0")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "key 'artifacts.folded.projections.summary.groups' must be a count, got 'eight'" in r.stderr

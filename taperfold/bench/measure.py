@@ -264,8 +264,16 @@ def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder
 
 def _exported_groups(manifest, variant: str, decoder: bool | str) -> int:
     """The projection groups export fused in `variant`'s graph (artifacts.<key>.projections; 0 where none)."""
-    projections = (manifest.artifacts.get(artifact_key(variant, decoder)) or {}).get("projections")
-    return projections["summary"]["groups"] if projections else 0
+    key = artifact_key(variant, decoder)
+    projections = (manifest.artifacts.get(key) or {}).get("projections")
+    if not projections:
+        return 0
+    summary = projections.get("summary") if isinstance(projections, dict) else None
+    groups = summary.get("groups") if isinstance(summary, dict) else None
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
+        raise TaperfoldError(f"{manifest.path}: key 'artifacts.{key}.projections.summary.groups' must be a count, "
+                             f"got {groups!r}")
+    return groups
 
 
 def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
