@@ -427,3 +427,9 @@ def test_a_manifest_with_a_bad_projection_count_is_one_line(bench_export, tmp_pa
     r = cli("bench", out, "--engine", "ort", "--seq", "8", "--iters", "1", "--warmup", "0")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert "key 'artifacts.folded.projections.summary.groups' must be a count, got 'eight'" in r.stderr
+
+
+def test_fuse_projections_with_a_graph_engine_and_no_export_is_the_engines_own_line(cli):
+    r = cli("bench", "--preset", "tiny", "--engine", "ort", "--fuse-projections")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 2  # the --seq note, then the error
+    assert "taperfold: error: --engine ort runs exported graphs: give an export directory (DIR)" in r.stderr

@@ -217,8 +217,8 @@ def fused_projections(engine: Engine, source: Source, asked: bool | None) -> boo
     checkpoint or preset has no export to match and runs its layers as the model defines them (unfused)."""
     manifest = source.manifest
     exported = manifest is not None and manifest.fused_projections
-    if engine.runs == GRAPHS:
-        if asked is not None and asked != exported:
+    if engine.runs == GRAPHS:  # (without an export, make_runners says that this engine needs one)
+        if manifest is not None and asked is not None and asked != exported:
             raise TaperfoldError(f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
                                  f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
                                  f"'export.fuse_projections'); re-export {'with' if exported else 'without'} "
