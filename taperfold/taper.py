@@ -94,7 +94,8 @@ class TaperedLM:
     Such a model also has `cfg` (its shape: vocab_size, n_layers, kv_heads, head_dim, max_seq_len, ...),
     `forward(input_ids, logits="last"|"all", past_key_values=None, use_cache=False)` (and
     `cache_position=` where `static_cache`), `loss(inputs, targets)`
-    -> (cross-entropy, scale-anchoring loss), `copy()`, and `network`: the module tree its family's paths
+    -> (cross-entropy, scale-anchoring loss), `copy(shared=False)` (a deep copy; `shared`: the modules copied,
+    the parameters the same objects, see shared_parameters), and `network`: the module tree its family's paths
     name, to which `taper_model` attaches the tapering (None on a plain model).
     """
 
@@ -118,6 +119,13 @@ class TaperedLM:
     def forget_tapering(self) -> None:
         """After a fold: the model has no tapered norm left to drive."""
         object.__setattr__(self.network, "tapering", None)
+
+
+def shared_parameters(module: nn.Module) -> dict[int, nn.Parameter]:
+    """A `copy.deepcopy` memo under which a copy of `module` holds `module`'s parameters themselves (no weight
+    copied): for a variant that replaces modules, or gives a parameter it changes a copy of its own first. Casting
+    or moving either model then casts or moves the shared parameters of both."""
+    return {id(p): p for _, p in module.named_parameters(remove_duplicate=False)}
 
 
 def norm_eps(module: nn.Module, family: Family) -> float:

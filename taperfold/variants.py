@@ -75,17 +75,33 @@ def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
                for name, p in network.named_parameters(remove_duplicate=False))
 
 
+def _own_tensors(network: nn.Module, path: str, layer: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
+    """`layer` (the module or bare weight at `path`) given its own copies of the tensors a fold rewrites in place, so
+    that the model the folded copy shares its other parameters with stays as it was (a tied embedding too)."""
+    if isinstance(layer, nn.Parameter):
+        owner, _, name = path.rpartition(".")
+        own = nn.Parameter(layer.detach().clone(), requires_grad=layer.requires_grad)
+        setattr(network.get_submodule(owner), name, own)
+        return own
+    for name in ("weight", "bias"):
+        if isinstance(p := getattr(layer, name, None), nn.Parameter):
+            setattr(layer, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    return layer
+
+
 @torch.no_grad()
 def fold_in_torch(model: TaperedLM) -> TaperedLM:
     """The 'folded' variant: every g = 0 tapered norm folded into its readers (or producer) and replaced by what
-    its kind leaves in its place (nothing; DyT's tanh)."""
+    its kind leaves in its place (nothing; DyT's tanh). The copy holds `model`'s parameters except those the fold
+    rewrites (its own copies of those): `model` is left as it was."""
     if model.tapering is None:
         raise ValueError("nothing to fold: the model has no tapered norms")
     if model.gate.value != 0.0:
         raise ValueError(f"gate is {model.gate.value:g}, not 0: the tapered norms are not constant maps")
-    folded = model.copy()
+    folded = model.copy(shared=True)
     network, tapering = folded.network, folded.tapering
     kind = tapering.kind
+    owned = set()  # targets given their own tensors already (a layer may read one norm and produce another)
     for path in tapering.norms:
         targets = tapering.folds_into(path)
         if not targets:
@@ -94,9 +110,9 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
         constant = kind.constant_map(norm)
         for target in targets:
             layer = fold_target(network, target)
-            tied = isinstance(layer, nn.Module) and _shares_weight(network, target, layer.weight)
-            if tied:  # untie: the embedding stays as it is
-                layer.weight = nn.Parameter(layer.weight.detach().clone())
+            if target not in owned:
+                layer = _own_tensors(network, target, layer)
+                owned.add(target)
             if path in tapering.readers:
                 fold_into_reader(layer, constant)
             else:
@@ -109,8 +125,9 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
 def without_norms(model: TaperedLM) -> TaperedLM:
     """The zero-residue reference (variant `nonorm`): the model with nothing where it has a tapered norm, its weights
     copied unscaled. A timing reference, not the same function; norms that do not taper (Internal-Taper's final
-    norm) stay, as they stay in the folded model, so that folded vs nonorm measures what the fold leaves behind."""
-    bare = model.copy()
+    norm) stay, as they stay in the folded model, so that folded vs nonorm measures what the fold leaves behind.
+    It holds `model`'s parameters themselves."""
+    bare = model.copy(shared=True)
     for path in model.tapered_norms():
         bare.network.set_submodule(path, nn.Identity())
     bare.forget_tapering()
@@ -141,14 +158,23 @@ class FusedProjection(nn.Module):
     between its readers.
     """
 
-    def __init__(self, layers: list[nn.Linear]):
+    def __init__(self, layers: list[nn.Linear], joined: dict | None = None):
+        """`joined`: the concatenations made for other models, by the tensors they join; a group of layers holding
+        the same tensors as one there (variants built from one checkpoint) takes its parameters instead of a copy."""
         super().__init__()
-        self.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]))
-        if any(layer.bias is not None for layer in layers):
-            self.bias = nn.Parameter(torch.cat([layer.bias.detach() if layer.bias is not None else
-                                                layer.weight.new_zeros(layer.out_features) for layer in layers]))
-        else:
-            self.bias = None
+        key = tuple((_storage_key(layer.weight), layer.bias is not None and _storage_key(layer.bias))
+                    for layer in layers)
+        if joined is None or key not in joined:
+            weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]))
+            bias = None
+            if any(layer.bias is not None for layer in layers):
+                bias = nn.Parameter(torch.cat([layer.bias.detach() if layer.bias is not None else
+                                               layer.weight.new_zeros(layer.out_features) for layer in layers]))
+            if joined is None:
+                joined = {}
+            # the joined tensors kept with it: while they live, their addresses name no other tensor
+            joined[key] = ([(layer.weight, layer.bias) for layer in layers], weight, bias)
+        self.weight, self.bias = joined[key][1:]
         self.widths = [layer.out_features for layer in layers]
         self._slices = None  # (input, its version, the output's slices, the sibling indices yet to take theirs)
 
@@ -183,11 +209,11 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def fuse_projections_in_torch(model: TaperedLM, family) -> list[list[str]]:
+def fuse_projections_in_torch(model: TaperedLM, family, joined: dict | None = None) -> list[list[str]]:
     """In place: each group of linear layers the family names as reading one norm (`family.internal`) becomes one
     FusedProjection; the groups fused, as module paths. A layer that is not a plain nn.Linear, whose weight another
     module shares (a tied weight), or whose input width, dtype or device differs from the group's first is left
-    as it is; a group needs two layers."""
+    as it is; a group needs two layers. `joined`: shared between the variants of one model (FusedProjection)."""
     network = model.network
     n_layers = len(network.get_submodule(family.layers))
     fused = []
@@ -202,7 +228,7 @@ def fuse_projections_in_torch(model: TaperedLM, family) -> list[list[str]]:
                  and layer.weight.dtype == first.dtype and layer.weight.device == first.device]
         if len(group) < 2:
             continue
-        shared = FusedProjection([layer for _, layer in group])
+        shared = FusedProjection([layer for _, layer in group], joined)
         for index, (path, _) in enumerate(group):
             network.set_submodule(path, ProjectionPart(shared, index))
         fused.append([path for path, _ in group])
@@ -214,10 +240,43 @@ def fused_group_count(model: nn.Module) -> int:
     return sum(isinstance(module, FusedProjection) for module in model.modules())
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Tensors with one key hold the same values: the same memory, read the same way (one checkpoint tensor under
+    the separate parameters of two models)."""
+    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def _cast(models: list[nn.Module], dtype: torch.dtype) -> None:
+    """Each model's floating-point tensors in `dtype` (as Module.to casts them), a tensor several models hold cast
+    once and shared by them."""
+    cast = {}
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        key = _storage_key(t)
+        if key not in cast:
+            cast[key] = (t, t.to(dtype))  # the source kept while casting: its address names no other tensor
+        return cast[key][1]
+
+    for model in models:
+        model._apply(one)
+
+
 def build_variants(source, names: list[str], dtype: torch.dtype,
                    fuse_projections: bool = False) -> dict[str, TaperedLM]:
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
-    exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once)."""
+    exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once).
+
+    They hold one copy of the weights between them, plus what a variant must have of its own: the source's
+    tensors (`source.build` holds them without a copy) are held by baseline, unfolded, baseline-decomposed and
+    nonorm, and by folded wherever the fold left a layer unchanged; folded adds its own copy of each layer a norm
+    folded into (q/k/v and gate/up in a pre-norm transformer: about two thirds of a Llama's block weights). With
+    `fuse_projections`, each group's concatenated weight is one more copy of those layers, shared by every variant
+    that holds the same layers (folded has its own); a cast to another dtype is made once per tensor and shared,
+    too. So all variants stay loaded and are timed side by side in alternating rounds (bench.harness) at
+    little more than one model's memory, where building each only while it is timed would rebuild (and refold) it
+    in every round of every cell."""
     tapered = source.build(gate=0.0)
     build = {BASELINE: lambda: source.build_baseline(), UNFOLDED: lambda: tapered,
              FOLDED: lambda: fold_in_torch(tapered),
@@ -225,6 +284,8 @@ def build_variants(source, names: list[str], dtype: torch.dtype,
              NONORM: lambda: without_norms(tapered)}
     models = {name: build[name]() for name in names}
     if fuse_projections:  # once all are built: unfolded is the model the others were copied from
+        joined = {}
         for model in models.values():
-            fuse_projections_in_torch(model, source.family)
-    return {name: m.to(dtype).eval() for name, m in models.items()}
+            fuse_projections_in_torch(model, source.family, joined)
+    _cast(list(models.values()), dtype)
+    return {name: m.eval() for name, m in models.items()}

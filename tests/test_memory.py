@@ -1,13 +1,16 @@
-"""Memory: a model built from a checkpoint holds the checkpoint's tensors (no copy), and verify opens one model at a
-time. The peak of each command on a multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
+"""Memory: a model built from a checkpoint holds the checkpoint's tensors (no copy), bench's variants hold one copy of
+the weights between them plus the folded layers, and verify opens one model at a time. The peak of each command on a multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
 
 import pytest
 import torch
 
 from taperfold.sources.builtin import read_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
+from taperfold.exportdir import ALL_VARIANTS, FOLDED, UNFOLDED
 from taperfold.models import build_model
 from taperfold.runners.base import Runner
+from taperfold.taper import fold_target
+from taperfold.variants import build_variants
 from taperfold.verify import verify_export
 
 
@@ -28,6 +31,28 @@ def test_built_models_hold_the_checkpoints_tensors(tiny_checkpoint):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with torch.no_grad():
         assert torch.equal(ckpt.build().eval()(ids, logits="all"), copied.eval()(ids, logits="all"))
+
+
+def _storage_bytes(model) -> dict[int, int]:
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_variants_share_the_weights_the_fold_leaves(tiny_checkpoint, fuse, dtype):
+    ckpt = read_checkpoint(tiny_checkpoint)
+    variants = build_variants(ckpt, list(ALL_VARIANTS), dtype, fuse_projections=fuse)
+    unfolded = _storage_bytes(variants[UNFOLDED])
+    for name, model in variants.items():
+        if name != FOLDED:  # baseline, baseline-decomposed, nonorm: the unfolded model's tensors (one cast, one fusion)
+            assert _storage_bytes(model).keys() <= unfolded.keys(), name
+    # folded: its own copy of each layer a norm folds into (q/k/v, gate/up), nothing more
+    model = ckpt.build(gate=0.0)
+    targets = {t for norm in model.tapering.norms for t in model.tapering.folds_into(norm)}
+    assert len(targets) == 5 * ckpt.config.n_layers
+    folded_layers = sum(p.numel() for t in targets for p in fold_target(model.network, t).parameters())
+    own = {ptr: n for ptr, n in _storage_bytes(variants[FOLDED]).items() if ptr not in unfolded}
+    assert sum(own.values()) == folded_layers * dtype.itemsize
 
 
 @pytest.mark.parametrize("kv_cache", [False, ("growing", "static")])

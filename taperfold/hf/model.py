@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
-from taperfold.taper import TaperedLM
+from taperfold.taper import TaperedLM, shared_parameters
 
 SOURCE = "transformers"
 # How transformers' MoE experts run here: `batched_mm` exports with both torch.onnx exporters (the default,
@@ -79,7 +79,7 @@ class HFModelInfo:
 
     @classmethod
     def from_config(cls, config, family: Family, taper: str, aux: bool, tokenizer: str,
-                    cache: tuple[int, int] | None = None) -> "HFModelInfo":
+                    cache: tuple[int, int] | None = None) -> HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
         config's key/value heads and head dim."""
         heads = config.num_attention_heads
@@ -93,7 +93,7 @@ class HFModelInfo:
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), aux=aux, tokenizer=tokenizer)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HFModelInfo":
+    def from_dict(cls, d: dict) -> HFModelInfo:
         return cls(**d)
 
     def to_dict(self) -> dict:
@@ -119,8 +119,9 @@ class HFCausalLM(TaperedLM, nn.Module):
     def tapering(self):
         return getattr(self.hf, "tapering", None)
 
-    def copy(self) -> "HFCausalLM":
-        return HFCausalLM(copy.deepcopy(self.hf), self.cfg, self.family)
+    def copy(self, shared: bool = False) -> HFCausalLM:
+        return HFCausalLM(copy.deepcopy(self.hf, shared_parameters(self.hf) if shared else None), self.cfg,
+                          self.family)
 
     def loss(self, input_ids, targets):
         """Cross-entropy of transformers' forward on next-token `targets`, and the scale-anchoring loss on the

@@ -31,7 +31,7 @@ from torch import nn
 
 from taperfold.models.config import ModelConfig
 from taperfold.norms import norm_kind
-from taperfold.taper import TaperedLM
+from taperfold.taper import TaperedLM, shared_parameters
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -104,8 +104,8 @@ class CausalLM(TaperedLM, nn.Module):
         keys = self.positions[:past_len + t]
         return slice(past_len, past_len + t), keys[None, :] <= keys[past_len:, None]
 
-    def copy(self) -> "CausalLM":
-        return copy.deepcopy(self)
+    def copy(self, shared: bool = False) -> CausalLM:
+        return copy.deepcopy(self, shared_parameters(self) if shared else None)
 
     def _logits(self, h, logits: str):
         if logits == "last":
