@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # each family trains and exports a model
 
-from hf_models import FAMILIES, tiny_config  # noqa: E402
+from hf_models import FAMILIES, tapered_tiny_model, tiny_config  # noqa: E402
 
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
 from taperfold.families import family_for  # noqa: E402
@@ -118,6 +118,24 @@ def test_saved_directory_loads_to_the_same_model(fam):
         expected = fam.result.model(ids).logits
         got = ckpt.build()(ids, logits="all")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_models_hold_the_directorys_tensors(family, tmp_path):
+    """No second copy of the weights (nor a random initialisation): a model built from a directory is made with its
+    parameters on the meta device, then given the tensors read from the directory. Ties stay ties; the output is
+    the saved model's."""
+    saved = tapered_tiny_model(family)
+    ckpt = load_hf_directory(save_hf_directory(saved, tmp_path / family))
+    held = {t.untyped_storage().data_ptr() for t in ckpt.state_dict.values()}
+    tied = saved.get_output_embeddings().weight is saved.get_input_embeddings().weight
+    for model in (ckpt.build(), ckpt.build_baseline()):
+        assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= held
+        assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        assert (model.hf.get_output_embeddings().weight is model.hf.get_input_embeddings().weight) == tied
+    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt.build()(ids, logits="all"), saved(ids).logits, rtol=0, atol=0)
 
 
 def test_torch_fold_equals_the_tapered_model(fam):

@@ -42,6 +42,7 @@ from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.hf.trace import (GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note,
                                 traced_family)
+from taperfold.models import assign_weights, parameters_on_meta
 from taperfold.sources.base import ModelSource, read_safetensors
 from taperfold.sources.builtin import C_RANGE
 from taperfold.taper import TAPERS
@@ -470,13 +471,19 @@ class HFCheckpoint(ModelSource):
         return f"`taperfold train --from {self.path} -o DIR` tapers it and fine-tunes it through the taper"
 
     def hf_model(self, tapered: bool = True, gate: float | None = None):
-        """The transformers model with the directory's weights (its original norms when not `tapered`)."""
-        model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG, self.family))
+        """The transformers model with the directory's weights (its original norms when not `tapered`). It holds the
+        tensors read from the directory themselves: its parameters are made on the meta device, then given those
+        tensors (taperfold.models.assign_weights), so a model built adds no copy of the weights (nor a random
+        initialisation) and the models built from one directory share them; none changes them in place, except a
+        model trained from the directory (train_hf_directory, the one model it builds)."""
+        with parameters_on_meta():
+            model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG, self.family))
+        # outside: a norm without a weight (OLMo's) is tapered from ones made on the CPU
         tapering = _taper(model, self.block, self.family, str(self.path)) if tapered else None
         state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items()
                                                  if k in model.state_dict()}
-        missing, _ = model.load_state_dict(state, strict=False)
-        if set(missing) - set(model.all_tied_weights_keys):
+        missing, _ = assign_weights(model, state)
+        if missing:
             raise TaperfoldError(f"{self.path}: weights do not match the model (missing {sorted(missing)[:3]})")
         if tapering is not None and gate is not None:
             tapering.set_gate(gate)

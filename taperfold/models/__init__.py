@@ -25,8 +25,9 @@ from taperfold.taper import taper_model
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}  # one per ARCHS entry
 
-__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "baseline_of", "build_model", "build_with_weights",
-           "implied_parameters", "num_parameters", "preset_config", "random_gate0_model", "validate_config"]
+__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "assign_weights", "baseline_of", "build_model",
+           "build_with_weights", "implied_parameters", "num_parameters", "parameters_on_meta", "preset_config",
+           "random_gate0_model", "validate_config"]
 
 
 # 1 / the embedding's initial std (0.02, models.base.init_weights): the residual stream starts at RMS 1, the scale a
@@ -63,7 +64,7 @@ def baseline_of(model: CausalLM) -> CausalLM:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Modules built inside get their parameters on the meta device (no memory, no initialisation) and their
     buffers as usual: the rotary tables and positions are computed at construction and are in no state dict."""
     register = nn.Module.register_parameter
@@ -80,14 +81,11 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[CausalLM, list[str], list[str]]:
-    """The model `cfg` describes, holding the tensors of `state` themselves: no freshly initialised copy and no
-    second one (a 5 GB checkpoint stays 5 GB once built). A tensor of another dtype than the model's is cast (a
-    copy, as load_state_dict makes); a tied weight (lm_head = embedding) stays one parameter whichever of its keys
-    `state` has. Returns (model, missing keys, unexpected keys) as load_state_dict does; a missing parameter is
-    left on the meta device, so the caller must refuse the model."""
-    with _parameters_on_meta():
-        model = build_model(cfg)
+def assign_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Give `model` (built under `parameters_on_meta`) the tensors of `state` themselves: no second copy. A tensor of
+    another dtype than the model's is cast (a copy, as load_state_dict makes); a tied weight (lm_head = embedding)
+    stays one parameter whichever of its keys `state` has. Returns (missing keys, unexpected keys) as
+    load_state_dict does; a missing parameter is left on the meta device, so the caller must refuse the model."""
     ties = {}  # a parameter several modules hold: id -> all its names
     for name, param in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(param), []).append(name)
@@ -103,7 +101,16 @@ def build_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tupl
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, model.get_parameter(loaded))
         missing = [k for k in missing if k not in names]
-    return model, missing, unexpected
+    return missing, unexpected
+
+
+def build_with_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[CausalLM, list[str], list[str]]:
+    """The model `cfg` describes, holding the tensors of `state` themselves (`assign_weights`): no freshly
+    initialised copy and no second one (a 5 GB checkpoint stays 5 GB once built). Returns (model, missing keys,
+    unexpected keys)."""
+    with parameters_on_meta():
+        model = build_model(cfg)
+    return (model, *assign_weights(model, state))
 
 
 @torch.no_grad()
