@@ -21,9 +21,8 @@ import onnx
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
-from taperfold.models import num_parameters
+from taperfold.models import num_parameters, random_gate0_model
 from taperfold.passes import fold_onnx_file
-from taperfold.models import random_gate0_model
 
 ARCH = {"tiny": "llama", "paper-30m": "llama", "gpt2-124m": "gpt2"}
 
@@ -53,12 +52,25 @@ def measure(preset: str, repeats: int, workdir: Path) -> dict:
         t0 = time.perf_counter()
         report = fold_onnx_file(out / "unfolded.onnx", out / "refolded.onnx")
         fold_file = time.perf_counter() - t0
-        runs.append({**result.timings, "total_s": total, "fold_file_s": fold_file,
-                     "rewritten": report.summary()["bytes_rewritten"]})
+        runs.append(
+            {
+                **result.timings,
+                "total_s": total,
+                "fold_file_s": fold_file,
+                "rewritten": report.summary()["bytes_rewritten"],
+            }
+        )
     weights = weight_bytes(out / "unfolded.onnx")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"preset": preset, "arch": ARCH[preset], "params": params, "weight_bytes": weights, **med,
-            "pass_gbps": weights / med["passes_s"] / 1e9, "rewritten_gbps": med["rewritten"] / med["passes_s"] / 1e9}
+    return {
+        "preset": preset,
+        "arch": ARCH[preset],
+        "params": params,
+        "weight_bytes": weights,
+        **med,
+        "pass_gbps": weights / med["passes_s"] / 1e9,
+        "rewritten_gbps": med["rewritten"] / med["passes_s"] / 1e9,
+    }
 
 
 def main() -> None:
@@ -70,14 +82,20 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="taperfold-bench-export-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [measure(p, args.repeats, workdir) for p in args.presets.split(",")]
-    print(f"median of {args.repeats} runs; fp32; `taperfold export` = 2 torch exports (baseline, unfolded) + the fold\n")
-    print("| preset | params | weights (MB) | export total (s) | torch export (s) | passes (s) | writing (s) "
-          "| fold pass GB/s (all weights) | GB/s (rewritten) | `taperfold fold` file→file (s) |")
+    print(
+        f"median of {args.repeats} runs; fp32; `taperfold export` = 2 torch exports (baseline, unfolded) + the fold\n"
+    )
+    print(
+        "| preset | params | weights (MB) | export total (s) | torch export (s) | passes (s) | writing (s) "
+        "| fold pass GB/s (all weights) | GB/s (rewritten) | `taperfold fold` file→file (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['preset']} ({r['arch']}) | {r['params'] / 1e6:.1f}M | {r['weight_bytes'] / 1e6:.0f} "
-              f"| {r['total_s']:.1f} | {r['torch_export_s']:.1f} | {r['passes_s']:.3f} | {r['write_s']:.2f} "
-              f"| {r['pass_gbps']:.2f} | {r['rewritten_gbps']:.2f} | {r['fold_file_s']:.2f} |")
+        print(
+            f"| {r['preset']} ({r['arch']}) | {r['params'] / 1e6:.1f}M | {r['weight_bytes'] / 1e6:.0f} "
+            f"| {r['total_s']:.1f} | {r['torch_export_s']:.1f} | {r['passes_s']:.3f} | {r['write_s']:.2f} "
+            f"| {r['pass_gbps']:.2f} | {r['rewritten_gbps']:.2f} | {r['fold_file_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

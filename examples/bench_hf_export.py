@@ -27,11 +27,29 @@ MODELS = {
     "gpt2-tiny": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=32)),
     "gpt2-124m": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
     # a Llama of similar size: d 768, 12 layers, SwiGLU 2560, vocab 32000, tied embeddings
-    "llama-tiny": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, vocab_size=256, max_position_embeddings=32)),
-    "llama-124m": ("LlamaConfig", dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
-                                       num_attention_heads=12, vocab_size=32000, max_position_embeddings=1024,
-                                       tie_word_embeddings=True)),
+    "llama-tiny": (
+        "LlamaConfig",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=256,
+            max_position_embeddings=32,
+        ),
+    ),
+    "llama-124m": (
+        "LlamaConfig",
+        dict(
+            hidden_size=768,
+            intermediate_size=2560,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            vocab_size=32000,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -66,9 +84,18 @@ def child(directory: str, out: str) -> None:
     result = export_checkpoint(directory, out, ExportOptions())
     total = time.perf_counter() - t0
     summary = result.manifest["fold_report"]["summary"]
-    print(json.dumps({**result.timings, "total_s": total, "rewritten": summary["bytes_rewritten"],
-                      "folded": summary["folded"], "norms": summary["norms"],
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(
+        json.dumps(
+            {
+                **result.timings,
+                "total_s": total,
+                "rewritten": summary["bytes_rewritten"],
+                "folded": summary["folded"],
+                "norms": summary["norms"],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
 
 
 def measure(name: str, repeats: int, workdir: Path) -> dict:
@@ -77,13 +104,20 @@ def measure(name: str, repeats: int, workdir: Path) -> dict:
     runs = []
     for i in range(repeats):
         out = workdir / f"{name}-export-{i}"
-        proc = subprocess.run([sys.executable, __file__, "--child", str(directory), str(out)],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", str(directory), str(out)], capture_output=True, text=True, check=True
+        )
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     weights = weight_bytes(out / "unfolded.onnx")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"model": name, "params": params, "weight_bytes": weights, **med,
-            "pass_gbps": weights / med["passes_s"] / 1e9, "rewritten_gbps": med["rewritten"] / med["passes_s"] / 1e9}
+    return {
+        "model": name,
+        "params": params,
+        "weight_bytes": weights,
+        **med,
+        "pass_gbps": weights / med["passes_s"] / 1e9,
+        "rewritten_gbps": med["rewritten"] / med["passes_s"] / 1e9,
+    }
 
 
 def main() -> None:
@@ -99,19 +133,25 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [measure(m, args.repeats, workdir) for m in args.models.split(",")]
     print(json.dumps(rows, indent=1))
-    print(f"\nmedian of {args.repeats} run(s); fp32; `taperfold export DIR` = 2 torch exports (baseline, unfolded) "
-          "+ the fold, in a fresh process\n")
+    print(
+        f"\nmedian of {args.repeats} run(s); fp32; `taperfold export DIR` = 2 torch exports (baseline, unfolded) "
+        "+ the fold, in a fresh process\n"
+    )
     print_table(rows)
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| model | params | weights (MB) | export total (s) | torch export (s) | passes (s) | writing (s) "
-          "| peak RSS (MB) | norms folded | fold pass GB/s (all weights) | GB/s (rewritten) |")
+    print(
+        "| model | params | weights (MB) | export total (s) | torch export (s) | passes (s) | writing (s) "
+        "| peak RSS (MB) | norms folded | fold pass GB/s (all weights) | GB/s (rewritten) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['params'] / 1e6:.3g}M | {r['weight_bytes'] / 1e6:.3g} | {r['total_s']:.1f} "
-              f"| {r['torch_export_s']:.1f} | {r['passes_s']:.3f} | {r['write_s']:.2f} | {r['peak_rss_mb']:.0f} "
-              f"| {r['folded']:.0f} of {r['norms']:.0f} | {r['pass_gbps']:.3g} | {r['rewritten_gbps']:.3g} |")
+        print(
+            f"| {r['model']} | {r['params'] / 1e6:.3g}M | {r['weight_bytes'] / 1e6:.3g} | {r['total_s']:.1f} "
+            f"| {r['torch_export_s']:.1f} | {r['passes_s']:.3f} | {r['write_s']:.2f} | {r['peak_rss_mb']:.0f} "
+            f"| {r['folded']:.0f} of {r['norms']:.0f} | {r['pass_gbps']:.3g} | {r['rewritten_gbps']:.3g} |"
+        )
 
 
 if __name__ == "__main__":

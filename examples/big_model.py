@@ -35,8 +35,15 @@ HEADROOM = max(BOUNDS.values())  # MemAvailable needed, in model sizes, before a
 
 
 def shape_overrides(args) -> dict:
-    return dict(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                d_ff=args.d_ff, vocab_size=args.vocab, max_seq_len=args.max_seq_len)
+    return dict(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=args.d_ff,
+        vocab_size=args.vocab,
+        max_seq_len=args.max_seq_len,
+    )
 
 
 def weight_bytes(overrides: dict) -> int:
@@ -75,8 +82,13 @@ def run_step(name: str, command: list[str], log: Path, allowed: tuple[int, ...] 
     if process.returncode not in allowed:
         tail = log.read_text().strip().splitlines()[-5:]
         sys.exit(f"{name} failed (exit {process.returncode}): {' | '.join(tail)}")
-    return {"step": name, "command": " ".join(command), "exit": process.returncode, "wall_s": round(wall, 1),
-            "peak_rss_bytes": usage.ru_maxrss * 1024}  # Linux: kilobytes
+    return {
+        "step": name,
+        "command": " ".join(command),
+        "exit": process.returncode,
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+    }  # Linux: kilobytes
 
 
 def main() -> None:
@@ -89,8 +101,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--max-seq-len", type=int, default=128, help="context (no parameters): verify's longest input")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache", choices=("growing", "static"),
-                        help="also export, and verify, KV-cache decoders of this kind")
+    parser.add_argument(
+        "--kv-cache", choices=("growing", "static"), help="also export, and verify, KV-cache decoders of this kind"
+    )
     parser.add_argument("--keep", metavar="DIR", help="write into DIR and keep it (default: a temporary folder)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--write-checkpoint", metavar="PATH", help=argparse.SUPPRESS)  # the checkpoint's own process
@@ -103,8 +116,10 @@ def main() -> None:
     weights = weight_bytes(overrides)
     free = available_bytes()
     if free < HEADROOM * weights:
-        sys.exit(f"only {free / 1e9:.1f} GB available; a {weights / 1e9:.2f} GB model needs {HEADROOM:g}x that "
-                 f"({HEADROOM * weights / 1e9:.1f} GB): choose a smaller shape (--layers, --d-model)")
+        sys.exit(
+            f"only {free / 1e9:.1f} GB available; a {weights / 1e9:.2f} GB model needs {HEADROOM:g}x that "
+            f"({HEADROOM * weights / 1e9:.1f} GB): choose a smaller shape (--layers, --d-model)"
+        )
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="taperfold-big-"))
     work.mkdir(parents=True, exist_ok=True)
     taperfold = [sys.executable, "-m", "taperfold"]
@@ -112,12 +127,27 @@ def main() -> None:
     folded.parent.mkdir(exist_ok=True)
     try:
         steps = [
-            run_step("checkpoint", [sys.executable, __file__, *sys.argv[1:], "--write-checkpoint", str(ckpt)],
-                     work / "checkpoint.log"),
-            run_step("export", [*taperfold, "export", str(ckpt), "-o", str(export_dir), "--overwrite",
-                                *(["--kv-cache", args.kv_cache] if args.kv_cache else [])], work / "export.log"),
-            run_step("fold", [*taperfold, "fold", str(export_dir / "unfolded.onnx"), "-o", str(folded)],
-                     work / "fold.log"),
+            run_step(
+                "checkpoint",
+                [sys.executable, __file__, *sys.argv[1:], "--write-checkpoint", str(ckpt)],
+                work / "checkpoint.log",
+            ),
+            run_step(
+                "export",
+                [
+                    *taperfold,
+                    "export",
+                    str(ckpt),
+                    "-o",
+                    str(export_dir),
+                    "--overwrite",
+                    *(["--kv-cache", args.kv_cache] if args.kv_cache else []),
+                ],
+                work / "export.log",
+            ),
+            run_step(
+                "fold", [*taperfold, "fold", str(export_dir / "unfolded.onnx"), "-o", str(folded)], work / "fold.log"
+            ),
             # exit 1: a pair out of tolerance, reported below with the memory it took
             run_step("verify", [*taperfold, "verify", str(export_dir), "--json"], work / "verify.log", allowed=(0, 1)),
         ]
@@ -131,18 +161,32 @@ def main() -> None:
         if step["step"] in BOUNDS:
             step["bound_x_weights"] = BOUNDS[step["step"]]
             step["within_bound"] = step["peak_x_weights"] <= BOUNDS[step["step"]]
-    pairs = {p["name"]: {"status": p["status"], "max_rel": p["metrics"]["max_rel"] if p["metrics"] else None,
-                         "rtol": p["tolerance"]["rtol"] if p["tolerance"] else None,
-                         "basis": (p["tolerance"] or {}).get("basis")} for p in report["pairs"]}
-    result = {"shape": overrides, "weights_bytes": weights, "cpu_count": os.cpu_count(),
-              "mem_available_bytes_at_start": free, "steps": steps, "verify_passed": report["passed"],
-              "verify_pairs": pairs}
+    pairs = {
+        p["name"]: {
+            "status": p["status"],
+            "max_rel": p["metrics"]["max_rel"] if p["metrics"] else None,
+            "rtol": p["tolerance"]["rtol"] if p["tolerance"] else None,
+            "basis": (p["tolerance"] or {}).get("basis"),
+        }
+        for p in report["pairs"]
+    }
+    result = {
+        "shape": overrides,
+        "weights_bytes": weights,
+        "cpu_count": os.cpu_count(),
+        "mem_available_bytes_at_start": free,
+        "steps": steps,
+        "verify_passed": report["passed"],
+        "verify_pairs": pairs,
+    }
     print(f"model: {weights / 4e9:.3f} B parameters, {weights / 1e9:.2f} GB in fp32 ({overrides})")
     print(f"{'step':<11} {'wall s':>7} {'peak GB':>8} {'x weights':>9} {'bound':>6}")
     for step in steps:
         bound = f"{step['bound_x_weights']:g}" if "bound_x_weights" in step else ""
-        print(f"{step['step']:<11} {step['wall_s']:>7.1f} {step['peak_rss_bytes'] / 1e9:>8.2f} "
-              f"{step['peak_x_weights']:>9.2f} {bound:>6}")
+        print(
+            f"{step['step']:<11} {step['wall_s']:>7.1f} {step['peak_rss_bytes'] / 1e9:>8.2f} "
+            f"{step['peak_x_weights']:>9.2f} {bound:>6}"
+        )
     for name, pair in pairs.items():
         max_rel = "nan" if pair["max_rel"] is None else f"{pair['max_rel']:.3g}"  # JSON writes NaN as null
         print(f"verify {name}: {pair['status']} (max rel {max_rel}, rtol {pair['rtol']:.3g})")

@@ -42,11 +42,17 @@ def run_cell(family: str, exporter: str, opset: int, models: tuple, work: Path) 
             return row
         report = fold_onnx_file(src, work / f"{name}.folded.onnx")
         if name == "tapered":
-            row.update(folded=report.count(NormStatus.FOLDED), kept=report.count(NormStatus.KEPT),
-                       kept_reasons=sorted({e.reason for e in report.norms if e.status == NormStatus.KEPT}))
+            row.update(
+                folded=report.count(NormStatus.FOLDED),
+                kept=report.count(NormStatus.KEPT),
+                kept_reasons=sorted({e.reason for e in report.norms if e.status == NormStatus.KEPT}),
+            )
         else:
-            row.update(real=report.count(NormStatus.REAL_NORM), real_claimed=report.count(NormStatus.FOLDED),
-                       changed=report.changed_weights)
+            row.update(
+                real=report.count(NormStatus.REAL_NORM),
+                real_claimed=report.count(NormStatus.FOLDED),
+                changed=report.changed_weights,
+            )
         try:
             check = check_fold(src, work / f"{name}.folded.onnx", SHAPES)
         except Exception as e:  # ONNX Runtime cannot run the exported model itself
@@ -61,14 +67,19 @@ def run_cell(family: str, exporter: str, opset: int, models: tuple, work: Path) 
 
 
 def markdown(rows: list[dict], command: str) -> str:
-    lines = [f"`{command}`", "",
-             "| family | exporter | opset | norms tapered | folded | kept | real norms untouched (control) "
-             "| max rel (folded vs unfolded) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"`{command}`",
+        "",
+        "| family | exporter | opset | norms tapered | folded | kept | real norms untouched (control) "
+        "| max rel (folded vs unfolded) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | {r['exporter']} | {r['opset']} | {r['tapered']} | – | – | – "
-                         f"| {r['error'].replace('|', '/')} |")
+            lines.append(
+                f"| {r['family']} | {r['exporter']} | {r['opset']} | {r['tapered']} | – | – | – "
+                f"| {r['error'].replace('|', '/')} |"
+            )
             continue
         if r["real_claimed"] or r.get("changed"):
             control = f"{r['real']}, CHANGED ({r['real_claimed']} claimed folded)"
@@ -76,10 +87,15 @@ def markdown(rows: list[dict], command: str) -> str:
             control = f"{r['real']}, " + ("bit-identical" if r["bit_identical"] else "outputs differ")
         else:
             control = f"{r['real']}, file unchanged (ORT cannot run the export)"
-        error = f"{r['max_rel']:.1e}" if "max_rel" in r else "ORT cannot run the export: " + (
-            r.get("tapered_check_error", "")[:90].replace("|", "/"))
-        lines.append(f"| {r['family']} | {r['exporter']} | {r['opset']} | {r['tapered']} | {r['folded']} "
-                     f"| {r['kept']} | {control} | {error} |")
+        error = (
+            f"{r['max_rel']:.1e}"
+            if "max_rel" in r
+            else "ORT cannot run the export: " + (r.get("tapered_check_error", "")[:90].replace("|", "/"))
+        )
+        lines.append(
+            f"| {r['family']} | {r['exporter']} | {r['opset']} | {r['tapered']} | {r['folded']} "
+            f"| {r['kept']} | {control} | {error} |"
+        )
     reasons = sorted({(r["family"], reason) for r in rows for reason in r.get("kept_reasons", [])})
     if reasons:
         lines += ["", "Kept norms, with the fold report's reason (first of each family):", ""]
@@ -105,8 +121,13 @@ def main() -> int:
     parser.add_argument("--opsets", default="18,20,23")
     parser.add_argument("--markdown", type=Path, help="Write the table here.")
     parser.add_argument("--json", type=Path, help="Write every row here.")
-    parser.add_argument("--rows", type=Path, nargs="*", default=[],
-                        help="Only build the table from rows written before (--json files or the JSON lines on stderr).")
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="Only build the table from rows written before (--json files or the JSON lines on stderr).",
+    )
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.rows for line in _json_rows(path)]
     cells = {(r["family"], r["exporter"], r["opset"]): r for r in rows}  # a later run of a cell wins
@@ -128,8 +149,12 @@ def main() -> int:
         args.markdown.write_text(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    bad = [r for r in rows if "error" not in r and (not r.get("passed", True) or r["real_claimed"] or r.get("changed")
-                                                   or not r.get("bit_identical", True))]
+    bad = [
+        r
+        for r in rows
+        if "error" not in r
+        and (not r.get("passed", True) or r["real_claimed"] or r.get("changed") or not r.get("bit_identical", True))
+    ]
     return 1 if bad else 0
 
 

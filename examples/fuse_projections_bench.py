@@ -47,8 +47,10 @@ def alternate(calls: dict, rounds: int, iters: int) -> dict:
     out = {}
     for name, per_round in times.items():
         medians = [statistics.median(r) for r in per_round]
-        out[name] = (1e3 * statistics.median([t for r in per_round for t in r]),
-                     100 * statistics.pstdev(medians) / statistics.mean(medians))
+        out[name] = (
+            1e3 * statistics.median([t for r in per_round for t in r]),
+            100 * statistics.pstdev(medians) / statistics.mean(medians),
+        )
     return out
 
 
@@ -65,12 +67,15 @@ def measure(preset: str, args, workdir: Path) -> list[dict]:
         manifest = read_manifest(out)
         projections = manifest.artifacts["folded"]["projections"]
         groups[kind] = projections["summary"]["groups"] if projections else 0
-        sessions[kind] = ort.InferenceSession(str(manifest.artifact(FOLDED)), options,
-                                              providers=["CPUExecutionProvider"])
+        sessions[kind] = ort.InferenceSession(
+            str(manifest.artifact(FOLDED)), options, providers=["CPUExecutionProvider"]
+        )
     torch.set_num_threads(args.threads)
     source = open_source(ckpt)
-    models = {kind: build_variants(source, [FOLDED], torch.float32, fuse_projections=kind == "fused")[FOLDED]
-              for kind in KINDS}
+    models = {
+        kind: build_variants(source, [FOLDED], torch.float32, fuse_projections=kind == "fused")[FOLDED]
+        for kind in KINDS
+    }
     rng = np.random.default_rng(0)
     rows = []
     for batch in args.batch:
@@ -82,8 +87,16 @@ def measure(preset: str, args, workdir: Path) -> list[dict]:
             with torch.no_grad():
                 for engine, calls in (("ort", ort_calls), ("torch", torch_calls)):
                     timed = alternate(calls, args.rounds, args.iters)
-                    rows.append({"preset": preset, "engine": engine, "batch": batch, "seq": seq,
-                                 "groups": groups["fused"], **{kind: timed[kind] for kind in KINDS}})
+                    rows.append(
+                        {
+                            "preset": preset,
+                            "engine": engine,
+                            "batch": batch,
+                            "seq": seq,
+                            "groups": groups["fused"],
+                            **{kind: timed[kind] for kind in KINDS},
+                        }
+                    )
     return rows
 
 
@@ -101,14 +114,18 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="taperfold-fuse-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [row for preset in args.presets.split(",") for row in measure(preset, args, workdir)]
-    print(f"folded model, last-token logits, fp32, CPU, {args.threads} thread(s); median ms per call over "
-          f"{args.rounds} alternating rounds of {args.iters} calls (CV % of the round medians)\n")
+    print(
+        f"folded model, last-token logits, fp32, CPU, {args.threads} thread(s); median ms per call over "
+        f"{args.rounds} alternating rounds of {args.iters} calls (CV % of the round medians)\n"
+    )
     print("| preset | engine | batch | seq | groups fused | unfused (ms) | fused (ms) | fused speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         (unfused, cv_u), (fused, cv_f) = r["unfused"], r["fused"]
-        print(f"| {r['preset']} | {r['engine']} | {r['batch']} | {r['seq']} | {r['groups']} "
-              f"| {unfused:.3f} ({cv_u:.1f} %) | {fused:.3f} ({cv_f:.1f} %) | {unfused / fused:.3f} |")
+        print(
+            f"| {r['preset']} | {r['engine']} | {r['batch']} | {r['seq']} | {r['groups']} "
+            f"| {unfused:.3f} ({cv_u:.1f} %) | {fused:.3f} ({cv_f:.1f} %) | {unfused / fused:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -39,17 +39,26 @@ from taperfold.models import ModelConfig
 # Table 3 of the paper (/work/shared/papers/tapernorm-kanavalau-2026.txt): k tokens/s, H100 80GB, bf16, torch eager,
 # last-token logits; (baseline, Internal-Taper unfused, Internal-Taper fused = taperfold's folded).
 PAPER_TABLE3 = {
-    (1, 128): (40.7, 45.9, 48.7), (1, 256): (79.3, 90.8, 96.8), (1, 512): (163.2, 181.7, 195.5),
-    (4, 128): (149.3, 169.3, 180.4), (4, 256): (290.5, 323.6, 344.9), (4, 512): (546.3, 588.1, 615.9),
+    (1, 128): (40.7, 45.9, 48.7),
+    (1, 256): (79.3, 90.8, 96.8),
+    (1, 512): (163.2, 181.7, 195.5),
+    (4, 128): (149.3, 169.3, 180.4),
+    (4, 256): (290.5, 323.6, 344.9),
+    (4, 512): (546.3, 588.1, 615.9),
 }
 BATCHES, SEQS, PROMPT, NEW_TOKENS = (1, 4), (128, 256, 512), 128, 32
 VARIANTS = "baseline,unfolded,folded,nonorm"
 DTYPES = ("bf16", "fp16")
 # configuration label of a row: (engine, execution) -> how the tables name it, in the order they show it
-CONFIGS = {("torch", "eager"): "torch eager", ("torch", "cuda-graph"): "torch CUDA graph",
-           ("torch", "compile:reduce-overhead"): "torch compile (reduce-overhead)",
-           ("torch", "compile:default"): "torch compile", ("torch", "compile:max-autotune"): "torch compile (max-autotune)",
-           ("ort", "eager"): "ORT CUDA", ("ort", "cuda-graph"): "ORT CUDA graph"}
+CONFIGS = {
+    ("torch", "eager"): "torch eager",
+    ("torch", "cuda-graph"): "torch CUDA graph",
+    ("torch", "compile:reduce-overhead"): "torch compile (reduce-overhead)",
+    ("torch", "compile:default"): "torch compile",
+    ("torch", "compile:max-autotune"): "torch compile (max-autotune)",
+    ("ort", "eager"): "ORT CUDA",
+    ("ort", "cuda-graph"): "ORT CUDA graph",
+}
 
 
 # ---- run ------------------------------------------------------------------------------------------------------
@@ -59,23 +68,36 @@ def taperfold_cmd() -> list[str]:
     return [sys.executable, "-m", "taperfold"]
 
 
-def plan(out: Path, iters: int, warmup: int, rounds: int, batches: tuple[int, ...] = BATCHES
-         ) -> list[tuple[str, list[str]]]:
+def plan(
+    out: Path, iters: int, warmup: int, rounds: int, batches: tuple[int, ...] = BATCHES
+) -> list[tuple[str, list[str]]]:
     """(name, argv) of every bench run; each writes OUT/NAME.json (NAME ends in -b1 etc. for a subset of batches,
     so that a long configuration can be run in parts)."""
     ckpt = out / "work" / "paper30m.pt"
     timing = ["--iters", str(iters), "--warmup", str(warmup), "--rounds", str(rounds), "--variants", VARIANTS]
     prefill = ["--batch", ",".join(map(str, batches)), "--seq", ",".join(map(str, SEQS))]
-    decode = ["--mode", "decode", "--batch", ",".join(map(str, batches)), "--prompt", str(PROMPT),
-              "--new-tokens", str(NEW_TOKENS)]
+    decode = [
+        "--mode",
+        "decode",
+        "--batch",
+        ",".join(map(str, batches)),
+        "--prompt",
+        str(PROMPT),
+        "--new-tokens",
+        str(NEW_TOKENS),
+    ]
     runs = []
     for dtype in DTYPES:
         torch_src = ["bench", "--checkpoint", str(ckpt), "--engine", "torch", "--device", "cuda", "--dtype", dtype]
         ort_src = ["bench", str(out / "work" / f"export-{dtype}"), "--engine", "ort", "--device", "cuda"]
         for mode, shape in (("prefill", prefill), ("decode", decode)):
             runs.append((f"torch-{dtype}-{mode}-eager-graph", torch_src + shape + timing + ["--cuda-graph"]))
-            runs.append((f"torch-{dtype}-{mode}-compile", torch_src + shape + timing +
-                         ["--compile", "--compile-mode", "reduce-overhead"]))
+            runs.append(
+                (
+                    f"torch-{dtype}-{mode}-compile",
+                    torch_src + shape + timing + ["--compile", "--compile-mode", "reduce-overhead"],
+                )
+            )
             if not (mode == "decode" and dtype == "bf16"):
                 runs.append((f"ort-{dtype}-{mode}-eager-graph", ort_src + shape + timing + ["--cuda-graph"]))
     if tuple(batches) != BATCHES:
@@ -112,17 +134,25 @@ def prepare(out: Path, dtypes: tuple[str, ...] = DTYPES) -> dict:
     Returns the environment the bench processes run in."""
     work = out / "work"  # checkpoint and exports: large, not meant for docs/ (kept so that reruns reuse them)
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     ckpt = work / "paper30m.pt"
     if not ckpt.exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("random_checkpoint.py")), "paper-30m", str(ckpt)],
-                       check=True, env=env)
+        subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("random_checkpoint.py")), "paper-30m", str(ckpt)],
+            check=True,
+            env=env,
+        )
     for dtype in dtypes:
         export_dir = work / f"export-{dtype}"
         if not (export_dir / "manifest.json").exists():
-            subprocess.run(taperfold_cmd() + ["export", str(ckpt), "-o", str(export_dir), "--dtype", dtype,
-                                              "--kv-cache"], check=True, env=env)
+            subprocess.run(
+                taperfold_cmd() + ["export", str(ckpt), "-o", str(export_dir), "--dtype", dtype, "--kv-cache"],
+                check=True,
+                env=env,
+            )
         if "nonorm" not in json.loads((export_dir / "manifest.json").read_text())["artifacts"]:
             add_nonorm(export_dir, ckpt)
     return env
@@ -156,8 +186,11 @@ def _run_one(out: Path, name: str, argv: list[str], env: dict, index: dict) -> i
     with open(out / f"{name}.log", "w") as log:
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     # the command as a reader reruns it: OUT for the folder given to `run`, not this machine's path
-    index[name] = {"command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"), "exit_code": code,
-                   "seconds": round(time.time() - start, 1)}
+    index[name] = {
+        "command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"),
+        "exit_code": code,
+        "seconds": round(time.time() - start, 1),
+    }
     (out / "runs.json").write_text(json.dumps(index, indent=2))
     print(f"   exit {code} in {index[name]['seconds']} s", flush=True)
     return code
@@ -183,12 +216,17 @@ def measurements(reports: list[dict]) -> dict:
     table = {}
     for report in reports:
         for row in report["results"]:
-            config = CONFIGS.get((report["engine"], row.get("execution", "eager")),
-                                 f"{report['engine']} {row.get('execution', 'eager')}")
+            config = CONFIGS.get(
+                (report["engine"], row.get("execution", "eager")), f"{report['engine']} {row.get('execution', 'eager')}"
+            )
             phase = "prompt" if report["mode"] == "decode" and row["phase"] == "prefill" else row["phase"]
             key = (report["dtype"], phase, config, row["batch"], row["seq"], row["variant"])
-            table[key] = {"tokens_per_s": row["tokens_per_s"], "cv_pct": throughput_stats(row)["cv_pct"],
-                          "new_tokens": row.get("new_tokens"), "file": report.get("_file")}
+            table[key] = {
+                "tokens_per_s": row["tokens_per_s"],
+                "cv_pct": throughput_stats(row)["cv_pct"],
+                "new_tokens": row.get("new_tokens"),
+                "file": report.get("_file"),
+            }
     return table
 
 
@@ -212,12 +250,20 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
         for key in ("torch", runtime) if report["engine"] == "ort" else ("torch",):
             if found.get(key):
                 versions.setdefault(key, found[key])
-    lines = [f"Measured on **{gpu_name}** ({env.get('cpu', '?')}), "
-             + ", ".join(f"{k} {v}" for k, v in versions.items()) + ". "
-             + f"paper-30m, random weights at g = 0; medians of {reports[0]['settings']['iters']} timed calls per "
-             f"cell in {reports[0]['settings']['rounds']} alternating rounds. "
-             + (f"Floor: {spec.name}, {spec.memory_tb_s} TB/s, {spec.dense_tflops_16} dense BF16/FP16 TFLOPS "
-                "(taperfold/bench/floors.py)." if spec else "No spec for this GPU: no floor."), ""]
+    lines = [
+        f"Measured on **{gpu_name}** ({env.get('cpu', '?')}), "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ". "
+        + f"paper-30m, random weights at g = 0; medians of {reports[0]['settings']['iters']} timed calls per "
+        f"cell in {reports[0]['settings']['rounds']} alternating rounds. "
+        + (
+            f"Floor: {spec.name}, {spec.memory_tb_s} TB/s, {spec.dense_tflops_16} dense BF16/FP16 TFLOPS "
+            "(taperfold/bench/floors.py)."
+            if spec
+            else "No spec for this GPU: no floor."
+        ),
+        "",
+    ]
     configs = list(dict.fromkeys(k[2] for k in data))
     targets = {"ratio": [], "residue": [], "gain": []}
     for dtype in DTYPES:
@@ -229,14 +275,35 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
             scale, unit = (1e3, "k tok/s") if phase == "prefill" else (1.0, "tok/s")
             paper = dtype == "bf16" and phase == "prefill"
             lines += [f"### {phase}, {dtype}: folded throughput ({unit}, median) and folded × baseline", ""]
-            head = ["B", "T" if phase == "prefill" else "prompt"] + (["paper folded (×)"] if paper else []) \
-                + ["floor"] + here + (["fastest / paper"] if paper else [])
+            head = (
+                ["B", "T" if phase == "prefill" else "prompt"]
+                + (["paper folded (×)"] if paper else [])
+                + ["floor"]
+                + here
+                + (["fastest / paper"] if paper else [])
+            )
             lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for batch, seq in cells:
-                steps = next((v["new_tokens"] for k, v in data.items() if k[:2] == (dtype, phase)
-                              and k[3:5] == (batch, seq)), None) or NEW_TOKENS
-                floor = (prefill_floor(cfg, spec, batch, seq, dtype) if phase == "prefill" else
-                         decode_floor(cfg, spec, batch, seq, steps, dtype)) if spec else None
+                steps = (
+                    next(
+                        (
+                            v["new_tokens"]
+                            for k, v in data.items()
+                            if k[:2] == (dtype, phase) and k[3:5] == (batch, seq)
+                        ),
+                        None,
+                    )
+                    or NEW_TOKENS
+                )
+                floor = (
+                    (
+                        prefill_floor(cfg, spec, batch, seq, dtype)
+                        if phase == "prefill"
+                        else decode_floor(cfg, spec, batch, seq, steps, dtype)
+                    )
+                    if spec
+                    else None
+                )
                 row = [str(batch), str(seq)]
                 if paper:
                     base, _, fold = PAPER_TABLE3.get((batch, seq), (None, None, None))
@@ -255,8 +322,9 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
                     if gain:
                         targets["gain"].append(gain)
                     if got["nonorm"]:
-                        targets["residue"].append((folded / got["nonorm"]["tokens_per_s"], config, dtype, phase,
-                                                   batch, seq))
+                        targets["residue"].append(
+                            (folded / got["nonorm"]["tokens_per_s"], config, dtype, phase, batch, seq)
+                        )
                 if paper:
                     fold = PAPER_TABLE3.get((batch, seq), (None, None, None))[2]
                     ratio = fastest / scale / fold if fold and fastest else None
@@ -265,29 +333,46 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
                         targets["ratio"].append(ratio)
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
-            residue = [f"{c}: " + ", ".join(f"{r:.3f}" for r, c2, d, p, b, s in targets["residue"]
-                                            if c2 == c and d == dtype and p == phase) for c in here]
+            residue = [
+                f"{c}: "
+                + ", ".join(
+                    f"{r:.3f}" for r, c2, d, p, b, s in targets["residue"] if c2 == c and d == dtype and p == phase
+                )
+                for c in here
+            ]
             lines += ["folded / nonorm (zero residue = 1.000): " + "; ".join(residue) + ".", ""]
             cvs = [(v["cv_pct"], k) for k, v in data.items() if k[0] == dtype and k[1] == phase]
             worst = max(cvs)
-            lines += [f"CV of the samples behind each figure: median {sorted(c for c, _ in cvs)[len(cvs) // 2]:.1f} %, max "
-                      f"{worst[0]:.1f} % ({worst[1][2]}, {worst[1][5]}, B{worst[1][3]} T{worst[1][4]}).", ""]
+            lines += [
+                f"CV of the samples behind each figure: median {sorted(c for c, _ in cvs)[len(cvs) // 2]:.1f} %, max "
+                f"{worst[0]:.1f} % ({worst[1][2]}, {worst[1][5]}, B{worst[1][3]} T{worst[1][4]}).",
+                "",
+            ]
     lines += ["### Targets (issue 13)", ""]
     if targets["ratio"]:
         ok = min(targets["ratio"]) >= 6
-        lines.append(f"- fastest folded ≥ 6× the paper's folded in every bf16 prefill cell: **{'met' if ok else 'not met'}** "
-                     f"({min(targets['ratio']):.2f}–{max(targets['ratio']):.2f}×).")
+        lines.append(
+            f"- fastest folded ≥ 6× the paper's folded in every bf16 prefill cell: **{'met' if ok else 'not met'}** "
+            f"({min(targets['ratio']):.2f}–{max(targets['ratio']):.2f}×)."
+        )
     if targets["residue"]:
         worst = min(targets["residue"], key=lambda t: t[0])
         ok = all(abs(r - 1) <= 0.01 for r, *_ in targets["residue"])
-        lines.append(f"- folded within 1 % of nonorm on every engine: **{'met' if ok else 'not met'}** (worst "
-                     f"{worst[0]:.3f}: {worst[1]}, {worst[2]} {worst[3]} B{worst[4]} T{worst[5]}).")
+        lines.append(
+            f"- folded within 1 % of nonorm on every engine: **{'met' if ok else 'not met'}** (worst "
+            f"{worst[0]:.3f}: {worst[1]}, {worst[2]} {worst[3]} B{worst[4]} T{worst[5]})."
+        )
     if targets["gain"]:
         lines.append(f"- folded × baseline, as measured: {min(targets['gain']):.3f}–{max(targets['gain']):.3f}×.")
     if runs:
         failed = {n: r for n, r in runs.items() if r["exit_code"] != 0}
-        lines += ["", "Commands (each wrote the JSON of the same name; OUT is the folder given to "
-                  "`python examples/gpu_table3.py run OUT`):", "", "```"]
+        lines += [
+            "",
+            "Commands (each wrote the JSON of the same name; OUT is the folder given to "
+            "`python examples/gpu_table3.py run OUT`):",
+            "",
+            "```",
+        ]
         lines += [f"{r['command']}   # {n}: exit {r['exit_code']}, {r['seconds']:.0f} s" for n, r in runs.items()]
         lines += ["```"]
         if failed:
@@ -313,15 +398,27 @@ def render_plot(reports: list[dict], path: Path) -> None:
         width = 0.8 / max(1, len(configs))
         for i, config in enumerate(configs):
             xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(cells))]
-            ys = [data.get((dtype, "prefill", config, b, s, "folded"), {}).get("tokens_per_s", 0) / 1e3
-                  for b, s in cells]
+            ys = [
+                data.get((dtype, "prefill", config, b, s, "folded"), {}).get("tokens_per_s", 0) / 1e3 for b, s in cells
+            ]
             ax.bar(xs, ys, width, label=f"{config} (folded)")
         if dtype == "bf16":
-            ax.plot(range(len(cells)), [PAPER_TABLE3.get(c, (0, 0, 0))[2] for c in cells], "k*", markersize=10,
-                    label="paper folded (torch eager)")
+            ax.plot(
+                range(len(cells)),
+                [PAPER_TABLE3.get(c, (0, 0, 0))[2] for c in cells],
+                "k*",
+                markersize=10,
+                label="paper folded (torch eager)",
+            )
         if spec:
-            ax.plot(range(len(cells)), [prefill_floor(cfg, spec, b, s, dtype).tokens_per_s / 1e3 for b, s in cells],
-                    "r_", markersize=22, mew=2, label=f"floor ({spec.name})")
+            ax.plot(
+                range(len(cells)),
+                [prefill_floor(cfg, spec, b, s, dtype).tokens_per_s / 1e3 for b, s in cells],
+                "r_",
+                markersize=22,
+                mew=2,
+                label=f"floor ({spec.name})",
+            )
         ax.set_xticks(range(len(cells)), [f"B{b} T{s}" for b, s in cells])
         ax.set_yscale("log")
         ax.set_ylabel("prefill throughput (k tokens/s)")
@@ -369,8 +466,12 @@ def main() -> None:
         p.add_argument("--warmup", type=int, default=10)
         p.add_argument("--rounds", type=int, default=5)
         p.add_argument("--only", help="run only the configurations whose name contains this")
-        p.add_argument("--batches", type=_batches, default=BATCHES,
-                       help="a subset of Table 3's batch sizes (names get a -bN suffix)")
+        p.add_argument(
+            "--batches",
+            type=_batches,
+            default=BATCHES,
+            help="a subset of Table 3's batch sizes (names get a -bN suffix)",
+        )
     p = sub.add_parser("render")
     p.add_argument("out", type=Path)
     p.add_argument("--markdown", type=Path)

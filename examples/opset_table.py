@@ -33,8 +33,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, INPUT, read_manifest
 from taperfold.fsutil import write_json_atomic
-from taperfold.models import PRESETS
-from taperfold.models import random_gate0_model
+from taperfold.models import PRESETS, random_gate0_model
 
 
 def ints(text: str) -> list[int]:
@@ -56,10 +55,14 @@ parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--iters", type=int, default=30, help="timed calls (prefill) or generations (decode) per graph")
 parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--threads", type=int, help="ORT intra-op threads (default: torch's thread count)")
-parser.add_argument("--work", help="keep the exports here and reuse those already there (default: a temporary "
-                                     "directory)")
-parser.add_argument("--export-only", action="store_true",
-                    help="write the exports into --work and stop: export while something else uses the GPU")
+parser.add_argument(
+    "--work", help="keep the exports here and reuse those already there (default: a temporary directory)"
+)
+parser.add_argument(
+    "--export-only",
+    action="store_true",
+    help="write the exports into --work and stop: export while something else uses the GPU",
+)
 parser.add_argument("--out", required=True, help="JSON to write")
 args = parser.parse_args()
 
@@ -79,8 +82,9 @@ work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="opset-tab
 work.mkdir(parents=True, exist_ok=True)
 ckpt = work / f"{args.preset}-{args.arch}.pt"
 if not ckpt.exists():
-    save_checkpoint(checkpoint_from_model(random_gate0_model(args.preset, args.arch), step=0,
-                                          meta={"random_weights": True}), ckpt)
+    save_checkpoint(
+        checkpoint_from_model(random_gate0_model(args.preset, args.arch), step=0, meta={"random_weights": True}), ckpt
+    )
 exports, graphs = {}, {}
 for opset in args.opsets:
     t0 = time.perf_counter()
@@ -92,8 +96,10 @@ for opset in args.opsets:
     except TaperfoldError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     exports[opset] = manifest
-    graphs[opset] = {key: {k: v for k, v in entry.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
-                     for key, entry in manifest.artifacts.items()}
+    graphs[opset] = {
+        key: {k: v for k, v in entry.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
+        for key, entry in manifest.artifacts.items()
+    }
     print(f"exported opset {opset} in {time.perf_counter() - t0:.0f} s -> {out_dir}", file=sys.stderr)
 if args.export_only:
     sys.exit(0)
@@ -109,8 +115,9 @@ def runners(decoder: bool) -> dict:
     for opset, manifest in exports.items():
         for variant in variants:
             if manifest.has_artifact(variant, decoder=decoder):
-                runner = ort_engine.runner(manifest.artifact(variant, decoder=decoder), device=args.device,
-                                           threads=threads, decoder=decoder)
+                runner = ort_engine.runner(
+                    manifest.artifact(variant, decoder=decoder), device=args.device, threads=threads, decoder=decoder
+                )
                 runner.load()
                 out[f"opset{opset}/{variant}"] = runner
     return out
@@ -119,9 +126,19 @@ def runners(decoder: bool) -> dict:
 def record(mode: str, batch: int, seq: int, label: str, samples_s: list[float], tokens: int) -> None:
     stats = summarize(samples_s)
     opset, variant = label.split("/")
-    rows.append({"mode": mode, "opset": int(opset.removeprefix("opset")), "variant": variant, "batch": batch,
-                 "seq": seq, "median_ms": stats.median * 1e3, "cv_pct": stats.to_dict()["cv_pct"],
-                 "tokens_per_s": tokens / stats.median, "samples": len(samples_s)})
+    rows.append(
+        {
+            "mode": mode,
+            "opset": int(opset.removeprefix("opset")),
+            "variant": variant,
+            "batch": batch,
+            "seq": seq,
+            "median_ms": stats.median * 1e3,
+            "cv_pct": stats.to_dict()["cv_pct"],
+            "tokens_per_s": tokens / stats.median,
+            "samples": len(samples_s),
+        }
+    )
 
 
 prefill = runners(decoder=False)
@@ -167,21 +184,42 @@ for row in rows:
     other = median_of(row["mode"], high, row["variant"], row["batch"], row["seq"])
     base = median_of(row["mode"], row["opset"], "baseline", row["batch"], row["seq"])
     base_high = median_of(row["mode"], high, "baseline", row["batch"], row["seq"])
-    ratios.append({"mode": row["mode"], "variant": row["variant"], "batch": row["batch"], "seq": row["seq"],
-                   f"time_{high}_over_{low}": other / row["median_ms"] if other else None,
-                   f"speedup_vs_baseline_opset{low}": base / row["median_ms"] if base else None,
-                   f"speedup_vs_baseline_opset{high}": (base_high / other) if base_high and other else None})
+    ratios.append(
+        {
+            "mode": row["mode"],
+            "variant": row["variant"],
+            "batch": row["batch"],
+            "seq": row["seq"],
+            f"time_{high}_over_{low}": other / row["median_ms"] if other else None,
+            f"speedup_vs_baseline_opset{low}": base / row["median_ms"] if base else None,
+            f"speedup_vs_baseline_opset{high}": (base_high / other) if base_high and other else None,
+        }
+    )
 
 report = {
-    "format": "taperfold-opset-table", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "format": "taperfold-opset-table",
+    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    "preset": args.preset, "arch": args.arch, "device": args.device, "dtype": args.dtype, "threads": threads,
-    "opsets": args.opsets, "variants": variants,
-    "settings": {"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds, "prompt": args.prompt,
-                 "new_tokens": args.new_tokens, "decode_generations": decode_schedule.iters},
+    "preset": args.preset,
+    "arch": args.arch,
+    "device": args.device,
+    "dtype": args.dtype,
+    "threads": threads,
+    "opsets": args.opsets,
+    "variants": variants,
+    "settings": {
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "rounds": args.rounds,
+        "prompt": args.prompt,
+        "new_tokens": args.new_tokens,
+        "decode_generations": decode_schedule.iters,
+    },
     "graphs": {str(k): v for k, v in graphs.items()},
-    "results": rows, "ratios": ratios,
-    "environment": machine_info(), "versions": package_versions(),
+    "results": rows,
+    "ratios": ratios,
+    "environment": machine_info(),
+    "versions": package_versions(),
 }
 write_json_atomic(args.out, report)
 for r in ratios:

@@ -47,8 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.model.is_file():
         parser.error(f"{args.model}: no such file")
-    run = subprocess.run([sys.executable, "-c", SESSION, str(args.model), args.device], capture_output=True,
-                         text=True)
+    run = subprocess.run([sys.executable, "-c", SESSION, str(args.model), args.device], capture_output=True, text=True)
     found = placements(run.stderr)
     if run.returncode != 0 or not found:
         last = (run.stderr.strip().splitlines() or ["no output"])[-1]
@@ -60,8 +59,14 @@ def main() -> None:
         ops = {}
         for op, _ in placed["nodes"]:
             ops[op] = ops.get(op, 0) + 1
-        print(f"{provider}: {placed['count']} nodes" + (f" ({', '.join(f'{o} ×{n}' for o, n in ops.items())})"
-                                                         if ops and provider != "CUDAExecutionProvider" else ""))
+        print(
+            f"{provider}: {placed['count']} nodes"
+            + (
+                f" ({', '.join(f'{o} ×{n}' for o, n in ops.items())})"
+                if ops and provider != "CUDAExecutionProvider"
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

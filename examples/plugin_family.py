@@ -31,22 +31,24 @@ from taperfold.train import TrainOptions
 from taperfold.variants import fold_in_torch
 from taperfold.verify import verify_export
 
-
-GPTJ = register(Family(
-    name="gptj",
-    model_types=("gptj",),
-    norm="ln",  # nn.LayerNorm with a bias: tapered by TaperLN
-    layers="transformer.h",
-    internal={"ln_1": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")},  # attention and MLP read ln_1
-    final="transformer.ln_f",
-))
+GPTJ = register(
+    Family(
+        name="gptj",
+        model_types=("gptj",),
+        norm="ln",  # nn.LayerNorm with a bias: tapered by TaperLN
+        layers="transformer.h",
+        internal={"ln_1": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")},  # attention and MLP read ln_1
+        final="transformer.ln_f",
+    )
+)
 
 
 def tiny_gptj(folder: Path) -> Path:
     """A random tiny GPT-J saved as a plain save_pretrained directory, its norm gains and biases random
     too (a fold that dropped one would show)."""
-    config = GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
-                        bos_token_id=1, eos_token_id=2)
+    config = GPTJConfig(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -73,11 +75,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="taperfold-plugin-") as tmp:
         tmp = Path(tmp)
         plain = tiny_gptj(tmp / "plain")
-        result = fine_tune(plain, TrainOptions(steps=30, batch_size=4, seq_len=32, eval_batches=2, lr=1e-3),
-                           None, taper="internal", aux=True)
+        result = fine_tune(
+            plain,
+            TrainOptions(steps=30, batch_size=4, seq_len=32, eval_batches=2, lr=1e-3),
+            None,
+            taper="internal",
+            aux=True,
+        )
         tapered = result.save(tmp / "tapered")
-        print(f"tapered {len(result.model.tapering.norms)} norms of {GPTJ.name}, trained to gate "
-              f"{result.gate:g} (validation loss {result.val_loss:.3f})")
+        print(
+            f"tapered {len(result.model.tapering.norms)} norms of {GPTJ.name}, trained to gate "
+            f"{result.gate:g} (validation loss {result.val_loss:.3f})"
+        )
 
         torch_error = torch_fold_error(tapered)
         print(f"fold in torch: max rel {torch_error:.2e} from the tapered model")
@@ -96,8 +105,13 @@ def main() -> int:
         print(f"fold unfolded.onnx: {folded_again} folded, {refold.count(NormStatus.KEPT)} kept")
 
         tapered_norms = len(result.model.tapering.norms)
-        ok = (torch_error <= 1e-5 and summary["folded"] == tapered_norms and summary["kept"] == 0
-              and folded_again == tapered_norms and report.passed)
+        ok = (
+            torch_error <= 1e-5
+            and summary["folded"] == tapered_norms
+            and summary["kept"] == 0
+            and folded_again == tapered_norms
+            and report.passed
+        )
     print("PASS: every tapered norm folded and verify passed" if ok else "FAIL")
     return 0 if ok else 1
 

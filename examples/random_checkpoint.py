@@ -9,8 +9,7 @@ that needs no training (random c and γ̃ in every tapered norm, so that no norm
 import argparse
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-from taperfold.models import PRESETS
-from taperfold.models import random_gate0_model
+from taperfold.models import PRESETS, random_gate0_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("preset", choices=sorted(PRESETS))

@@ -9,8 +9,13 @@ import statistics
 import sys
 from collections import defaultdict
 
-NAMES = {("none", False): "Baseline", ("internal", True): "Internal-Taper (+aux)", ("all", True): "All-Taper (+aux)",
-         ("internal", False): "Internal-Taper", ("all", False): "All-Taper"}
+NAMES = {
+    ("none", False): "Baseline",
+    ("internal", True): "Internal-Taper (+aux)",
+    ("all", True): "All-Taper (+aux)",
+    ("internal", False): "Internal-Taper",
+    ("all", False): "All-Taper",
+}
 
 
 def main(path: str) -> None:

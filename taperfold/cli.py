@@ -15,11 +15,10 @@ from taperfold.clickutil import SEED, AliasedOption, FiniteFloatRange
 from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
-from taperfold.interrupts import interrupted_line
 from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIANTS
+from taperfold.interrupts import interrupted_line
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
-
 
 MAX_THREADS = 1024
 # Shorter schedules diverged: 10-24 steps from scratch in 5 of 12 runs (tiny llama and gpt2, seeds 0-2), 30 in none
@@ -51,20 +50,38 @@ def cli() -> None:
 # ---- fold -----------------------------------------------------------------------------------------
 @cli.command("fold")
 @click.argument("src", metavar="IN.onnx", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "dst", metavar="OUT.onnx", required=True, type=click.Path(dir_okay=False),
-              help="The folded model; its weights go to OUT.onnx.data.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False),
-              help="Also write the report as JSON here ('-': stdout).")
+@click.option(
+    "-o",
+    "--output",
+    "dst",
+    metavar="OUT.onnx",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The folded model; its weights go to OUT.onnx.data.",
+)
+@click.option(
+    "--report", "report_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here ('-': stdout)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of a table.")
-@click.option("--merge-norm-weights", is_flag=True,
-              help="Also move the gain (γ, β) of real RMSNorm/LayerNorm layers into the layers that read them, "
-                   "as QuaRot/SpinQuant do. The norms stay; reported as weights_merged, never as folded.")
-@click.option("--fuse-projections", is_flag=True,
-              help="Also fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and a Split "
-                   "(weights concatenated, no arithmetic; docs/folding.md). Off: fold does only the fold.")
-@click.option("--verify", "verify_fold", is_flag=True,
-              help="Run IN and OUT in ONNX Runtime on inputs made from the graph's signature and compare every "
-                   "output (exit 1 on a mismatch).")
+@click.option(
+    "--merge-norm-weights",
+    is_flag=True,
+    help="Also move the gain (γ, β) of real RMSNorm/LayerNorm layers into the layers that read them, "
+    "as QuaRot/SpinQuant do. The norms stay; reported as weights_merged, never as folded.",
+)
+@click.option(
+    "--fuse-projections",
+    is_flag=True,
+    help="Also fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and a Split "
+    "(weights concatenated, no arithmetic; docs/folding.md). Off: fold does only the fold.",
+)
+@click.option(
+    "--verify",
+    "verify_fold",
+    is_flag=True,
+    help="Run IN and OUT in ONNX Runtime on inputs made from the graph's signature and compare every "
+    "output (exit 1 on a mismatch).",
+)
 @click.option("--shapes", metavar="NAME:1x16,...", help="--verify: shapes of inputs with dynamic dimensions.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="--verify: seed of the generated inputs.")
 def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projections, verify_fold, shapes, seed):
@@ -80,14 +97,17 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
     from taperfold.ui import err, out, print_fold_check, print_fold_report
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
-    plan = check_outputs([Output(dst, "-o", sidecars=(".data",)), Output(report_path, "--report", stream=True)],
-                         inputs=[src, *onnx_external_files(src)])
+    plan = check_outputs(
+        [Output(dst, "-o", sidecars=(".data",)), Output(report_path, "--report", stream=True)],
+        inputs=[src, *onnx_external_files(src)],
+    )
     if as_json and plan.uses_stdout:
         raise click.UsageError("--json and --report - both write to stdout; pass one")
     if verify_fold:
         check_inputs(src, wanted)  # an input --verify cannot generate fails before anything is written
-    report = fold_onnx_file(src, dst, report_path, merge_norm_weights=merge_norm_weights,
-                            fuse_projections=fuse_projections)
+    report = fold_onnx_file(
+        src, dst, report_path, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections
+    )
     check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
     if as_json:
         _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
@@ -106,27 +126,63 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
 @cli.command()
 @click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True)
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
-@click.option("--taper", type=click.Choice(["internal", "all", "none"]), default="internal", show_default=True,
-              help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.")
-@click.option("--norm", type=click.Choice(STAND_IN_NORMS), default=None,
-              help="Put DyT (Zhu et al. 2025: tanh(αh)·γ + β, no gate) where --taper says instead of tapering the "
-                   "norms, and a learnable scalar after the embedding; export folds its γ and β and keeps the tanh "
-                   "(docs/dyt.md).")
-@click.option("--aux/--no-aux", default=True, show_default=True,
-              help="Fixed-target scale anchoring loss (eq. 5); none with --norm dyt.")
-@click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=600, show_default=True,
-              help=f"Optimizer steps; at least {MIN_STEPS}, the shortest schedule that settles at g = 0 "
-                   "(docs/training.md).")
+@click.option(
+    "--taper",
+    type=click.Choice(["internal", "all", "none"]),
+    default="internal",
+    show_default=True,
+    help="internal: every norm but the final one tapers; all: the final one too; none: the baseline.",
+)
+@click.option(
+    "--norm",
+    type=click.Choice(STAND_IN_NORMS),
+    default=None,
+    help="Put DyT (Zhu et al. 2025: tanh(αh)·γ + β, no gate) where --taper says instead of tapering the "
+    "norms, and a learnable scalar after the embedding; export folds its γ and β and keeps the tanh "
+    "(docs/dyt.md).",
+)
+@click.option(
+    "--aux/--no-aux",
+    default=True,
+    show_default=True,
+    help="Fixed-target scale anchoring loss (eq. 5); none with --norm dyt.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=MIN_STEPS),
+    default=600,
+    show_default=True,
+    help=f"Optimizer steps; at least {MIN_STEPS}, the shortest schedule that settles at g = 0 (docs/training.md).",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--lr", type=FiniteFloatRange(min=0, min_open=True), default=2e-3, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--data", "data", type=click.Path(dir_okay=False), multiple=True,
-              help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.")
-@click.option("-o", "--output", "--out", "out", type=click.Path(), required=True, cls=AliasedOption, aliases=("--out",),
-              help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.")
-@click.option("--from", "source", type=click.Path(), metavar="HF_DIR",
-              help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
-                   "--preset are ignored); -o is then a tapered Hugging Face directory.")
+@click.option(
+    "--data",
+    "data",
+    type=click.Path(dir_okay=False),
+    multiple=True,
+    help="Text file(s) to train on, as bytes. Default: the Python standard library's sources.",
+)
+@click.option(
+    "-o",
+    "--output",
+    "--out",
+    "out",
+    type=click.Path(),
+    required=True,
+    cls=AliasedOption,
+    aliases=("--out",),
+    help="Checkpoint to write: NAME.pt, NAME.safetensors, or a directory.",
+)
+@click.option(
+    "--from",
+    "source",
+    type=click.Path(),
+    metavar="HF_DIR",
+    help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
+    "--preset are ignored); -o is then a tapered Hugging Face directory.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out, source, as_json):
     """Train a preset through the whole taper schedule; the checkpoint's gate is exactly 0. With --norm dyt, train
@@ -134,16 +190,20 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     from taperfold.checkpoint import checkpoint_output
     from taperfold.fsutil import check_outputs
     from taperfold.models import preset_config
-    from taperfold.train import TrainOptions, train as train_preset
+    from taperfold.train import TrainOptions
+    from taperfold.train import train as train_preset
     from taperfold.ui import train_progress
 
     aux = aux and norm is None
     if norm and taper == "none":
-        raise TaperfoldError(f"--norm {norm} with --taper none: --taper says which norms {norm} replaces "
-                             "(internal or all)")
+        raise TaperfoldError(
+            f"--norm {norm} with --taper none: --taper says which norms {norm} replaces (internal or all)"
+        )
     if norm and source:
-        raise TaperfoldError(f"--norm {norm} with --from: a Hugging Face model takes DyT through the Python API "
-                             "(taperfold.hf.taper_model(model, kind='dyt')), not train --from")
+        raise TaperfoldError(
+            f"--norm {norm} with --from: a Hugging Face model takes DyT through the Python API "
+            "(taperfold.hf.taper_model(model, kind='dyt')), not train --from"
+        )
     check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
     if source:
         _check_fine_tune(source, out, taper)
@@ -155,19 +215,29 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
 
             result = fine_tune(source, opts, files, taper=taper, aux=aux, on_step=on_step)
         else:
-            result = train_preset(preset_config(preset, arch=arch, taper=taper, norm=norm, aux=aux), opts, files,
-                                  on_step=on_step)
+            result = train_preset(
+                preset_config(preset, arch=arch, taper=taper, norm=norm, aux=aux), opts, files, on_step=on_step
+            )
     result.save(out)
     gate = result.gate
-    summary = {"checkpoint": out, **({"from": source} if source else {"arch": arch, "preset": preset}),
-               "taper": taper, "norm": norm, "aux": aux and taper != "none", "steps": steps, "gate": gate,
-               "val_loss": round(result.val_loss, 4), "seconds": round(result.seconds, 1),
-               "tokenizer": result.tokenizer_name}
+    summary = {
+        "checkpoint": out,
+        **({"from": source} if source else {"arch": arch, "preset": preset}),
+        "taper": taper,
+        "norm": norm,
+        "aux": aux and taper != "none",
+        "steps": steps,
+        "gate": gate,
+        "val_loss": round(result.val_loss, 4),
+        "seconds": round(result.seconds, 1),
+        "tokenizer": result.tokenizer_name,
+    }
     if as_json:
         _print_json(summary)
     else:
-        click.echo(f"validation loss {result.val_loss:.4f} (gate {gate:g}, {steps} steps, "
-                   f"{result.seconds:.0f} s) -> {out}")
+        click.echo(
+            f"validation loss {result.val_loss:.4f} (gate {gate:g}, {steps} steps, {result.seconds:.0f} s) -> {out}"
+        )
 
 
 def _check_fine_tune(source: str, out: str, taper: str) -> None:
@@ -203,38 +273,93 @@ def inspect(checkpoint, as_json):
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--onnx", "to_onnx", is_flag=True, hidden=True)  # ONNX is always written; kept for old scripts
-@click.option("--trt", "to_trt", is_flag=True,
-              help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU).")
-@click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-out",
-              show_default=True, cls=AliasedOption, aliases=("--out",),
-              help="The export directory; an existing one is replaced whole.")
+@click.option(
+    "--trt", "to_trt", is_flag=True, help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU)."
+)
+@click.option(
+    "-o",
+    "--output",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="taperfold-out",
+    show_default=True,
+    cls=AliasedOption,
+    aliases=("--out",),
+    help="The export directory; an existing one is replaced whole.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace -o even if it is a non-empty directory of other files.")
-@click.option("--logits", type=click.Choice(LOGITS), default="last", show_default=True,
-              help="last: logits of the final position only (the paper's benchmark mode).")
+@click.option(
+    "--logits",
+    type=click.Choice(LOGITS),
+    default="last",
+    show_default=True,
+    help="last: logits of the final position only (the paper's benchmark mode).",
+)
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--target", type=click.Choice(TARGETS),
-              help="What runs the graphs: ONNX Runtime or TensorRT; picks each graph's opset and the baseline's "
-                   "norm form (docs/opsets.md).  [default: trt with --trt, else ort]")
-@click.option("--opset", type=click.IntRange(MIN_OPSET, MAX_OPSET),
-              help="One opset for every graph, instead of the per-graph table (docs/opsets.md).")
-@click.option("--kv-cache", metavar="[growing|static]", is_flag=False, flag_value="growing",
-              help="Also export KV-cached decoders for bench --mode decode: growing (the flag alone; *.decoder.onnx, "
-                   "the cache grows every step), static (*.static.onnx: a fixed-size cache written at a position, "
-                   "the same shapes every step), or growing,static.")
-@click.option("--max-cache", type=click.IntRange(min=1),
-              help="The static cache's length (with --kv-cache static).  [default: the model's context]")
+@click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    help="What runs the graphs: ONNX Runtime or TensorRT; picks each graph's opset and the baseline's "
+    "norm form (docs/opsets.md).  [default: trt with --trt, else ort]",
+)
+@click.option(
+    "--opset",
+    type=click.IntRange(MIN_OPSET, MAX_OPSET),
+    help="One opset for every graph, instead of the per-graph table (docs/opsets.md).",
+)
+@click.option(
+    "--kv-cache",
+    metavar="[growing|static]",
+    is_flag=False,
+    flag_value="growing",
+    help="Also export KV-cached decoders for bench --mode decode: growing (the flag alone; *.decoder.onnx, "
+    "the cache grows every step), static (*.static.onnx: a fixed-size cache written at a position, "
+    "the same shapes every step), or growing,static.",
+)
+@click.option(
+    "--max-cache",
+    type=click.IntRange(min=1),
+    help="The static cache's length (with --kv-cache static).  [default: the model's context]",
+)
 @click.option("--force-gate0", is_flag=True, help="Export a checkpoint whose gate is not 0 as if it were 0.")
-@click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also export baseline.onnx (plain norms, the benchmark's reference).")
-@click.option("--fuse-projections/--no-fuse-projections", default=True, show_default=True,
-              help="In every graph, fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and "
-                   "a Split (docs/folding.md).")
+@click.option(
+    "--baseline/--no-baseline",
+    default=True,
+    show_default=True,
+    help="Also export baseline.onnx (plain norms, the benchmark's reference).",
+)
+@click.option(
+    "--fuse-projections/--no-fuse-projections",
+    default=True,
+    show_default=True,
+    help="In every graph, fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and "
+    "a Split (docs/folding.md).",
+)
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
-@click.option("--trt-seq", metavar="MIN/OPT/MAX",
-              help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]")
+@click.option(
+    "--trt-seq", metavar="MIN/OPT/MAX", help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]"
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
-def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, target, opset, kv_cache, max_cache,
-           force_gate0, baseline, fuse_projections, trt_batch, trt_seq, as_json):
+def export(
+    checkpoint,
+    to_onnx,
+    to_trt,
+    out_dir,
+    overwrite,
+    logits,
+    dtype,
+    target,
+    opset,
+    kv_cache,
+    max_cache,
+    force_gate0,
+    baseline,
+    fuse_projections,
+    trt_batch,
+    trt_seq,
+    as_json,
+):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too."""
     from taperfold import interrupts
@@ -243,17 +368,28 @@ def export(checkpoint, to_onnx, to_trt, out_dir, overwrite, logits, dtype, targe
     from taperfold.fsutil import Output, check_outputs
     from taperfold.ui import print_export, stage_status
 
-    opts = ExportOptions(logits=logits, dtype=dtype, opset=opset, target=target or ("trt" if to_trt else "ort"),
-                         kv_cache=tuple(kv_cache.split(",")) if kv_cache else False, max_cache=max_cache,
-                         force_gate0=force_gate0, baseline=baseline, fuse_projections=fuse_projections)
+    opts = ExportOptions(
+        logits=logits,
+        dtype=dtype,
+        opset=opset,
+        target=target or ("trt" if to_trt else "ort"),
+        kv_cache=tuple(kv_cache.split(",")) if kv_cache else False,
+        max_cache=max_cache,
+        force_gate0=force_gate0,
+        baseline=baseline,
+        fuse_projections=fuse_projections,
+    )
     check_options(opts)
-    check_outputs([Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
-                  inputs=[checkpoint])
+    check_outputs(
+        [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
+        inputs=[checkpoint],
+    )
     if to_trt:
         from taperfold.trt_build import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
     with stage_status(quiet=as_json) as show_stage:
+
         def on_stage(name: str) -> None:
             interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
             show_stage(name)
@@ -291,15 +427,31 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 
 @cli.command(help=_VERIFY_HELP)
 @click.argument("export_dir", metavar="[DIR]", required=False, default="taperfold-out", type=click.Path())
-@click.option("--device", type=click.Choice(ENGINES["ort"].devices), default="cpu", show_default=True,
-              help="Where ONNX Runtime runs (the PyTorch reference always runs in fp32 on the CPU).")
-@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False),
-              help="Token ids: .npy integer array, or whitespace-separated ids, one sequence per line.")
-@click.option("--text", "text_file", type=click.Path(dir_okay=False),
-              help="A text file, encoded with the checkpoint's byte-level tokenizer.")
+@click.option(
+    "--device",
+    type=click.Choice(ENGINES["ort"].devices),
+    default="cpu",
+    show_default=True,
+    help="Where ONNX Runtime runs (the PyTorch reference always runs in fp32 on the CPU).",
+)
+@click.option(
+    "--tokens",
+    "tokens_file",
+    type=click.Path(dir_okay=False),
+    help="Token ids: .npy integer array, or whitespace-separated ids, one sequence per line.",
+)
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(dir_okay=False),
+    help="A text file, encoded with the checkpoint's byte-level tokenizer.",
+)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random token batches.")
-@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
-              help="CPU threads for the torch reference and ONNX Runtime. Default: theirs.")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, MAX_THREADS),
+    help="CPU threads for the torch reference and ONNX Runtime. Default: theirs.",
+)
 @click.option("--rtol", type=FiniteFloatRange(min=0), help="Bound on max |error| / max |reference|, every pair.")
 @click.option("--min-top1", type=FiniteFloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
 @click.option("--max-kl", type=FiniteFloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
@@ -317,8 +469,15 @@ def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_
     inputs = tokens_from_file(tokens_file) if tokens_file else tokens_from_text(text_file) if text_file else None
     overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl}
     with step_progress("verifying", quiet=as_json) as on_step:
-        report = verify_export(export_dir, inputs=inputs, device=device, tolerances=overrides, seed=seed,
-                               threads=threads, on_progress=on_step)
+        report = verify_export(
+            export_dir,
+            inputs=inputs,
+            device=device,
+            tolerances=overrides,
+            seed=seed,
+            threads=threads,
+            on_progress=on_step,
+        )
     result = report.to_dict()
     write_json_atomic(Path(export_dir) / REPORT, result)
     _print_json(result) if as_json else print_verify(result)
@@ -350,8 +509,14 @@ def _engine_options(command):
         owners = "/".join(e.name for e in ENGINES.values() if option in e.options)
         help_text = f"--engine {owners}: {option.help}"
         if option.choices:
-            decorate = click.option(option.flag, option.name, type=click.Choice(option.choices),
-                                    default=option.default, show_default=True, help=help_text)
+            decorate = click.option(
+                option.flag,
+                option.name,
+                type=click.Choice(option.choices),
+                default=option.default,
+                show_default=True,
+                help=help_text,
+            )
         else:
             decorate = click.option(option.flag, option.name, is_flag=True, help=help_text)
         command = decorate(command)
@@ -360,55 +525,136 @@ def _engine_options(command):
 
 @cli.command()
 @click.argument("export_dir", metavar="[DIR]", required=False, type=click.Path(file_okay=False))
-@click.option("--engine", type=click.Choice(list(ENGINES)),
-              help="Default: ort with DIR, torch with --checkpoint or --preset.")
-@click.option("--variants", default=",".join(VARIANTS), show_default=True,
-              help="Any of " + ", ".join(v.name + "".join(f" (also spelt {a})" for a in v.aliases) for v in VARIANT_TABLE)
-                   + "; speedups are always against baseline.")
+@click.option(
+    "--engine", type=click.Choice(list(ENGINES)), help="Default: ort with DIR, torch with --checkpoint or --preset."
+)
+@click.option(
+    "--variants",
+    default=",".join(VARIANTS),
+    show_default=True,
+    help="Any of "
+    + ", ".join(v.name + "".join(f" (also spelt {a})" for a in v.aliases) for v in VARIANT_TABLE)
+    + "; speedups are always against baseline.",
+)
 @click.option("--batch", "batches", default="1,4", show_default=True)
-@click.option("--seq", "seqs", help="Sequence lengths (prefill mode).  [default: 128,256,512, capped at the model's "
-                                     "context]")
-@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Warm-up calls per variant and cell, spread over the rounds (at least one per round).")
-@click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True,
-              help="Timed calls per variant and cell, spread over the rounds.")
+@click.option(
+    "--seq", "seqs", help="Sequence lengths (prefill mode).  [default: 128,256,512, capped at the model's context]"
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Warm-up calls per variant and cell, spread over the rounds (at least one per round).",
+)
+@click.option(
+    "--iters",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Timed calls per variant and cell, spread over the rounds.",
+)
 @click.option("--rounds", type=click.IntRange(min=1), help="Alternation rounds. Default: min(5, iters).")
-@click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
-              help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).")
-@click.option("--prompt", type=click.IntRange(min=1),
-              help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context; "
-                   "with a static cache, in the cache (export --max-cache)]")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Decode steps after the prompt (decode).")
-@click.option("--kv-cache", type=click.Choice(KV_CACHES),
-              help="The decoders' KV cache (decode): static (fixed-size buffers written at a position) or growing.  "
-                   "[default: static where the export has static decoders (torch: where the model takes one)]")
-@click.option("--dtype", type=click.Choice(DTYPES),
-              help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.")
-@click.option("--device", type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
-              help="Default: " + ", ".join(f"{e.default_device} for {e.name}" for e in ENGINES.values()) + ".")
-@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
-              help="CPU threads (torch and ORT intra-op). Default: torch's.")
+@click.option(
+    "--mode",
+    type=click.Choice(["prefill", "decode"]),
+    default="prefill",
+    show_default=True,
+    help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).",
+)
+@click.option(
+    "--prompt",
+    type=click.IntRange(min=1),
+    help="Prompt length (decode).  [default: 128, or what leaves room for --new-tokens in the context; "
+    "with a static cache, in the cache (export --max-cache)]",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Decode steps after the prompt (decode).",
+)
+@click.option(
+    "--kv-cache",
+    type=click.Choice(KV_CACHES),
+    help="The decoders' KV cache (decode): static (fixed-size buffers written at a position) or growing.  "
+    "[default: static where the export has static decoders (torch: where the model takes one)]",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
+    help="Default: " + ", ".join(f"{e.default_device} for {e.name}" for e in ENGINES.values()) + ".",
+)
+@click.option(
+    "--threads", type=click.IntRange(1, MAX_THREADS), help="CPU threads (torch and ORT intra-op). Default: torch's."
+)
 @_engine_options
-@click.option("--fuse-projections/--no-fuse-projections", default=None,
-              help="--engine torch: run each group of sibling projections (q/k/v, gate/up) as one linear layer, as "
-                   "export does in the graphs (other engines time the graphs as exported).  [default: as the export "
-                   "in DIR did, so that torch and its graphs time the same layers; unfused with --checkpoint or "
-                   "--preset]")
+@click.option(
+    "--fuse-projections/--no-fuse-projections",
+    default=None,
+    help="--engine torch: run each group of sibling projections (q/k/v, gate/up) as one linear layer, as "
+    "export does in the graphs (other engines time the graphs as exported).  [default: as the export "
+    "in DIR did, so that torch and its graphs time the same layers; unfused with --checkpoint or "
+    "--preset]",
+)
 @click.option("--checkpoint", type=click.Path(), help="torch engine: a g = 0 checkpoint instead of DIR.")
-@click.option("--preset", type=click.Choice(list(PRESETS)),
-              help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.")
-@click.option("--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True,
-              help="Architecture for --preset.")
+@click.option(
+    "--preset",
+    type=click.Choice(list(PRESETS)),
+    help="torch engine: random weights at g = 0 in a preset's shape instead of DIR.",
+)
+@click.option(
+    "--arch", type=click.Choice(list(ARCHS)), default="llama", show_default=True, help="Architecture for --preset."
+)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random input tokens.")
-@click.option("--report", "--json", "json_path", type=click.Path(dir_okay=False), cls=AliasedOption, aliases=("--json",),
-              help="Write every timing, stats and the machine as JSON ('-': stdout).")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False),
-              help="Write one row per variant, cell and phase ('-': stdout).")
+@click.option(
+    "--report",
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    cls=AliasedOption,
+    aliases=("--json",),
+    help="Write every timing, stats and the machine as JSON ('-': stdout).",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False),
+    help="Write one row per variant, cell and phase ('-': stdout).",
+)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
-def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mode, prompt, new_tokens, kv_cache, dtype,
-          device, threads, fuse_projections, checkpoint, preset, arch, seed, json_path, csv_path, plot_path,
-          **engine_options):
+def bench(
+    export_dir,
+    engine,
+    variants,
+    batches,
+    seqs,
+    warmup,
+    iters,
+    rounds,
+    mode,
+    prompt,
+    new_tokens,
+    kv_cache,
+    dtype,
+    device,
+    threads,
+    fuse_projections,
+    checkpoint,
+    preset,
+    arch,
+    seed,
+    json_path,
+    csv_path,
+    plot_path,
+    **engine_options,
+):
     """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
     \b
@@ -422,8 +668,16 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
       taperfold bench out/ --engine torch --no-fuse-projections
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
-    from taperfold.bench.measure import (DEFAULT_PROMPT, DEFAULT_SEQS, MAX_BATCH, BenchOptions, cells, fit_to_context,
-                                         load_bench, run_bench)
+    from taperfold.bench.measure import (
+        DEFAULT_PROMPT,
+        DEFAULT_SEQS,
+        MAX_BATCH,
+        BenchOptions,
+        cells,
+        fit_to_context,
+        load_bench,
+        run_bench,
+    )
     from taperfold.bench.report import require_matplotlib, write_csv, write_plot
     from taperfold.bench.source import resolve_source
     from taperfold.engines import changed_options
@@ -441,17 +695,35 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
         require_matplotlib()
     source = resolve_source(export_dir, checkpoint, preset, arch)
     dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
-    plan = check_outputs([Output(json_path, "--report", stream=True), Output(csv_path, "--csv", stream=True),
-                          Output(plot_path, "--plot", stream=True), Output(dir_report, BENCH_REPORTS[mode])],
-                         inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)])
+    plan = check_outputs(
+        [
+            Output(json_path, "--report", stream=True),
+            Output(csv_path, "--csv", stream=True),
+            Output(plot_path, "--plot", stream=True),
+            Output(dir_report, BENCH_REPORTS[mode]),
+        ],
+        inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)],
+    )
     engine = engine or ("ort" if export_dir else "torch")
-    opts = BenchOptions(engine=engine, variants=names, batches=_int_list("--batch", batches, MAX_BATCH),
-                        seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS), warmup=warmup, iters=iters,
-                        rounds=rounds or min(5, iters), mode=mode, prompt=prompt or DEFAULT_PROMPT,
-                        new_tokens=new_tokens, kv_cache=kv_cache, dtype=dtype,
-                        device=device or ENGINES[engine].default_device,
-                        threads=threads, engine_options=changed_options(engine_options), seed=seed,
-                        fuse_projections=fuse_projections)
+    opts = BenchOptions(
+        engine=engine,
+        variants=names,
+        batches=_int_list("--batch", batches, MAX_BATCH),
+        seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS),
+        warmup=warmup,
+        iters=iters,
+        rounds=rounds or min(5, iters),
+        mode=mode,
+        prompt=prompt or DEFAULT_PROMPT,
+        new_tokens=new_tokens,
+        kv_cache=kv_cache,
+        dtype=dtype,
+        device=device or ENGINES[engine].default_device,
+        threads=threads,
+        engine_options=changed_options(engine_options),
+        seed=seed,
+        fuse_projections=fuse_projections,
+    )
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -461,8 +733,12 @@ def bench(export_dir, engine, variants, batches, seqs, warmup, iters, rounds, mo
         report = run_bench(loaded, on_call)
     with plan.human_output():
         print_bench(report)
-    for path, write in ((json_path, write_json_atomic), (csv_path, write_csv), (plot_path, write_plot),
-                        (dir_report, write_json_atomic)):
+    for path, write in (
+        (json_path, write_json_atomic),
+        (csv_path, write_csv),
+        (plot_path, write_plot),
+        (dir_report, write_json_atomic),
+    ):
         if path:
             write(path, report)
 
@@ -482,10 +758,24 @@ def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
 
 
 @cli.command()
-@click.option("-o", "--output", "--out", "out_dir", type=click.Path(file_okay=False), default="taperfold-demo",
-              show_default=True, cls=AliasedOption, aliases=("--out",))
-@click.option("--steps", type=click.IntRange(min=MIN_STEPS), default=300, show_default=True,
-              help=f"Training steps (at least {MIN_STEPS}).")
+@click.option(
+    "-o",
+    "--output",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="taperfold-demo",
+    show_default=True,
+    cls=AliasedOption,
+    aliases=("--out",),
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=MIN_STEPS),
+    default=300,
+    show_default=True,
+    help=f"Training steps (at least {MIN_STEPS}).",
+)
 @click.pass_context
 def demo(ctx, out_dir, steps):
     """The whole flow on the embedded default: train the tiny Internal-Taper llama on the Python standard
@@ -506,18 +796,38 @@ def demo(ctx, out_dir, steps):
     else:  # every output checked before the training, as each command does for its own
         check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
     stages = [
-        ("1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper", train,
-         dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt))),
+        (
+            "1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper",
+            train,
+            dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt)),
+        ),
         ("2/6 inspect", inspect, dict(checkpoint=str(ckpt))),
-        ("3/6 export: baseline, unfolded and folded ONNX", export,
-         dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache="growing")),
+        (
+            "3/6 export: baseline, unfolded and folded ONNX",
+            export,
+            dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache="growing"),
+        ),
         ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
-        ("5/6 bench: last-token logits (prefill), ONNX Runtime CPU", bench,
-         dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20,
-              threads=1)),
-        ("6/6 bench: KV-cached decoding, ONNX Runtime CPU", bench,
-         dict(export_dir=str(export_dir), engine="ort", mode="decode", batches="1", prompt=32, new_tokens=32,
-              warmup=2, iters=4, threads=1)),
+        (
+            "5/6 bench: last-token logits (prefill), ONNX Runtime CPU",
+            bench,
+            dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20, threads=1),
+        ),
+        (
+            "6/6 bench: KV-cached decoding, ONNX Runtime CPU",
+            bench,
+            dict(
+                export_dir=str(export_dir),
+                engine="ort",
+                mode="decode",
+                batches="1",
+                prompt=32,
+                new_tokens=32,
+                warmup=2,
+                iters=4,
+                threads=1,
+            ),
+        ),
     ]
     rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
     try:

@@ -32,8 +32,9 @@ class Tolerance:
     max_kl: float  # bound on the mean KL
     basis: str | None = None  # why the bounds differ from the dtype's defaults (see between_graphs)
 
-    def override(self, rtol: float | None = None, min_top1: float | None = None,
-                 max_kl: float | None = None) -> "Tolerance":
+    def override(
+        self, rtol: float | None = None, min_top1: float | None = None, max_kl: float | None = None
+    ) -> Tolerance:
         given = {k: v for k, v in dict(rtol=rtol, min_top1=min_top1, max_kl=max_kl).items() if v is not None}
         return replace(self, **given)
 
@@ -69,20 +70,27 @@ def default_tolerance(dtype: str, kind: str) -> Tolerance:
 EXPORT_SLACK = 2
 
 
-def between_graphs(tol: Tolerance, export: Metrics, export_pair: str, rtol_given: bool = False,
-                   max_kl_given: bool = False) -> Tolerance:
+def between_graphs(
+    tol: Tolerance, export: Metrics, export_pair: str, rtol_given: bool = False, max_kl_given: bool = False
+) -> Tolerance:
     """The bound of a pair of two exported graphs: `tol` (its dtype's), or EXPORT_SLACK x `export` (the metrics of
     `export_pair`: the pair's first graph against its torch model) where that is larger. A bound the user set
     (`rtol_given`, `max_kl_given`) stays as given."""
     rtol = EXPORT_SLACK * export.max_rel if not rtol_given and math.isfinite(export.max_rel) else 0.0
-    max_kl = EXPORT_SLACK ** 2 * export.kl if not max_kl_given and math.isfinite(export.kl) else 0.0
+    max_kl = EXPORT_SLACK**2 * export.kl if not max_kl_given and math.isfinite(export.kl) else 0.0
     if rtol <= tol.rtol and max_kl <= tol.max_kl:
         return tol
-    widened = [f"rtol {EXPORT_SLACK} x {export.max_rel:.3g}" if rtol > tol.rtol else "",
-               f"max_kl {EXPORT_SLACK ** 2} x {export.kl:.3g}" if max_kl > tol.max_kl else ""]
-    return replace(tol, rtol=max(rtol, tol.rtol), max_kl=max(max_kl, tol.max_kl),
-                   basis=f"{' and '.join(w for w in widened if w)} ({export_pair}): the exporter's own rounding, "
-                         f"above the fixed bound (rtol {tol.rtol:g}, max_kl {tol.max_kl:g})")
+    widened = [
+        f"rtol {EXPORT_SLACK} x {export.max_rel:.3g}" if rtol > tol.rtol else "",
+        f"max_kl {EXPORT_SLACK**2} x {export.kl:.3g}" if max_kl > tol.max_kl else "",
+    ]
+    return replace(
+        tol,
+        rtol=max(rtol, tol.rtol),
+        max_kl=max(max_kl, tol.max_kl),
+        basis=f"{' and '.join(w for w in widened if w)} ({export_pair}): the exporter's own rounding, "
+        f"above the fixed bound (rtol {tol.rtol:g}, max_kl {tol.max_kl:g})",
+    )
 
 
 def tolerance_help() -> str:
@@ -92,10 +100,14 @@ def tolerance_help() -> str:
         return f"{x:.0e}".replace("e-0", "e-")
 
     pair = {"export": "vs checkpoint", "fold": "unfolded -> folded"}
-    rows = [f"{dtype}, {pair[kind]:<19} rtol {sci(t.rtol):<5}  min-top1 {t.min_top1:<5g}  max-kl {sci(t.max_kl)}"
-            for (dtype, kind), t in DEFAULT_TOLERANCES.items()]
-    rows.append(f"graph -> graph (the fold, the fused norm): or {EXPORT_SLACK} x the first graph's own max rel "
-                f"({EXPORT_SLACK ** 2} x its KL) if larger")
+    rows = [
+        f"{dtype}, {pair[kind]:<19} rtol {sci(t.rtol):<5}  min-top1 {t.min_top1:<5g}  max-kl {sci(t.max_kl)}"
+        for (dtype, kind), t in DEFAULT_TOLERANCES.items()
+    ]
+    rows.append(
+        f"graph -> graph (the fold, the fused norm): or {EXPORT_SLACK} x the first graph's own max rel "
+        f"({EXPORT_SLACK**2} x its KL) if larger"
+    )
     return "\n".join(rows)
 
 
@@ -116,7 +128,7 @@ class Metrics:
         return asdict(self)
 
     @staticmethod
-    def merge(parts: list["Metrics"]) -> "Metrics":
+    def merge(parts: list[Metrics]) -> Metrics:
         """Pool metrics of several batches: worst case for the maxima, row-weighted means for the rest."""
         rows = sum(p.rows for p in parts)
         decisive = sum(p.decisive_rows for p in parts)
@@ -125,10 +137,18 @@ class Metrics:
             total = sum(getattr(p, weight) for p in parts)
             return sum(getattr(p, field) * getattr(p, weight) for p in parts) / total if total else 1.0
 
-        return Metrics(rows=rows, max_abs=_worst(p.max_abs for p in parts), max_rel=_worst(p.max_rel for p in parts),
-                       mean_abs=mean("mean_abs"), cosine=-_worst(-p.cosine for p in parts), top1=mean("top1"),
-                       decisive_rows=decisive, top1_decisive=mean("top1_decisive", "decisive_rows"),
-                       top5=mean("top5"), kl=mean("kl"))
+        return Metrics(
+            rows=rows,
+            max_abs=_worst(p.max_abs for p in parts),
+            max_rel=_worst(p.max_rel for p in parts),
+            mean_abs=mean("mean_abs"),
+            cosine=-_worst(-p.cosine for p in parts),
+            top1=mean("top1"),
+            decisive_rows=decisive,
+            top1_decisive=mean("top1_decisive", "decisive_rows"),
+            top5=mean("top5"),
+            kl=mean("kl"),
+        )
 
 
 def _worst(values) -> float:
@@ -179,10 +199,18 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray, rtol: float) ->
     if not np.isfinite(cand).all():  # argmax/top-k on NaN pick arbitrary tokens; make every bound fail
         max_abs = max_rel = float("nan")
         kl = np.full_like(kl, np.nan)
-    return Metrics(rows=ref.shape[0], max_abs=max_abs, max_rel=float(max_rel), mean_abs=float(diff.mean()),
-                   cosine=float(cosine.min()), top1=float(agree.mean()), decisive_rows=int(decisive.sum()),
-                   top1_decisive=float(agree[decisive].mean()) if decisive.any() else 1.0,
-                   top5=float(overlap.mean()), kl=float(kl.mean()))
+    return Metrics(
+        rows=ref.shape[0],
+        max_abs=max_abs,
+        max_rel=float(max_rel),
+        mean_abs=float(diff.mean()),
+        cosine=float(cosine.min()),
+        top1=float(agree.mean()),
+        decisive_rows=int(decisive.sum()),
+        top1_decisive=float(agree[decisive].mean()) if decisive.any() else 1.0,
+        top5=float(overlap.mean()),
+        kl=float(kl.mean()),
+    )
 
 
 def violations(metrics: Metrics, tol: Tolerance) -> list[str]:

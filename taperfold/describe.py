@@ -8,7 +8,6 @@ from torch import nn
 from taperfold.norms import is_norm_module, tapered_kind
 from taperfold.sources import ModelSource
 
-
 PLAIN = "plain model: folds into these once tapered"
 PLAIN_KEPT = "plain model: an Internal-Taper keeps it"
 
@@ -19,11 +18,24 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
     kind = tapered_kind(module)
     if not kind.gated:
         folds = bool(folds_into)
-        reason = (f"{kind.name}: γ, β fold into the readers, tanh(αh) stays" if folds else
-                  f"{kind.name}: after a post-norm's tanh, γ and β cannot reach the producer; left as it is")
-        return {"name": name, "kind": type(module).__name__, "tapered": True, "gate": None, "c": None,
-                "alpha": float(module.alpha.detach()), "gamma_tilde_min": None, "gamma_tilde_max": None,
-                "folds_into": folds_into, "foldable": folds, "reason": reason}
+        reason = (
+            f"{kind.name}: γ, β fold into the readers, tanh(αh) stays"
+            if folds
+            else f"{kind.name}: after a post-norm's tanh, γ and β cannot reach the producer; left as it is"
+        )
+        return {
+            "name": name,
+            "kind": type(module).__name__,
+            "tapered": True,
+            "gate": None,
+            "c": None,
+            "alpha": float(module.alpha.detach()),
+            "gamma_tilde_min": None,
+            "gamma_tilde_max": None,
+            "folds_into": folds_into,
+            "foldable": folds,
+            "reason": reason,
+        }
     tilde = module.gain(module.weight_tilde.detach())
     if not bool(module.calibrated):
         foldable, reason = False, "never calibrated: training stopped before taper start"
@@ -31,15 +43,34 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
         foldable, reason = False, f"gate is {gate:g}, not 0: the layer still uses per-token statistics"
     else:
         foldable, reason = True, "g = 0: constant " + ("affine" if kind.centered or kind.shift else "diagonal") + " map"
-    return {"name": name, "kind": type(module).__name__, "tapered": True, "gate": gate, "c": float(module.c),
-            "gamma_tilde_min": float(tilde.min()), "gamma_tilde_max": float(tilde.max()), "folds_into": folds_into,
-            "foldable": foldable, "reason": reason}
+    return {
+        "name": name,
+        "kind": type(module).__name__,
+        "tapered": True,
+        "gate": gate,
+        "c": float(module.c),
+        "gamma_tilde_min": float(tilde.min()),
+        "gamma_tilde_max": float(tilde.max()),
+        "folds_into": folds_into,
+        "foldable": foldable,
+        "reason": reason,
+    }
 
 
 def plain_norm_entry(name: str, kind: str, reason: str, folds_into: list[str] = ()) -> dict:
     """A norm that is not tapered: never folded (`folds_into`: where it would fold once tapered)."""
-    return {"name": name, "kind": kind, "tapered": False, "gate": None, "c": None, "gamma_tilde_min": None,
-            "gamma_tilde_max": None, "folds_into": list(folds_into), "foldable": False, "reason": reason}
+    return {
+        "name": name,
+        "kind": kind,
+        "tapered": False,
+        "gate": None,
+        "c": None,
+        "gamma_tilde_min": None,
+        "gamma_tilde_max": None,
+        "folds_into": list(folds_into),
+        "foldable": False,
+        "reason": reason,
+    }
 
 
 def describe(source: ModelSource) -> dict:
@@ -48,8 +79,14 @@ def describe(source: ModelSource) -> dict:
     tapering = model.tapering
     family, n_layers = source.family, source.config.n_layers
     # a plain model: the norms an Internal-Taper would taper, and where each would fold
-    would_fold = {} if tapering is not None else {
-        **family.norm_readers(n_layers, "internal"), **{p: [q] for p, q in family.norm_producers(n_layers).items()}}
+    would_fold = (
+        {}
+        if tapering is not None
+        else {
+            **family.norm_readers(n_layers, "internal"),
+            **{p: [q] for p, q in family.norm_producers(n_layers).items()},
+        }
+    )
     norms = []
     for name, module in model.network.named_modules():
         if tapering is not None and name in tapering.norms:
@@ -77,4 +114,3 @@ def describe(source: ModelSource) -> dict:
         "would_fold": len(would_fold),  # a plain model: the norms that fold once it is tapered
         "how_to_taper": None if tapering is not None else source.how_to_taper,
     }
-

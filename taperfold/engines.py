@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from taperfold.errors import TaperfoldError
 
@@ -58,12 +59,30 @@ class Engine:
     def _runner_module(self):
         return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
 
-    def runner(self, target, *, device: str | None = None, threads: int | None = None, decoder: bool = False,
-               logits: str = "last", name: str | None = None, shapes: int | None = None, **options):
+    def runner(
+        self,
+        target,
+        *,
+        device: str | None = None,
+        threads: int | None = None,
+        decoder: bool = False,
+        logits: str = "last",
+        name: str | None = None,
+        shapes: int | None = None,
+        **options,
+    ):
         """A Runner (not loaded yet) for `target`: a torch model (MODELS) or a file (GRAPHS). `shapes`: how many
         distinct input shapes the caller will run (bench: its cells), for runners that compile per shape."""
-        return self._runner_module().open_runner(target, device=device or self.default_device, threads=threads,
-                                                 decoder=decoder, logits=logits, name=name, shapes=shapes, **options)
+        return self._runner_module().open_runner(
+            target,
+            device=device or self.default_device,
+            threads=threads,
+            decoder=decoder,
+            logits=logits,
+            name=name,
+            shapes=shapes,
+            **options,
+        )
 
     def unavailable(self, device: str) -> str | None:
         """Why this engine cannot run on `device` here (a library or the device missing), or None."""
@@ -97,8 +116,9 @@ def check_options(engine: Engine, options: dict[str, Any], device: str | None = 
     for name in options:
         if name not in own:
             owners = [e.name for e in ENGINES.values() if any(o.name == name for o in e.options)]
-            raise TaperfoldError(f"{all_options()[name].flag} applies to "
-                                 f"{' or '.join(f'--engine {e}' for e in owners)} only")
+            raise TaperfoldError(
+                f"{all_options()[name].flag} applies to {' or '.join(f'--engine {e}' for e in owners)} only"
+            )
     for name in options:
         option = own[name]
         if option.requires and option.requires not in options:
@@ -128,26 +148,76 @@ def open_runners(runners: dict[str, Any]) -> Iterator[dict[str, Any]]:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ONNX Runtime's graph optimization levels
 # torch and ONNX Runtime: measured next to eager, as rows of their own; TensorRT: instead of plain enqueues
-CUDA_GRAPH = Option("cuda_graph", "--cuda-graph", "Also time every shape as a replayed CUDA graph: rows of their own, "
-                    "measured next to the plain runs.", needs_cuda=True)
+CUDA_GRAPH = Option(
+    "cuda_graph",
+    "--cuda-graph",
+    "Also time every shape as a replayed CUDA graph: rows of their own, measured next to the plain runs.",
+    needs_cuda=True,
+)
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("torch", "PyTorch", MODELS, default_device="cpu", devices=("cpu", "cuda"), decodes=True,
-           options=(Option("compile", "--compile", "torch.compile each model on its own (no fallback to eager).",
-                           excludes=("cuda_graph", "--compile-mode reduce-overhead captures CUDA graphs of the "
-                                                   "compiled model itself")),
-                    Option("compile_mode", "--compile-mode", "torch.compile mode.", default="default",
-                           choices=COMPILE_MODES, requires="compile"),
-                    CUDA_GRAPH),
-           module="taperfold.runners.torch_runner"),
-    Engine("ort", "ONNX Runtime", GRAPHS, default_device="cpu", devices=("cpu", "cuda"), decodes=True,
-           options=(Option("optimization", "--ort-optimization", "ONNX Runtime graph optimization level.",
-                           default="all", choices=OPTIMIZATION_LEVELS), CUDA_GRAPH),
-           module="taperfold.runners.ort"),
-    Engine("trt", "TensorRT", GRAPHS, default_device="cuda", devices=("cuda",), decodes=False,
-           options=(CUDA_GRAPH,),
-           module="taperfold.runners.trt"),
-)}
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in (
+        Engine(
+            "torch",
+            "PyTorch",
+            MODELS,
+            default_device="cpu",
+            devices=("cpu", "cuda"),
+            decodes=True,
+            options=(
+                Option(
+                    "compile",
+                    "--compile",
+                    "torch.compile each model on its own (no fallback to eager).",
+                    excludes=(
+                        "cuda_graph",
+                        "--compile-mode reduce-overhead captures CUDA graphs of the compiled model itself",
+                    ),
+                ),
+                Option(
+                    "compile_mode",
+                    "--compile-mode",
+                    "torch.compile mode.",
+                    default="default",
+                    choices=COMPILE_MODES,
+                    requires="compile",
+                ),
+                CUDA_GRAPH,
+            ),
+            module="taperfold.runners.torch_runner",
+        ),
+        Engine(
+            "ort",
+            "ONNX Runtime",
+            GRAPHS,
+            default_device="cpu",
+            devices=("cpu", "cuda"),
+            decodes=True,
+            options=(
+                Option(
+                    "optimization",
+                    "--ort-optimization",
+                    "ONNX Runtime graph optimization level.",
+                    default="all",
+                    choices=OPTIMIZATION_LEVELS,
+                ),
+                CUDA_GRAPH,
+            ),
+            module="taperfold.runners.ort",
+        ),
+        Engine(
+            "trt",
+            "TensorRT",
+            GRAPHS,
+            default_device="cuda",
+            devices=("cuda",),
+            decodes=False,
+            options=(CUDA_GRAPH,),
+            module="taperfold.runners.trt",
+        ),
+    )
+}
 
 
 def register(engine: Engine) -> Engine:

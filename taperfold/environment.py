@@ -31,18 +31,35 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     import torch
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "versions": package_versions()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "versions": package_versions(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-                       "cuda": torch.version.cuda, "capability": f"{props.major}.{props.minor}"}
+        info["gpu"] = {
+            "name": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+            "capability": f"{props.major}.{props.minor}",
+        }
         try:
             import subprocess
 
-            info["gpu"]["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+            info["gpu"]["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
         except (OSError, IndexError, subprocess.SubprocessError):
             pass
     return info

@@ -48,8 +48,23 @@ from torch import nn
 from taperfold import exportdir
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
-from taperfold.exportdir import (BASELINE, DTYPES, FOLDED, GROWING, INPUT, KV_CACHES, LOGITS, MANIFEST,
-                                 OUTPUT, STATIC, UNFOLDED, cache_of, decoder_io_names, onnx_file, torch_dtype)
+from taperfold.exportdir import (
+    BASELINE,
+    DTYPES,
+    FOLDED,
+    GROWING,
+    INPUT,
+    KV_CACHES,
+    LOGITS,
+    MANIFEST,
+    OUTPUT,
+    STATIC,
+    UNFOLDED,
+    cache_of,
+    decoder_io_names,
+    onnx_file,
+    torch_dtype,
+)
 from taperfold.fsutil import atomic_dir, write_json_atomic
 from taperfold.norms import norm_kinds
 from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
@@ -98,8 +113,10 @@ class ExportOptions:
         kinds = {GROWING if kind is True else kind for kind in asked}
         unknown = sorted(str(kind) for kind in kinds - set(KV_CACHES))
         if unknown or not kinds:
-            raise TaperfoldError(f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got "
-                                 f"{','.join(unknown) or 'nothing'}")
+            raise TaperfoldError(
+                f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got "
+                f"{','.join(unknown) or 'nothing'}"
+            )
         return tuple(kind for kind in KV_CACHES if kind in kinds)
 
 
@@ -131,13 +148,16 @@ class _StaticDecoder(_Decoder):
 
     def forward(self, input_ids, cache_position, past: list[torch.Tensor]):
         pairs = [(past[2 * i].clone(), past[2 * i + 1].clone()) for i in range(len(past) // 2)]
-        logits, present = self.model(input_ids, logits="last", past_key_values=pairs, use_cache=True,
-                                     cache_position=cache_position)
+        logits, present = self.model(
+            input_ids, logits="last", past_key_values=pairs, use_cache=True, cache_position=cache_position
+        )
         return logits, *[t for kv in present for t in kv]
 
 
-STATIC_CACHE_REFUSED = ("{path}: --kv-cache static: the model's transformers cache has sliding-window layers, which "
-                        "keep a window rather than the positions a static cache names; use --kv-cache growing")
+STATIC_CACHE_REFUSED = (
+    "{path}: --kv-cache static: the model's transformers cache has sliding-window layers, which "
+    "keep a window rather than the positions a static cache names; use --kv-cache growing"
+)
 
 
 @contextlib.contextmanager
@@ -154,8 +174,16 @@ def _quiet():
             logger.setLevel(level)
 
 
-def _attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-               scale: float | None = None, enable_gqa: bool = False):
+def _attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+):
     """aten's scaled_dot_product_attention as one ONNX Attention (opset 23), whatever the key/value heads.
 
     torch.onnx's own translation refuses fewer key/value heads than query heads unless enable_gqa is set, yet
@@ -167,8 +195,10 @@ def _attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_cau
     if dropout_p != 0.0:
         raise AssertionError("scaled_dot_product_attention with dropout: export the model in eval mode")
     if query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
-        raise AssertionError(f"scaled_dot_product_attention: {query.shape[1]} query heads cannot share "
-                             f"{key.shape[1]} key and {value.shape[1]} value heads")
+        raise AssertionError(
+            f"scaled_dot_product_attention: {query.shape[1]} query heads cannot share "
+            f"{key.shape[1]} key and {value.shape[1]} value heads"
+        )
     output, _, _, _ = op.Attention(query, key, value, attn_mask, scale=scale, is_causal=is_causal)
     return output
 
@@ -189,20 +219,31 @@ def _keep_near_identity_constants(model_ir) -> None:
         for i in positions:
             other = node.inputs[1 - i] if len(node.inputs) == 2 else None
             tensor = ir.convenience.get_const_tensor(node.inputs[i]) if node.inputs[i] is not None else None
-            if tensor is None or other is None or other.shape is None or other.shape.rank() == 0 or \
-                    tensor.shape.rank() != 0 or not tensor.dtype.is_floating_point():
+            if (
+                tensor is None
+                or other is None
+                or other.shape is None
+                or other.shape.rank() == 0
+                or tensor.shape.rank() != 0
+                or not tensor.dtype.is_floating_point()
+            ):
                 continue
             c = float(tensor.numpy())
             if c != identity and math.isclose(c, identity, rel_tol=1e-5, abs_tol=1e-8):
-                node.replace_input_with(i, _initializer(model_ir.graph, f"{node.name}_kept_constant",
-                                                        tensor.numpy().reshape(1)))
+                node.replace_input_with(
+                    i, _initializer(model_ir.graph, f"{node.name}_kept_constant", tensor.numpy().reshape(1))
+                )
 
 
 def _initializer(graph, name: str, array):
     import onnx_ir as ir
 
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     const_value=ir.tensor(array, name=name))
+    value = ir.Value(
+        name=name,
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        const_value=ir.tensor(array, name=name),
+    )
     graph.register_initializer(value)
     return value
 
@@ -240,11 +281,23 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = Fa
         shapes = {INPUT: {0: batch, 1: seq}, OUTPUT: None}
     with _quiet():
         try:
-            program = torch.onnx.export(module, args, kwargs=kwargs, dynamo=True, opset_version=opset,
-                                        input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
-                                        optimize=False, verbose=False, custom_translation_table=(
-                                            {torch.ops.aten.scaled_dot_product_attention.default: _attention}
-                                            if opset >= ATTENTION_OPSET else None))
+            program = torch.onnx.export(
+                module,
+                args,
+                kwargs=kwargs,
+                dynamo=True,
+                opset_version=opset,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=shapes,
+                optimize=False,
+                verbose=False,
+                custom_translation_table=(
+                    {torch.ops.aten.scaled_dot_product_attention.default: _attention}
+                    if opset >= ATTENTION_OPSET
+                    else None
+                ),
+            )
             _keep_near_identity_constants(program.model)
             program.optimize()
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
@@ -275,11 +328,13 @@ def check_options(opts: ExportOptions) -> None:
     choose_opset(opts.target, "prefill", opts.opset)
     if opts.max_cache is not None:
         if STATIC not in opts.caches:
-            raise TaperfoldError(f"--max-cache {opts.max_cache}: only a static cache has a length; add --kv-cache "
-                                 "static")
+            raise TaperfoldError(
+                f"--max-cache {opts.max_cache}: only a static cache has a length; add --kv-cache static"
+            )
         if opts.max_cache < MIN_CONTEXT:
-            raise TaperfoldError(f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got "
-                                 f"{opts.max_cache}")
+            raise TaperfoldError(
+                f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got {opts.max_cache}"
+            )
 
 
 def static_cache_length(cfg, opts: ExportOptions) -> int:
@@ -293,21 +348,26 @@ def _check_static_cache(source: ModelSource, model: TaperedLM, opts: ExportOptio
     if not model.static_cache:
         raise TaperfoldError(STATIC_CACHE_REFUSED.format(path=source.path))
     if opts.max_cache is not None and opts.max_cache > source.config.max_seq_len:
-        raise TaperfoldError(f"--max-cache {opts.max_cache} exceeds the model's context (max_seq_len "
-                             f"{source.config.max_seq_len}): positions beyond it have no embedding")
+        raise TaperfoldError(
+            f"--max-cache {opts.max_cache} exceeds the model's context (max_seq_len "
+            f"{source.config.max_seq_len}): positions beyond it have no embedding"
+        )
 
 
-def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions,
-                      on_stage=lambda name: None) -> ExportResult:
+def export_checkpoint(
+    ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions, on_stage=lambda name: None
+) -> ExportResult:
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
     check_options(opts)
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
     _check_gate(source, opts)
     if source.config.max_seq_len < MIN_CONTEXT:
-        raise TaperfoldError(f"{ckpt_path}: the model's context is {source.config.max_seq_len} token(s); export "
-                             f"traces a dynamic sequence and a KV cache of 2 tokens or more each, and needs a "
-                             f"context of {MIN_CONTEXT} or more")
+        raise TaperfoldError(
+            f"{ckpt_path}: the model's context is {source.config.max_seq_len} token(s); export "
+            f"traces a dynamic sequence and a KV cache of 2 tokens or more each, and needs a "
+            f"context of {MIN_CONTEXT} or more"
+        )
     dtype = torch_dtype(opts.dtype)
     sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
     if opts.baseline or not source.tapered:
@@ -333,8 +393,9 @@ class ExportedGraphs:
     timings: dict = field(default_factory=lambda: {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0})
 
 
-def export_graphs(sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions,
-                  on_stage=lambda name: None) -> ExportedGraphs:
+def export_graphs(
+    sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions, on_stage=lambda name: None
+) -> ExportedGraphs:
     """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
     KV-cache decoders `opts.caches` names; an unfolded graph is also folded and written as `folded`. The fold
     reports name norms by their paths in the model's `network`, as the family does."""
@@ -429,12 +490,17 @@ def _graph_info(model_ir, choice: OpsetChoice, fused: int, projections: dict | N
     """The manifest's words on one graph: its opset and why, the fused norm ops it runs, and its fused projections
     (None: not asked for)."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
-    return {**choice.to_dict(), "norm_ops": {k: v for k, v in ops.items() if v},
-            "norms_fused_by_taperfold": fused, "projections": projections}
+    return {
+        **choice.to_dict(),
+        "norm_ops": {k: v for k, v in ops.items() if v},
+        "norms_fused_by_taperfold": fused,
+        "projections": projections,
+    }
 
 
-def _write_baselines(model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict,
-                     projections: dict | None) -> None:
+def _write_baselines(
+    model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict, projections: dict | None
+) -> None:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
     baseline.decomposed.onnx with those.
 
@@ -461,29 +527,42 @@ def _check_gate(source: ModelSource, opts: ExportOptions) -> None:
     if not source.tapered or source.gate == 0.0:
         return
     if not opts.force_gate0:
-        raise TaperfoldError(f"{source.path}: gate is {source.gate:g}, not 0: its tapered norms still use per-token "
-                             "statistics, so folding changes the function; train to the end of the taper, or "
-                             "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)")
+        raise TaperfoldError(
+            f"{source.path}: gate is {source.gate:g}, not 0: its tapered norms still use per-token "
+            "statistics, so folding changes the function; train to the end of the taper, or "
+            "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)"
+        )
 
 
-def _manifest(source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder: Path,
-              exported: ExportedGraphs) -> dict:
+def _manifest(
+    source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder: Path, exported: ExportedGraphs
+) -> dict:
     artifacts = exportdir.describe_artifacts(folder)
     for key, info in exported.graphs.items():
         artifacts[key].update(info)
     manifest = exportdir.new_manifest(
         checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": source.step},
-        config=source.config.to_dict(), gate=source.gate, forced_gate0=source.tapered and source.gate != 0.0,
-        export={"logits": opts.logits, "dtype": opts.dtype, "target": opts.target,
-                "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
-                "kv_cache": list(opts.caches),
-                "max_cache": static_cache_length(source.config, opts) if STATIC in opts.caches else None,
-                "fuse_projections": opts.fuse_projections,
-                "inputs": [INPUT], "outputs": [OUTPUT]},
-        versions=package_versions(), artifacts=artifacts, fold_report=exported.reports.get(UNFOLDED),
+        config=source.config.to_dict(),
+        gate=source.gate,
+        forced_gate0=source.tapered and source.gate != 0.0,
+        export={
+            "logits": opts.logits,
+            "dtype": opts.dtype,
+            "target": opts.target,
+            "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
+            "kv_cache": list(opts.caches),
+            "max_cache": static_cache_length(source.config, opts) if STATIC in opts.caches else None,
+            "fuse_projections": opts.fuse_projections,
+            "inputs": [INPUT],
+            "outputs": [OUTPUT],
+        },
+        versions=package_versions(),
+        artifacts=artifacts,
+        fold_report=exported.reports.get(UNFOLDED),
         decoder_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, GROWING)),
         static_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, STATIC)),
-        timings=exported.timings)
+        timings=exported.timings,
+    )
     manifest.update(source.manifest_block())
     if not source.tapered:
         manifest["note"] = NOTHING_TO_FOLD.format(path=ckpt_path)

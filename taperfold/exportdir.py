@@ -47,16 +47,36 @@ DECOMPOSED_BASELINE, NONORM = "baseline-decomposed", "nonorm"
 
 # The variants, in report order. The folded model is the deployable one: model.onnx / model.plan.
 VARIANT_TABLE = (
-    Variant(BASELINE, "baseline", "the same weights with the model's own untapered norms, in their fused form: "
-            "the reference every speedup is measured against", default=True),
-    Variant(UNFOLDED, "unfolded", "the tapered model at g = 0: each tapered norm an explicit constant map (the "
-            "paper's Internal-Taper unfused)", default=True, aliases=("unfused",)),
-    Variant(FOLDED, "model", "those constant maps folded into the layers that read them: what you deploy",
-            default=True),
-    Variant(DECOMPOSED_BASELINE, "baseline.decomposed", "the baseline with RMSNorm as plain ops, as hand-written "
-            "norms export (RMS families; a weaker reference, reported apart)"),
-    Variant(NONORM, "nonorm", "the tapered norms deleted, weights unscaled: not the same function, the timing a "
-            "fold with zero residue matches", exported=False),
+    Variant(
+        BASELINE,
+        "baseline",
+        "the same weights with the model's own untapered norms, in their fused form: "
+        "the reference every speedup is measured against",
+        default=True,
+    ),
+    Variant(
+        UNFOLDED,
+        "unfolded",
+        "the tapered model at g = 0: each tapered norm an explicit constant map (the paper's Internal-Taper unfused)",
+        default=True,
+        aliases=("unfused",),
+    ),
+    Variant(
+        FOLDED, "model", "those constant maps folded into the layers that read them: what you deploy", default=True
+    ),
+    Variant(
+        DECOMPOSED_BASELINE,
+        "baseline.decomposed",
+        "the baseline with RMSNorm as plain ops, as hand-written "
+        "norms export (RMS families; a weaker reference, reported apart)",
+    ),
+    Variant(
+        NONORM,
+        "nonorm",
+        "the tapered norms deleted, weights unscaled: not the same function, the timing a "
+        "fold with zero residue matches",
+        exported=False,
+    ),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANT_TABLE}
 VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.default)  # the default set of bench and verify
@@ -169,8 +189,16 @@ def shared_cache_buffers(n_layers: int) -> dict[str, str]:
 
 
 # Keys every format_version 1 manifest has (dotted paths); others are optional.
-_REQUIRED = ("checkpoint.path", "checkpoint.sha256", "config", "gate", "forced_gate0", "export.logits",
-             "export.dtype", "artifacts")
+_REQUIRED = (
+    "checkpoint.path",
+    "checkpoint.sha256",
+    "config",
+    "gate",
+    "forced_gate0",
+    "export.logits",
+    "export.dtype",
+    "artifacts",
+)
 _FOLDED_ARTIFACTS = ("artifacts.unfolded.path", "artifacts.folded.path")
 _BASELINE_ONLY = ("artifacts.baseline.path",)  # the export of a plain (untapered) model: nothing to fold
 
@@ -246,9 +274,11 @@ class Manifest:
         entry = self.engines.get(canonical_variant(variant))
         path = self.directory / entry["path"] if isinstance(entry, dict) and "path" in entry else None
         if path is None or not path.is_file():
-            raise TaperfoldError(f"{self.directory}: no TensorRT engine for {variant!r}; build it with "
-                                 f"`taperfold export CKPT --trt -o {self.directory}` (bench builds the others on "
-                                 "demand)")
+            raise TaperfoldError(
+                f"{self.directory}: no TensorRT engine for {variant!r}; build it with "
+                f"`taperfold export CKPT --trt -o {self.directory}` (bench builds the others on "
+                "demand)"
+            )
         return path
 
     def _file(self, key: str, hint: str | None) -> Path:
@@ -311,14 +341,28 @@ def describe_artifacts(folder: Path) -> dict:
                 continue
             data = path.with_name(path.name + ".data")
             out[artifact_key(variant, decoder)] = {
-                "path": path.name, "bytes": path.stat().st_size, "external_data": data.name if data.exists() else None,
-                "external_data_bytes": data.stat().st_size if data.exists() else 0}
+                "path": path.name,
+                "bytes": path.stat().st_size,
+                "external_data": data.name if data.exists() else None,
+                "external_data_bytes": data.stat().st_size if data.exists() else 0,
+            }
     return out
 
 
-def new_manifest(*, checkpoint: dict, config: dict, gate: float, forced_gate0: bool, export: dict, versions: dict,
-                 artifacts: dict, fold_report: dict | None, decoder_fold_report: dict | None,
-                 static_fold_report: dict | None, timings: dict) -> dict:
+def new_manifest(
+    *,
+    checkpoint: dict,
+    config: dict,
+    gate: float,
+    forced_gate0: bool,
+    export: dict,
+    versions: dict,
+    artifacts: dict,
+    fold_report: dict | None,
+    decoder_fold_report: dict | None,
+    static_fold_report: dict | None,
+    timings: dict,
+) -> dict:
     """A format_version 1 manifest object (docs/design.md lists its keys)."""
     return {
         "format": FORMAT,

@@ -25,9 +25,9 @@ import shutil
 import stat
 import sys
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from taperfold import interrupts
 from taperfold.errors import TaperfoldError, first_line
@@ -37,8 +37,11 @@ SPECIAL = {stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.
 # Messages of write failures that libraries raise as something other than OSError: torch.save's zip writer
 # ("PytorchStreamWriter failed writing file", "[enforce fail at inline_container.cc] unexpected pos",
 # "basic_ios::clear: iostream error"), safetensors' "IoError(Os { code: 28 ... })".
-_WRITE_FAILURE = re.compile(r"no space left|disk quota|file too large|write failed|failed writing|inline_container|"
-                            r"iostream error|i/?o ?error|errno \d+|os error \d+", re.IGNORECASE)
+_WRITE_FAILURE = re.compile(
+    r"no space left|disk quota|file too large|write failed|failed writing|inline_container|"
+    r"iostream error|i/?o ?error|errno \d+|os error \d+",
+    re.IGNORECASE,
+)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -132,17 +135,22 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
         real = _check_file(o)
         if real is None:  # a device or FIFO: written to, never replaced
             continue
-        files = [(real, "", o.option), *((Path(str(real) + s), f"its {s} file ", f"{o.option}'s {s} file")
-                                         for s in o.sidecars)]
+        files = [
+            (real, "", o.option),
+            *((Path(str(real) + s), f"its {s} file ", f"{o.option}'s {s} file") for s in o.sidecars),
+        ]
         for path, subject, who in files:
             for label, source in sources:
                 if _same(path, source):
-                    raise TaperfoldError(f"{o.option} {o.path}: {subject}would overwrite the input {label}; "
-                                         "choose another output path")
+                    raise TaperfoldError(
+                        f"{o.option} {o.path}: {subject}would overwrite the input {label}; choose another output path"
+                    )
             for other, other_who in targets:
                 if _same(path, other):
-                    raise TaperfoldError(f"{o.option} {o.path}: {subject}is the same file as {other_who} ({path}); "
-                                         "give each output its own path")
+                    raise TaperfoldError(
+                        f"{o.option} {o.path}: {subject}is the same file as {other_who} ({path}); "
+                        "give each output its own path"
+                    )
             targets.append((path, who))
     return OutputPlan(outputs)
 
@@ -152,16 +160,20 @@ def _check_file(o: Output) -> Path | None:
     name = f"{o.option} {o.path}"
     link = Path(o.path)
     if o.sidecars and link.is_symlink():  # readers find the sidecar beside the link, writers beside the target
-        raise TaperfoldError(f"{name}: is a symlink; this output and its {', '.join(o.sidecars)} file must be "
-                             "written as regular files; name the target instead")
+        raise TaperfoldError(
+            f"{name}: is a symlink; this output and its {', '.join(o.sidecars)} file must be "
+            "written as regular files; name the target instead"
+        )
     real = resolve(link)
     kind = _kind(real)
     if kind == "directory" or str(o.path).endswith(("/", os.sep)):  # "DIR/" names a directory, existing or not
         raise TaperfoldError(f"{name}: is a directory; name a file")
     if kind in SPECIAL.values():
         if not o.stream:
-            raise TaperfoldError(f"{name}: is a {kind}; this output needs a regular file"
-                                 + (f" (its {', '.join(o.sidecars)} file goes beside it)" if o.sidecars else ""))
+            raise TaperfoldError(
+                f"{name}: is a {kind}; this output needs a regular file"
+                + (f" (its {', '.join(o.sidecars)} file goes beside it)" if o.sidecars else "")
+            )
         if not os.access(real, os.W_OK):
             raise TaperfoldError(f"{name}: {kind} is not writable")
         return None
@@ -205,13 +217,17 @@ def _check_directory(o: Output, sources: list[tuple[str, Path]]) -> None:
         raise TaperfoldError(f"{name}: exists and is not a directory")
     for label, source in sources:
         if _inside(source, real):
-            raise TaperfoldError(f"{name}: holds the input {label}; writing the {o.directory} directory there "
-                                 "would replace it; choose another directory")
+            raise TaperfoldError(
+                f"{name}: holds the input {label}; writing the {o.directory} directory there "
+                "would replace it; choose another directory"
+            )
     if _inside(Path.cwd().resolve(), real):
         raise TaperfoldError(f"{name}: is the current directory or holds it; choose another directory")
     if any(real.iterdir()) and not (o.owned and o.owned(real)) and not o.overwrite:
-        raise TaperfoldError(f"{name}: is not empty and is not a {o.directory} directory; choose another"
-                             + (", or pass --overwrite to replace it whole" if o.overwrite is not None else ""))
+        raise TaperfoldError(
+            f"{name}: is not empty and is not a {o.directory} directory; choose another"
+            + (", or pass --overwrite to replace it whole" if o.overwrite is not None else "")
+        )
     _check_can_create_in(real.parent, name)
 
 
@@ -275,14 +291,17 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
     On any exception every temporary file is removed and dest is left as it was.
     """
     if sidecars and Path(dest).is_symlink():
-        raise TaperfoldError(f"{dest}: is a symlink; a file with a {', '.join(sidecars)} file beside it is written "
-                             "as a regular file; name the target instead")
+        raise TaperfoldError(
+            f"{dest}: is a symlink; a file with a {', '.join(sidecars)} file beside it is written "
+            "as a regular file; name the target instead"
+        )
     real = None if str(dest) == STDOUT else resolve(dest)
     kind = None if real is None else _kind(real)
     if real is None or kind in SPECIAL.values():
         if sidecars:
-            raise TaperfoldError(f"{dest}: is {'stdout' if real is None else 'a ' + kind}; this output needs a "
-                                 "regular file")
+            raise TaperfoldError(
+                f"{dest}: is {'stdout' if real is None else 'a ' + kind}; this output needs a regular file"
+            )
         with _scratch_file(dest) as tmp, write_errors(dest):
             yield tmp
             data = tmp.read_bytes() if tmp.exists() else b""
@@ -391,7 +410,10 @@ def read_json_object(path: str | os.PathLike) -> dict:
     """A JSON file whose top level is an object; one clear error naming the file otherwise."""
     try:
         obj = json.loads(Path(path).read_text())
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, an integer past Python's digit limit, deep nesting
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # JSONDecodeError, bad UTF-8, an integer past Python's digit limit, deep nesting
         raise TaperfoldError(f"{path}: not valid JSON ({first_line(e)})") from None
     except OSError as e:
         raise TaperfoldError(f"{path}: cannot read ({e.strerror or e})") from None

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
@@ -39,6 +39,7 @@ def _handle(signum, frame) -> None:
 
 def _unraisable(hook):
     """sys.unraisablehook that drops a swallowed `Interrupted` (the next `check()` raises it again)."""
+
     def quiet(unraisable) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
             hook(unraisable)
@@ -77,7 +78,6 @@ def finishing() -> None:
     if threading.current_thread() is threading.main_thread():
         for s in HANDLED:
             signal.signal(s, _end_now)
-
 
 
 def check() -> None:

@@ -67,8 +67,7 @@ def bias_corrected(ema: torch.Tensor, count: torch.Tensor, momentum: float) -> t
 class _Tapered(nn.Module):
     """State shared by TaperNorm and TaperLN: γ, γ̃, the frozen scalar c and the calibration EMAs."""
 
-    def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float,
-                 gain_offset: float = 0.0):
+    def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0):
         super().__init__()
         self.dim, self.eps, self.momentum, self.delta = dim, eps, momentum, delta
         # The gain applied is offset + weight: 0 for most models, 1 for Gemma's norm, x·(1 + w).
@@ -124,8 +123,15 @@ class _Tapered(nn.Module):
 class TaperNorm(_Tapered):
     """RMSNorm variant (eq. 3)."""
 
-    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-6, momentum: float = 0.01, delta: float = 1e-8,
-                 gain_offset: float = 0.0):
+    def __init__(
+        self,
+        dim: int,
+        gate: TaperGate,
+        eps: float = 1e-6,
+        momentum: float = 0.01,
+        delta: float = 1e-8,
+        gain_offset: float = 0.0,
+    ):
         super().__init__(dim, gate, eps, momentum, delta, gain_offset)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -175,8 +181,9 @@ class ScaledEmbedding(nn.Module):
         super().__init__()
         self.weight = embedding.weight
         self.padding_idx = embedding.padding_idx
-        self.scale = nn.Parameter(torch.tensor(float(scale), dtype=embedding.weight.dtype,
-                                               device=embedding.weight.device))
+        self.scale = nn.Parameter(
+            torch.tensor(float(scale), dtype=embedding.weight.dtype, device=embedding.weight.device)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight, self.padding_idx) * self.scale

@@ -78,8 +78,9 @@ def tensor_bytes(tensor, where: str) -> int | None:
         raise TaperfoldError(f"{where} has a negative dimension: shape {dims}")
     elements = math.prod(dims)
     if elements > MAX_ELEMENTS:
-        raise TaperfoldError(f"{where} claims {elements:,} elements (shape {dims}), more than the 2^40 "
-                             "taperfold accepts")
+        raise TaperfoldError(
+            f"{where} claims {elements:,} elements (shape {dims}), more than the 2^40 taperfold accepts"
+        )
     bits = _bits(tensor.data_type)
     if bits == -1:
         raise TaperfoldError(f"{where} has no valid data type ({_type_name(tensor.data_type)})")
@@ -128,15 +129,18 @@ def _external_location(tensor, path: Path, what: str) -> tuple[Path, int]:
         offset = int(entry.get("offset", 0))
         length = int(entry["length"]) if "length" in entry else None
     except ValueError:
-        raise TaperfoldError(f"{where}: offset and length must be integers, got {entry.get('offset')!r}, "
-                             f"{entry.get('length')!r}") from None
+        raise TaperfoldError(
+            f"{where}: offset and length must be integers, got {entry.get('offset')!r}, {entry.get('length')!r}"
+        ) from None
     if offset < 0 or (length is not None and length < 0):
         raise TaperfoldError(f"{where}: negative offset or length ({offset}, {length})")
     if size is None:
         raise TaperfoldError(f"{where}: a STRING tensor cannot be stored externally")
     if length is not None and length != size:
-        raise TaperfoldError(f"{where}: length {length} bytes, its shape {list(tensor.dims)} of "
-                             f"{_type_name(tensor.data_type)} needs {size}")
+        raise TaperfoldError(
+            f"{where}: length {length} bytes, its shape {list(tensor.dims)} of "
+            f"{_type_name(tensor.data_type)} needs {size}"
+        )
     return path.parent / location, offset + size
 
 
@@ -171,8 +175,9 @@ def check_onnx_file(path: str | Path):
         if not data_file.is_file():
             raise TaperfoldError(f"{where} is missing")
         if data_file.stat().st_size < end:
-            raise TaperfoldError(f"{where} is too short: {data_file.stat().st_size} bytes, the model reads up to "
-                                 f"byte {end}")
+            raise TaperfoldError(
+                f"{where} is too short: {data_file.stat().st_size} bytes, the model reads up to byte {end}"
+            )
     return model
 
 
@@ -215,11 +220,13 @@ def check_graph(graph, path: str | Path, outer: tuple[AbstractSet[str], ...] = (
     for k, node in enumerate(nodes):
         for out in filter(None, node.output):
             if out in producer:
-                raise TaperfoldError(f"{where}value '{out}' is written by both {_node_name(nodes[producer[out]])} "
-                                     f"and {_node_name(node)}")
+                raise TaperfoldError(
+                    f"{where}value '{out}' is written by both {_node_name(nodes[producer[out]])} and {_node_name(node)}"
+                )
             if out in defined:
-                raise TaperfoldError(f"{where}{_node_name(node)} writes '{out}', which is already a graph "
-                                     f"{defined[out]}")
+                raise TaperfoldError(
+                    f"{where}{_node_name(node)} writes '{out}', which is already a graph {defined[out]}"
+                )
             producer[out] = k
     local = defined.keys() | producer.keys()
     scopes = (local, *outer)
@@ -230,8 +237,9 @@ def check_graph(graph, path: str | Path, outer: tuple[AbstractSet[str], ...] = (
         reads = [name for name in node.input if name]
         for name in reads:
             if not any(name in scope for scope in scopes):
-                raise TaperfoldError(f"{where}{_node_name(node)} reads '{name}', which no graph input, initializer "
-                                     "or node defines")
+                raise TaperfoldError(
+                    f"{where}{_node_name(node)} reads '{name}', which no graph input, initializer or node defines"
+                )
         for attr in node.attribute:
             what = f"{where}attribute '{attr.name}' of {_node_name(node)}"
             for tensor in [attr.t] if attr.HasField("t") else attr.tensors:
@@ -243,8 +251,7 @@ def check_graph(graph, path: str | Path, outer: tuple[AbstractSet[str], ...] = (
         free.update(name for name in reads if name not in local)
     for value in graph.output:
         if not any(value.name in scope for scope in scopes):
-            raise TaperfoldError(f"{where}graph output '{value.name}' is not defined by any node, input or "
-                                 "initializer")
+            raise TaperfoldError(f"{where}graph output '{value.name}' is not defined by any node, input or initializer")
         if value.name not in local:
             free.add(value.name)
 
@@ -252,8 +259,10 @@ def check_graph(graph, path: str | Path, outer: tuple[AbstractSet[str], ...] = (
         order = _topological_order(deps)
         if len(order) < len(deps):
             cycle = _a_cycle(deps, set(range(len(deps))) - set(order))
-            raise TaperfoldError(f"{where}nodes form a cycle, each reading the next one's output: "
-                                 + " -> ".join(_node_name(nodes[k]) for k in cycle))
+            raise TaperfoldError(
+                f"{where}nodes form a cycle, each reading the next one's output: "
+                + " -> ".join(_node_name(nodes[k]) for k in cycle)
+            )
         copies = []
         for k in order:
             copy = onnx.NodeProto()
@@ -295,4 +304,4 @@ def _a_cycle(deps: list[set[int]], stuck: set[int]) -> list[int]:
         seen[k] = len(path)
         path.append(k)
         k = min(d for d in deps[k] if d in stuck)
-    return [*path[seen[k]:], k]
+    return [*path[seen[k] :], k]

@@ -40,14 +40,25 @@ class OpsetChoice:
 
 # (target, graph) -> (opset, why). Every reason names its section of docs/opsets.md.
 TABLE: dict[tuple[str, str], tuple[int, str]] = {
-    ("ort", "prefill"): (23, "docs/opsets.md#ort-prefill: H100 ORT 1.31.1 CUDA fp16, fused baseline 1.2-1.6x faster "
-                             "at opset 23 than at 20 (RMSNormalization + Attention; docs/opsets/gpu-h100-fp16.json)"),
-    ("ort", "decoder"): (23, "docs/opsets.md#ort-decoder: H100 ORT 1.31.1 CUDA fp16 KV-cached decode, every decoder "
-                             "1.09-1.20x faster at opset 23 than at 20 (docs/opsets/gpu-h100-fp16.json)"),
-    ("trt", "prefill"): (23, "docs/opsets.md#trt: TensorRT >= 10.15 parses RMSNormalization, and Attention "
-                             "without past KV (>= 10.14)"),
-    ("trt", "decoder"): (20, "docs/opsets.md#trt: TensorRT's parser takes no Attention with past KV; at opset 20 "
-                             "attention stays plain MatMul/Softmax"),
+    ("ort", "prefill"): (
+        23,
+        "docs/opsets.md#ort-prefill: H100 ORT 1.31.1 CUDA fp16, fused baseline 1.2-1.6x faster "
+        "at opset 23 than at 20 (RMSNormalization + Attention; docs/opsets/gpu-h100-fp16.json)",
+    ),
+    ("ort", "decoder"): (
+        23,
+        "docs/opsets.md#ort-decoder: H100 ORT 1.31.1 CUDA fp16 KV-cached decode, every decoder "
+        "1.09-1.20x faster at opset 23 than at 20 (docs/opsets/gpu-h100-fp16.json)",
+    ),
+    ("trt", "prefill"): (
+        23,
+        "docs/opsets.md#trt: TensorRT >= 10.15 parses RMSNormalization, and Attention without past KV (>= 10.14)",
+    ),
+    ("trt", "decoder"): (
+        20,
+        "docs/opsets.md#trt: TensorRT's parser takes no Attention with past KV; at opset 20 "
+        "attention stays plain MatMul/Softmax",
+    ),
 }
 
 
@@ -66,8 +77,10 @@ def choose_opset(target: str, graph: str, override: int | None = None) -> OpsetC
 
 
 ROTARY_FALLBACK_OPSET = 20
-ROTARY_REASON = ("docs/opsets.md#rotary: at opset 23 the exporter fused RoPE into RotaryEmbedding, which ONNX Runtime "
-                 "1.31 rejects on shapes other than the traced one; re-exported at opset 20")
+ROTARY_REASON = (
+    "docs/opsets.md#rotary: at opset 23 the exporter fused RoPE into RotaryEmbedding, which ONNX Runtime "
+    "1.31 rejects on shapes other than the traced one; re-exported at opset 20"
+)
 
 
 def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice | None:

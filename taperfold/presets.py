@@ -16,8 +16,10 @@ class Arch:
     rotary: bool = False  # RoPE: the head dimension must be even
 
 
-ARCHS = {"llama": Arch("model.embed_tokens", rotary=True),  # ModelConfig.arch values
-         "gpt2": Arch("transformer.wte", defaults={"norm_eps": 1e-5})}
+ARCHS = {
+    "llama": Arch("model.embed_tokens", rotary=True),  # ModelConfig.arch values
+    "gpt2": Arch("transformer.wte", defaults={"norm_eps": 1e-5}),
+}
 # ModelConfig.norm values besides null: the norm kinds without a gate (taperfold.norms), spelled here so that the
 # command line needs no torch to offer them (a test checks the two agree)
 STAND_IN_NORMS = ("dyt",)

@@ -137,8 +137,10 @@ def norm_eps(module: nn.Module, family: Family) -> float:
             return float(value)
     if family.norm_eps is not None:
         return family.norm_eps
-    raise TaperfoldError(f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy, and "
-                         f"family {family.name} states none")
+    raise TaperfoldError(
+        f"{type(module).__name__}: no epsilon attribute (eps / variance_epsilon) to copy, and "
+        f"family {family.name} states none"
+    )
 
 
 def linear_widths(module: nn.Module | nn.Parameter) -> tuple[int, int]:
@@ -171,29 +173,45 @@ def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Modul
         weight = getattr(module, "weight", None)
         linear = isinstance(weight, torch.Tensor) and weight.dim() == 2
     if not linear:
-        raise TaperfoldError(f"{where}: {path} is a {type(module).__name__}, not a linear layer a norm folds into "
-                             f"(family {family.name})")
+        raise TaperfoldError(
+            f"{where}: {path} is a {type(module).__name__}, not a linear layer a norm folds into (family {family.name})"
+        )
     return module
 
 
-def _check_fold_targets(model: nn.Module, family: Family, path: str, dim: int, readers: list[str],
-                        producer: str | None, where: str) -> None:
+def _check_fold_targets(
+    model: nn.Module, family: Family, path: str, dim: int, readers: list[str], producer: str | None, where: str
+) -> None:
     """The family's readers (or producer) of the norm at `path` exist, are linear layers, and take (give) its width."""
     for reader in readers:
         width = linear_widths(_linear(model, reader, family, where))[0]
         if width != dim:
-            raise TaperfoldError(f"{where}: {reader} takes {width} features, but {path} gives {dim} "
-                                 f"(family {family.name} says it reads {path})")
+            raise TaperfoldError(
+                f"{where}: {reader} takes {width} features, but {path} gives {dim} "
+                f"(family {family.name} says it reads {path})"
+            )
     if producer is not None:
         width = linear_widths(_linear(model, producer, family, where))[1]
         if width != dim:
-            raise TaperfoldError(f"{where}: {producer} gives {width} features, but {path} takes {dim} "
-                                 f"(family {family.name} says it produces the input of {path})")
+            raise TaperfoldError(
+                f"{where}: {producer} gives {width} features, but {path} takes {dim} "
+                f"(family {family.name} says it produces the input of {path})"
+            )
 
 
-def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, kind: str | None = None,
-                aux: bool = True, aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8,
-                gate: float = 1.0, where: str = "model") -> Tapering:
+def taper_model(
+    model: nn.Module,
+    family: Family,
+    taper: str = "internal",
+    *,
+    kind: str | None = None,
+    aux: bool = True,
+    aux_weight: float = 0.1,
+    momentum: float = 0.1,
+    delta: float = 1e-8,
+    gate: float = 1.0,
+    where: str = "model",
+) -> Tapering:
     """Replace the norms `family` names in `model` by tapered ones, in place; return what was done (also
     attached as `model.tapering`, a plain attribute, so the state dict keeps exactly the model's names).
 
@@ -211,8 +229,10 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, ki
     except ValueError as e:
         raise TaperfoldError(f"{where}: {e}") from None
     if kind.gated and kind.name != family.norm:
-        raise TaperfoldError(f"{where}: {family.name}'s norms taper as {family.norm}, not {kind.name}; only a kind "
-                             "without a gate (dyt) takes their place")
+        raise TaperfoldError(
+            f"{where}: {family.name}'s norms taper as {family.norm}, not {kind.name}; only a kind "
+            "without a gate (dyt) takes their place"
+        )
     if not kind.gated:
         aux, gate = False, 0.0
     shared = TaperGate(gate)
@@ -238,11 +258,16 @@ def taper_model(model: nn.Module, family: Family, taper: str = "internal", *, ki
             continue
         why = next((family.untapered[part] for part in reversed(name.split(".")) if part in family.untapered), None)
         untapered[name] = why or (
-            FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of")
+            FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of"
+        )
     scale_loss = None
     if aux:
-        scale_loss = ScaleAnchorLoss(centered=kind.centered, weight=aux_weight,
-                                     eps=norm_eps(model.get_submodule(family.final), family), momentum=momentum)
+        scale_loss = ScaleAnchorLoss(
+            centered=kind.centered,
+            weight=aux_weight,
+            eps=norm_eps(model.get_submodule(family.final), family),
+            momentum=momentum,
+        )
     tapering = Tapering(family, taper, kind.name, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

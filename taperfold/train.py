@@ -120,7 +120,9 @@ def evaluate(model: TaperedLM, tokens: torch.Tensor, opts: TrainOptions, seq: in
     """Mean cross-entropy on `opts.eval_batches` fixed windows of held-out tokens."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
-    losses = [model.loss(*random_windows(tokens, opts.batch_size, seq, gen))[0].item() for _ in range(opts.eval_batches)]
+    losses = [
+        model.loss(*random_windows(tokens, opts.batch_size, seq, gen))[0].item() for _ in range(opts.eval_batches)
+    ]
     model.train()
     return sum(losses) / len(losses)
 
@@ -133,8 +135,9 @@ class LoopResult:
     schedule: GateSchedule | None  # None: a plain model, nothing tapered
 
 
-def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: TrainOptions,
-                        on_step=None) -> LoopResult:
+def train_through_taper(
+    model: TaperedLM, tokens: torch.Tensor, seq: int, opts: TrainOptions, on_step=None
+) -> LoopResult:
     """Train `model` (tapered or plain) on windows of `seq` tokens through the whole gate schedule: the gate
     is 1 through warm-up, c and the scale target freeze at taper start, the gate reaches 0 before the last
     step. `on_step(step, record)` is called after every step (for progress)."""
@@ -155,15 +158,22 @@ def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: 
         x, y = random_windows(train_tokens, opts.batch_size, seq, gen)
         ce, aux = model.loss(x, y)
         if not torch.isfinite(ce + aux):
-            raise TaperfoldError(f"training diverged at step {step + 1} (loss {ce.item():g}, aux {aux.item():g}, "
-                                 f"gate {model.gate.value:.3f}); nothing was saved: a longer schedule "
-                                 "(--steps) or a lower --lr gives the taper room")
+            raise TaperfoldError(
+                f"training diverged at step {step + 1} (loss {ce.item():g}, aux {aux.item():g}, "
+                f"gate {model.gate.value:.3f}); nothing was saved: a longer schedule "
+                "(--steps) or a lower --lr gives the taper room"
+            )
         optim.zero_grad(set_to_none=True)
         (ce + aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
         optim.step()
-        record = {"step": step + 1, "loss": ce.item(), "aux": float(aux.detach()), "gate": model.gate.value,
-                  "lr": optim.param_groups[0]["lr"]}
+        record = {
+            "step": step + 1,
+            "loss": ce.item(),
+            "aux": float(aux.detach()),
+            "gate": model.gate.value,
+            "lr": optim.param_groups[0]["lr"],
+        }
         if (step + 1) % opts.log_every == 0 or step + 1 == opts.steps:
             history.append(record)
         if on_step:
@@ -171,17 +181,19 @@ def train_through_taper(model: TaperedLM, tokens: torch.Tensor, seq: int, opts: 
     if driver is not None:
         driver.finish(opts.steps)  # g = 0: the schedule ended before the last step
     val_loss = evaluate(model, val_tokens, opts, seq)
-    bad = next((name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()),
-               None)
+    bad = next(
+        (name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()), None
+    )
     if bad is not None or not math.isfinite(val_loss):
         where = f"weight '{bad}' holds NaN or Inf" if bad else f"validation loss {val_loss:g}"
-        raise TaperfoldError(f"training diverged by its last step ({where}); nothing was saved: a longer schedule "
-                             "(--steps) or a lower --lr gives the taper room")
+        raise TaperfoldError(
+            f"training diverged by its last step ({where}); nothing was saved: a longer schedule "
+            "(--steps) or a lower --lr gives the taper room"
+        )
     return LoopResult(val_loss, history, time.perf_counter() - t0, driver.schedule if driver else None)
 
 
-def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = None,
-          on_step=None) -> TrainResult:
+def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = None, on_step=None) -> TrainResult:
     """Train a new model of `cfg` from scratch on byte tokens (`taperfold train --preset`)."""
     torch.manual_seed(opts.seed)
     tokens, corpus_info = load_corpus(data_files, opts.max_corpus_bytes)
@@ -190,8 +202,13 @@ def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = 
     model = build_model(cfg)
     loop = train_through_taper(model, tokens, opts.seq_len or cfg.max_seq_len, opts, on_step)
     schedule = loop.schedule
-    meta = {"val_loss": loop.val_loss, "train_seconds": round(loop.seconds, 1), "corpus": corpus_info,
-            "options": {k: v for k, v in vars(opts).items()}, "history": loop.history,
-            "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if schedule else None}
+    meta = {
+        "val_loss": loop.val_loss,
+        "train_seconds": round(loop.seconds, 1),
+        "corpus": corpus_info,
+        "options": {k: v for k, v in vars(opts).items()},
+        "history": loop.history,
+        "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if schedule else None,
+    }
     ckpt = checkpoint_from_model(model.eval(), opts.steps, meta)
     return TrainResult(ckpt, loop.val_loss, loop.history, loop.seconds)

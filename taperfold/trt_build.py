@@ -10,13 +10,12 @@ lists the API pages and binding sources each call was checked against; this path
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import (ENGINE_ARTIFACT, FOLDED, INPUT, PLAN_FILES, Manifest, canonical_variant,
-                                 read_manifest)
+from taperfold.exportdir import ENGINE_ARTIFACT, FOLDED, INPUT, PLAN_FILES, Manifest, canonical_variant, read_manifest
 from taperfold.fsutil import atomic_path
 from taperfold.onnx_files import check_onnx_file
 from taperfold.opsets import TRT_MIN_VERSION
@@ -63,7 +62,7 @@ class Profile:
         return {"input": INPUT, "batch": list(self.batch), "sequence": list(self.sequence)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
+    def from_dict(cls, d: dict) -> Profile:
         return cls(batch=d["batch"], sequence=d["sequence"])
 
 
@@ -141,8 +140,10 @@ def _too_old_for_the_table(trt) -> str:
     version = tuple(int(part) for part in trt.__version__.split(".")[:2])
     if version >= TRT_MIN_VERSION:
         return ""
-    return (f"; TensorRT {trt.__version__} is older than {'.'.join(map(str, TRT_MIN_VERSION))}, whose parser the "
-            "--target trt graphs assume (docs/opsets.md): upgrade it, or export with --opset 20")
+    return (
+        f"; TensorRT {trt.__version__} is older than {'.'.join(map(str, TRT_MIN_VERSION))}, whose parser the "
+        "--target trt graphs assume (docs/opsets.md): upgrade it, or export with --opset 20"
+    )
 
 
 def _attach_timing_cache(config, path: Path | None):
@@ -155,8 +156,9 @@ def _attach_timing_cache(config, path: Path | None):
     return cache
 
 
-def build_engine(onnx_path, plan_path, profile: Profile, timing_cache=None,
-                 on_stage: Callable[[str], None] = lambda s: None) -> dict:
+def build_engine(
+    onnx_path, plan_path, profile: Profile, timing_cache=None, on_stage: Callable[[str], None] = lambda s: None
+) -> dict:
     """Parse `onnx_path` (its external data is found beside it), build, write `plan_path` atomically.
     Returns the engine's metadata for the manifest."""
     trt = require_tensorrt()
@@ -188,9 +190,17 @@ def build_engine(onnx_path, plan_path, profile: Profile, timing_cache=None,
     if timing_cache is not None:
         with atomic_path(timing_cache) as tmp:
             tmp.write_bytes(cache.serialize())
-    return {"path": plan_path.name, "onnx": onnx_path.name, "bytes": plan_path.stat().st_size,
-            "tensorrt": trt.__version__, **_gpu(), "strongly_typed": True, "profile": profile.to_dict(),
-            "build_seconds": round(seconds, 3), "timing_cache": timing_cache.name if timing_cache is not None else None}
+    return {
+        "path": plan_path.name,
+        "onnx": onnx_path.name,
+        "bytes": plan_path.stat().st_size,
+        "tensorrt": trt.__version__,
+        **_gpu(),
+        "strongly_typed": True,
+        "profile": profile.to_dict(),
+        "build_seconds": round(seconds, 3),
+        "timing_cache": timing_cache.name if timing_cache is not None else None,
+    }
 
 
 def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
@@ -205,8 +215,9 @@ def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
     return profile
 
 
-def build_engine_for_export(out_dir, variants=(FOLDED,), profile: Profile | None = None,
-                            on_stage: Callable[[str], None] = lambda s: None) -> dict:
+def build_engine_for_export(
+    out_dir, variants=(FOLDED,), profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
+) -> dict:
     """Build the engines of `variants` from an export folder, record them in manifest.json and return its data.
 
     `manifest["engines"][variant]` holds each engine's metadata; `manifest["artifacts"]["engine"]` points at
@@ -225,16 +236,27 @@ def _build_engines(manifest: Manifest, variants, profile: Profile, on_stage: Cal
     for variant in variants:
         if variant not in PLAN_FILES or not manifest.has_artifact(variant):
             known = ", ".join(v for v in PLAN_FILES if manifest.has_artifact(v))
-            raise TaperfoldError(f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be "
-                                 f"built for: {known})")
-        engines[variant] = build_engine(manifest.artifact(variant), out_dir / PLAN_FILES[variant], profile,
-                                        timing_cache=out_dir / TIMING_CACHE, on_stage=on_stage)
+            raise TaperfoldError(
+                f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be built for: {known})"
+            )
+        engines[variant] = build_engine(
+            manifest.artifact(variant),
+            out_dir / PLAN_FILES[variant],
+            profile,
+            timing_cache=out_dir / TIMING_CACHE,
+            on_stage=on_stage,
+        )
         engines[variant]["dtype"] = manifest.dtype
     manifest.data["engines"] = engines
     if FOLDED in engines:
-        manifest.artifacts[ENGINE_ARTIFACT] = {"path": engines[FOLDED]["path"], "bytes": engines[FOLDED]["bytes"],
-                                               "external_data": None, "external_data_bytes": 0,
-                                               "variant": FOLDED, "format": "tensorrt-plan"}
+        manifest.artifacts[ENGINE_ARTIFACT] = {
+            "path": engines[FOLDED]["path"],
+            "bytes": engines[FOLDED]["bytes"],
+            "external_data": None,
+            "external_data_bytes": 0,
+            "variant": FOLDED,
+            "format": "tensorrt-plan",
+        }
     manifest.write()
     return manifest.data
 
@@ -242,8 +264,9 @@ def _build_engines(manifest: Manifest, variants, profile: Profile, on_stage: Cal
 # ---- engines for bench and verify --------------------------------------------------------------------
 
 
-def ensure_engines(out_dir, variants, profile: Profile | None = None,
-                   on_stage: Callable[[str], None] = lambda s: None) -> dict[str, Path]:
+def ensure_engines(
+    out_dir, variants, profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
+) -> dict[str, Path]:
     """Paths of the engines of `variants`, building those that are missing or stale (another TensorRT
     version or another profile than asked for)."""
     trt = require_tensorrt()
@@ -255,8 +278,12 @@ def ensure_engines(out_dir, variants, profile: Profile | None = None,
 
     def fresh(v):
         e = engines.get(v)
-        return (e is not None and (out_dir / e["path"]).is_file() and e["tensorrt"] == trt.__version__
-                and e["profile"] == profile.to_dict())
+        return (
+            e is not None
+            and (out_dir / e["path"]).is_file()
+            and e["tensorrt"] == trt.__version__
+            and e["profile"] == profile.to_dict()
+        )
 
     stale = [v for v in variants if not fresh(v)]
     if stale:

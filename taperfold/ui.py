@@ -6,12 +6,13 @@ import contextlib
 import os
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.padding import Padding
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from taperfold.bench.report import UNIT, report_phases, report_variants, row_label, speedup_labels
+
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
@@ -35,14 +36,22 @@ def train_progress(total: int, quiet: bool = False):
 
     def log(console: Console, step: int, record: dict) -> None:
         if step % 50 == 0 or step == total:
-            console.print(f"step {step:5d}  loss {record['loss']:.4f}  aux {record['aux']:.4f}  "
-                          f"gate {record['gate']:.4f}  lr {record['lr']:.2e}")
+            console.print(
+                f"step {step:5d}  loss {record['loss']:.4f}  aux {record['aux']:.4f}  "
+                f"gate {record['gate']:.4f}  lr {record['lr']:.2e}"
+            )
 
     if not err.is_terminal:
         yield lambda step, record: log(err, step, record)
         return
-    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("train", total=total, info="")
 
@@ -72,10 +81,13 @@ def _fmt(x, spec=".4g"):
 
 def print_inspect(info: dict) -> None:
     norm = info["config"].get("norm")
-    out.print(f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, "
-              + (f"norm={norm}, " if norm else "") + f"aux={info['aux']}, "
-              f"{info['parameters']:,} parameters, step {info['step']}, gate {info['gate']:g}"
-              + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else ""))
+    out.print(
+        f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, "
+        + (f"norm={norm}, " if norm else "")
+        + f"aux={info['aux']}, "
+        f"{info['parameters']:,} parameters, step {info['step']}, gate {info['gate']:g}"
+        + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else "")
+    )
     table = Table(show_lines=False)
     for col in ("norm", "kind", "gate", "c", "γ̃ min", "γ̃ max", "folds into", "foldable"):
         table.add_column(col, no_wrap=col == "norm")
@@ -84,8 +96,16 @@ def print_inspect(info: dict) -> None:
         verdict = "[green]yes[/]" if n["foldable"] else f"[yellow]no[/]: {n['reason']}"
         if n["foldable"] and n.get("alpha") is not None:  # DyT: what folds and what stays
             verdict += f" (γ, β; tanh(αh) stays, α {n['alpha']:.4g})"
-        table.add_row(n["name"], n["kind"], _fmt(n["gate"], "g"), _fmt(n["c"]), _fmt(n["gamma_tilde_min"]),
-                      _fmt(n["gamma_tilde_max"]), readers, verdict)
+        table.add_row(
+            n["name"],
+            n["kind"],
+            _fmt(n["gate"], "g"),
+            _fmt(n["c"]),
+            _fmt(n["gamma_tilde_min"]),
+            _fmt(n["gamma_tilde_max"]),
+            readers,
+            verdict,
+        )
     out.print(table)
     out.print(f"{info['foldable']} of {len(info['norms'])} norm layers can be folded")
     if info.get("how_to_taper"):
@@ -118,12 +138,18 @@ def step_progress(label: str, quiet: bool = False):
     if quiet or not err.is_terminal:  # no bar in logs and pipes
         yield lambda done, total, description: None
         return
-    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-               TimeElapsedColumn()]
+    columns = [
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("", total=None)
-        yield lambda done, total, description: progress.update(task, completed=done, total=total,
-                                                                description=description)
+        yield lambda done, total, description: progress.update(
+            task, completed=done, total=total, description=description
+        )
 
 
 METRIC_COLUMNS = ("max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL")
@@ -131,10 +157,16 @@ METRIC_COLUMNS = ("max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "
 
 def print_verify(report: dict) -> None:
     """One row per pair, pooled over the input batches (worst case for maxima, means over rows)."""
-    styles = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "info": "[cyan]INFO[/]",
-              "skipped": "[yellow]SKIPPED[/]"}
-    table = Table(title=f"{report['export_dir']}: {report['dtype']}, logits={report['logits']}, "
-                        f"{len(report['inputs'])} input batch(es), device {report['device']}")
+    styles = {
+        "pass": "[green]PASS[/]",
+        "fail": "[bold red]FAIL[/]",
+        "info": "[cyan]INFO[/]",
+        "skipped": "[yellow]SKIPPED[/]",
+    }
+    table = Table(
+        title=f"{report['export_dir']}: {report['dtype']}, logits={report['logits']}, "
+        f"{len(report['inputs'])} input batch(es), device {report['device']}"
+    )
     for col in ("pair", "status", *METRIC_COLUMNS, "worst input / note"):
         table.add_column(col)
     for pair in report["pairs"]:
@@ -143,10 +175,19 @@ def print_verify(report: dict) -> None:
         note = pair["reason"] or "; ".join([*pair["violations"], worst] if pair["violations"] else [worst])
         if pair["kind"] == "cost":
             note = f"cost of forcing g=0 (not judged); {note}"
-        table.add_row(pair["name"], styles[pair["status"]], _fmt(m.get("max_abs"), ".3g"),
-                      _fmt(m.get("max_rel"), ".3g"), _fmt(tol.get("rtol"), "g"), _fmt(m.get("mean_abs"), ".3g"),
-                      _fmt(m.get("cosine"), ".6f"), _fmt(m.get("top1"), ".4f"), _fmt(m.get("top5"), ".4f"),
-                      _fmt(m.get("kl"), ".3g"), note)
+        table.add_row(
+            pair["name"],
+            styles[pair["status"]],
+            _fmt(m.get("max_abs"), ".3g"),
+            _fmt(m.get("max_rel"), ".3g"),
+            _fmt(tol.get("rtol"), "g"),
+            _fmt(m.get("mean_abs"), ".3g"),
+            _fmt(m.get("cosine"), ".6f"),
+            _fmt(m.get("top1"), ".4f"),
+            _fmt(m.get("top5"), ".4f"),
+            _fmt(m.get("kl"), ".3g"),
+            note,
+        )
     out.print(table)
     judged = [p for p in report["pairs"] if p["status"] in ("pass", "fail")]
     failed = [p for p in judged if p["status"] == "fail"]
@@ -170,8 +211,12 @@ def print_fold_report(src, dst, report, console: Console) -> None:
     if not any(entry.status in found for entry in report.norms):
         real = f"; {s['real_norm']} real norm(s) left as they are" if s["real_norm"] else ""
         wrote = f"wrote {dst}" if report.changed_weights else f"wrote {dst} unchanged"
-        console.print(f"{src}: nothing to fold (no constant-scale norm found{real}); {wrote}",
-                      highlight=False, markup=False, soft_wrap=True)
+        console.print(
+            f"{src}: nothing to fold (no constant-scale norm found{real}); {wrote}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
         _print_projections(report.projections, console)
         return
     if console.width >= WIDE:
@@ -198,8 +243,11 @@ def print_fold_report(src, dst, report, console: Console) -> None:
     )
     _print_projections(report.projections, console)
     if report.constants_left:
-        console.print(f"note: {len(report.constants_left)} node(s) still compute constants at run time "
-                      f"(too large to fold), e.g. {report.constants_left[0]}", highlight=False)
+        console.print(
+            f"note: {len(report.constants_left)} node(s) still compute constants at run time "
+            f"(too large to fold), e.g. {report.constants_left[0]}",
+            highlight=False,
+        )
     if s["check_output"] != "passed":
         console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
 
@@ -209,9 +257,13 @@ def _print_projections(projections, console: Console) -> None:
     if projections is None:
         return
     s = projections.summary()
-    console.print(f"projections: {s['groups']} group(s) of {s['layers_fused']} linear layers fused, "
-                  f"linear layers {s['linear_before']} -> {s['linear_after']}, {s['left']} reader(s) left",
-                  highlight=False, markup=False, soft_wrap=True)
+    console.print(
+        f"projections: {s['groups']} group(s) of {s['layers_fused']} linear layers fused, "
+        f"linear layers {s['linear_before']} -> {s['linear_after']}, {s['left']} reader(s) left",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
     for group in projections.groups:
         names = [module or node for module, node in zip(group.modules, group.nodes)]
         console.print(f"  {' + '.join(names)} -> {group.fused}", highlight=False, markup=False, soft_wrap=True)
@@ -225,9 +277,20 @@ def print_fold_check(check, console: Console) -> None:
         table.add_column(col)
     for o in check.outputs:
         m = o.metrics
-        cells = ["", "", "", "", "", "", "", ""] if m is None else [
-            f"{m.max_abs:.3g}", f"{m.max_rel:.3g}", f"{o.tolerance.rtol:g}", f"{m.mean_abs:.3g}", f"{m.cosine:.6f}",
-            f"{m.top1:.4f}", f"{m.top5:.4f}", f"{m.kl:.3g}"]
+        cells = (
+            ["", "", "", "", "", "", "", ""]
+            if m is None
+            else [
+                f"{m.max_abs:.3g}",
+                f"{m.max_rel:.3g}",
+                f"{o.tolerance.rtol:g}",
+                f"{m.mean_abs:.3g}",
+                f"{m.cosine:.6f}",
+                f"{m.top1:.4f}",
+                f"{m.top5:.4f}",
+                f"{m.kl:.3g}",
+            ]
+        )
         table.add_row(o.name, "[green]PASS[/]" if o.passed else "[bold red]FAIL[/]", *cells, "; ".join(o.violations))
     console.print(table)
     failed = [o for o in check.outputs if not o.passed]
@@ -254,10 +317,13 @@ def bench_progress(total: int):
 def throughput_table(report: dict, phase: str) -> Table:
     """Tokens per second of every variant: the median of the timing each row names in `throughput_from`."""
     scale, unit = UNIT[phase]
-    timing = "/".join(dict.fromkeys(THROUGHPUT_FROM[r["throughput_from"]] for r in report["results"]
-                                    if r["phase"] == phase))
-    title = (f"{phase} throughput ({unit}, median, {timing}) — {report['engine']} {report['device']} "
-             f"{report['dtype']}, {report['threads']} threads")
+    timing = "/".join(
+        dict.fromkeys(THROUGHPUT_FROM[r["throughput_from"]] for r in report["results"] if r["phase"] == phase)
+    )
+    title = (
+        f"{phase} throughput ({unit}, median, {timing}) — {report['engine']} {report['device']} "
+        f"{report['dtype']}, {report['threads']} threads"
+    )
     table = Table(title=title)
     table.add_column("batch", justify="right")
     table.add_column("prompt" if phase == "decode" else "seq", justify="right")
@@ -277,17 +343,27 @@ def throughput_table(report: dict, phase: str) -> Table:
 
 def detail_table(report: dict) -> Table:
     """Latency: the synced calls (each timed alone, waited for) of every row."""
-    table = Table(title="latency per call (ms, synced calls)" if report["mode"] == "prefill" else
-                  "latency (ms, synced calls): prefill per prompt, decode per token")
+    table = Table(
+        title="latency per call (ms, synced calls)"
+        if report["mode"] == "prefill"
+        else "latency (ms, synced calls): prefill per prompt, decode per token"
+    )
     for col in ("phase", "variant", "B", "T", "n", "median", "mean", "p90", "p99", "min", "std", "CV %", "first run"):
         table.add_column(col, justify="left" if col in ("phase", "variant") else "right")
     threshold = report["settings"]["cv_warn_pct"]
     for r in report["results"]:
         s = r["synced"]["stats_ms"]
         cv = f"{s['cv_pct']:.1f}"
-        table.add_row(r["phase"], row_label(r), str(r["batch"]), str(r["seq"]), str(s["n"]),
-                      *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
-                      f"[yellow]{cv}[/]" if s["cv_pct"] > threshold else cv, f"{r['first_run_ms']:.3f}")
+        table.add_row(
+            r["phase"],
+            row_label(r),
+            str(r["batch"]),
+            str(r["seq"]),
+            str(s["n"]),
+            *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
+            f"[yellow]{cv}[/]" if s["cv_pct"] > threshold else cv,
+            f"{r['first_run_ms']:.3f}",
+        )
     return table
 
 
@@ -298,30 +374,41 @@ def print_bench(report: dict) -> None:
     env = report["environment"]
     device = env.get("gpu", {}).get("name") if report["device"].startswith("cuda") else env["cpu"]
     s = report["settings"]
-    out.print(f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
-              f"first run reported apart; {report['seconds']:.0f} s")
+    out.print(
+        f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
+        f"first run reported apart; {report['seconds']:.0f} s"
+    )
     for mode, meaning in report["timing"].items():
         out.print(f"{mode}: {meaning}", highlight=False)
     if report.get("fused_projections"):
         groups = ", ".join(f"{variant} {n}" for variant, n in report["projection_groups"].items())
-        out.print(f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: {groups}",
-                  highlight=False)
+        out.print(
+            f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: {groups}",
+            highlight=False,
+        )
     elif "fused_projections" in report:
         out.print("projections unfused: each linear layer runs on its own", highlight=False)
     if report.get("kv_cache"):
         length = f" of {report['cache_length']} positions" if report.get("cache_length") else ""
         out.print(f"decoders: {report['kv_cache']} KV cache{length}", highlight=False)
     if report.get("cuda_graph"):
-        out.print("rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run "
-                  "plainly", highlight=False)
+        out.print(
+            "rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run plainly",
+            highlight=False,
+        )
     if report.get("compile"):
-        out.print(f"every model torch.compile'd on its own (mode {report['compile_mode']}, no fallback to eager)",
-                  highlight=False)
+        out.print(
+            f"every model torch.compile'd on its own (mode {report['compile_mode']}, no fallback to eager)",
+            highlight=False,
+        )
     for label, kinds in report.get("setup_s", {}).items():
         spent = ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in kinds.items())
         out.print(f"{label}: {spent} (one-off, not in the timings)", highlight=False)
     for warning in report["warnings"]:
         err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     if report["warnings"]:
-        err.print(f"CV above {s['cv_warn_pct']:g} % means the timings spread widely (a busy or throttling "
-                  "machine?): compare medians with care, or rerun with more --iters and --rounds", soft_wrap=True)
+        err.print(
+            f"CV above {s['cv_warn_pct']:g} % means the timings spread widely (a busy or throttling "
+            "machine?): compare medians with care, or rerun with more --iters and --rounds",
+            soft_wrap=True,
+        )

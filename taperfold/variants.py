@@ -55,8 +55,11 @@ def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
     b' = (b − mean(b))·s + β: the post-norm's map moves into the producer's output columns (float64, cast once)."""
     conv = not isinstance(producer, nn.Linear)
     w = producer.weight.double() if conv else producer.weight.double().T  # as [in, out]
-    b = producer.bias.double() if producer.bias is not None else torch.zeros(w.shape[1], dtype=torch.float64,
-                                                                              device=w.device)
+    b = (
+        producer.bias.double()
+        if producer.bias is not None
+        else torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
+    )
     if folded.centered:
         w, b = w - w.mean(dim=1, keepdim=True), b - b.mean()
     new_w, new_b = w * folded.scale[None, :], b * folded.scale
@@ -71,8 +74,9 @@ def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
 
 def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
     """Whether a module other than the one at `path` holds `weight` too (a head tied to the embedding)."""
-    return any(p is weight and not name.startswith(path + ".")
-               for name, p in network.named_parameters(remove_duplicate=False))
+    return any(
+        p is weight and not name.startswith(path + ".") for name, p in network.named_parameters(remove_duplicate=False)
+    )
 
 
 def _own_tensors(network: nn.Module, path: str, layer: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
@@ -162,14 +166,23 @@ class FusedProjection(nn.Module):
         """`joined`: the concatenations made for other models, by the tensors they join; a group of layers holding
         the same tensors as one there (variants built from one checkpoint) takes its parameters instead of a copy."""
         super().__init__()
-        key = tuple((_storage_key(layer.weight), layer.bias is not None and _storage_key(layer.bias))
-                    for layer in layers)
+        key = tuple(
+            (_storage_key(layer.weight), layer.bias is not None and _storage_key(layer.bias)) for layer in layers
+        )
         if joined is None or key not in joined:
             weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]))
             bias = None
             if any(layer.bias is not None for layer in layers):
-                bias = nn.Parameter(torch.cat([layer.bias.detach() if layer.bias is not None else
-                                               layer.weight.new_zeros(layer.out_features) for layer in layers]))
+                bias = nn.Parameter(
+                    torch.cat(
+                        [
+                            layer.bias.detach()
+                            if layer.bias is not None
+                            else layer.weight.new_zeros(layer.out_features)
+                            for layer in layers
+                        ]
+                    )
+                )
             if joined is None:
                 joined = {}
             # the joined tensors kept with it: while they live, their addresses name no other tensor
@@ -185,8 +198,12 @@ class FusedProjection(nn.Module):
         held = self._slices
         versioned = not torch.compiler.is_compiling() and not x.is_inference()
         if held is None or held[0] is not x or index not in held[3] or (versioned and held[1] != x._version):
-            held = (x, x._version if versioned else None, self(x).split(self.widths, dim=-1),
-                    set(range(len(self.widths))))
+            held = (
+                x,
+                x._version if versioned else None,
+                self(x).split(self.widths, dim=-1),
+                set(range(len(self.widths))),
+            )
         held[3].discard(index)
         self._slices = held if held[3] else None  # the last sibling's call lets the output go
         return held[2][index]
@@ -219,13 +236,21 @@ def fuse_projections_in_torch(model: TaperedLM, family, joined: dict | None = No
     fused = []
     for readers in family.norm_readers(n_layers, "internal").values():
         layers = [(path, network.get_submodule(path)) for path in readers]
-        layers = [(path, layer) for path, layer in layers
-                  if _plain_linear(layer) and not _shares_weight(network, path, layer.weight)]
+        layers = [
+            (path, layer)
+            for path, layer in layers
+            if _plain_linear(layer) and not _shares_weight(network, path, layer.weight)
+        ]
         if not layers:
             continue
         first = layers[0][1].weight
-        group = [(path, layer) for path, layer in layers if layer.in_features == first.shape[1]
-                 and layer.weight.dtype == first.dtype and layer.weight.device == first.device]
+        group = [
+            (path, layer)
+            for path, layer in layers
+            if layer.in_features == first.shape[1]
+            and layer.weight.dtype == first.dtype
+            and layer.weight.device == first.device
+        ]
         if len(group) < 2:
             continue
         shared = FusedProjection([layer for _, layer in group], joined)
@@ -263,8 +288,9 @@ def _cast(models: list[nn.Module], dtype: torch.dtype) -> None:
         model._apply(one)
 
 
-def build_variants(source, names: list[str], dtype: torch.dtype,
-                   fuse_projections: bool = False) -> dict[str, TaperedLM]:
+def build_variants(
+    source, names: list[str], dtype: torch.dtype, fuse_projections: bool = False
+) -> dict[str, TaperedLM]:
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
     exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once).
 
@@ -278,10 +304,13 @@ def build_variants(source, names: list[str], dtype: torch.dtype,
     little more than one model's memory, where building each only while it is timed would rebuild (and refold) it
     in every round of every cell."""
     tapered = source.build(gate=0.0)
-    build = {BASELINE: lambda: source.build_baseline(), UNFOLDED: lambda: tapered,
-             FOLDED: lambda: fold_in_torch(tapered),
-             DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline()),
-             NONORM: lambda: without_norms(tapered)}
+    build = {
+        BASELINE: lambda: source.build_baseline(),
+        UNFOLDED: lambda: tapered,
+        FOLDED: lambda: fold_in_torch(tapered),
+        DECOMPOSED_BASELINE: lambda: decomposed(source.build_baseline()),
+        NONORM: lambda: without_norms(tapered),
+    }
     models = {name: build[name]() for name in names}
     if fuse_projections:  # once all are built: unfolded is the model the others were copied from
         joined = {}

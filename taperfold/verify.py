@@ -30,18 +30,30 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from taperfold.compare import Metrics, Tolerance, between_graphs, compare_logits, default_tolerance, violations
 from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import (BASELINE, DECOMPOSED_BASELINE, ENGINE_ARTIFACT, FOLDED, GROWING, INPUT, KV_CACHES,
-                                 OUTPUT, STATIC, UNFOLDED, Manifest, artifact_key, read_manifest)
+from taperfold.exportdir import (
+    BASELINE,
+    DECOMPOSED_BASELINE,
+    ENGINE_ARTIFACT,
+    FOLDED,
+    GROWING,
+    INPUT,
+    KV_CACHES,
+    OUTPUT,
+    STATIC,
+    UNFOLDED,
+    Manifest,
+    artifact_key,
+    read_manifest,
+)
 from taperfold.runners.base import Runner
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 
@@ -52,8 +64,10 @@ BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
 DECODE_STEPS = 4  # KV-cached steps after each prompt
 TORCH_BASELINE = "baseline (torch)"
-NOTHING_FOLDED = ("nothing folded to verify: {checkpoint} is a plain model (no tapered norms); checked its "
-                  "baseline graph against its own forward")
+NOTHING_FOLDED = (
+    "nothing folded to verify: {checkpoint} is a plain model (no tapered norms); checked its "
+    "baseline graph against its own forward"
+)
 
 
 @dataclass
@@ -70,8 +84,11 @@ def random_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[Inpu
     """Uniform random tokens: batch 1 and >1 by sequence 1, a short one and the longest the model allows."""
     rng = np.random.default_rng(seed)
     sequences = sorted({1, min(SHORT_SEQUENCE, max_seq_len), max_seq_len})
-    return [InputBatch(f"random {b}x{s}", rng.integers(0, vocab_size, size=(b, s), dtype=np.int64))
-            for b in BATCH_SIZES for s in sequences]
+    return [
+        InputBatch(f"random {b}x{s}", rng.integers(0, vocab_size, size=(b, s), dtype=np.int64))
+        for b in BATCH_SIZES
+        for s in sequences
+    ]
 
 
 def tokens_from_file(path: str | Path) -> list[InputBatch]:
@@ -107,8 +124,10 @@ def _ids_from_text(path: Path) -> np.ndarray:
     if not rows:
         raise TaperfoldError(f"{path}: holds no token ids")
     if len({len(r) for r in rows}) > 1:
-        raise TaperfoldError(f"{path}: lines hold different numbers of ids ({sorted({len(r) for r in rows})}); "
-                             "a batch needs sequences of equal length, one per line")
+        raise TaperfoldError(
+            f"{path}: lines hold different numbers of ids ({sorted({len(r) for r in rows})}); "
+            "a batch needs sequences of equal length, one per line"
+        )
     return np.array(rows[0] if len(rows) == 1 else rows, dtype=object)
 
 
@@ -126,20 +145,26 @@ def tokens_from_text(path: str | Path) -> list[InputBatch]:
 
 def _checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer: str) -> np.ndarray:
     if batch.tokenizer is not None and batch.tokenizer != tokenizer:
-        raise TaperfoldError(f"{batch.label}: encoded with the {batch.tokenizer!r} tokenizer, but the checkpoint "
-                             f"uses {tokenizer!r}; pass token ids with --tokens")
+        raise TaperfoldError(
+            f"{batch.label}: encoded with the {batch.tokenizer!r} tokenizer, but the checkpoint "
+            f"uses {tokenizer!r}; pass token ids with --tokens"
+        )
     ids = batch.ids
     if ids.ndim != 2 or ids.size == 0:
-        raise TaperfoldError(f"{batch.label}: expected a 1-D sequence or a 2-D batch of token ids, "
-                             f"got shape {list(ids.shape)}")
+        raise TaperfoldError(
+            f"{batch.label}: expected a 1-D sequence or a 2-D batch of token ids, got shape {list(ids.shape)}"
+        )
     low, high = int(ids.min()), int(ids.max())  # Python ints: no overflow whatever the array's dtype
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise TaperfoldError(f"{batch.label}: token id {bad} is out of range (the vocabulary has {vocab_size} ids, "
-                             f"0..{vocab_size - 1})")
+        raise TaperfoldError(
+            f"{batch.label}: token id {bad} is out of range (the vocabulary has {vocab_size} ids, 0..{vocab_size - 1})"
+        )
     if ids.shape[1] > max_seq_len:
-        raise TaperfoldError(f"{batch.label}: sequence of {ids.shape[1]} tokens is longer than the model allows "
-                             f"({max_seq_len}); shorten it")
+        raise TaperfoldError(
+            f"{batch.label}: sequence of {ids.shape[1]} tokens is longer than the model allows "
+            f"({max_seq_len}); shorten it"
+        )
     return ids.astype(np.int64)
 
 
@@ -149,9 +174,13 @@ def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[Input
     The ids hold the prompt and then the token fed at each step (the same for reference and candidate)."""
     rng = np.random.default_rng(seed + 1)
     prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - DECODE_STEPS), max_seq_len - DECODE_STEPS})
-    return [InputBatch(f"decode {b}x{p}+{DECODE_STEPS}", rng.integers(0, vocab_size, size=(b, p + DECODE_STEPS),
-                                                                      dtype=np.int64))
-            for b, p in zip(BATCH_SIZES, prompts) if p >= 1]
+    return [
+        InputBatch(
+            f"decode {b}x{p}+{DECODE_STEPS}", rng.integers(0, vocab_size, size=(b, p + DECODE_STEPS), dtype=np.int64)
+        )
+        for b, p in zip(BATCH_SIZES, prompts)
+        if p >= 1
+    ]
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -189,11 +218,19 @@ class PairResult:
         return f"{self.reference} -> {self.candidate}"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "reference": self.reference, "candidate": self.candidate, "kind": self.kind,
-                "status": self.status, "reason": self.reason,
-                "tolerance": self.tolerance.to_dict() if self.tolerance else None,
-                "metrics": self.metrics.to_dict() if self.metrics else None, "violations": self.violations,
-                "worst_input": self.worst_input, "per_input": self.per_input}
+        return {
+            "name": self.name,
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "kind": self.kind,
+            "status": self.status,
+            "reason": self.reason,
+            "tolerance": self.tolerance.to_dict() if self.tolerance else None,
+            "metrics": self.metrics.to_dict() if self.metrics else None,
+            "violations": self.violations,
+            "worst_input": self.worst_input,
+            "per_input": self.per_input,
+        }
 
 
 @dataclass
@@ -238,15 +275,27 @@ class VerifyReport:
             return ""
         ratio = folded.max_rel / unfolded.max_rel
         which = "folded" if ratio < 1 else "unfolded" if ratio > 1 else "neither"
-        return (f"closer to the checkpoint: {which} (max rel folded {folded.max_rel:.3g}, unfolded "
-                f"{unfolded.max_rel:.3g}, ratio {ratio:.2f})")
+        return (
+            f"closer to the checkpoint: {which} (max rel folded {folded.max_rel:.3g}, unfolded "
+            f"{unfolded.max_rel:.3g}, ratio {ratio:.2f})"
+        )
 
     def to_dict(self) -> dict:
-        return _finite_or_none({"export_dir": self.export_dir, "passed": self.passed, "closer": self.closer(),
-                                "checkpoint": self.checkpoint,
-                                "dtype": self.dtype, "logits": self.logits, "device": self.device,
-                                "forced_gate0": self.forced_gate0, "note": self.note, "inputs": self.inputs,
-                                "pairs": [p.to_dict() for p in self.pairs]})
+        return _finite_or_none(
+            {
+                "export_dir": self.export_dir,
+                "passed": self.passed,
+                "closer": self.closer(),
+                "checkpoint": self.checkpoint,
+                "dtype": self.dtype,
+                "logits": self.logits,
+                "device": self.device,
+                "forced_gate0": self.forced_gate0,
+                "note": self.note,
+                "inputs": self.inputs,
+                "pairs": [p.to_dict() for p in self.pairs],
+            }
+        )
 
 
 # ---- the reference -------------------------------------------------------------------------------------
@@ -258,8 +307,10 @@ def _load_reference_checkpoint(manifest: Manifest) -> ModelSource:
         raise TaperfoldError(f"{path}: checkpoint named in {manifest.path} is missing")
     digest = checkpoint_digest(path)
     if digest != manifest.checkpoint_sha256:
-        raise TaperfoldError(f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
-                             f"says {manifest.checkpoint_sha256[:12]}...); export it again")
+        raise TaperfoldError(
+            f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
+            f"says {manifest.checkpoint_sha256[:12]}...); export it again"
+        )
     return open_source(path)
 
 
@@ -271,9 +322,15 @@ def _baseline_only(manifest: Manifest) -> bool:
 # ---- verification --------------------------------------------------------------------------------------
 
 
-def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None, device: str = "cpu",
-                  tolerances: dict | None = None, seed: int = 0, threads: int | None = None,
-                  on_progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
+def verify_export(
+    export_dir: str | Path,
+    inputs: list[InputBatch] | None = None,
+    device: str = "cpu",
+    tolerances: dict | None = None,
+    seed: int = 0,
+    threads: int | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> VerifyReport:
     """Compare every model in `export_dir` with the checkpoint it came from (see the module docstring).
 
     `inputs`: token batches (default: seeded random ones over several shapes); `tolerances`: overrides
@@ -295,17 +352,24 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     at_gate = f"checkpoint@g={stored_gate:g}"
     baseline_only = _baseline_only(manifest)
     # built when asked for, from one copy of the checkpoint's weights; shared by the prefill and the decoder checks
-    models = TorchModels(manifest, ckpt, {reference: lambda source: source.build(gate=0.0 if forced else None),
-                                          at_gate: lambda source: source.build(),
-                                          TORCH_BASELINE: lambda source: source.build_baseline()})
+    models = TorchModels(
+        manifest,
+        ckpt,
+        {
+            reference: lambda source: source.build(gate=0.0 if forced else None),
+            at_gate: lambda source: source.build(),
+            TORCH_BASELINE: lambda source: source.build_baseline(),
+        },
+    )
     del ckpt  # `models` holds the weights now, and lets them go when the torch models have run
 
     def torch_model(name: str, label: str) -> ModelRun:
         return ModelRun(name, lambda: torch_engine.runner(models[name], device="cpu", logits=logits, name=label))
 
     def graph(variant: str) -> ModelRun:
-        return ModelRun(variant, lambda: graph_engine.runner(manifest.artifact(variant), device=device,
-                                                             threads=threads))
+        return ModelRun(
+            variant, lambda: graph_engine.runner(manifest.artifact(variant), device=device, threads=threads)
+        )
 
     # One model in memory at a time: the torch models first (then the checkpoint goes), then each graph
     run = [torch_model(reference, f"{checkpoint_path} (reference)")]
@@ -317,9 +381,11 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     pairs, graphs = [], []
     if not baseline_only:
         graphs += [graph(UNFOLDED), graph(FOLDED)]
-        pairs += [PairResult(reference, UNFOLDED, "export", export_tol),
-                  PairResult(reference, FOLDED, "export", export_tol),
-                  PairResult(UNFOLDED, FOLDED, "fold", fold_tol, anchor=f"{reference} -> {UNFOLDED}")]
+        pairs += [
+            PairResult(reference, UNFOLDED, "export", export_tol),
+            PairResult(reference, FOLDED, "export", export_tol),
+            PairResult(UNFOLDED, FOLDED, "fold", fold_tol, anchor=f"{reference} -> {UNFOLDED}"),
+        ]
     baselines = [v for v in (BASELINE, DECOMPOSED_BASELINE) if manifest.has_artifact(v)]
     if baselines:
         # a plain checkpoint is its own baseline: its forward is the reference, built once
@@ -330,8 +396,11 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
             graphs.append(graph(variant))
             pairs.append(PairResult(baseline_ref, variant, "export", export_tol))
         if len(baselines) == 2:  # the fused norm against the plain ops it replaced
-            pairs.append(PairResult(DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol,
-                                    anchor=f"{baseline_ref} -> {DECOMPOSED_BASELINE}"))
+            pairs.append(
+                PairResult(
+                    DECOMPOSED_BASELINE, BASELINE, "fuse", fold_tol, anchor=f"{baseline_ref} -> {DECOMPOSED_BASELINE}"
+                )
+            )
     if FOLDED in manifest.engines:  # a TensorRT plan of model.onnx (manifest.json's artifacts.engine)
         engine_pair = PairResult(reference, ENGINE_ARTIFACT, "export", export_tol)
         pairs.append(engine_pair)
@@ -349,14 +418,23 @@ def verify_export(export_dir: str | Path, inputs: list[InputBatch] | None = None
     given = {name for name, value in overrides.items() if value is not None}
     _run(list(zip(batches, id_arrays)), run, pairs, threads, progress, given)
     if any(manifest.has_artifact(v, decoder=cache) for v in (UNFOLDED, BASELINE) for cache in KV_CACHES):
-        pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed,
-                                  progress)
-    return VerifyReport(export_dir=str(export_dir), dtype=dtype, logits=logits, device=device, forced_gate0=forced,
-                        note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if baseline_only else None,
-                        checkpoint={"path": str(checkpoint_path), "sha256": manifest.checkpoint_sha256,
-                                    "gate": stored_gate, "reference_gate": 0.0 if forced else stored_gate},
-                        inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
-                        pairs=pairs)
+        pairs += _verify_decoders(manifest, cfg, models, reference, dtype, device, threads, export_tol, seed, progress)
+    return VerifyReport(
+        export_dir=str(export_dir),
+        dtype=dtype,
+        logits=logits,
+        device=device,
+        forced_gate0=forced,
+        note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if baseline_only else None,
+        checkpoint={
+            "path": str(checkpoint_path),
+            "sha256": manifest.checkpoint_sha256,
+            "gate": stored_gate,
+            "reference_gate": 0.0 if forced else stored_gate,
+        },
+        inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
+        pairs=pairs,
+    )
 
 
 class TorchModels(Mapping):
@@ -392,8 +470,14 @@ class ModelRun:
     then: Callable[[], None] = lambda: None  # after its runs: let go of what no later model needs
 
 
-def _run(batches: list[tuple[InputBatch, np.ndarray]], run: list[ModelRun], pairs: list[PairResult],
-         threads: int | None, progress: Callable[[int, int, str], None], given: set[str] = frozenset()) -> None:
+def _run(
+    batches: list[tuple[InputBatch, np.ndarray]],
+    run: list[ModelRun],
+    pairs: list[PairResult],
+    threads: int | None,
+    progress: Callable[[int, int, str], None],
+    given: set[str] = frozenset(),
+) -> None:
     """Run each model of `run` in turn on every batch, closing it before the next one opens (one model's weights in
     memory at a time); a pair is compared as soon as both its models have run (a pair of two graphs after its
     anchor, whose metrics may widen its bound unless the user `given` it), and a model's logits are dropped once no
@@ -422,13 +506,19 @@ def _run(batches: list[tuple[InputBatch, np.ndarray]], run: list[ModelRun], pair
             logits[model.name] = outputs
             for pair in [p for p in waiting if p.reference in logits and p.candidate in logits]:
                 if pair.anchor and collected.get(pair.anchor):  # the anchor's models ran first (it is listed first)
-                    pair.tolerance = between_graphs(pair.tolerance, Metrics.merge(collected[pair.anchor]), pair.anchor,
-                                                    rtol_given="rtol" in given, max_kl_given="max_kl" in given)
+                    pair.tolerance = between_graphs(
+                        pair.tolerance,
+                        Metrics.merge(collected[pair.anchor]),
+                        pair.anchor,
+                        rtol_given="rtol" in given,
+                        max_kl_given="max_kl" in given,
+                    )
                 for (batch, _), ref, cand in zip(batches, logits[pair.reference], logits[pair.candidate]):
                     _compare_one(pair, batch, ref, cand, collected[pair.name])
                 waiting.remove(pair)
-            logits = {name: out for name, out in logits.items()
-                      if any(name in (p.reference, p.candidate) for p in waiting)}
+            logits = {
+                name: out for name, out in logits.items() if any(name in (p.reference, p.candidate) for p in waiting)
+            }
     finally:
         torch.set_num_threads(torch_threads)
     for pair in judged:
@@ -444,8 +534,9 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _compare_one(pair: PairResult, batch: InputBatch, reference: np.ndarray, candidate: np.ndarray,
-                 collected: list[Metrics]) -> None:
+def _compare_one(
+    pair: PairResult, batch: InputBatch, reference: np.ndarray, candidate: np.ndarray, collected: list[Metrics]
+) -> None:
     rtol = pair.tolerance.rtol if pair.tolerance else 0.0
     try:
         metrics = compare_logits(reference, candidate, rtol)
@@ -475,8 +566,18 @@ def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
 # ---- decoders ------------------------------------------------------------------------------------------
 
 
-def _verify_decoders(manifest: Manifest, cfg, models: TorchModels, reference: str, dtype: str, device: str,
-                     threads: int | None, tolerance: Tolerance, seed: int, progress) -> list[PairResult]:
+def _verify_decoders(
+    manifest: Manifest,
+    cfg,
+    models: TorchModels,
+    reference: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    tolerance: Tolerance,
+    seed: int,
+    progress,
+) -> list[PairResult]:
     """Every decoder graph (`*.decoder.onnx`, `*.static.onnx`) against its torch model (`models`, as verify_export
     built them; released here once the torch models have decoded) decoding the same tokens with a growing cache (see decode_cases): a static graph is
     held to the same reference as a growing one, at every step. A static graph decodes cases that fit its cache."""
@@ -489,9 +590,14 @@ def _verify_decoders(manifest: Manifest, cfg, models: TorchModels, reference: st
     cache_len = {GROWING: None, STATIC: manifest.max_cache or cfg.max_seq_len}
     cases = {cache: decode_cases(cfg.vocab_size, cache_len[cache] or cfg.max_seq_len, seed) for _, cache in graphs}
     for g, pair in pairs.items():
-        why_not = ("bf16: numpy has no bfloat16 to feed the KV cache from the host" if dtype == "bf16" else
-                   f"{'the static cache' if g[1] == STATIC else 'the context'} ({cache_len[g[1]] or cfg.max_seq_len}) "
-                   f"holds no prompt and {DECODE_STEPS} steps" if not cases[g[1]] else None)
+        why_not = (
+            "bf16: numpy has no bfloat16 to feed the KV cache from the host"
+            if dtype == "bf16"
+            else f"{'the static cache' if g[1] == STATIC else 'the context'} ({cache_len[g[1]] or cfg.max_seq_len}) "
+            f"holds no prompt and {DECODE_STEPS} steps"
+            if not cases[g[1]]
+            else None
+        )
         if why_not:
             pair.status, pair.reason = "skipped", why_not
     judged = [g for g in graphs if pairs[g].status != "skipped"]
@@ -529,8 +635,9 @@ def _verify_decoders(manifest: Manifest, cfg, models: TorchModels, reference: st
     return list(pairs.values())
 
 
-def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str,
-                   cache_len: int | None = None) -> list[np.ndarray]:
+def _decode_logits(
+    runner: Runner, ids: np.ndarray, cfg, kv_dtype: str, cache_len: int | None = None
+) -> list[np.ndarray]:
     """Logits of the prompt (ids minus the last DECODE_STEPS columns, empty past; a static cache of `cache_len`) and of
     each KV-cached step fed the next column of ids; the presents stay in the runner's own form between steps."""
     from taperfold.bench.decode import prompt_feeds, step_feeds
@@ -542,5 +649,5 @@ def _decode_logits(runner: Runner, ids: np.ndarray, cfg, kv_dtype: str,
         out = runner.infer(feeds)
         logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
         if k < DECODE_STEPS:
-            feeds = step_feeds(cfg, ids[:, prompt + k:prompt + k + 1], out, prompt + k, cache_len is not None)
+            feeds = step_feeds(cfg, ids[:, prompt + k : prompt + k + 1], out, prompt + k, cache_len is not None)
     return logits

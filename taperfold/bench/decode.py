@@ -21,8 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, OUTPUT, STATIC, decoder_io_names,
-                                 numpy_dtype)
+from taperfold.exportdir import (
+    CACHE_POSITION,
+    GROWING,
+    INPUT,
+    NEXT_TOKEN,
+    OUTPUT,
+    STATIC,
+    decoder_io_names,
+    numpy_dtype,
+)
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
 
@@ -68,8 +76,9 @@ def step_feeds(cfg: ModelConfig, tokens, previous: dict, position: int, static: 
     return feeds
 
 
-def generate(runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str,
-             cache_len: int | None = None) -> Generation:
+def generate(
+    runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str, cache_len: int | None = None
+) -> Generation:
     """A prompt and `steps` greedy steps; `cache_len`: the static cache's length, for a runner of a static decoder."""
     static = is_static(runner)
     if static != (cache_len is not None):

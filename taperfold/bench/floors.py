@@ -63,7 +63,9 @@ def prefill_work(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> tuple[fl
     head = cfg.vocab_size * cfg.d_model
     weights = (_linear_params(cfg) + head) * size
     gathered = batch * seq * cfg.d_model * size  # embedding rows looked up
-    flops = 2 * batch * seq * _linear_params(cfg) + 2 * batch * head + cfg.n_layers * 2 * batch * seq * seq * cfg.d_model
+    flops = (
+        2 * batch * seq * _linear_params(cfg) + 2 * batch * head + cfg.n_layers * 2 * batch * seq * seq * cfg.d_model
+    )
     return float(weights + gathered), float(flops)
 
 

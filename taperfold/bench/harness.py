@@ -19,8 +19,9 @@ because the variant measured just before has pushed this one's weights out of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 Sample = TypeVar("Sample")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,8 +19,18 @@ from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, op
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.export import MAX_EXPORT_BATCH
-from taperfold.exportdir import (ALL_VARIANTS, BASELINE, DECOMPOSED_BASELINE, GROWING, INPUT, KV_CACHES, STATIC,
-                                 VARIANTS, artifact_key, torch_dtype)
+from taperfold.exportdir import (
+    ALL_VARIANTS,
+    BASELINE,
+    DECOMPOSED_BASELINE,
+    GROWING,
+    INPUT,
+    KV_CACHES,
+    STATIC,
+    VARIANTS,
+    artifact_key,
+    torch_dtype,
+)
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
 from taperfold.variants import build_variants, fused_group_count
@@ -31,9 +41,9 @@ GENERATION = "generation"
 TIMING = {
     SYNCED: "latency: each call timed alone, its outputs synchronized before the clock stops",
     PIPELINED: "throughput: the calls of a sample issued back to back between two timestamps, one synchronize at "
-               "the end; time / calls",
+    "the end; time / calls",
     GENERATION: "a whole KV-cached generation: the summed times of its steps, each synced (its logits come back to "
-                "the host for the next token)",
+    "the host for the next token)",
 }
 
 
@@ -79,8 +89,9 @@ def cells(opts: BenchOptions) -> list[tuple[int, int]]:
     return [(b, s) for b in opts.batches for s in lengths]
 
 
-def fit_to_context(opts: BenchOptions, source: Source, seqs_given: bool,
-                   prompt_given: bool) -> tuple[BenchOptions, list[str]]:
+def fit_to_context(
+    opts: BenchOptions, source: Source, seqs_given: bool, prompt_given: bool
+) -> tuple[BenchOptions, list[str]]:
     """Default lengths capped to what the model's context holds (in decode mode with a static cache: what the cache
     holds), with a note saying so; lengths the user gave are kept as given (and refused by `_check` or
     `decode_cache` if they do not fit)."""
@@ -90,15 +101,19 @@ def fit_to_context(opts: BenchOptions, source: Source, seqs_given: bool,
         fit = [s for s in opts.seqs if s <= context]
         if len(fit) < len(opts.seqs):
             fit = fit or [context]
-            notes.append(f"--seq: the defaults {','.join(map(str, opts.seqs))} are capped at the model's context "
-                         f"({context}): timing {','.join(map(str, fit))}")
+            notes.append(
+                f"--seq: the defaults {','.join(map(str, opts.seqs))} are capped at the model's context "
+                f"({context}): timing {','.join(map(str, fit))}"
+            )
             opts = replace(opts, seqs=fit)
     room, what = (static, "static cache (export --max-cache)") if static else (context, "model's context")
     if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > room:
         prompt = room - opts.new_tokens
         if prompt >= 1:
-            notes.append(f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the {what} "
-                         f"({room}): prompt {prompt}")
+            notes.append(
+                f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the {what} "
+                f"({room}): prompt {prompt}"
+            )
             opts = replace(opts, prompt=prompt)
     return opts, notes
 
@@ -109,8 +124,10 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
     if opts.mode == "decode" and engine(opts.engine).runs == GRAPHS and dtype == "bf16":
-        raise TaperfoldError("--mode decode with a bf16 export: numpy has no bfloat16 to feed the KV cache; "
-                             "use --engine torch --dtype bf16")
+        raise TaperfoldError(
+            "--mode decode with a bf16 export: numpy has no bfloat16 to feed the KV cache; "
+            "use --engine torch --dtype bf16"
+        )
 
 
 def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[str, int | None]:
@@ -121,8 +138,10 @@ def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[st
     if length is None:
         return GROWING, None
     if opts.prompt + opts.new_tokens > length:
-        raise TaperfoldError(f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
-                             f"({length} positions: export --max-cache, else the context)")
+        raise TaperfoldError(
+            f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
+            f"({length} positions: export --max-cache, else the context)"
+        )
     return STATIC, length
 
 
@@ -144,9 +163,11 @@ def _check_exported(manifest, variants: list[str], decoder: bool | str) -> None:
     present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, decoder=decoder)]
     missing = [v for v in variants if v not in present]
     if missing and present and set(present) <= {BASELINE, DECOMPOSED_BASELINE}:
-        raise TaperfoldError(f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
-                             f"or folded), so {', '.join(missing)} cannot be timed; it can time --variants "
-                             f"{','.join(present)}")
+        raise TaperfoldError(
+            f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
+            f"or folded), so {', '.join(missing)} cannot be timed; it can time --variants "
+            f"{','.join(present)}"
+        )
 
 
 @dataclass
@@ -180,9 +201,18 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     fused = fused_projections(chosen, source, opts.fuse_projections)
-    runners, groups = make_runners(chosen, source, opts.variants, decoder=decoder, device=opts.device, dtype=dtype,
-                                   threads=threads, options=opts.engine_options, shapes=shape_count(opts, cache),
-                                   fuse_projections=fused)
+    runners, groups = make_runners(
+        chosen,
+        source,
+        opts.variants,
+        decoder=decoder,
+        device=opts.device,
+        dtype=dtype,
+        threads=threads,
+        options=opts.engine_options,
+        shapes=shape_count(opts, cache),
+        fuse_projections=fused,
+    )
     with open_runners(runners):
         yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len, fused, groups)
 
@@ -219,17 +249,29 @@ def fused_projections(engine: Engine, source: Source, asked: bool | None) -> boo
     exported = manifest is not None and manifest.fused_projections
     if engine.runs == GRAPHS:  # (without an export, make_runners says that this engine needs one)
         if manifest is not None and asked is not None and asked != exported:
-            raise TaperfoldError(f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
-                                 f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
-                                 f"'export.fuse_projections'); re-export {'with' if exported else 'without'} "
-                                 "--no-fuse-projections, or time --engine torch")
+            raise TaperfoldError(
+                f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
+                f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
+                f"'export.fuse_projections'); re-export {'with' if exported else 'without'} "
+                "--no-fuse-projections, or time --engine torch"
+            )
         return exported
     return exported if asked is None else asked
 
 
-def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder: bool | str, device: str, dtype: str,
-                 threads: int, options: dict, shapes: int | None = None,
-                 fuse_projections: bool = False) -> tuple[dict[str, Runner], dict[str, int]]:
+def make_runners(
+    engine: Engine,
+    source: Source,
+    variants: list[str],
+    *,
+    decoder: bool | str,
+    device: str,
+    dtype: str,
+    threads: int,
+    options: dict,
+    shapes: int | None = None,
+    fuse_projections: bool = False,
+) -> tuple[dict[str, Runner], dict[str, int]]:
     """One runner per variant (not loaded yet) of the prefill graph or `decoder` (True / "growing", "static"). With
     `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
     `runner_label(variant, "cuda-graph")`), measured side by side. Also each variant's fused projection groups:
@@ -241,11 +283,15 @@ def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder
         raise TaperfoldError(f"--mode decode: {engine.title} runs no KV-cached decoders; use {others}")
     if engine.runs == GRAPHS:
         if source.manifest is None:
-            raise TaperfoldError(f"--engine {engine.name} runs exported graphs: give an export directory (DIR), "
-                                 "not --checkpoint or --preset")
+            raise TaperfoldError(
+                f"--engine {engine.name} runs exported graphs: give an export directory (DIR), "
+                "not --checkpoint or --preset"
+            )
         if dtype != source.manifest.dtype:
-            raise TaperfoldError(f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
-                                 f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}")
+            raise TaperfoldError(
+                f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
+                f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}"
+            )
         targets = engine.files(source.manifest, variants, decoder)
         groups = {name: _exported_groups(source.manifest, name, decoder) for name in targets}
     else:
@@ -256,8 +302,16 @@ def make_runners(engine: Engine, source: Source, variants: list[str], *, decoder
     for name, target in targets.items():
         for graph in kinds:
             kind = {**options, "cuda_graph": True} if graph else {k: v for k, v in options.items() if k != "cuda_graph"}
-            runner = engine.runner(target, device=device, threads=threads, decoder=decoder, logits=source.logits,
-                                   name=f"{name} ({source.label})", shapes=shapes, **kind)
+            runner = engine.runner(
+                target,
+                device=device,
+                threads=threads,
+                decoder=decoder,
+                logits=source.logits,
+                name=f"{name} ({source.label})",
+                shapes=shapes,
+                **kind,
+            )
             runners[runner_label(name, "cuda-graph" if graph else "eager")] = runner
     return runners, groups
 
@@ -271,8 +325,9 @@ def _exported_groups(manifest, variant: str, decoder: bool | str) -> int:
     summary = projections.get("summary") if isinstance(projections, dict) else None
     groups = summary.get("groups") if isinstance(summary, dict) else None
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
-        raise TaperfoldError(f"{manifest.path}: key 'artifacts.{key}.projections.summary.groups' must be a count, "
-                             f"got {groups!r}")
+        raise TaperfoldError(
+            f"{manifest.path}: key 'artifacts.{key}.projections.summary.groups' must be a count, got {groups!r}"
+        )
     return groups
 
 
@@ -289,17 +344,33 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
-            jobs = {name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
-                    for name, r in runners.items()}
+            jobs = {
+                name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
+                for name, r in runners.items()
+            }
             rows = _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
         else:
             prepared = {name: r.prepare({INPUT: ids}) for name, r in runners.items()}
-            jobs = {name: Job(synced=lambda r=r, p=prepared[name]: r.timed_run(p)[1],
-                              pipelined=lambda calls, r=r, p=prepared[name]: r.pipelined_run(p, calls)[1])
-                    for name, r in runners.items()}
+            jobs = {
+                name: Job(
+                    synced=lambda r=r, p=prepared[name]: r.timed_run(p)[1],
+                    pipelined=lambda calls, r=r, p=prepared[name]: r.pipelined_run(p, calls)[1],
+                )
+                for name, r in runners.items()
+            }
             samples = run_rounds(jobs, schedule, on_call)
-            rows = [_prefill_row(name, batch, seq, samples.first[name], samples.synced[name],
-                                 samples.pipelined[name], schedule.iter_slices) for name in runners]
+            rows = [
+                _prefill_row(
+                    name,
+                    batch,
+                    seq,
+                    samples.first[name],
+                    samples.synced[name],
+                    samples.pipelined[name],
+                    schedule.iter_slices,
+                )
+                for name in runners
+            ]
         for row in rows:
             name = row.pop("runner")
             row["execution"] = execution_of(runners[name])
@@ -322,7 +393,8 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "dtype": bench.dtype,
         "threads": bench.threads,
         "compile": bool(opts.engine_options.get("compile")),
-        "compile_mode": opts.engine_options.get("compile_mode", "default") if opts.engine_options.get("compile")
+        "compile_mode": opts.engine_options.get("compile_mode", "default")
+        if opts.engine_options.get("compile")
         else None,
         "cuda_graph": bool(opts.engine_options.get("cuda_graph")),
         "executions": list(dict.fromkeys(r["execution"] for r in results)),
@@ -331,13 +403,20 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         "engine_options": opts.engine_options,
         "source": bench.source.to_dict(),
         "config": cfg.to_dict(),
-        "settings": {**{k: v for k, v in asdict(opts).items() if k not in ("dtype", "threads")},
-                     "warmup_slices": schedule.warmup_slices, "iter_slices": schedule.iter_slices,
-                     "cv_warn_pct": threshold},
+        "settings": {
+            **{k: v for k, v in asdict(opts).items() if k not in ("dtype", "threads")},
+            "warmup_slices": schedule.warmup_slices,
+            "iter_slices": schedule.iter_slices,
+            "cv_warn_pct": threshold,
+        },
         "environment": machine_info(),
         "results": results,
-        "warnings": [_cv_warning(r, mode, threshold) for r in results for mode in (SYNCED, PIPELINED)
-                     if mode in r and r[mode]["stats_ms"]["cv_pct"] > threshold],
+        "warnings": [
+            _cv_warning(r, mode, threshold)
+            for r in results
+            for mode in (SYNCED, PIPELINED)
+            if mode in r and r[mode]["stats_ms"]["cv_pct"] > threshold
+        ],
     }
 
 
@@ -373,12 +452,21 @@ def _timings(seconds) -> dict:
 
 
 def _head(phase: str, label: str, batch: int, seq: int, tokens: int, first_s: float) -> dict:
-    return {"phase": phase, "variant": label.removesuffix(GRAPH_LABEL), "label": label, "runner": label,
-            "batch": batch, "seq": seq, "tokens": tokens, "first_run_ms": round(first_s * 1e3, 6)}
+    return {
+        "phase": phase,
+        "variant": label.removesuffix(GRAPH_LABEL),
+        "label": label,
+        "runner": label,
+        "batch": batch,
+        "seq": seq,
+        "tokens": tokens,
+        "first_run_ms": round(first_s * 1e3, 6),
+    }
 
 
-def _prefill_row(label: str, batch: int, seq: int, first_s: float, synced_s: list[float], pipelined_s: list[float],
-                 calls: list[int]) -> dict:
+def _prefill_row(
+    label: str, batch: int, seq: int, first_s: float, synced_s: list[float], pipelined_s: list[float], calls: list[int]
+) -> dict:
     """Latency from the synced calls, throughput from the pipelined samples (`calls[i]` calls each)."""
     row = _head("prefill", label, batch, seq, batch * seq, first_s)
     row[SYNCED] = _timings(synced_s)
@@ -403,8 +491,10 @@ def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
         totals = [sum(g.step_s) for g in gens]
         row = _head("decode", name, batch, prompt, batch * steps, sum(first.step_s))
         row["new_tokens"] = steps
-        row[SYNCED] = {"times_ms": [_ms(g.step_s) for g in gens],
-                       "stats_ms": summarize([s for g in gens for s in g.step_s]).scaled(1e3).to_dict()}
+        row[SYNCED] = {
+            "times_ms": [_ms(g.step_s) for g in gens],
+            "stats_ms": summarize([s for g in gens for s in g.step_s]).scaled(1e3).to_dict(),
+        }
         row[GENERATION] = _timings(totals)
         row["throughput_from"] = GENERATION
         row["tokens_per_s"] = batch * steps / float(np.median(totals))
@@ -415,6 +505,7 @@ def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
 def _add_speedups(rows: list[dict]) -> None:
     """speedup = variant throughput / baseline throughput in the same cell, phase and execution (graph replays
     against the baseline's graph replays), None without a baseline."""
+
     def key(r):
         return r["phase"], r["batch"], r["seq"], r["execution"]
 
@@ -425,5 +516,7 @@ def _add_speedups(rows: list[dict]) -> None:
 
 
 def _cv_warning(row: dict, mode: str, threshold: float) -> str:
-    return (f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']} ({mode}): "
-            f"CV {row[mode]['stats_ms']['cv_pct']:.1f} % > {threshold:g} %")
+    return (
+        f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']} ({mode}): "
+        f"CV {row[mode]['stats_ms']['cv_pct']:.1f} % > {threshold:g} %"
+    )

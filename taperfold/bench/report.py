@@ -16,11 +16,31 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 STATS = ("median", "mean", "p90", "p99", "min", "max", "std")
-CSV_COLUMNS = ["mode", "engine", "device", "dtype", "threads", "fused_projections", "phase", "variant", "execution",
-               "batch", "seq", "new_tokens", "first_run_ms",
-               "synced_n", *(f"synced_{k}_ms" for k in STATS), "synced_cv_pct",
-               "pipelined_n", "pipelined_calls", *(f"pipelined_{k}_ms" for k in STATS), "pipelined_cv_pct",
-               "throughput_from", "tokens_per_s", "speedup_vs_baseline"]
+CSV_COLUMNS = [
+    "mode",
+    "engine",
+    "device",
+    "dtype",
+    "threads",
+    "fused_projections",
+    "phase",
+    "variant",
+    "execution",
+    "batch",
+    "seq",
+    "new_tokens",
+    "first_run_ms",
+    "synced_n",
+    *(f"synced_{k}_ms" for k in STATS),
+    "synced_cv_pct",
+    "pipelined_n",
+    "pipelined_calls",
+    *(f"pipelined_{k}_ms" for k in STATS),
+    "pipelined_cv_pct",
+    "throughput_from",
+    "tokens_per_s",
+    "speedup_vs_baseline",
+]
 # Prefill throughput in thousands of tokens per second, as the paper's Table 3; decode in tokens per second.
 UNIT = {"prefill": (1e3, "k tokens/s"), "decode": (1.0, "tokens/s")}
 
@@ -55,8 +75,10 @@ def check_report(report, origin) -> dict:
     if not isinstance(report, dict) or report.get("format") != FORMAT:
         raise TaperfoldError(f"{origin}: not a {FORMAT} report (key 'format')")
     if report.get("format_version") not in READABLE_VERSIONS:
-        raise TaperfoldError(f"{origin}: key 'format_version' is {report.get('format_version')!r}; this taperfold "
-                             f"reads {FORMAT} versions {', '.join(map(str, READABLE_VERSIONS))}")
+        raise TaperfoldError(
+            f"{origin}: key 'format_version' is {report.get('format_version')!r}; this taperfold "
+            f"reads {FORMAT} versions {', '.join(map(str, READABLE_VERSIONS))}"
+        )
     return report
 
 
@@ -69,13 +91,24 @@ def throughput_stats(row: dict) -> dict:
 def csv_rows(report: dict) -> list[dict]:
     rows = []
     for r in report["results"]:
-        row = {"mode": report["mode"], "engine": report["engine"], "device": report["device"],
-               "dtype": report["dtype"], "threads": report["threads"],
-               "fused_projections": report.get("fused_projections", ""), "phase": r["phase"], "variant": r["variant"],
-               "execution": r.get("execution", "eager"), "batch": r["batch"], "seq": r["seq"],
-               "new_tokens": r.get("new_tokens", ""), "first_run_ms": r["first_run_ms"],
-               "throughput_from": r["throughput_from"], "tokens_per_s": r["tokens_per_s"],
-               "speedup_vs_baseline": "" if r["speedup_vs_baseline"] is None else r["speedup_vs_baseline"]}
+        row = {
+            "mode": report["mode"],
+            "engine": report["engine"],
+            "device": report["device"],
+            "dtype": report["dtype"],
+            "threads": report["threads"],
+            "fused_projections": report.get("fused_projections", ""),
+            "phase": r["phase"],
+            "variant": r["variant"],
+            "execution": r.get("execution", "eager"),
+            "batch": r["batch"],
+            "seq": r["seq"],
+            "new_tokens": r.get("new_tokens", ""),
+            "first_run_ms": r["first_run_ms"],
+            "throughput_from": r["throughput_from"],
+            "tokens_per_s": r["tokens_per_s"],
+            "speedup_vs_baseline": "" if r["speedup_vs_baseline"] is None else r["speedup_vs_baseline"],
+        }
         for mode in (SYNCED, PIPELINED):
             stats = r[mode]["stats_ms"] if mode in r else {}
             row[f"{mode}_n"] = stats.get("n", "")
@@ -122,8 +155,9 @@ def write_plot(path: str | Path, report: dict) -> None:
             xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(shapes))]
             axes[row][0].bar(xs, [by_key[b, s, v]["tokens_per_s"] / scale for b, s in shapes], width, label=v)
             if v in speedups:
-                axes[row][1].plot(labels, [by_key[b, s, v]["speedup_vs_baseline"] for b, s in shapes],
-                                  marker="o", label=v)
+                axes[row][1].plot(
+                    labels, [by_key[b, s, v]["speedup_vs_baseline"] for b, s in shapes], marker="o", label=v
+                )
         axes[row][0].set_xticks(range(len(shapes)), labels)
         axes[row][0].set_ylabel(f"{phase} throughput ({unit})")
         axes[row][0].legend()
@@ -131,8 +165,9 @@ def write_plot(path: str | Path, report: dict) -> None:
         axes[row][1].set_ylabel(f"{phase} speedup vs baseline")
         if len(variants) > 1:
             axes[row][1].legend()
-    fig.suptitle(f"taperfold bench: {report['engine']} {report['device']} {report['dtype']}, "
-                 f"{report['threads']} threads")
+    fig.suptitle(
+        f"taperfold bench: {report['engine']} {report['device']} {report['dtype']}, {report['threads']} threads"
+    )
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)

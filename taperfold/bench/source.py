@@ -8,9 +8,9 @@ preset.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import Manifest, read_manifest
@@ -36,29 +36,41 @@ class Source:
 def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str | None, arch: str = "llama") -> Source:
     given = [name for name, value in (("DIR", export_dir), ("--checkpoint", checkpoint), ("--preset", preset)) if value]
     if len(given) != 1:
-        raise TaperfoldError("give exactly one of DIR (an export directory), --checkpoint CKPT or --preset NAME"
-                             + (f"; got {' and '.join(given)}" if given else ""))
-    description = {"export_dir": export_dir and str(Path(export_dir)),
-                   "checkpoint": checkpoint and str(Path(checkpoint)), "preset": preset, "arch": arch if preset else None}
+        raise TaperfoldError(
+            "give exactly one of DIR (an export directory), --checkpoint CKPT or --preset NAME"
+            + (f"; got {' and '.join(given)}" if given else "")
+        )
+    description = {
+        "export_dir": export_dir and str(Path(export_dir)),
+        "checkpoint": checkpoint and str(Path(checkpoint)),
+        "preset": preset,
+        "arch": arch if preset else None,
+    }
     if preset:
         from taperfold.models import preset_config, random_gate0_model
         from taperfold.sources.builtin import checkpoint_from_model
 
-        return Source(f"--preset {preset}", preset_config(preset, arch=arch),
-                      lambda: checkpoint_from_model(random_gate0_model(preset, arch), step=0), None, description)
+        return Source(
+            f"--preset {preset}",
+            preset_config(preset, arch=arch),
+            lambda: checkpoint_from_model(random_gate0_model(preset, arch), step=0),
+            None,
+            description,
+        )
     if checkpoint:
         model_source = _tapered(open_source(checkpoint), checkpoint)
         return Source(str(checkpoint), model_source.config, lambda: model_source, None, description)
     manifest = read_manifest(export_dir)
-    return Source(str(export_dir), manifest.config(), lambda: _exported_checkpoint(manifest), manifest,
-                  description)
+    return Source(str(export_dir), manifest.config(), lambda: _exported_checkpoint(manifest), manifest, description)
 
 
 def _exported_checkpoint(manifest: Manifest) -> ModelSource:
     path = manifest.checkpoint
     if not path.exists():
-        raise TaperfoldError(f"{manifest.path}: key 'checkpoint.path': {path} no longer exists; pass "
-                             "--checkpoint CKPT instead of DIR for a torch engine")
+        raise TaperfoldError(
+            f"{manifest.path}: key 'checkpoint.path': {path} no longer exists; pass "
+            "--checkpoint CKPT instead of DIR for a torch engine"
+        )
     return _tapered(open_source(path), path)
 
 

@@ -27,7 +27,7 @@ class Stats:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def scaled(self, factor: float) -> "Stats":
+    def scaled(self, factor: float) -> Stats:
         """The same statistics in another unit (seconds → milliseconds); CV is unit-free."""
         values = {k: v * factor for k, v in asdict(self).items() if k not in ("n", "cv_pct")}
         return Stats(n=self.n, cv_pct=self.cv_pct, **values)
@@ -39,5 +39,14 @@ def summarize(samples) -> Stats:
         raise ValueError("no samples to summarize")
     p50, p90, p99 = np.percentile(x, [50, 90, 99])
     mean, std = float(x.mean()), float(x.std())
-    return Stats(n=int(x.size), median=float(p50), mean=mean, p90=float(p90), p99=float(p99),
-                 min=float(x.min()), max=float(x.max()), std=std, cv_pct=100.0 * std / mean if mean else 0.0)
+    return Stats(
+        n=int(x.size),
+        median=float(p50),
+        mean=mean,
+        p90=float(p90),
+        p99=float(p99),
+        min=float(x.min()),
+        max=float(x.max()),
+        std=std,
+        cv_pct=100.0 * std / mean if mean else 0.0,
+    )

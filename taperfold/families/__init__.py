@@ -29,8 +29,8 @@ a module here plus its name in `_MODULES`, or `register(Family(...))` from anywh
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from taperfold.errors import TaperfoldError
 
@@ -53,15 +53,18 @@ class Family:
     configure: Callable[[object], dict] | None = None  # config -> the fields that differ for its layout
     traced: bool = False  # found by tracing the model (taperfold.hf.trace), not written by hand
 
-    def for_config(self, config) -> "Family":
+    def for_config(self, config) -> Family:
         """The family as a model of `config` lays out its layers (itself unless `configure` says otherwise)."""
         return self if self.configure is None else replace(self, **self.configure(config), configure=None)
 
     def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
         """The norms `taper` ("internal" | "all") covers that fold forwards, each module path with the paths of
         its readers."""
-        paths = {f"{self.layers}.{i}.{norm}": [f"{self.layers}.{i}.{r}" for r in readers]
-                 for i in range(n_layers) for norm, readers in self.internal.items()}
+        paths = {
+            f"{self.layers}.{i}.{norm}": [f"{self.layers}.{i}.{r}" for r in readers]
+            for i in range(n_layers)
+            for norm, readers in self.internal.items()
+        }
         if taper == "all":
             paths[self.final] = [self.head]
         return paths
@@ -72,14 +75,40 @@ class Family:
 
     def norm_producers(self, n_layers: int) -> dict[str, str]:
         """The post-norms, which fold backwards: each module path with the path of its producer."""
-        return {f"{self.layers}.{i}.{norm}": f"{self.layers}.{i}.{producer}"
-                for i in range(n_layers) for norm, producer in self.post.items()}
+        return {
+            f"{self.layers}.{i}.{norm}": f"{self.layers}.{i}.{producer}"
+            for i in range(n_layers)
+            for norm, producer in self.post.items()
+        }
 
 
 # The families taperfold ships, one module each.
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "exaone4", "glm4",
-            "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "mixtral", "qwen2_moe",
-            "qwen3_moe", "falcon", "stablelm")
+_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "olmo2",
+    "exaone4",
+    "glm4",
+    "granite",
+    "smollm3",
+    "olmo",
+    "phi",
+    "gpt2",
+    "gpt_neox",
+    "opt",
+    "bloom",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "falcon",
+    "stablelm",
+)
 _REGISTRY: dict[str, Family] = {}
 
 
@@ -116,6 +145,8 @@ def family_for(model_type, where: str = "config.json") -> Family:
     _load_shipped()
     family = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise TaperfoldError(f"{where}: key 'model_type' is {model_type!r}, which taperfold cannot taper; "
-                             f"supported: {', '.join(supported_model_types())} (docs/extending.md: adding a family)")
+        raise TaperfoldError(
+            f"{where}: key 'model_type' is {model_type!r}, which taperfold cannot taper; "
+            f"supported: {', '.join(supported_model_types())} (docs/extending.md: adding a family)"
+        )
     return family

@@ -21,8 +21,10 @@ def _layout(config) -> dict:
 
 def _check(config) -> str | None:
     if getattr(config, "new_decoder_architecture", False) and not getattr(config, "parallel_attn", True):
-        return ("new_decoder_architecture with parallel_attn false: transformers builds norms its forward does not "
-                "use (not a Falcon checkpoint)")
+        return (
+            "new_decoder_architecture with parallel_attn false: transformers builds norms its forward does not "
+            "use (not a Falcon checkpoint)"
+        )
     return None
 
 

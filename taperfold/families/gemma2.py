@@ -10,8 +10,10 @@ FAMILY = Family(
     norm="rms",
     gain_offset=1.0,
     layers="model.layers",
-    internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
+    internal={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    },
     post={"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"},
     final="model.norm",
 )

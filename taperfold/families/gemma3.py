@@ -5,5 +5,6 @@ from dataclasses import replace
 from taperfold.families.gemma2 import FAMILY as GEMMA2
 from taperfold.families.qwen3 import PER_HEAD_QK
 
-FAMILY = replace(GEMMA2, name="gemma3", model_types=("gemma3_text",),
-                 untapered={"q_norm": PER_HEAD_QK, "k_norm": PER_HEAD_QK})
+FAMILY = replace(
+    GEMMA2, name="gemma3", model_types=("gemma3_text",), untapered={"q_norm": PER_HEAD_QK, "k_norm": PER_HEAD_QK}
+)

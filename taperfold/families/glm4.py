@@ -9,8 +9,10 @@ FAMILY = Family(
     model_types=("glm4",),
     norm="rms",
     layers="model.layers",
-    internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "post_attention_layernorm": ("mlp.gate_up_proj",)},
+    internal={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "post_attention_layernorm": ("mlp.gate_up_proj",),
+    },
     post={"post_self_attn_layernorm": "self_attn.o_proj", "post_mlp_layernorm": "mlp.down_proj"},
     final="model.norm",
 )

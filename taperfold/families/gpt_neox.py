@@ -8,7 +8,6 @@ FAMILY = Family(
     model_types=("gpt_neox",),
     norm="ln",
     layers="gpt_neox.layers",
-    internal={"input_layernorm": ("attention.query_key_value",),
-              "post_attention_layernorm": ("mlp.dense_h_to_4h",)},
+    internal={"input_layernorm": ("attention.query_key_value",), "post_attention_layernorm": ("mlp.dense_h_to_4h",)},
     final="gpt_neox.final_layer_norm",
 )

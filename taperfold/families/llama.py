@@ -8,7 +8,9 @@ FAMILY = Family(
     model_types=("llama",),
     norm="rms",
     layers="model.layers",
-    internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
+    internal={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    },
     final="model.norm",
 )

@@ -12,8 +12,10 @@ ROUTED_EXPERTS = ("mlp.gate.weight", "mlp.experts.gate_up_proj")
 def dense_layers(config) -> str | None:
     """Qwen-MoE configurations where some layers have a dense MLP instead of experts (their norm's readers differ)."""
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-        return ("mlp_only_layers / decoder_sparse_step give some layers a dense MLP: taperfold maps MoE models whose "
-                "every layer has experts")
+        return (
+            "mlp_only_layers / decoder_sparse_step give some layers a dense MLP: taperfold maps MoE models whose "
+            "every layer has experts"
+        )
     return None
 
 

@@ -8,8 +8,10 @@ FAMILY = Family(
     model_types=("olmo",),
     norm="ln",
     layers="model.layers",
-    internal={"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")},
+    internal={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    },
     final="model.norm",
     norm_eps=1e-5,  # OlmoLayerNorm's forward calls F.layer_norm(..., eps=1e-5)
 )

@@ -4,8 +4,10 @@ between the projections and RoPE."""
 
 from taperfold.families import Family
 
-_QK = ("normalises the projected queries/keys (every head at once) before RoPE and the attention scores: "
-       "a QK-norm, never tapered")
+_QK = (
+    "normalises the projected queries/keys (every head at once) before RoPE and the attention scores: "
+    "a QK-norm, never tapered"
+)
 
 FAMILY = Family(
     name="olmo2",

@@ -19,8 +19,10 @@ FAMILY = Family(
     model_types=("opt",),
     norm="ln",
     layers="model.decoder.layers",
-    internal={"self_attn_layer_norm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "final_layer_norm": ("fc1",)},
+    internal={
+        "self_attn_layer_norm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "final_layer_norm": ("fc1",),
+    },
     final="model.decoder.final_layer_norm",
     check=_check,
 )

@@ -2,8 +2,10 @@
 
 from taperfold.families import Family
 
-_QK = ("per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds RoPE and the attention "
-       "scores, not a linear layer; never tapered")
+_QK = (
+    "per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds RoPE and the attention "
+    "scores, not a linear layer; never tapered"
+)
 
 FAMILY = Family(
     name="phi",

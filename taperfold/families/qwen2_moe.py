@@ -10,9 +10,15 @@ FAMILY = Family(
     model_types=("qwen2_moe",),
     norm="rms",
     layers="model.layers",
-    internal={"input_layernorm": ATTENTION,
-              "post_attention_layernorm": (*ROUTED_EXPERTS, "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
-                                           "mlp.shared_expert_gate")},
+    internal={
+        "input_layernorm": ATTENTION,
+        "post_attention_layernorm": (
+            *ROUTED_EXPERTS,
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+            "mlp.shared_expert_gate",
+        ),
+    },
     final="model.norm",
     check=dense_layers,
 )

@@ -6,8 +6,10 @@ norm). With `qk_layernorm`, each head of the projected queries and keys has its 
 from taperfold.families import Family
 
 ATTENTION, MLP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
-_QK = ("per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds RoPE and the attention scores, "
-       "not a linear layer; never tapered")
+_QK = (
+    "per-head LayerNorm of the projected queries/keys (qk_layernorm): feeds RoPE and the attention scores, "
+    "not a linear layer; never tapered"
+)
 
 
 def _layout(config) -> dict:

@@ -18,9 +18,27 @@ from taperfold.hf.training import TaperHook, train_hf_directory
 from taperfold.sources.base import SourceKind
 from taperfold.taper import Tapering
 
-__all__ = ["Family", "HFCheckpoint", "KIND", "TaperHook", "Tapering", "family_for", "is_hf_directory",
-           "load_hf_directory", "save_hf_directory", "supported_model_types", "taper_model", "tapering_of"]
+__all__ = [
+    "KIND",
+    "Family",
+    "HFCheckpoint",
+    "TaperHook",
+    "Tapering",
+    "family_for",
+    "is_hf_directory",
+    "load_hf_directory",
+    "save_hf_directory",
+    "supported_model_types",
+    "taper_model",
+    "tapering_of",
+]
 
-KIND = SourceKind(SOURCE, claims=is_hf_directory, open=load_hf_directory,
-                  wrote_config=lambda config: config.get("source") == SOURCE, config_from_dict=HFModelInfo.from_dict,
-                  fine_tune=train_hf_directory, resolve=hub.resolve)
+KIND = SourceKind(
+    SOURCE,
+    claims=is_hf_directory,
+    open=load_hf_directory,
+    wrote_config=lambda config: config.get("source") == SOURCE,
+    config_from_dict=HFModelInfo.from_dict,
+    fine_tune=train_hf_directory,
+    resolve=hub.resolve,
+)

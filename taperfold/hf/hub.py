@@ -11,9 +11,19 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError, first_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-FETCHED = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-           "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-           "special_tokens_map.json", "added_tokens.json"]
+FETCHED = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+]
 
 
 def resolve(name: str) -> Path | None:
@@ -23,10 +33,13 @@ def resolve(name: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise TaperfoldError(f"{name}: a Hugging Face Hub id needs huggingface_hub: pip install 'taperfold[hf]'") \
-            from None
+        raise TaperfoldError(
+            f"{name}: a Hugging Face Hub id needs huggingface_hub: pip install 'taperfold[hf]'"
+        ) from None
     try:
         return Path(snapshot_download(name, allow_patterns=FETCHED))
     except Exception as e:  # huggingface_hub raises many types (offline, not found, gated, HTTP): one line
-        raise TaperfoldError(f"{name}: no such file or directory, and not a model the Hugging Face Hub cache holds "
-                             f"or could fetch ({type(e).__name__}: {first_line(e)})") from None
+        raise TaperfoldError(
+            f"{name}: no such file or directory, and not a model the Hugging Face Hub cache holds "
+            f"or could fetch ({type(e).__name__}: {first_line(e)})"
+        ) from None

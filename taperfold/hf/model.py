@@ -78,19 +78,32 @@ class HFModelInfo:
     source: str = SOURCE
 
     @classmethod
-    def from_config(cls, config, family: Family, taper: str, aux: bool, tokenizer: str,
-                    cache: tuple[int, int] | None = None) -> HFModelInfo:
+    def from_config(
+        cls, config, family: Family, taper: str, aux: bool, tokenizer: str, cache: tuple[int, int] | None = None
+    ) -> HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
         config's key/value heads and head dim."""
         heads = config.num_attention_heads
-        kv_heads, head_dim = cache or (getattr(config, "num_key_value_heads", None) or heads,
-                                       getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(arch=config.model_type, family=family.name, vocab_size=config.vocab_size,
-                   d_model=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=heads,
-                   kv_heads=kv_heads, head_dim=head_dim,
-                   max_seq_len=getattr(config, "max_position_embeddings", None) or family.context, taper=taper,
-                   norm_kind=family.norm,
-                   tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), aux=aux, tokenizer=tokenizer)
+        kv_heads, head_dim = cache or (
+            getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
+        return cls(
+            arch=config.model_type,
+            family=family.name,
+            vocab_size=config.vocab_size,
+            d_model=config.hidden_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_seq_len=getattr(config, "max_position_embeddings", None) or family.context,
+            taper=taper,
+            norm_kind=family.norm,
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            aux=aux,
+            tokenizer=tokenizer,
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> HFModelInfo:
@@ -120,8 +133,7 @@ class HFCausalLM(TaperedLM, nn.Module):
         return getattr(self.hf, "tapering", None)
 
     def copy(self, shared: bool = False) -> HFCausalLM:
-        return HFCausalLM(copy.deepcopy(self.hf, shared_parameters(self.hf) if shared else None), self.cfg,
-                          self.family)
+        return HFCausalLM(copy.deepcopy(self.hf, shared_parameters(self.hf) if shared else None), self.cfg, self.family)
 
     def loss(self, input_ids, targets):
         """Cross-entropy of transformers' forward on next-token `targets`, and the scale-anchoring loss on the
@@ -170,16 +182,22 @@ class HFCausalLM(TaperedLM, nn.Module):
             layer.is_initialized = True
         return cache
 
-    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False,
-                cache_position=None):
+    def forward(
+        self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False, cache_position=None
+    ):
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         if cache_position is None:
             cache = self._cache(past_key_values)
         else:
             cache = self._static(past_key_values, cache_position)
-        out = self.hf(input_ids=input_ids, **{self._cache_argument: cache}, use_cache=use_cache,
-                      cache_position=cache_position, logits_to_keep=1 if logits == "last" else 0)
+        out = self.hf(
+            input_ids=input_ids,
+            **{self._cache_argument: cache},
+            use_cache=use_cache,
+            cache_position=cache_position,
+            logits_to_keep=1 if logits == "last" else 0,
+        )
         result = out.logits[:, -1, :] if logits == "last" else out.logits
         if not use_cache:
             return result

@@ -40,8 +40,7 @@ from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import atomic_dir, read_json_object
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.taper import taper_model, tapering_of
-from taperfold.hf.trace import (GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note,
-                                traced_family)
+from taperfold.hf.trace import GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note, traced_family
 from taperfold.models import assign_weights, parameters_on_meta
 from taperfold.sources.base import ModelSource, read_safetensors
 from taperfold.sources.builtin import C_RANGE
@@ -52,8 +51,15 @@ BLOCK_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 TAPER_KEYS = ("weight_tilde", "c", "ema_num", "ema_den", "ema_count", "calibrated")  # what tapering adds
 INSTALL_HINT = "pip install 'taperfold[hf]'"
 
@@ -92,9 +98,16 @@ class TaperBlock:
     format_version: int = BLOCK_VERSION
 
     def to_dict(self) -> dict:
-        return {"format_version": self.format_version, "gate": self.gate, "taper": self.taper, "step": self.step,
-                "schedule": self.schedule, "aux": self.aux, "calibration": self.calibration,
-                **({"family": family_to_data(self.family)} if self.family is not None else {})}
+        return {
+            "format_version": self.format_version,
+            "gate": self.gate,
+            "taper": self.taper,
+            "step": self.step,
+            "schedule": self.schedule,
+            "aux": self.aux,
+            "calibration": self.calibration,
+            **({"family": family_to_data(self.family)} if self.family is not None else {}),
+        }
 
 
 def _number(value) -> bool:
@@ -148,8 +161,10 @@ def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
     for key in ("momentum", "delta"):
         value = calibration.get(key)
         if not _number(value) or not (0 < value < 1 if key == "momentum" else value >= 0):
-            raise bad(f"calibration.{key}", f"must be a number in {'(0, 1)' if key == 'momentum' else '[0, ∞)'}, "
-                                            f"got {value!r}")
+            raise bad(
+                f"calibration.{key}",
+                f"must be a number in {'(0, 1)' if key == 'momentum' else '[0, ∞)'}, got {value!r}",
+            )
     family = family_from_data(raw["family"], model_type, bad) if "family" in raw else None
     return TaperBlock(float(gate), raw["taper"], step, schedule, aux, dict(calibration), family)
 
@@ -164,10 +179,12 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]
         return _read_sharded(folder, index)
     if single.is_file():
         tensors = read_safetensors(single)
-        return tensors, {key: single for key in tensors}
+        return tensors, dict.fromkeys(tensors, single)
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise TaperfoldError(f"{folder}: holds PyTorch pickle weights only; taperfold reads safetensors "
-                             "(save with save_pretrained(..., safe_serialization=True))")
+        raise TaperfoldError(
+            f"{folder}: holds PyTorch pickle weights only; taperfold reads safetensors "
+            "(save with save_pretrained(..., safe_serialization=True))"
+        )
     raise TaperfoldError(f"{folder}: no weights ({WEIGHTS} or {INDEX}); save the model with save_pretrained")
 
 
@@ -178,23 +195,27 @@ def _read_sharded(folder: Path, index: Path) -> tuple[dict[str, torch.Tensor], d
     shards: dict[str, str] = {}  # shard file -> the first key naming it
     for key, shard_name in weight_map.items():
         if not isinstance(shard_name, str) or Path(shard_name).name != shard_name:
-            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}' must be the name of a shard file in "
-                                 f"{folder}, got {_short(shard_name)}")
+            raise TaperfoldError(
+                f"{index}: key 'weight_map.{_printable(key)}' must be the name of a shard file in "
+                f"{folder}, got {_short(shard_name)}"
+            )
         shards.setdefault(shard_name, key)
     tensors, origin = {}, {}
     for shard_name, key in sorted(shards.items()):
         shard = folder / shard_name
         if not shard.is_file():
-            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}': shard {_printable(shard_name)} "
-                                 "is missing")
+            raise TaperfoldError(
+                f"{index}: key 'weight_map.{_printable(key)}': shard {_printable(shard_name)} is missing"
+            )
         for name, tensor in read_safetensors(shard).items():
             if name in tensors:
                 raise TaperfoldError(f"{shard}: key '{_printable(name)}' is also in {origin[name]}")
             tensors[name], origin[name] = tensor, shard
     for key, shard_name in weight_map.items():
         if key not in tensors:
-            raise TaperfoldError(f"{index}: key 'weight_map.{_printable(key)}': tensor not found in "
-                                 f"{_printable(shard_name)}")
+            raise TaperfoldError(
+                f"{index}: key 'weight_map.{_printable(key)}': tensor not found in {_printable(shard_name)}"
+            )
     return tensors, origin
 
 
@@ -271,8 +292,10 @@ def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool
     if value is None and nullable:
         return
     if not _is_int(value) or not low <= value <= high:
-        raise TaperfoldError(f"{where}: key '{key}' must be {'null or ' if nullable else ''}an integer in "
-                             f"[{low}, {high}], got {_short(value)}")
+        raise TaperfoldError(
+            f"{where}: key '{key}' must be {'null or ' if nullable else ''}an integer in "
+            f"[{low}, {high}], got {_short(value)}"
+        )
 
 
 def _check_float(where: Path, key: str, value, low: float, high: float) -> None:
@@ -309,8 +332,9 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
         if not isinstance(value, dict):
             raise TaperfoldError(f"{where}: key '{block}' must be null or an object, got {_short(value)}")
         # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
-        for prefix, params in [(block, value)] + [(f"{block}.{_printable(k)}", v) for k, v in value.items()
-                                                  if isinstance(v, dict)]:
+        for prefix, params in [(block, value)] + [
+            (f"{block}.{_printable(k)}", v) for k, v in value.items() if isinstance(v, dict)
+        ]:
             for name in _ROPE_KEYS:
                 if name in params:
                     _check_float(where, f"{prefix}.{name}", params[name], *_FLOAT_KEYS[name])
@@ -320,41 +344,65 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
 
     heads, kv_heads, hidden = given("num_attention_heads"), given("num_key_value_heads"), given("hidden_size")
     if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise TaperfoldError(f"{where}: key '{_json_name(config_class, 'num_key_value_heads')}' is {kv_heads}, "
-                             f"which does not divide '{_json_name(config_class, 'num_attention_heads')}' ({heads})")
-    if heads is not None and hidden is not None and hidden % heads and \
-            (given("head_dim") is None or not head_dim_frees_hidden):
-        why = "the head dimension is their quotient" if given("head_dim") is None else \
-            f"transformers' {config_class.__name__} requires it"
-        raise TaperfoldError(f"{where}: key '{_json_name(config_class, 'hidden_size')}' is {hidden}, not a multiple "
-                             f"of '{_json_name(config_class, 'num_attention_heads')}' ({heads}); {why}")
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(config_class, 'num_key_value_heads')}' is {kv_heads}, "
+            f"which does not divide '{_json_name(config_class, 'num_attention_heads')}' ({heads})"
+        )
+    if (
+        heads is not None
+        and hidden is not None
+        and hidden % heads
+        and (given("head_dim") is None or not head_dim_frees_hidden)
+    ):
+        why = (
+            "the head dimension is their quotient"
+            if given("head_dim") is None
+            else f"transformers' {config_class.__name__} requires it"
+        )
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(config_class, 'hidden_size')}' is {hidden}, not a multiple "
+            f"of '{_json_name(config_class, 'num_attention_heads')}' ({heads}); {why}"
+        )
     vocab, pad = given("vocab_size") or getattr(config_class, "vocab_size", None), config.get("pad_token_id")
     if pad is not None and _is_int(vocab) and not (_is_int(pad) and -vocab <= pad < vocab):
-        raise TaperfoldError(f"{where}: key 'pad_token_id' must be null or a token id, an integer in "
-                             f"[{-vocab}, {vocab - 1}], got {_short(pad)}")
+        raise TaperfoldError(
+            f"{where}: key 'pad_token_id' must be null or a token id, an integer in "
+            f"[{-vocab}, {vocab - 1}], got {_short(pad)}"
+        )
 
 
 def _check_config_object(hf_config, where: Path, context: int | None) -> None:
     """The same keys as transformers' config object holds them: its defaults included, and the ones it derives
     (`context`: the family's, for configs that state none)."""
     cls = type(hf_config)
-    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                *(() if context else ("max_position_embeddings",)))
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        *(() if context else ("max_position_embeddings",)),
+    )
     for name in required:
         if getattr(hf_config, name, None) is None:
-            raise TaperfoldError(f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
-                                 f"{cls.__name__} has no default for it)")
+            raise TaperfoldError(
+                f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
+                f"{cls.__name__} has no default for it)"
+            )
     for name, (low, high, nullable) in _INT_KEYS.items():
         if hasattr(hf_config, name):
             _check_int(where, _json_name(cls, name), getattr(hf_config, name), low, high, nullable)
     heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % kv_heads:
-        raise TaperfoldError(f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
-                             f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})")
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
+            f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})"
+        )
     if getattr(hf_config, "head_dim", None) is None and hidden % heads:
-        raise TaperfoldError(f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
-                             f"'{_json_name(cls, 'num_attention_heads')}' ({heads})")
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
+            f"'{_json_name(cls, 'num_attention_heads')}' ({heads})"
+        )
 
 
 def _intermediate(hf_config) -> tuple[str, int]:
@@ -370,8 +418,9 @@ def implied_parameters(hf_config) -> int:
     each). As taperfold.models.implied_parameters, compared with the weights before a model is built."""
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    return hf_config.vocab_size * hidden + \
-        hf_config.num_hidden_layers * 2 * hidden * (heads * head_dim + _intermediate(hf_config)[1])
+    return hf_config.vocab_size * hidden + hf_config.num_hidden_layers * 2 * hidden * (
+        heads * head_dim + _intermediate(hf_config)[1]
+    )
 
 
 def _check_size(hf_config, present: int, where: Path, weights: Path) -> None:
@@ -381,12 +430,19 @@ def _check_size(hf_config, present: int, where: Path, weights: Path) -> None:
     if implied <= _MAX_PARAMETERS_RATIO * present:
         return
     cls = type(hf_config)
-    sizes = [(_json_name(cls, name), getattr(hf_config, name)) for name in
-             ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim") if hasattr(hf_config, name)]
-    keys = ", ".join(f"'{key}' = {value}" for key, value in
-                     (*sizes, _intermediate(hf_config), (_json_name(cls, "vocab_size"), hf_config.vocab_size)))
-    raise TaperfoldError(f"{where}: keys {keys} describe a model of at least {implied:,} parameters, but {weights} "
-                         f"holds {present:,} values; config.json does not match the weights")
+    sizes = [
+        (_json_name(cls, name), getattr(hf_config, name))
+        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
+        if hasattr(hf_config, name)
+    ]
+    keys = ", ".join(
+        f"'{key}' = {value}"
+        for key, value in (*sizes, _intermediate(hf_config), (_json_name(cls, "vocab_size"), hf_config.vocab_size))
+    )
+    raise TaperfoldError(
+        f"{where}: keys {keys} describe a model of at least {implied:,} parameters, but {weights} "
+        f"holds {present:,} values; config.json does not match the weights"
+    )
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------------
@@ -400,9 +456,11 @@ def _hf_config(config: dict, where: Path, family: Family | None):
     try:
         config_class = CONFIG_MAPPING[plain["model_type"]]
     except (KeyError, TypeError):  # a model type this transformers does not know (a family may be registered for it)
-        raise TaperfoldError(f"{where}: key 'model_type' is {_short(plain.get('model_type'))}, which this "
-                             f"transformers has no config class for ({shipped_note()}; {GUIDE} says how to add "
-                             "one)") from None
+        raise TaperfoldError(
+            f"{where}: key 'model_type' is {_short(plain.get('model_type'))}, which this "
+            f"transformers has no config class for ({shipped_note()}; {GUIDE} says how to add "
+            "one)"
+        ) from None
     _check_config_json(plain, config_class, where)
     try:
         hf_config = config_class.from_dict(plain)
@@ -424,13 +482,20 @@ def _new_model(hf_config, device=None):
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
-def _taper(model, block: "TaperBlock | None", family: Family, where: str):
+def _taper(model, block: TaperBlock | None, family: Family, where: str):
     if block is None:
         return None
     aux = block.aux or {}
-    tapering = taper_model(model, block.taper, family=family, aux=block.aux is not None,
-                           aux_weight=aux.get("weight", 0.1), momentum=block.calibration["momentum"],
-                           delta=block.calibration["delta"], where=where)
+    tapering = taper_model(
+        model,
+        block.taper,
+        family=family,
+        aux=block.aux is not None,
+        aux_weight=aux.get("weight", 0.1),
+        momentum=block.calibration["momentum"],
+        delta=block.calibration["delta"],
+        where=where,
+    )
     tapering.set_gate(block.gate)
     if tapering.scale_loss is not None and aux.get("target") is not None:
         tapering.scale_loss.target.fill_(aux["target"])
@@ -462,8 +527,10 @@ class HFCheckpoint(ModelSource):
     @property
     def arch(self) -> str:
         if self.family.traced:
-            return f"{self.config.arch} (transformers; no shipped family: its norms and their readers were found by " \
-                   "tracing the model)"
+            return (
+                f"{self.config.arch} (transformers; no shipped family: its norms and their readers were found by "
+                "tracing the model)"
+            )
         return f"{self.config.arch} (transformers)"
 
     @property
@@ -480,8 +547,7 @@ class HFCheckpoint(ModelSource):
             model = _new_model(_hf_config(self.hf_config_dict, self.path / CONFIG, self.family))
         # outside: a norm without a weight (OLMo's) is tapered from ones made on the CPU
         tapering = _taper(model, self.block, self.family, str(self.path)) if tapered else None
-        state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items()
-                                                 if k in model.state_dict()}
+        state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items() if k in model.state_dict()}
         missing, _ = assign_weights(model, state)
         if missing:
             raise TaperfoldError(f"{self.path}: weights do not match the model (missing {sorted(missing)[:3]})")
@@ -499,8 +565,16 @@ class HFCheckpoint(ModelSource):
         return HFCausalLM(self.hf_model(tapered=False), info, self.family).eval()
 
     def manifest_block(self) -> dict:
-        return {"source": {"format": "huggingface", "family": self.family.name, "family_traced": self.family.traced,
-                           "model_type": self.config.arch, "taper": self.config.taper, "untapered": self.untapered}}
+        return {
+            "source": {
+                "format": "huggingface",
+                "family": self.family.name,
+                "family_traced": self.family.traced,
+                "model_type": self.config.arch,
+                "taper": self.config.taper,
+                "untapered": self.untapered,
+            }
+        }
 
 
 def load_hf_directory(path: str | Path) -> HFCheckpoint:
@@ -514,8 +588,10 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     require_transformers(f"{path} (a Hugging Face directory)")
     config = _read_json(config_file)
     if "auto_map" in config:
-        raise TaperfoldError(f"{config_file}: key 'auto_map' asks for the directory's own modeling code; "
-                             "taperfold never runs code from a checkpoint (only transformers' built-in models)")
+        raise TaperfoldError(
+            f"{config_file}: key 'auto_map' asks for the directory's own modeling code; "
+            "taperfold never runs code from a checkpoint (only transformers' built-in models)"
+        )
     model_type = config.get("model_type")
     shipped = family_for(model_type, str(config_file)) if is_registered(model_type) else None
     block = parse_block(config[BLOCK], config_file, model_type) if BLOCK in config else None
@@ -525,16 +601,21 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         if why_not:
             raise TaperfoldError(f"{config_file}: {why_not}")
     tensors, origin = read_weights(path)
-    _check_size(hf_config, sum(t.numel() for t in tensors.values()), config_file,
-                path / INDEX if (path / INDEX).is_file() else path / WEIGHTS)
+    _check_size(
+        hf_config,
+        sum(t.numel() for t in tensors.values()),
+        config_file,
+        path / INDEX if (path / INDEX).is_file() else path / WEIGHTS,
+    )
     with torch.device("meta"):  # shapes only: no memory, no init
         expected_model = _new_model(hf_config)
     if shipped is not None:
         family = shipped.for_config(hf_config)
     elif block is not None and block.family is not None:  # as the directory was tapered: read, not traced again
         family = block.family
-        check_family_paths(expected_model, family,
-                           lambda key, why: TaperfoldError(f"{config_file}: key '{BLOCK}.{key}' {why}"))
+        check_family_paths(
+            expected_model, family, lambda key, why: TaperfoldError(f"{config_file}: key '{BLOCK}.{key}' {why}")
+        )
     else:
         family = traced_family(hf_config, str(config_file))
     with torch.device("meta"):
@@ -542,10 +623,24 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     tensors, origin, stored = _renamed(expected_model, tensors, origin)
     _check_state(path, tensors, origin, stored, expected_model, set(tapering.norms) if tapering else None)
     tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
-    info = HFModelInfo.from_config(hf_config, family, block.taper if block else "none",
-                                   bool(block and block.aux is not None), tokenizer, cached_heads(expected_model))
-    return HFCheckpoint(path, info, config, family, block, tensors, {"schedule": block.schedule if block else None},
-                        untapered=tapering.untapered if tapering else {})
+    info = HFModelInfo.from_config(
+        hf_config,
+        family,
+        block.taper if block else "none",
+        bool(block and block.aux is not None),
+        tokenizer,
+        cached_heads(expected_model),
+    )
+    return HFCheckpoint(
+        path,
+        info,
+        config,
+        family,
+        block,
+        tensors,
+        {"schedule": block.schedule if block else None},
+        untapered=tapering.untapered if tapering else {},
+    )
 
 
 def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
@@ -586,8 +681,10 @@ def _renamed(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
         try:
             converted = converter.convert(new_key, model=model, config=model.config)
         except Exception as e:  # noqa: BLE001 - transformers' ops raise what torch raises (mismatched shapes)
-            raise TaperfoldError(f"{origin[keys[0]]}: keys '{_printable(keys[0])}' ... '{_printable(keys[-1])}' do "
-                                 f"not stack into '{new_key}' ({first_line(e)})") from None
+            raise TaperfoldError(
+                f"{origin[keys[0]]}: keys '{_printable(keys[0])}' ... '{_printable(keys[-1])}' do "
+                f"not stack into '{new_key}' ({first_line(e)})"
+            ) from None
         for name, value in converted.items():
             renamed[name] = value[0] if isinstance(value, list) else value
             new_origin[name], stored[name] = origin[keys[0]], f"{keys[0]} ... {keys[-1]}"
@@ -603,8 +700,10 @@ def _check_expert_indices(sources: dict[str, list[str]], origin: dict) -> None:
         indices = [int(m.group(1)) if (m := found.search(key)) else -1 for key in keys]
         if indices != list(range(len(keys))) or (count is not None and len(keys) != count):
             wrong = next((key for i, key in zip(range(len(keys)), keys) if indices[i] != i), keys[-1])
-            raise TaperfoldError(f"{origin[wrong]}: key '{_printable(wrong)}' does not continue experts 0 ... "
-                                 f"{len(keys) - 1} of '{pattern}' (every expert, numbered from 0, once)")
+            raise TaperfoldError(
+                f"{origin[wrong]}: key '{_printable(wrong)}' does not continue experts 0 ... "
+                f"{len(keys) - 1} of '{pattern}' (every expert, numbered from 0, once)"
+            )
         count = len(keys)
 
 
@@ -627,12 +726,15 @@ def _check_state(path: Path, tensors: dict, origin: dict, stored: dict, model, n
             if any(p.search(key) for p in ignore):
                 continue
             if not tapered and key.rpartition(".")[2] in TAPER_KEYS:
-                raise TaperfoldError(f"{file}: holds tapered key '{name}' but {path / CONFIG} has no "
-                                     f"'{BLOCK}' block; restore the block or save the model again")
+                raise TaperfoldError(
+                    f"{file}: holds tapered key '{name}' but {path / CONFIG} has no "
+                    f"'{BLOCK}' block; restore the block or save the model again"
+                )
             raise TaperfoldError(f"{file}: unexpected key '{name}' (not in the model config.json describes)")
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise TaperfoldError(f"{file}: key '{name}' has shape {list(value.shape)}, "
-                                 f"expected {list(expected[key].shape)}")
+            raise TaperfoldError(
+                f"{file}: key '{name}' has shape {list(value.shape)}, expected {list(expected[key].shape)}"
+            )
     for key, value in tensors.items():  # values only once every name and shape is right
         if key not in expected:
             continue
@@ -640,15 +742,24 @@ def _check_state(path: Path, tensors: dict, origin: dict, stored: dict, model, n
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{file}: key '{name}' contains NaN or Inf")
         if tapered and key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
-            raise TaperfoldError(f"{file}: key '{name}' is {float(value):g}; a tapered norm's scale c must lie in "
-                                 f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
+            raise TaperfoldError(
+                f"{file}: key '{name}' is {float(value):g}; a tapered norm's scale c must lie in "
+                f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]"
+            )
 
 
 # ---- saving ---------------------------------------------------------------------------------------------
 
 
-def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=None, tokenizer_from: Path | None = None,
-                      max_shard_size: str | int | None = None) -> Path:
+def save_hf_directory(
+    model,
+    out_dir: str | Path,
+    *,
+    step: int = 0,
+    schedule=None,
+    tokenizer_from: Path | None = None,
+    max_shard_size: str | int | None = None,
+) -> Path:
     """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file.
     `tokenizer_from`: a directory whose tokenizer files are copied as they are.
     Refuses, writing nothing, what load_hf_directory would refuse to read back: NaN or Inf in a parameter or
@@ -659,12 +770,16 @@ def save_hf_directory(model, out_dir: str | Path, *, step: int = 0, schedule=Non
     _check_finite(model, out_dir)
     first = next(iter(tapering.norms.values()))
     block = TaperBlock(
-        gate=float(tapering.gate.value), taper=tapering.taper, step=int(step),
+        gate=float(tapering.gate.value),
+        taper=tapering.taper,
+        step=int(step),
         schedule=None if schedule is None else {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end},
-        aux=None if loss is None else {"weight": loss.weight,
-                                       "target": float(loss.target) if bool(loss.frozen) else None},
+        aux=None
+        if loss is None
+        else {"weight": loss.weight, "target": float(loss.target) if bool(loss.frozen) else None},
         calibration={"momentum": first.momentum, "delta": first.delta},
-        family=tapering.family if tapering.family.traced else None)
+        family=tapering.family if tapering.family.traced else None,
+    )
     parse_block(block.to_dict(), out_dir / CONFIG, model.config.model_type)  # as it will be read back (a NaN gate
     # or target included)
     model.config.taperfold = block.to_dict()

@@ -13,9 +13,19 @@ from taperfold.families import Family
 from taperfold.hf.trace import family_for_model
 
 
-def taper_model(model: nn.Module, taper: str = "internal", *, kind: str | None = None, family: Family | None = None,
-                aux: bool = True, aux_weight: float = 0.1, momentum: float = 0.1, delta: float = 1e-8,
-                gate: float = 1.0, where: str = "model") -> core.Tapering:
+def taper_model(
+    model: nn.Module,
+    taper: str = "internal",
+    *,
+    kind: str | None = None,
+    family: Family | None = None,
+    aux: bool = True,
+    aux_weight: float = 0.1,
+    momentum: float = 0.1,
+    delta: float = 1e-8,
+    gate: float = 1.0,
+    where: str = "model",
+) -> core.Tapering:
     """Replace `model`'s norms with tapered ones in place and return what was done (also `model.tapering`).
 
     `taper`: "internal" (every norm but the final one) or "all". `aux`: the fixed-target scale anchoring
@@ -26,8 +36,18 @@ def taper_model(model: nn.Module, taper: str = "internal", *, kind: str | None =
     else one traced from transformers' model for its config.
     """
     family = family or family_for_model(model, where)
-    return core.taper_model(model, family, taper, kind=kind, aux=aux, aux_weight=aux_weight, momentum=momentum,
-                            delta=delta, gate=gate, where=where)
+    return core.taper_model(
+        model,
+        family,
+        taper,
+        kind=kind,
+        aux=aux,
+        aux_weight=aux_weight,
+        momentum=momentum,
+        delta=delta,
+        gate=gate,
+        where=where,
+    )
 
 
 def tapering_of(model: nn.Module) -> core.Tapering:

@@ -134,27 +134,66 @@ def measure_norm(module: nn.Module, config) -> NormBehaviour:
                         continue  # a β the kind has no place for
                     if torch.allclose(got, reference(x), rtol=1e-4, atol=1e-5):
                         return NormBehaviour(kind.name, offset, candidate)
-    return NormBehaviour(None, 0.0, eps, "it computes neither an RMSNorm nor a LayerNorm of its input (with γ or "
-                                         "1 + γ)" + ("" if own else " at any usual epsilon"))
+    return NormBehaviour(
+        None,
+        0.0,
+        eps,
+        "it computes neither an RMSNorm nor a LayerNorm of its input (with γ or "
+        "1 + γ)" + ("" if own else " at any usual epsilon"),
+    )
 
 
 # ---- the traced graph ---------------------------------------------------------------------------------------
 
 aten = torch.ops.aten
 # Steps that move rows (tokens) and keep each value's channel: what lies between a norm and a layer it feeds.
-_LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor, aten.select.int,
-           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.flatten.using_ints,
-           aten.index.Tensor, aten.index_select.default, aten.transpose.int, aten.permute.default,
-           aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
-           aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-           aten.dropout.default, aten.repeat_interleave.self_int}
+_LAYOUT = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.expand.default,
+    aten.flatten.using_ints,
+    aten.index.Tensor,
+    aten.index_select.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.type_as.default,
+    aten.dropout.default,
+    aten.repeat_interleave.self_int,
+}
 # Steps between a weight and the linear op using it: casts and an expert's selection, and transposes (counted).
-_WEIGHT_STEPS = {aten.select.int, aten.index.Tensor, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
-                 aten.alias.default, aten.detach.default, aten.contiguous.default}
+_WEIGHT_STEPS = {
+    aten.select.int,
+    aten.index.Tensor,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.contiguous.default,
+}
 _TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int}
 # linear op -> (index of its input, index of its weight, whether it takes the weight as [in, out])
-_LINEAR = {aten.linear.default: (0, 1, False), aten.addmm.default: (1, 2, True), aten.mm.default: (0, 1, True),
-           aten.matmul.default: (0, 1, True), aten.bmm.default: (0, 1, True)}
+_LINEAR = {
+    aten.linear.default: (0, 1, False),
+    aten.addmm.default: (1, 2, True),
+    aten.mm.default: (0, 1, True),
+    aten.matmul.default: (0, 1, True),
+    aten.bmm.default: (0, 1, True),
+}
 
 
 def _shape(node) -> tuple | None:
@@ -247,8 +286,12 @@ class _Graph:
             module = self.model.get_submodule(scope) if scope else None
         except AttributeError:
             module = None
-        if module is not None and _linear_layer_class(module) and \
-                module.weight is self.model.get_parameter(weight) and stored_in_out == _stores_in_out(module):
+        if (
+            module is not None
+            and _linear_layer_class(module)
+            and module.weight is self.model.get_parameter(weight)
+            and stored_in_out == _stores_in_out(module)
+        ):
             return scope
         if not stored_in_out and self.model.get_parameter(weight).dim() >= 2:
             return weight  # F.linear(x, W): W is [..., out, in]
@@ -257,8 +300,11 @@ class _Graph:
     def column_reader(self, node, value) -> str | None:
         """The stacked weight W that `node`, a trailing unsqueeze of `value`, feeds as bmm(W[experts], x[..., None]):
         [..., out, in] matrices applied to columns, as transformers' batched MoE experts apply theirs."""
-        if node.target is not aten.unsqueeze.default or node.args[0] is not value or \
-                _shape(node) != (*(_shape(value) or ()), 1):
+        if (
+            node.target is not aten.unsqueeze.default
+            or node.args[0] is not value
+            or _shape(node) != (*(_shape(value) or ()), 1)
+        ):
             return None
         weights = set()
         for user in node.users:
@@ -307,8 +353,9 @@ class _Graph:
 
 def _reads_metadata_only(node, value) -> bool:
     """Whether `node` reads only `value`'s dtype and shape: a check, or the dtype a type_as casts to."""
-    return node.target is aten._assert_tensor_metadata.default or \
-        (node.target is aten.type_as.default and node.args[0] is not value)
+    return node.target is aten._assert_tensor_metadata.default or (
+        node.target is aten.type_as.default and node.args[0] is not value
+    )
 
 
 def _read_only_by(value, norm: str, came_from) -> bool:
@@ -338,8 +385,13 @@ def _trace(model: nn.Module, norms: list[str], config):
     """torch.export of `model` (on the meta device) on a tiny input, keeping each norm's call signature."""
     tokens = min(TRACE_TOKENS, getattr(config, "max_position_embeddings", None) or TRACE_TOKENS)
     input_ids = torch.zeros(2, tokens, dtype=torch.long, device="meta")
-    return torch.export.export(model, (), {"input_ids": input_ids, "use_cache": False}, strict=False,
-                               preserve_module_call_signature=tuple(norms))
+    return torch.export.export(
+        model,
+        (),
+        {"input_ids": input_ids, "use_cache": False},
+        strict=False,
+        preserve_module_call_signature=tuple(norms),
+    )
 
 
 # ---- the family -------------------------------------------------------------------------------------------
@@ -350,8 +402,10 @@ def shipped_note() -> str:
 
 
 def _refuse(where: str, model_type: str, why: str) -> TaperfoldError:
-    return TaperfoldError(f"{where}: key 'model_type' is {model_type!r}, for which no family is shipped "
-                          f"({shipped_note()}), and tracing its model found none: {why}; {GUIDE} says how to add one")
+    return TaperfoldError(
+        f"{where}: key 'model_type' is {model_type!r}, for which no family is shipped "
+        f"({shipped_note()}), and tracing its model found none: {why}; {GUIDE} says how to add one"
+    )
 
 
 def _layer_of(path: str, model: nn.Module) -> tuple[str, int, str] | None:
@@ -359,7 +413,7 @@ def _layer_of(path: str, model: nn.Module) -> tuple[str, int, str] | None:
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1:])
+            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :])
     return None
 
 
@@ -387,8 +441,9 @@ def traced_family(config, where: str = "model") -> Family:
     try:
         program = _trace(model, measured, config)
     except Exception as e:  # noqa: BLE001 - torch.export raises many types for code it cannot take
-        raise _refuse(where, model_type, f"torch.export cannot trace it ({type(e).__name__}: {first_line(e)})") \
-            from None
+        raise _refuse(
+            where, model_type, f"torch.export cannot trace it ({type(e).__name__}: {first_line(e)})"
+        ) from None
     graph = _Graph(program, model)
     signatures = {entry.fqn: entry.signature for entry in program.module_call_graph if entry.signature}
 
@@ -412,21 +467,28 @@ def traced_family(config, where: str = "model") -> Family:
             producers[name] = producer
         else:
             read_by = " and ".join(others[:3]) if others else "nothing"
-            why[name] = f"its output is read by {read_by}, not only by linear layers" + \
-                ("" if split or norm_input is None else ", and its input is not one linear layer's output alone")
+            why[name] = f"its output is read by {read_by}, not only by linear layers" + (
+                "" if split or norm_input is None else ", and its input is not one linear layer's output alone"
+            )
 
     final = next((name for name, rs in readers.items() if rs == [head_path]), None)
     if final is None:
         raise _refuse(where, model_type, f"no norm is read by the head ({head_path}) alone")
     kind, offset = behaviour[final].kind, behaviour[final].gain_offset
     if offset and not norm_kind(kind).gain_offset_allowed:
-        raise _refuse(where, model_type, f"its norms compute a {norm_kind(kind).title} with gain 1 + γ, which "
-                      f"taperfold's tapered {norm_kind(kind).title} does not")
+        raise _refuse(
+            where,
+            model_type,
+            f"its norms compute a {norm_kind(kind).title} with gain 1 + γ, which "
+            f"taperfold's tapered {norm_kind(kind).title} does not",
+        )
     for name in [*readers, *producers]:
         b = behaviour[name]
         if (b.kind, b.gain_offset) != (kind, offset):
-            why[name] = (f"a {norm_kind(b.kind).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
-                         f"final norm is a {norm_kind(kind).title}{' with gain 1 + γ' if offset else ''}")
+            why[name] = (
+                f"a {norm_kind(b.kind).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
+                f"final norm is a {norm_kind(kind).title}{' with gain 1 + γ' if offset else ''}"
+            )
     placed = [name for name in [*readers, *producers] if name not in why and name != final]
 
     layers = _layer_of(placed[0], model) if placed else None
@@ -444,7 +506,7 @@ def traced_family(config, where: str = "model") -> Family:
         if not all(t.startswith(prefix) for t in targets):
             why[name] = f"it folds into {', '.join(targets)}, outside its own layer"
             continue
-        per_norm[where_in[2]][where_in[1]] = (name in readers, tuple(t[len(prefix):] for t in targets))
+        per_norm[where_in[2]][where_in[1]] = (name in readers, tuple(t[len(prefix) :] for t in targets))
     internal, post = {}, {}
     for relative, by_layer in per_norm.items():
         folds = set(by_layer.values())
@@ -466,9 +528,20 @@ def traced_family(config, where: str = "model") -> Family:
         untapered.setdefault(key, reason)
     own = _eps_of(model.get_submodule(final), config)[1]
     eps = behaviour[final].eps
-    return Family(name=model_type, model_types=(model_type,), norm=kind, layers=layers_path, internal=internal,
-                  final=final, post=post, head=head_path, gain_offset=offset, untapered=untapered,
-                  norm_eps=None if own else eps, traced=True)
+    return Family(
+        name=model_type,
+        model_types=(model_type,),
+        norm=kind,
+        layers=layers_path,
+        internal=internal,
+        final=final,
+        post=post,
+        head=head_path,
+        gain_offset=offset,
+        untapered=untapered,
+        norm_eps=None if own else eps,
+        traced=True,
+    )
 
 
 # ---- as data in a tapered directory -------------------------------------------------------------------------
@@ -479,10 +552,17 @@ _PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 
 def family_to_data(family: Family) -> dict:
     """A traced family as the JSON a tapered directory's `taperfold.family` key holds."""
-    return {"norm": family.norm, "gain_offset": family.gain_offset, "layers": family.layers,
-            "internal": {norm: list(readers) for norm, readers in family.internal.items()}, "post": dict(family.post),
-            "final": family.final, "head": family.head, "untapered": dict(family.untapered),
-            "norm_eps": family.norm_eps}
+    return {
+        "norm": family.norm,
+        "gain_offset": family.gain_offset,
+        "layers": family.layers,
+        "internal": {norm: list(readers) for norm, readers in family.internal.items()},
+        "post": dict(family.post),
+        "final": family.final,
+        "head": family.head,
+        "untapered": dict(family.untapered),
+        "norm_eps": family.norm_eps,
+    }
 
 
 def family_from_data(raw, model_type: str, bad) -> Family:
@@ -500,14 +580,17 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         raise bad("family.norm", f"must be one of {', '.join(gated)}, got {raw['norm']!r}")
     offset = raw["gain_offset"]
     if offset not in (0, 1) or isinstance(offset, bool) or (offset and not norm_kind(raw["norm"]).gain_offset_allowed):
-        raise bad("family.gain_offset", f"must be 0{' or 1' if norm_kind(raw['norm']).gain_offset_allowed else ''}, "
-                                        f"got {offset!r}")
+        raise bad(
+            "family.gain_offset",
+            f"must be 0{' or 1' if norm_kind(raw['norm']).gain_offset_allowed else ''}, got {offset!r}",
+        )
     for key in ("layers", "final", "head"):
         if not _is_path(raw[key]):
             raise bad(f"family.{key}", f"must be a module path, got {raw[key]!r}")
     internal, post, untapered = raw["internal"], raw["post"], raw["untapered"]
-    if not isinstance(internal, dict) or not all(_is_path(k) and isinstance(v, list) and v and all(map(_is_path, v))
-                                                 for k, v in internal.items()):
+    if not isinstance(internal, dict) or not all(
+        _is_path(k) and isinstance(v, list) and v and all(map(_is_path, v)) for k, v in internal.items()
+    ):
         raise bad("family.internal", "must map each norm's path in a layer to a non-empty list of reader paths")
     if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
         raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
@@ -515,17 +598,29 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         raise bad("family.internal", "and 'post' are both empty: no norm to taper")
     if set(internal) & set(post):
         raise bad("family.post", f"names {sorted(set(internal) & set(post))[0]!r}, which 'internal' names too")
-    if not isinstance(untapered, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in untapered.items()):
+    if not isinstance(untapered, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in untapered.items()
+    ):
         raise bad("family.untapered", "must map module names to the reasons they are left untapered")
     eps = raw["norm_eps"]
-    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool)
-                                and math.isfinite(eps) and 0 < eps <= 1):
+    if eps is not None and not (
+        isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and 0 < eps <= 1
+    ):
         raise bad("family.norm_eps", f"must be null or a number in (0, 1], got {eps!r}")
-    return Family(name=model_type, model_types=(model_type,), norm=raw["norm"], layers=raw["layers"],
-                  internal={k: tuple(v) for k, v in internal.items()}, final=raw["final"], post=dict(post),
-                  head=raw["head"], gain_offset=float(offset), untapered=dict(untapered),
-                  norm_eps=None if eps is None else float(eps), traced=True)
+    return Family(
+        name=model_type,
+        model_types=(model_type,),
+        norm=raw["norm"],
+        layers=raw["layers"],
+        internal={k: tuple(v) for k, v in internal.items()},
+        final=raw["final"],
+        post=dict(post),
+        head=raw["head"],
+        gain_offset=float(offset),
+        untapered=dict(untapered),
+        norm_eps=None if eps is None else float(eps),
+        traced=True,
+    )
 
 
 def _is_path(value) -> bool:
@@ -551,8 +646,9 @@ def check_family_paths(model: nn.Module, family: Family, bad) -> None:
                     try:
                         fold_target(model, f"{family.layers}.{i}.{target}")
                     except AttributeError:
-                        raise bad(f"family.{key}", f"names {target!r} for {norm!r}, which layer {i} has no layer "
-                                                   "or weight of") from None
+                        raise bad(
+                            f"family.{key}", f"names {target!r} for {norm!r}, which layer {i} has no layer or weight of"
+                        ) from None
     if not _has_norm(model, family.final):
         raise bad("family.final", f"{family.final!r} is not a norm module of this {family.name} model")
     try:

@@ -28,12 +28,12 @@ from taperfold.train import TrainOptions, gate_schedule, load_corpus, train_thro
 class TaperHook(GateDriver):
     """Drives a tapered model's gate from any training loop: call `hook.step(k)` before step k's forward.
 
-        hook = TaperHook(model, GateSchedule(taper_start=25, taper_end=100))
-        for k in range(steps):
-            hook.step(k)
-            loss = model(input_ids=x, labels=x).loss   # includes the scale-anchoring term when enabled
-            ...
-        hook.finish(steps)                             # the gate is exactly 0 once the schedule has ended
+    hook = TaperHook(model, GateSchedule(taper_start=25, taper_end=100))
+    for k in range(steps):
+        hook.step(k)
+        loss = model(input_ids=x, labels=x).loss   # includes the scale-anchoring term when enabled
+        ...
+    hook.finish(steps)                             # the gate is exactly 0 once the schedule has ended
     """
 
     def __init__(self, model, schedule: GateSchedule):
@@ -67,11 +67,15 @@ class TaperHook(GateDriver):
         return output
 
 
-def schedule_for(steps: int, warmup_frac: float = 0.05, taper_start_frac: float = 0.1,
-                 taper_end_frac: float = 0.8) -> GateSchedule:
+def schedule_for(
+    steps: int, warmup_frac: float = 0.05, taper_start_frac: float = 0.1, taper_end_frac: float = 0.8
+) -> GateSchedule:
     """The schedule `taperfold train` uses for `steps` optimizer steps."""
-    return gate_schedule(TrainOptions(steps=steps, warmup_frac=warmup_frac, taper_start_frac=taper_start_frac,
-                                      taper_end_frac=taper_end_frac))
+    return gate_schedule(
+        TrainOptions(
+            steps=steps, warmup_frac=warmup_frac, taper_start_frac=taper_start_frac, taper_end_frac=taper_end_frac
+        )
+    )
 
 
 def trainer_callback(hook: TaperHook):
@@ -112,8 +116,13 @@ class HFTrainResult:
 
     def save(self, out_dir: str | Path) -> Path:
         """A tapered save_pretrained directory, with the tokenizer files of the source when it had some."""
-        return save_hf_directory(self.model, out_dir, step=self.steps, schedule=self.schedule,
-                                 tokenizer_from=self.source if self.tokenizer is not None else None)
+        return save_hf_directory(
+            self.model,
+            out_dir,
+            step=self.steps,
+            schedule=self.schedule,
+            tokenizer_from=self.source if self.tokenizer is not None else None,
+        )
 
 
 def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_size: int):
@@ -123,14 +132,18 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
     if any((folder / f).is_file() for f in TOKENIZER_FILES):
         tok_config = folder / "tokenizer_config.json"
         if tok_config.is_file() and "auto_map" in read_json_object(tok_config):
-            raise TaperfoldError(f"{tok_config}: key 'auto_map' asks for the directory's own tokenizer code; "
-                                 "taperfold never runs code from a checkpoint")
+            raise TaperfoldError(
+                f"{tok_config}: key 'auto_map' asks for the directory's own tokenizer code; "
+                "taperfold never runs code from a checkpoint"
+            )
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:  # tokenizer.json describes the tokenizer completely; read it as it is
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")) \
-                if (folder / "tokenizer.json").is_file() else \
-                AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+            tokenizer = (
+                PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+                if (folder / "tokenizer.json").is_file()
+                else AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+            )
         except Exception as e:  # tokenizer loaders raise many types; one line names the directory
             raise TaperfoldError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
         text = bytes(raw.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
@@ -140,21 +153,31 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
     else:
         tokens = raw
         if vocab_size < 256:
-            raise TaperfoldError(f"{folder / CONFIG}: key 'vocab_size' is {vocab_size}: byte tokens (0..255) do "
-                                 "not fit and the directory has no tokenizer")
+            raise TaperfoldError(
+                f"{folder / CONFIG}: key 'vocab_size' is {vocab_size}: byte tokens (0..255) do "
+                "not fit and the directory has no tokenizer"
+            )
     if int(tokens.max()) >= vocab_size:
         raise TaperfoldError(f"{folder}: token id {int(tokens.max())} does not fit vocab_size {vocab_size}")
     return tokens, tokenizer
 
 
-def train_hf_directory(source: str | Path | HFCheckpoint, opts: TrainOptions, data_files: list[Path] | None = None,
-                       taper: str = "internal", aux: bool = True, on_step=None) -> HFTrainResult:
+def train_hf_directory(
+    source: str | Path | HFCheckpoint,
+    opts: TrainOptions,
+    data_files: list[Path] | None = None,
+    taper: str = "internal",
+    aux: bool = True,
+    on_step=None,
+) -> HFTrainResult:
     """Taper the plain save_pretrained directory `source` and fine-tune it through the whole taper schedule
     (taperfold.train's loop, on windows of at most 128 tokens)."""
     ckpt = source if isinstance(source, HFCheckpoint) else load_hf_directory(source)
     if ckpt.tapered:
-        raise TaperfoldError(f"{ckpt.path / CONFIG}: already tapered (key 'taperfold' present, gate "
-                             f"{ckpt.gate:g}); train from the plain model")
+        raise TaperfoldError(
+            f"{ckpt.path / CONFIG}: already tapered (key 'taperfold' present, gate "
+            f"{ckpt.gate:g}); train from the plain model"
+        )
     torch.manual_seed(opts.seed)
     hf = ckpt.hf_model(tapered=False)
     tokens, tokenizer = _tokens(ckpt.path, data_files, opts, ckpt.config.vocab_size)
@@ -163,5 +186,6 @@ def train_hf_directory(source: str | Path | HFCheckpoint, opts: TrainOptions, da
     model = HFCausalLM(hf, info, tapering.family)
     seq = min(opts.seq_len or 128, ckpt.config.max_seq_len)
     loop = train_through_taper(model, tokens, seq, opts, on_step)
-    return HFTrainResult(hf.eval(), tokenizer, loop.schedule, loop.val_loss, ckpt.path, opts.steps, loop.history,
-                         loop.seconds)
+    return HFTrainResult(
+        hf.eval(), tokenizer, loop.schedule, loop.val_loss, ckpt.path, opts.steps, loop.history, loop.seconds
+    )

@@ -25,9 +25,23 @@ from taperfold.taper import taper_model
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}  # one per ARCHS entry
 
-__all__ = ["ARCHS", "PRESETS", "TAPERS", "CausalLM", "ModelConfig", "assign_weights", "baseline_of", "build_model",
-           "build_with_weights", "implied_parameters", "num_parameters", "parameters_on_meta", "preset_config",
-           "random_gate0_model", "validate_config"]
+__all__ = [
+    "ARCHS",
+    "PRESETS",
+    "TAPERS",
+    "CausalLM",
+    "ModelConfig",
+    "assign_weights",
+    "baseline_of",
+    "build_model",
+    "build_with_weights",
+    "implied_parameters",
+    "num_parameters",
+    "parameters_on_meta",
+    "preset_config",
+    "random_gate0_model",
+    "validate_config",
+]
 
 
 # 1 / the embedding's initial std (0.02, models.base.init_weights): the residual stream starts at RMS 1, the scale a
@@ -42,8 +56,16 @@ def build_model(cfg: ModelConfig) -> CausalLM:
         path = ARCHS[cfg.arch].embedding
         model.set_submodule(path, ScaledEmbedding(model.get_submodule(path), EMBED_SCALE0))
     if cfg.taper != "none":
-        tapering = taper_model(model, family_for(cfg.arch, "config"), cfg.taper, kind=cfg.norm, aux=cfg.aux,
-                               aux_weight=cfg.aux_weight, momentum=cfg.ema_momentum, delta=cfg.calib_delta)
+        tapering = taper_model(
+            model,
+            family_for(cfg.arch, "config"),
+            cfg.taper,
+            kind=cfg.norm,
+            aux=cfg.aux,
+            aux_weight=cfg.aux_weight,
+            momentum=cfg.ema_momentum,
+            delta=cfg.calib_delta,
+        )
         if tapering.scale_loss is not None:
             model.scale_loss = tapering.scale_loss  # a submodule: its frozen target is saved with the checkpoint
     return model
@@ -90,8 +112,9 @@ def assign_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[li
     for name, param in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(param), []).append(name)
     expected = model.state_dict()
-    state = {k: v.to(expected[k].dtype) if k in expected and v.dtype != expected[k].dtype else v
-             for k, v in state.items()}
+    state = {
+        k: v.to(expected[k].dtype) if k in expected and v.dtype != expected[k].dtype else v for k, v in state.items()
+    }
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     for names in (names for names in ties.values() if len(names) > 1):
         loaded = next((n for n in names if n in state), None)

@@ -101,7 +101,7 @@ class CausalLM(TaperedLM, nn.Module):
         if past_key_values is None:
             return slice(0, t), None
         past_len = past_key_values[0][0].shape[2]
-        keys = self.positions[:past_len + t]
+        keys = self.positions[: past_len + t]
         return slice(past_len, past_len + t), keys[None, :] <= keys[past_len:, None]
 
     def copy(self, shared: bool = False) -> CausalLM:
@@ -114,8 +114,9 @@ class CausalLM(TaperedLM, nn.Module):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         return self.lm_head(self.final_norm(h))
 
-    def forward(self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False,
-                cache_position=None):
+    def forward(
+        self, input_ids, logits: str = "last", past_key_values=None, use_cache: bool = False, cache_position=None
+    ):
         if cache_position is not None and past_key_values is None:
             raise ValueError("cache_position needs the static cache's buffers (past_key_values)")
         h, present = self.body(input_ids, past_key_values, use_cache, cache_position)
@@ -130,8 +131,11 @@ class CausalLM(TaperedLM, nn.Module):
         keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
         ce = ce[keep.flatten()].mean()
         scale_loss = self.tapering.scale_loss if self.tapering is not None else None
-        aux = scale_loss(h, keep, track=self.training and self.gate.calibrating) \
-            if scale_loss is not None else ce.new_zeros(())
+        aux = (
+            scale_loss(h, keep, track=self.training and self.gate.calibrating)
+            if scale_loss is not None
+            else ce.new_zeros(())
+        )
         return ce, aux
 
 

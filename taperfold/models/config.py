@@ -61,7 +61,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -72,14 +72,26 @@ class ModelConfig:
 # Types and ranges of the config fields, checked before anything is built from a config: a checkpoint's
 # config is input, and a wrong one must fail in one line, not in a ZeroDivisionError or a 7 TiB allocation.
 # Upper bounds are far above any real model (Llama 3.1 405B: d_model 16384, 126 layers, 128k context).
-_INT_RANGES = {"vocab_size": (1, 1 << 24), "d_model": (1, 1 << 16), "n_layers": (1, 1024), "n_heads": (1, 1024),
-               "n_kv_heads": (1, 1024), "d_ff": (1, 1 << 18), "max_seq_len": (1, 1 << 20)}
+_INT_RANGES = {
+    "vocab_size": (1, 1 << 24),
+    "d_model": (1, 1 << 16),
+    "n_layers": (1, 1024),
+    "n_heads": (1, 1024),
+    "n_kv_heads": (1, 1024),
+    "d_ff": (1, 1 << 18),
+    "max_seq_len": (1, 1 << 20),
+}
 # (low, high, low included): norm_eps must be > 0 (a negative one makes 1/sqrt(var + eps) NaN for small h)
-_FLOAT_RANGES = {"rope_theta": (0.0, 1e12, False), "norm_eps": (0.0, 1.0, False), "aux_weight": (0.0, 1e6, True),
-                 "ema_momentum": (0.0, 1.0, False), "calib_delta": (0.0, 1.0, True)}
+_FLOAT_RANGES = {
+    "rope_theta": (0.0, 1e12, False),
+    "norm_eps": (0.0, 1.0, False),
+    "aux_weight": (0.0, 1e6, True),
+    "ema_momentum": (0.0, 1.0, False),
+    "calib_delta": (0.0, 1.0, True),
+}
 
 
-def validate_config(cfg: "ModelConfig") -> None:
+def validate_config(cfg: ModelConfig) -> None:
     """Raise ValueError naming the field for a wrong type, an impossible value or inconsistent sizes."""
     for name, choices in (("arch", tuple(ARCHS)), ("taper", TAPERS)):
         if getattr(cfg, name) not in choices:
@@ -89,8 +101,9 @@ def validate_config(cfg: "ModelConfig") -> None:
         if cfg.norm not in stand_ins:
             raise ValueError(f"norm must be null (the arch's own, tapered) or one of {stand_ins}, got {cfg.norm!r}")
         if cfg.taper == "none":
-            raise ValueError(f"norm {cfg.norm!r} with taper 'none': taper says which norms it replaces "
-                             "(internal or all)")
+            raise ValueError(
+                f"norm {cfg.norm!r} with taper 'none': taper says which norms it replaces (internal or all)"
+            )
     if cfg.embed_scale is not None and not isinstance(cfg.embed_scale, bool):
         raise ValueError(f"embed_scale must be true, false or null, got {cfg.embed_scale!r}")
     for name in ("tie_embeddings", "aux"):
@@ -106,8 +119,13 @@ def validate_config(cfg: "ModelConfig") -> None:
             raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     for name, (low, high, closed) in _FLOAT_RANGES.items():
         value = getattr(cfg, name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and (low <= value if closed else low < value) and value <= high
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and (low <= value if closed else low < value)
+            and value <= high
+        )
         if not ok:
             raise ValueError(f"{name} must be a number in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}")
     if cfg.d_model % cfg.n_heads:
@@ -118,7 +136,7 @@ def validate_config(cfg: "ModelConfig") -> None:
         raise ValueError(f"head dimension d_model / n_heads = {cfg.head_dim} must be even (rotary embeddings)")
 
 
-def implied_parameters(cfg: "ModelConfig") -> int:
+def implied_parameters(cfg: ModelConfig) -> int:
     """A lower bound on the parameters any family's model of this config holds, whatever the family: the
     embedding, and per layer a query and an output projection (d × d each) and the MLP's two matrices
     (d × d_ff each). Checked against the tensors of a checkpoint before a model is built."""
@@ -132,5 +150,3 @@ def preset_config(name: str, arch: str = "llama", **overrides) -> ModelConfig:
         raise ValueError(f"arch must be one of {tuple(ARCHS)}, got {arch!r}")
     base = dict(PRESETS[name], arch=arch, **ARCHS[arch].defaults)
     return ModelConfig(**{**base, **overrides})
-
-

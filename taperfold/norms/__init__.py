@@ -22,8 +22,8 @@ Adding a kind is one module here plus its name in `_MODULES`; docs/extending.md 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -63,15 +63,17 @@ class NormKind:
         """What stays in the norm's place once its constant map has moved into the layers around it."""
         return nn.Identity()
 
-    def new_tapered(self, dim: int, gate, eps: float, momentum: float, delta: float,
-                    gain_offset: float = 0.0) -> nn.Module:
+    def new_tapered(
+        self, dim: int, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+    ) -> nn.Module:
         if gain_offset and not self.gain_offset_allowed:
             raise ValueError(f"a {self.title} has no gain offset (got {gain_offset:g})")
         extra = {"gain_offset": gain_offset} if self.gain_offset_allowed else {}
         return self.tapered(dim, gate, eps, momentum, delta, **extra)
 
-    def taper(self, norm: nn.Module, gate, eps: float, momentum: float, delta: float,
-              gain_offset: float = 0.0) -> nn.Module:
+    def taper(
+        self, norm: nn.Module, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+    ) -> nn.Module:
         """A tapered copy of a model's norm module, with its γ (and β) and on its device and dtype. A norm without
         a weight (OLMo's LayerNorm) computes what γ = 1, β = 0 do: the tapered copy starts there."""
         weight = getattr(norm, "weight", None)

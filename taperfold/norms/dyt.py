@@ -48,12 +48,14 @@ class DyTKind(NormKind):
     """The norm-kind interface for DyT: it replaces a norm instead of tapering it, so the gate, c, γ̃ and the
     calibration do not apply (`gated` is False); its constant map is γ, β, and tanh(α·h) is its residue."""
 
-    def new_tapered(self, dim: int, gate, eps: float, momentum: float, delta: float,
-                    gain_offset: float = 0.0) -> nn.Module:
+    def new_tapered(
+        self, dim: int, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+    ) -> nn.Module:
         return DyT(dim)
 
-    def taper(self, norm: nn.Module, gate, eps: float, momentum: float, delta: float,
-              gain_offset: float = 0.0) -> nn.Module:
+    def taper(
+        self, norm: nn.Module, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+    ) -> nn.Module:
         """A DyT in place of `norm`, starting from its gain (offset + γ: Gemma's norms compute x·(1 + w)) and β."""
         weight = getattr(norm, "weight", None)
         if weight is None:  # a weightless norm (OLMo) has γ = 1, β = 0
@@ -82,7 +84,15 @@ class DyTKind(NormKind):
 KIND = DyTKind(
     # no fused form: a DyT module is its own plain and hand-written norm (the benchmark's baseline for a DyT model
     # is the architecture's own norm, taperfold.models.baseline_of)
-    name="dyt", title="DyT", tapered=DyT, plain=DyT, hand_written=lambda module: module,
+    name="dyt",
+    title="DyT",
+    tapered=DyT,
+    plain=DyT,
+    hand_written=lambda module: module,
     class_names=lambda name: name in ("DyT", "DynamicTanh"),
-    centered=False, shift=True, gated=False, elementwise="Tanh", folded_note="γ, β folded, tanh kept",
+    centered=False,
+    shift=True,
+    gated=False,
+    elementwise="Tanh",
+    folded_note="γ, β folded, tanh kept",
 )

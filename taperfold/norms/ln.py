@@ -25,9 +25,14 @@ class HandWrittenLayerNorm(nn.Module):
 
 
 KIND = NormKind(
-    name="ln", title="LayerNorm", tapered=TaperLN, plain=nn.LayerNorm, hand_written=HandWrittenLayerNorm,
+    name="ln",
+    title="LayerNorm",
+    tapered=TaperLN,
+    plain=nn.LayerNorm,
+    hand_written=HandWrittenLayerNorm,
     class_names=lambda name: "LayerNorm" in name,  # LayerNorm, OlmoLayerNorm, NemotronLayerNorm1P
-    centered=True, shift=True,
+    centered=True,
+    shift=True,
     # ONNX's op and ONNX Runtime's Skip variant, which first adds the residual (input 1)
     fused_ops={"LayerNormalization": (1, 2), "SkipLayerNormalization": (2, 3)},
 )

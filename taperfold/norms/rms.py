@@ -27,11 +27,19 @@ class HandWrittenRMSNorm(nn.Module):
 
 
 KIND = NormKind(
-    name="rms", title="RMSNorm", tapered=TaperNorm, plain=nn.RMSNorm, hand_written=HandWrittenRMSNorm,
+    name="rms",
+    title="RMSNorm",
+    tapered=TaperNorm,
+    plain=nn.RMSNorm,
+    hand_written=HandWrittenRMSNorm,
     class_names=lambda name: "RMSNorm" in name or "RmsNorm" in name,  # LlamaRMSNorm, Qwen3NextRMSNormGated
-    centered=False, shift=False,
+    centered=False,
+    shift=False,
     # ONNX's own op (opset 23) and ONNX Runtime's, whose Skip variant first adds the residual (input 1)
-    fused_ops={"RMSNormalization": (1, None), "SimplifiedLayerNormalization": (1, None),
-               "SkipSimplifiedLayerNormalization": (2, None)},
+    fused_ops={
+        "RMSNormalization": (1, None),
+        "SimplifiedLayerNormalization": (1, None),
+        "SkipSimplifiedLayerNormalization": (2, None),
+    },
     gain_offset_allowed=True,
 )

@@ -59,8 +59,13 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projectio
     that read one tensor then become one (`report.projections` says which).
     """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
-    passes = [FoldConstantsPass(report), ObserveNormsPass(report), FoldIntoReadersPass(report),
-              FoldIntoEmbeddingPass(report), FoldIntoProducerPass(report)]
+    passes = [
+        FoldConstantsPass(report),
+        ObserveNormsPass(report),
+        FoldIntoReadersPass(report),
+        FoldIntoEmbeddingPass(report),
+        FoldIntoProducerPass(report),
+    ]
     if merge_norm_weights:
         passes.append(MergeNormWeightsPass(report))
     if fuse_projections:

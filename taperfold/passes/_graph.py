@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -192,8 +192,12 @@ def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
                 graph.remove(node, safe=True)
                 removed = True
                 for value in inputs:  # an initializer only this node read
-                    if value.is_initializer() and not value.uses() and not value.is_graph_output() \
-                            and not value.is_graph_input():
+                    if (
+                        value.is_initializer()
+                        and not value.uses()
+                        and not value.is_graph_output()
+                        and not value.is_graph_input()
+                    ):
                         graph.initializers.pop(value.name)
 
 
@@ -217,8 +221,23 @@ def reduces_last_axis_only(node: ir.Node, rank: int | None) -> bool:
     return axis == -1 or (rank is not None and axis == rank - 1)
 
 
-_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Neg",
-                "LayerNormalization", "RMSNormalization", "Dropout"}
+_ELEMENTWISE = {
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Cast",
+    "Identity",
+    "Relu",
+    "Gelu",
+    "Tanh",
+    "Sigmoid",
+    "Erf",
+    "Neg",
+    "LayerNormalization",
+    "RMSNormalization",
+    "Dropout",
+}
 
 
 def last_dim(value: ir.Value, depth: int = 16) -> int | None:

@@ -22,8 +22,12 @@ import onnx_ir as ir
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.errors import TaperfoldError
 
-_DTYPE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.DOUBLE: "fp32", ir.DataType.FLOAT16: "fp16",
-                ir.DataType.BFLOAT16: "bf16"}
+_DTYPE_NAMES = {
+    ir.DataType.FLOAT: "fp32",
+    ir.DataType.DOUBLE: "fp32",
+    ir.DataType.FLOAT16: "fp16",
+    ir.DataType.BFLOAT16: "bf16",
+}
 _INDEX_PATH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
 
 
@@ -42,11 +46,12 @@ def parse_shapes(text: str | None) -> dict[str, list[int]]:
             raise TaperfoldError(f"--shapes: {name!r} is given twice")
         digits = [d.lstrip("0") for d in dims.split("x")]
         if not all(digits):
-            raise TaperfoldError(f"--shapes: {part!r} has a 0 dimension; --verify needs at least one element "
-                                 "per input")
+            raise TaperfoldError(f"--shapes: {part!r} has a 0 dimension; --verify needs at least one element per input")
         if any(len(d) > 12 for d in digits) or math.prod(int(d) for d in digits) > MAX_FEED_ELEMENTS:
-            raise TaperfoldError(f"--shapes: {part!r} is more than {MAX_FEED_ELEMENTS:,} (2^31) elements, the "
-                                 "most --verify generates for one input")
+            raise TaperfoldError(
+                f"--shapes: {part!r} is more than {MAX_FEED_ELEMENTS:,} (2^31) elements, the "
+                "most --verify generates for one input"
+            )
         shapes[name] = [int(d) for d in digits]
     return shapes
 
@@ -57,8 +62,12 @@ def _lookup_rows(value: ir.Value, depth: int = 4) -> int | None:
         node = use.node
         if node.domain == "" and node.op_type == "Gather" and use.idx == 1:
             table = node.inputs[0]
-            if (table is not None and table.const_value is not None and table.const_value.shape
-                    and node.attributes.get_int("axis", 0) == 0):
+            if (
+                table is not None
+                and table.const_value is not None
+                and table.const_value.shape
+                and node.attributes.get_int("axis", 0) == 0
+            ):
                 return table.const_value.shape[0]
         if depth and node.domain == "" and node.op_type in _INDEX_PATH and use.idx == 0:
             if (rows := _lookup_rows(node.outputs[0], depth - 1)) is not None:
@@ -66,20 +75,25 @@ def _lookup_rows(value: ir.Value, depth: int = 4) -> int | None:
     return None
 
 
-def _plan(model: ir.Model, shapes: dict[str, list[int]], source: str | os.PathLike | None = None,
-          ) -> list[tuple[ir.Value, list[int], int | None]]:
+def _plan(
+    model: ir.Model,
+    shapes: dict[str, list[int]],
+    source: str | os.PathLike | None = None,
+) -> list[tuple[ir.Value, list[int], int | None]]:
     """(input, its dims, rows of the table it indexes) for every input to generate, or a one-line error naming
     the input: nothing is allocated here."""
     inputs = [v for v in model.graph.inputs if not v.is_initializer()]
     if unknown := set(shapes) - {v.name for v in inputs}:
-        raise TaperfoldError(f"--shapes: no graph input named {sorted(unknown)[0]!r} "
-                             f"(inputs: {', '.join(v.name for v in inputs)})")
+        raise TaperfoldError(
+            f"--shapes: no graph input named {sorted(unknown)[0]!r} (inputs: {', '.join(v.name for v in inputs)})"
+        )
     named: dict[str, int] = {}
     for value in inputs:  # dimension names fixed by the user's shapes apply to every input
         if value.name in shapes and value.shape is not None:
             if len(shapes[value.name]) != len(value.shape):
-                raise TaperfoldError(f"--shapes: {value.name} has rank {len(value.shape)}, "
-                                     f"got {len(shapes[value.name])} dims")
+                raise TaperfoldError(
+                    f"--shapes: {value.name} has rank {len(value.shape)}, got {len(shapes[value.name])} dims"
+                )
             for dim, size in zip(value.shape, shapes[value.name]):
                 if not isinstance(dim, int) and dim.value:
                     named.setdefault(dim.value, size)
@@ -87,38 +101,58 @@ def _plan(model: ir.Model, shapes: dict[str, list[int]], source: str | os.PathLi
     file = f"{source}: " if source is not None else ""
     for value in inputs:
         if value.shape is None and value.name not in shapes:
-            raise TaperfoldError(f"{file}input '{value.name}' has no recorded shape: give it with "
-                                 f"--shapes {value.name}:...")
+            raise TaperfoldError(
+                f"{file}input '{value.name}' has no recorded shape: give it with --shapes {value.name}:..."
+            )
         given = value.name in shapes
-        dims = list(shapes[value.name]) if given else [
-            dim if isinstance(dim, int) else named.setdefault(dim.value, 1 if i == 0 else 16) if dim.value
-            else (1 if i == 0 else 16)
-            for i, dim in enumerate(value.shape)]
+        dims = (
+            list(shapes[value.name])
+            if given
+            else [
+                dim
+                if isinstance(dim, int)
+                else named.setdefault(dim.value, 1 if i == 0 else 16)
+                if dim.value
+                else (1 if i == 0 else 16)
+                for i, dim in enumerate(value.shape)
+            ]
+        )
         fixed = value.shape is not None and all(isinstance(d, int) for d in value.shape)
-        static = ("" if given else " in the graph's static shape" if fixed
-                  else " (the graph's shape, dynamic dims 1 or 16)")
+        static = (
+            "" if given else " in the graph's static shape" if fixed else " (the graph's shape, dynamic dims 1 or 16)"
+        )
         hint = "" if given or fixed else f"; give a shape with --shapes {value.name}:..."
         if any(d < 0 for d in dims):
-            raise TaperfoldError(f"{file}input '{value.name}' has a negative dimension{static}: {dims}; give its shape "
-                                 f"with --shapes {value.name}:...")
+            raise TaperfoldError(
+                f"{file}input '{value.name}' has a negative dimension{static}: {dims}; give its shape "
+                f"with --shapes {value.name}:..."
+            )
         elements = math.prod(dims)
         if elements == 0:
-            raise TaperfoldError(f"{file}input '{value.name}' has a 0 dimension{static} ({dims}): --verify needs at "
-                                 f"least one element per input{hint}")
+            raise TaperfoldError(
+                f"{file}input '{value.name}' has a 0 dimension{static} ({dims}): --verify needs at "
+                f"least one element per input{hint}"
+            )
         if elements > MAX_FEED_ELEMENTS:
-            raise TaperfoldError(f"{file}input '{value.name}' would be {elements:,} elements{static} ({dims}), more "
-                                 f"than the {MAX_FEED_ELEMENTS:,} (2^31) --verify generates for one input{hint}")
+            raise TaperfoldError(
+                f"{file}input '{value.name}' would be {elements:,} elements{static} ({dims}), more "
+                f"than the {MAX_FEED_ELEMENTS:,} (2^31) --verify generates for one input{hint}"
+            )
         dtype = value.dtype.numpy() if value.dtype is not None else np.float32
         rows = None if np.issubdtype(dtype, np.floating) else _lookup_rows(value)
         if rows is not None and rows < 1:
-            raise TaperfoldError(f"{file}input '{value.name}' indexes a table of {rows} rows: --verify has no valid "
-                                 "ids to draw for it")
+            raise TaperfoldError(
+                f"{file}input '{value.name}' indexes a table of {rows} rows: --verify has no valid ids to draw for it"
+            )
         plan.append((value, dims, rows))
     return plan
 
 
-def feed_shapes(model: ir.Model, shapes: dict[str, list[int]], source: str | os.PathLike | None = None,
-                ) -> dict[str, list[int]]:
+def feed_shapes(
+    model: ir.Model,
+    shapes: dict[str, list[int]],
+    source: str | os.PathLike | None = None,
+) -> dict[str, list[int]]:
     """The shape of every input --verify will generate, or a one-line error naming the input (and `source`, the
     model's file); allocates nothing."""
     return {value.name: dims for value, dims, _ in _plan(model, shapes, source)}
@@ -132,8 +166,9 @@ def check_inputs(src: str | os.PathLike, shapes: dict[str, list[int]] | None = N
     return feed_shapes(load_model(src), shapes or {}, src)
 
 
-def make_feeds(model: ir.Model, shapes: dict[str, list[int]], seed: int = 0,
-               source: str | os.PathLike | None = None) -> dict[str, np.ndarray]:
+def make_feeds(
+    model: ir.Model, shapes: dict[str, list[int]], seed: int = 0, source: str | os.PathLike | None = None
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
     for value, dims, rows in _plan(model, shapes, source):
@@ -180,23 +215,39 @@ class FoldCheck:
         return "; ".join(f"input -> folded, output '{o.name}': {', '.join(o.violations)}" for o in bad)
 
     def to_dict(self) -> dict:
-        return {"inputs": self.inputs, "passed": self.passed,
-                "outputs": [{"name": o.name, "status": "pass" if o.passed else "fail",
-                             "metrics": o.metrics.to_dict() if o.metrics else None,
-                             "tolerance": o.tolerance.to_dict() if o.tolerance else None,
-                             "violations": o.violations} for o in self.outputs]}
+        return {
+            "inputs": self.inputs,
+            "passed": self.passed,
+            "outputs": [
+                {
+                    "name": o.name,
+                    "status": "pass" if o.passed else "fail",
+                    "metrics": o.metrics.to_dict() if o.metrics else None,
+                    "tolerance": o.tolerance.to_dict() if o.tolerance else None,
+                    "violations": o.violations,
+                }
+                for o in self.outputs
+            ],
+        }
 
 
-def check_fold(src: str | os.PathLike, dst: str | os.PathLike, shapes: dict[str, list[int]] | None = None,
-               seed: int = 0, threads: int | None = None) -> FoldCheck:
+def check_fold(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+    threads: int | None = None,
+) -> FoldCheck:
     """Run `src` and `dst` on the same generated inputs and compare every output."""
     from taperfold.engines import ENGINES, open_runners
     from taperfold.passes.onnx_io import load_model
 
     feeds = make_feeds(load_model(src), shapes or {}, seed, source=src)
     ort = ENGINES["ort"]
-    runners = {"input": ort.runner(src, device="cpu", threads=threads),
-               "folded": ort.runner(dst, device="cpu", threads=threads)}
+    runners = {
+        "input": ort.runner(src, device="cpu", threads=threads),
+        "folded": ort.runner(dst, device="cpu", threads=threads),
+    }
     with open_runners(runners):
         results = [runner.infer(feeds) for runner in runners.values()]
     reference, candidate = results

@@ -16,8 +16,28 @@ from taperfold.passes.report import FoldReport
 # Inputs larger than this are not folded (onnxscript's own default): norm scales and shapes are far
 # smaller; weights are not copied.
 SIZE_LIMIT = 8192
-_ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Exp", "Log",
-               "Sin", "Cos", "Tanh", "Sigmoid", "MatMul", "Concat", "Expand", "Unsqueeze", "Squeeze"}
+_ARITHMETIC = {
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Sqrt",
+    "Reciprocal",
+    "Neg",
+    "Abs",
+    "Exp",
+    "Log",
+    "Sin",
+    "Cos",
+    "Tanh",
+    "Sigmoid",
+    "MatMul",
+    "Concat",
+    "Expand",
+    "Unsqueeze",
+    "Squeeze",
+}
 
 
 def constant_computations(model: ir.Model, size_limit: int | None = None) -> list[ir.Node]:
@@ -50,7 +70,8 @@ def require_constants_folded(model: ir.Model) -> None:
     """Precondition of the fold passes: no small constant computation is left (run FoldConstantsPass)."""
     if left := constant_computations(model, SIZE_LIMIT):
         raise ir.passes.PreconditionError(
-            f"{describe(left[0])} computes a constant at run time: run FoldConstantsPass first")
+            f"{describe(left[0])} computes a constant at run time: run FoldConstantsPass first"
+        )
 
 
 class AfterConstantsPass(ir.passes.InPlacePass):

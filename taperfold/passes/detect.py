@@ -129,7 +129,7 @@ def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
             array = const_array(value)
             return None if array is None else ir.DataType.from_numpy(array.dtype)
         node = value.producer()
-        if node is None or node.domain != "" or node.op_type not in _SAME_DTYPE and node.op_type != "Gather":
+        if node is None or node.domain != "" or (node.op_type not in _SAME_DTYPE and node.op_type != "Gather"):
             return None
         value = node.inputs[0]
     return value.dtype
@@ -223,8 +223,13 @@ def _scaled_elementwise(x: ir.Value, op_type: str) -> list[ir.Node] | None:
     if node is None or node.op_type != op_type or node.domain != "" or len(node.inputs) != 1:
         return None
     mul = node.inputs[0].producer()
-    if mul is None or mul.op_type != "Mul" or mul.domain != "" or len(mul.inputs) != 2 \
-            or sole_use(mul.outputs[0]) is None:
+    if (
+        mul is None
+        or mul.op_type != "Mul"
+        or mul.domain != ""
+        or len(mul.inputs) != 2
+        or sole_use(mul.outputs[0]) is None
+    ):
         return None
     for i in (0, 1):
         factor = channel_const(mul.inputs[1 - i], mul.inputs[i])
@@ -266,8 +271,11 @@ def match_norm(start: ir.Node) -> NormMatch | None:
         kept = _scaled_elementwise(x, kind.elementwise) if kind.elementwise else []
         if kept is None:
             continue
-        match = NormMatch(kind.name, head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True) \
-            if kind.centered else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale, kept=kept)
+        match = (
+            NormMatch(kind.name, head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True)
+            if kind.centered
+            else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale, kept=kept)
+        )
         return _with_bias(match) if kind.shift else match
     return None
 
@@ -292,8 +300,14 @@ def _same(a: ir.Value, b: ir.Value) -> bool:
     if a is b:
         return True
     pa, pb = a.producer(), b.producer()
-    return (pa is not None and pb is not None and pa.op_type == pb.op_type and pa.domain == pb.domain
-            and list(pa.inputs) == list(pb.inputs) and a.index() == b.index())
+    return (
+        pa is not None
+        and pb is not None
+        and pa.op_type == pb.op_type
+        and pa.domain == pb.domain
+        and list(pa.inputs) == list(pb.inputs)
+        and a.index() == b.index()
+    )
 
 
 def _statistic_of(r: ir.Value, depth: int = 8) -> list[ir.Value]:
@@ -335,7 +349,7 @@ def normalizes(node: ir.Node) -> ir.Value | None:
     (x−μ)/sqrt(var+ε)), the x; else None."""
     if node.domain != "" or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
         return None
-    for i in ((0, 1) if node.op_type == "Mul" else (0,)):
+    for i in (0, 1) if node.op_type == "Mul" else (0,):
         x, r = node.inputs[i], node.inputs[1 - i]
         if x is None or r is None or is_const(r) or is_const(x):
             continue
@@ -370,8 +384,13 @@ def _real_norm_at(value: ir.Value) -> tuple[NormKind, str, ir.Node] | None:
 
 def _centering_of(x: ir.Value) -> bool:
     sub = x.producer()
-    return (sub is not None and sub.op_type == "Sub" and sub.domain == "" and len(sub.inputs) == 2
-            and _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0]))
+    return (
+        sub is not None
+        and sub.op_type == "Sub"
+        and sub.domain == ""
+        and len(sub.inputs) == 2
+        and _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0])
+    )
 
 
 def _gain_of(value: ir.Value, kind: NormKind, chains: dict[ir.Value, NormMatch]) -> NormMatch | None:

@@ -50,8 +50,11 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
         raise Blocked(f"its centering is shared with {describe(shared[0])}")
     # A Shape or Size reads what the fold keeps (legacy exports put one before each view); any other reader would see
     # the rows change.
-    if rows_readers := [u.node for u in match.input.uses()
-                        if u.node not in match.nodes and not (u.node.domain == "" and u.node.op_type in SHAPE_OPS)]:
+    if rows_readers := [
+        u.node
+        for u in match.input.uses()
+        if u.node not in match.nodes and not (u.node.domain == "" and u.node.op_type in SHAPE_OPS)
+    ]:
         raise Blocked(f"the looked-up rows are also read by {describe(rows_readers[0])}")
     return table
 
@@ -98,8 +101,8 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             self.rewritten.append((candidate.name, match.output))
             entry.status, entry.into = NormStatus.FOLDED, "embedding"
             entry.reason = f"folded into embedding table '{written.name}'" + (
-                f" (its readers could not: {readers_blocked})" if readers_blocked else "")
+                f" (its readers could not: {readers_blocked})" if readers_blocked else ""
+            )
             entry.bytes_rewritten += tensor.nbytes
             modified = True
         return ir.passes.PassResult(model, modified)
-

@@ -109,8 +109,11 @@ def producer_of(match: NormMatch) -> Producer | None:
         raise Blocked(f"{describe(node)} has {n} output channels for {match.width}")
     if bias is not None:
         b = const_array(bias[0].inputs[bias[1]])
-        if b.size not in (1, n) or any(dim != 1 for dim in b.shape[:-1]) or (
-                bias[0] is not node and b.ndim > 1 and (match.input.shape is None or b.ndim > len(match.input.shape))):
+        if (
+            b.size not in (1, n)
+            or any(dim != 1 for dim in b.shape[:-1])
+            or (bias[0] is not node and b.ndim > 1 and (match.input.shape is None or b.ndim > len(match.input.shape)))
+        ):
             raise Blocked(f"{describe(bias[0])} adds a bias of shape {list(b.shape)}, not one per channel")
     return producer
 
@@ -174,8 +177,9 @@ class FoldIntoProducerPass(AfterConstantsPass):
             try:
                 producer = producer_of(match)
             except Blocked as why:
-                self.report.entry(candidate.name, candidate.kind).reason = (
-                    f"{why_readers_cannot(match)}; not into its producer: {why}")
+                self.report.entry(
+                    candidate.name, candidate.kind
+                ).reason = f"{why_readers_cannot(match)}; not into its producer: {why}"
                 continue
             if producer is None:
                 continue

@@ -91,7 +91,9 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
     eps = _scalar(_other_input(add, mean.outputs[0])) if add is not None else None
     sqrt = _only_user(add.outputs[0], "Sqrt") if eps is not None else None
     inv = _only_user(sqrt.outputs[0], ("Reciprocal", "Div")) if sqrt is not None else None
-    if inv is None or (inv.op_type == "Div" and (inv.inputs[1] is not sqrt.outputs[0] or _scalar(inv.inputs[0]) != 1.0)):
+    if inv is None or (
+        inv.op_type == "Div" and (inv.inputs[1] is not sqrt.outputs[0] or _scalar(inv.inputs[0]) != 1.0)
+    ):
         return None
     scale = _only_user(inv.outputs[0], "Mul")
     if scale is None or _other_input(scale, inv.outputs[0]) is not stats_input:
@@ -158,10 +160,16 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
                 weight = np.full(width, 1.0 if weight is None else weight[0])
             stem = match.output.name or "rms_norm"
             scale = add_initializer(graph, f"{stem}.scale", ir.tensor(weight.astype(dtype)), suffix="")
-            fused = ir.node(op, [match.input, scale], {"axis": -1, "epsilon": float(match.epsilon), "stash_type": 1},
-                            name=f"{stem}.fused", metadata_props=dict(match.last.metadata_props))
-            ir.convenience.replace_nodes_and_values(graph, match.last, match.nodes, [fused], [match.output],
-                                                    [fused.outputs[0]])
+            fused = ir.node(
+                op,
+                [match.input, scale],
+                {"axis": -1, "epsilon": float(match.epsilon), "stash_type": 1},
+                name=f"{stem}.fused",
+                metadata_props=dict(match.last.metadata_props),
+            )
+            ir.convenience.replace_nodes_and_values(
+                graph, match.last, match.nodes, [fused], [match.output], [fused.outputs[0]]
+            )
             self.fused += 1
         if self.fused:
             RemoveUnusedNodesPass()(model)
@@ -195,8 +203,13 @@ class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
                 return add_initializer(graph, f"{stem}.{suffix}", ir.tensor(np.asarray(array)), suffix="")
 
             def op(op_type, *inputs, **attrs):
-                return ir.node(op_type, list(inputs), attrs or None, name=f"{stem}.{len(new)}_{op_type.lower()}",
-                               metadata_props=dict(meta))
+                return ir.node(
+                    op_type,
+                    list(inputs),
+                    attrs or None,
+                    name=f"{stem}.{len(new)}_{op_type.lower()}",
+                    metadata_props=dict(meta),
+                )
 
             new = []
             xs = x

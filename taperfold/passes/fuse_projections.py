@@ -129,8 +129,10 @@ def sibling(node: ir.Node, index: int) -> Sibling:
     if root.is_graph_output() or any(v.is_graph_output() for v in path):
         raise NotASibling(f"{describe(node)}'s weight is a graph output")
     if others := [u.node for v in path for u in v.uses() if u.node is not node and u.node not in via]:
-        raise NotASibling(f"{describe(node)}'s weight '{root.name}' is also read by {describe(others[0])} "
-                          "(tied): fusing would store it twice")
+        raise NotASibling(
+            f"{describe(node)}'s weight '{root.name}' is also read by {describe(others[0])} "
+            "(tied): fusing would store it twice"
+        )
     found = Sibling(node, tensor, via, transposed, None, 0)
     if node.op_type == "Gemm":
         if len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -170,8 +172,9 @@ def _bias_tensor(group: list[Sibling]) -> ir.Tensor | None:
     if all(b is None for b in biases):
         return None
     dtype = group[0].tensor.dtype.numpy()
-    joined = np.concatenate([np.zeros(s.width, dtype) if b is None else b.astype(dtype, copy=False)
-                             for s, b in zip(group, biases)])
+    joined = np.concatenate(
+        [np.zeros(s.width, dtype) if b is None else b.astype(dtype, copy=False) for s, b in zip(group, biases)]
+    )
     return ir.tensor(joined, dtype=group[0].tensor.dtype)
 
 
@@ -189,8 +192,13 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
     meta = dict(first.metadata_props)
     new_nodes = []
     if first.op_type == "Gemm":
-        linear = ir.node("Gemm", [x, weight, *([bias_value] if bias_value else [])], name=name, metadata_props=meta,
-                         attributes={"transB": int(group[0].reads_nd)})
+        linear = ir.node(
+            "Gemm",
+            [x, weight, *([bias_value] if bias_value else [])],
+            name=name,
+            metadata_props=meta,
+            attributes={"transB": int(group[0].reads_nd)},
+        )
         new_nodes.append(linear)
         joined = linear.outputs[0]
     else:
@@ -204,11 +212,23 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
     widths = [s.width for s in group]
     if opset >= SPLIT_AS_INPUT:
         sizes = add_initializer(graph, name, ir.tensor(np.array(widths, np.int64)), suffix=".split")
-        split = ir.node("Split", [joined, sizes], attributes={"axis": -1}, num_outputs=len(group),
-                        name=f"{name}_split", metadata_props=meta)
+        split = ir.node(
+            "Split",
+            [joined, sizes],
+            attributes={"axis": -1},
+            num_outputs=len(group),
+            name=f"{name}_split",
+            metadata_props=meta,
+        )
     else:
-        split = ir.node("Split", [joined], attributes={"axis": -1, "split": widths}, num_outputs=len(group),
-                        name=f"{name}_split", metadata_props=meta)
+        split = ir.node(
+            "Split",
+            [joined],
+            attributes={"axis": -1, "split": widths},
+            num_outputs=len(group),
+            name=f"{name}_split",
+            metadata_props=meta,
+        )
     new_nodes.append(split)
     # value info: the joined output is the first sibling's with the width summed
     shape = group[0].output.shape
@@ -231,9 +251,15 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
         dead += [s.node, *s.via, *([s.bias] if s.bias else [])]
     remove_if_dead(graph, dead)
     nbytes = weight.const_value.nbytes + (bias.nbytes if bias is not None else 0)
-    return FusedGroup(input=x.name or "", nodes=[s.node.name for s in group],
-                      modules=[_module(s.node) for s in group], fused=name, widths=widths,
-                      bias=bias_value is not None, bytes_written=nbytes)
+    return FusedGroup(
+        input=x.name or "",
+        nodes=[s.node.name for s in group],
+        modules=[_module(s.node) for s in group],
+        fused=name,
+        widths=widths,
+        bias=bias_value is not None,
+        bytes_written=nbytes,
+    )
 
 
 def _linear_count(graph: ir.Graph) -> int:
@@ -285,8 +311,11 @@ class FuseProjectionsPass(ir.passes.InPlacePass):
                 groups[found.key()].append(found)
             for group in groups.values():
                 if len(group) < 2:
-                    self.report.left.append(LeftReader(x.name or "", group[0].node.name or "",
-                                                       "no sibling of the same op, layout, dtype and width"))
+                    self.report.left.append(
+                        LeftReader(
+                            x.name or "", group[0].node.name or "", "no sibling of the same op, layout, dtype and width"
+                        )
+                    )
                     continue
                 self.report.groups.append(fuse_group(graph, x, group, opset))
                 self._replaced += [s.node for s in group]
@@ -302,5 +331,5 @@ class FuseProjectionsPass(ir.passes.InPlacePass):
         if self.report.linear_before - self.report.linear_after != self._removed:
             raise ir.passes.PostconditionError(
                 f"{self.report.linear_before} linear layers became {self.report.linear_after}, not "
-                f"{self.report.linear_before - self._removed}")
-
+                f"{self.report.linear_before - self._removed}"
+            )

@@ -25,8 +25,13 @@ def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
     for index, value in ((scale_at, 1.0), (bias_at, 0.0)):
         if index is not None and index < len(node.inputs) and node.inputs[index] is not None:
             old = node.inputs[index].const_value
-            write_const(graph, node, index, ir.tensor(np.full(tuple(old.shape), value, old.dtype.numpy())),
-                        base=node.inputs[index].name or node.name)
+            write_const(
+                graph,
+                node,
+                index,
+                ir.tensor(np.full(tuple(old.shape), value, old.dtype.numpy())),
+                base=node.inputs[index].name or node.name,
+            )
 
 
 class MergeNormWeightsPass(AfterConstantsPass):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -140,8 +140,11 @@ class LinearReader(WeightView, Reader):
     def _fold_weight(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         scale, centered = match.scale[:, None], match.centered
         # Written where the node reads its weight, or, for a selection, where the Gather reads the whole stack.
-        at, index, as_nd = (self.gather, 0, self.gathered_nd) if self.gather is not None else (
-            self.node, weight_index(self.node, self.index), self.reads_nd)
+        at, index, as_nd = (
+            (self.gather, 0, self.gathered_nd)
+            if self.gather is not None
+            else (self.node, weight_index(self.node, self.index), self.reads_nd)
+        )
 
         def compute() -> np.ndarray:
             w = self.weight()
@@ -304,19 +307,28 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
     if source is None:
         raise Blocked(f"read by {describe(node)} whose weight is not a constant")
     reads_nd = index == 1 or (node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0)))
-    reader = LinearReader(node, index, source.root, source.tensor, source.via, source.transposed ^ reads_nd,
-                          reads_nd, gather=source.gather)
+    reader = LinearReader(
+        node,
+        index,
+        source.root,
+        source.tensor,
+        source.via,
+        source.transposed ^ reads_nd,
+        reads_nd,
+        gather=source.gather,
+    )
     reader.gathered_nd = reader.transposed ^ source.gather_transposed
     d, n = reader.shape
     if d != match.width:
         raise Blocked(f"read by {describe(node)} whose weight has {d} rows for {match.width} channels")
-    selection = source.via[:source.via.index(source.gather) + 1] if source.gather is not None else []
+    selection = source.via[: source.via.index(source.gather) + 1] if source.gather is not None else []
     if any(u.node not in (*source.via, node) for step in selection for u in step.outputs[0].uses()):
         raise Blocked(f"read by {describe(node)} whose selected weight is also read elsewhere")
     if match.bias is not None:
         if index != 0 or source.gather is not None or len(source.tensor.shape) != 2:
-            raise Blocked(f"read by {describe(node)}, whose weight is a stack of matrices: a shift (β) needs a "
-                          "bias per matrix")
+            raise Blocked(
+                f"read by {describe(node)}, whose weight is a stack of matrices: a shift (β) needs a bias per matrix"
+            )
         reader.bias = _bias_of(node, n)
     return reader
 
@@ -337,8 +349,12 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
             value = node.inputs[-1] if node.op_type == "Concat" else node.inputs[0]
         elif node.op_type == "Slice":  # a slice that runs to the end keeps the last element
             ends, steps = const_array(node.inputs[2]), const_array(node.inputs[4]) if len(node.inputs) > 4 else None
-            if ends is None or ends.size != 1 or int(ends.reshape(-1)[0]) < 2**31 or (
-                    steps is not None and int(steps.reshape(-1)[0]) != 1):
+            if (
+                ends is None
+                or ends.size != 1
+                or int(ends.reshape(-1)[0]) < 2**31
+                or (steps is not None and int(steps.reshape(-1)[0]) != 1)
+            ):
                 return None
             value = node.inputs[0]
         elif node.op_type == "Gather":  # Shape(x)[-1], or Shape(x)[i] with i the last axis of x (legacy exports)
@@ -346,8 +362,9 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
             if index is None or index.size != 1:
                 return None
             index = int(index.reshape(-1)[0])
-            if index != -1 and not (shape is not None and _onnx(shape, "Shape") and
-                                    _rank_of(shape.inputs[0]) == index + 1):
+            if index != -1 and not (
+                shape is not None and _onnx(shape, "Shape") and _rank_of(shape.inputs[0]) == index + 1
+            ):
                 return None
             value = node.inputs[0]
         else:
@@ -355,12 +372,54 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
     return None
 
 
-_SAME_RANK = {"Identity", "Cast", "Neg", "Sqrt", "Reciprocal", "Relu", "Sigmoid", "Tanh", "Erf", "Softmax", "Exp",
-              "Log", "Abs", "Not", "Slice", "Tile", "Transpose", "CumSum", "Trilu", "TopK", "Dropout", "Concat",
-              "LayerNormalization", "Gelu", "Softplus", "IsNaN", "IsInf"}
-_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
-              "And", "Or", "Max", "Min", "Mod"}
-_RANKS: "weakref.WeakKeyDictionary[ir.Graph, dict[ir.Value, int]]" = weakref.WeakKeyDictionary()
+_SAME_RANK = {
+    "Identity",
+    "Cast",
+    "Neg",
+    "Sqrt",
+    "Reciprocal",
+    "Relu",
+    "Sigmoid",
+    "Tanh",
+    "Erf",
+    "Softmax",
+    "Exp",
+    "Log",
+    "Abs",
+    "Not",
+    "Slice",
+    "Tile",
+    "Transpose",
+    "CumSum",
+    "Trilu",
+    "TopK",
+    "Dropout",
+    "Concat",
+    "LayerNormalization",
+    "Gelu",
+    "Softplus",
+    "IsNaN",
+    "IsInf",
+}
+_BROADCAST = {
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Where",
+    "Equal",
+    "Less",
+    "Greater",
+    "LessOrEqual",
+    "GreaterOrEqual",
+    "And",
+    "Or",
+    "Max",
+    "Min",
+    "Mod",
+}
+_RANKS: weakref.WeakKeyDictionary[ir.Graph, dict[ir.Value, int]] = weakref.WeakKeyDictionary()
 
 
 def _rank_of(value: ir.Value | None) -> int | None:
@@ -473,8 +532,10 @@ def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch, channe
     if isinstance(last, ir.Value):
         last = match.width if last is node.inputs[0] and channels.exact else last_dim(last)
     if last is not None and last != match.width:
-        raise Blocked(f"read by {describe(node)} to a shape ending in {last}, "
-                      f"which does not keep the last dimension ({match.width})")
+        raise Blocked(
+            f"read by {describe(node)} to a shape ending in {last}, "
+            f"which does not keep the last dimension ({match.width})"
+        )
     rank = _length(node.inputs[1]) if len(node.inputs) > 1 else None
     return _passing_on(node, index, match, Channels(-1, last is not None, rank))
 
@@ -497,8 +558,9 @@ def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch, channels
     else:
         starts = const_array(node.inputs[1])
         axes_value = node.inputs[3] if len(node.inputs) > 3 else None
-        axes = const_array(axes_value) if axes_value is not None else (
-            None if starts is None else np.arange(starts.size))
+        axes = (
+            const_array(axes_value) if axes_value is not None else (None if starts is None else np.arange(starts.size))
+        )
     if axes is None or rank is None:
         raise Blocked(f"read by {describe(node)} whose axes are not known before run time")
     if not channels.exact:
@@ -546,8 +608,13 @@ def shape_only(node: ir.Node, index: int, match: NormMatch, channels: Channels) 
 
 
 ReaderKind = Callable[[ir.Node, int, NormMatch, Channels], "Reader | None"]
-READER_KINDS: list[ReaderKind] = [shape_only, linear_layer, reshape_keeping_channels, slice_keeping_channels,
-                                  rows_copied]
+READER_KINDS: list[ReaderKind] = [
+    shape_only,
+    linear_layer,
+    reshape_keeping_channels,
+    slice_keeping_channels,
+    rows_copied,
+]
 
 _ACTIVATIONS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Softmax", "FastGelu", "BiasGelu", "Silu", "Swish"}
 

@@ -73,13 +73,21 @@ class ProjectionReport:
     linear_after: int = 0
 
     def summary(self) -> dict:
-        return {"groups": len(self.groups), "layers_fused": sum(len(g.nodes) for g in self.groups),
-                "left": len(self.left), "linear_before": self.linear_before, "linear_after": self.linear_after,
-                "bytes_written": sum(g.bytes_written for g in self.groups)}
+        return {
+            "groups": len(self.groups),
+            "layers_fused": sum(len(g.nodes) for g in self.groups),
+            "left": len(self.left),
+            "linear_before": self.linear_before,
+            "linear_after": self.linear_after,
+            "bytes_written": sum(g.bytes_written for g in self.groups),
+        }
 
     def to_dict(self) -> dict:
-        return {"summary": self.summary(), "groups": [dataclasses.asdict(g) for g in self.groups],
-                "left": [dataclasses.asdict(r) for r in self.left]}
+        return {
+            "summary": self.summary(),
+            "groups": [dataclasses.asdict(g) for g in self.groups],
+            "left": [dataclasses.asdict(r) for r in self.left],
+        }
 
 
 @dataclasses.dataclass
@@ -112,7 +120,8 @@ class FoldReport:
     def changed_weights(self) -> bool:
         """Whether any pass rewrote the model's arithmetic (a fold, a merge or fused projections)."""
         return any(e.status in (NormStatus.FOLDED, NormStatus.WEIGHTS_MERGED) for e in self.norms) or bool(
-            self.projections and self.projections.groups)
+            self.projections and self.projections.groups
+        )
 
     def summary(self) -> dict:
         return {
@@ -132,8 +141,13 @@ class FoldReport:
     def to_dict(self) -> dict:
         files = {key: value for key, value in (("source", self.source), ("output", self.output)) if value}
         projections = {"projections": self.projections.to_dict()} if self.projections is not None else {}
-        return {**files, "summary": self.summary(), "constants_left": self.constants_left,
-                "norms": [entry.to_dict() for entry in self.norms], **projections}
+        return {
+            **files,
+            "summary": self.summary(),
+            "constants_left": self.constants_left,
+            "norms": [entry.to_dict() for entry in self.norms],
+            **projections,
+        }
 
 
 class ObserveNormsPass(ir.passes.InPlacePass):
@@ -150,8 +164,9 @@ class ObserveNormsPass(ir.passes.InPlacePass):
 
         analysis = detect_norms(model)
         for norm in analysis.real_norms:
-            self.report.entry(norm.name, norm.kind, NormStatus.REAL_NORM).reason = (
-                f"an ordinary norm ({norm.form}) computes per-token statistics; left as it is")
+            self.report.entry(
+                norm.name, norm.kind, NormStatus.REAL_NORM
+            ).reason = f"an ordinary norm ({norm.form}) computes per-token statistics; left as it is"
         for layer in analysis.gate_not_zero:
             self.report.entry(layer.name, layer.kind, NormStatus.NOT_FOLDABLE).reason = GATE_NOT_ZERO
         for candidate in analysis.candidates:

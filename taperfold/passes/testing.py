@@ -21,11 +21,23 @@ DIM, LAYERS, HEADS, VOCAB, POSITIONS = 32, 2, 4, 64, 64
 def _configs() -> dict:
     import transformers as T
 
-    llama_like = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS)
+    llama_like = dict(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=2 * DIM,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+    )
     no_tokens = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # defaults outside the tiny vocabulary
-    falcon = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  max_position_embeddings=POSITIONS)
+    falcon = dict(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=POSITIONS,
+    )
     return {
         "llama": lambda: T.LlamaConfig(**llama_like),
         "qwen2": lambda: T.Qwen2Config(**llama_like),
@@ -35,9 +47,15 @@ def _configs() -> dict:
         "gemma": lambda: T.GemmaConfig(**llama_like, head_dim=DIM // HEADS),
         "phi": lambda: T.PhiConfig(**llama_like),
         "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS),
-        "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
-                                            num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                            max_position_embeddings=POSITIONS, use_parallel_residual=True),
+        "gpt_neox": lambda: T.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=DIM,
+            intermediate_size=2 * DIM,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=POSITIONS,
+            use_parallel_residual=True,
+        ),
         "gemma2": lambda: T.Gemma2Config(**llama_like, head_dim=DIM // HEADS),
         "gemma3_text": lambda: T.Gemma3TextConfig(**llama_like, head_dim=DIM // HEADS),
         "olmo2": lambda: T.Olmo2Config(**llama_like, **no_tokens),
@@ -45,25 +63,67 @@ def _configs() -> dict:
         "exaone4": lambda: T.Exaone4Config(**llama_like, **no_tokens, head_dim=DIM // HEADS),
         "olmo": lambda: T.OlmoConfig(**llama_like, **no_tokens),  # LayerNorms without weight or bias
         "bloom": lambda: T.BloomConfig(vocab_size=VOCAB, hidden_size=DIM, n_layer=LAYERS, n_head=HEADS, **no_tokens),
-        "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=DIM, ffn_dim=2 * DIM, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, max_position_embeddings=POSITIONS,
-                                   word_embed_proj_dim=DIM),
+        "opt": lambda: T.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=DIM,
+            ffn_dim=2 * DIM,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=POSITIONS,
+            word_embed_proj_dim=DIM,
+        ),
         "mixtral": lambda: T.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": lambda: T.Qwen2MoeConfig(**llama_like, **no_tokens, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=DIM // 2, shared_expert_intermediate_size=DIM),
-        "qwen3_moe": lambda: T.Qwen3MoeConfig(**llama_like, **no_tokens, head_dim=DIM // HEADS, num_experts=4,
-                                              num_experts_per_tok=2, moe_intermediate_size=DIM // 2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(
+            **llama_like,
+            **no_tokens,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=DIM // 2,
+            shared_expert_intermediate_size=DIM,
+        ),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(
+            **llama_like,
+            **no_tokens,
+            head_dim=DIM // HEADS,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=DIM // 2,
+        ),
         "falcon": lambda: T.FalconConfig(**falcon, **no_tokens),  # Falcon-7B's layout: one norm, parallel attention
         "falcon_new": lambda: T.FalconConfig(**falcon, **no_tokens, new_decoder_architecture=True, num_kv_heads=2),
         "stablelm": lambda: T.StableLmConfig(**llama_like, **no_tokens),
-        "stablelm_parallel": lambda: T.StableLmConfig(**llama_like, **no_tokens, use_parallel_residual=True,
-                                                      qk_layernorm=True),
+        "stablelm_parallel": lambda: T.StableLmConfig(
+            **llama_like, **no_tokens, use_parallel_residual=True, qk_layernorm=True
+        ),
     }
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "phi", "gpt2", "gpt_neox", "opt", "gemma2",
-            "gemma3_text", "olmo2", "glm4", "exaone4", "bloom", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "falcon",
-            "falcon_new", "stablelm", "stablelm_parallel")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma",
+    "phi",
+    "gpt2",
+    "gpt_neox",
+    "opt",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "glm4",
+    "exaone4",
+    "bloom",
+    "olmo",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "falcon",
+    "falcon_new",
+    "stablelm",
+    "stablelm_parallel",
+)
 
 
 def tiny_model(family: str, seed: int = 0) -> nn.Module:
@@ -165,13 +225,30 @@ def export(model: nn.Module, path: str | Path, exporter: str, opset: int, optimi
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             dims = {0: "batch", 1: "sequence"}
-            program = torch.onnx.export(_Logits(model), args, dynamo=True, opset_version=opset, optimize=optimize, verbose=False,
-                                        dynamic_shapes={"input_ids": dims, "attention_mask": dims}, **names)
+            program = torch.onnx.export(
+                _Logits(model),
+                args,
+                dynamo=True,
+                opset_version=opset,
+                optimize=optimize,
+                verbose=False,
+                dynamic_shapes={"input_ids": dims, "attention_mask": dims},
+                **names,
+            )
             program.save(str(path), external_data=True)
         elif exporter == "legacy":
             axes = {name: {0: "batch", 1: "sequence"} for name in names["input_names"]}
-            torch.onnx.export(_Logits(model), args, str(path), dynamo=False, opset_version=opset,
-                              do_constant_folding=optimize, dynamic_axes=axes, external_data=True, **names)
+            torch.onnx.export(
+                _Logits(model),
+                args,
+                str(path),
+                dynamo=False,
+                opset_version=opset,
+                do_constant_folding=optimize,
+                dynamic_axes=axes,
+                external_data=True,
+                **names,
+            )
         else:
             raise ValueError(f"exporter must be 'dynamo' or 'legacy', got {exporter!r}")
     return path

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -200,8 +201,9 @@ class Runner(abc.ABC):
         missing = [n for n in self._inputs if n not in feeds]
         unknown = sorted(set(feeds) - set(self._inputs))
         if missing or unknown:
-            raise self.error(f"feeds do not match the model's inputs {self._inputs} (missing {missing}, "
-                             f"unknown {unknown})")
+            raise self.error(
+                f"feeds do not match the model's inputs {self._inputs} (missing {missing}, unknown {unknown})"
+            )
         for name, value in feeds.items():
             spec = self._specs.get(name)
             if spec is None or not isinstance(value, np.ndarray):
@@ -210,5 +212,6 @@ class Runner(abc.ABC):
                 raise self.error(f"input {name!r} needs rank {spec.rank}, got shape {list(value.shape)}")
             floating = np.issubdtype(value.dtype, np.floating)
             if floating != spec.floating or not (floating or np.issubdtype(value.dtype, np.integer)):
-                raise self.error(f"input {name!r} needs {'floating-point' if spec.floating else 'integer'} "
-                                 f"values, got {value.dtype}")
+                raise self.error(
+                    f"input {name!r} needs {'floating-point' if spec.floating else 'integer'} values, got {value.dtype}"
+                )

@@ -44,8 +44,19 @@ def _ort_errors() -> tuple[type[BaseException], ...]:
     # ORT's pybind11 exceptions (Fail, InvalidArgument, NoSuchFile, ...) derive from Exception, not RuntimeError.
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
-    names = ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException",
-             "InvalidProtobuf", "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail")
+    names = (
+        "Fail",
+        "InvalidArgument",
+        "NoSuchFile",
+        "NoModel",
+        "EngineError",
+        "RuntimeException",
+        "InvalidProtobuf",
+        "ModelLoaded",
+        "NotImplemented",
+        "InvalidGraph",
+        "EPFail",
+    )
     return (RuntimeError, *(getattr(state, n) for n in names if hasattr(state, n)))
 
 
@@ -53,10 +64,12 @@ def session_options(optimization: str = "all", threads: int | None = None):
     """SessionOptions for one of OPTIMIZATION_LEVELS and an intra-op thread count (None: ORT's default)."""
     import onnxruntime as ort
 
-    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
     options = ort.SessionOptions()
     options.graph_optimization_level = levels[optimization]
     # fatal only: warnings would break our output, and ORT's errors come back as exceptions that we report in one
@@ -75,8 +88,9 @@ def providers_for(device: str, cuda_graph: bool = False) -> list:
             raise TaperfoldError("--cuda-graph needs --device cuda")
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise TaperfoldError("--device cuda: this onnxruntime build has no CUDA execution provider "
-                             "(install onnxruntime-gpu)")
+        raise TaperfoldError(
+            "--device cuda: this onnxruntime build has no CUDA execution provider (install onnxruntime-gpu)"
+        )
     # fp32 graphs compute in fp32: the CUDA provider's default TF32 matmuls put an fp32 fold 5e-4 away from its
     # reference on an H100, far outside fp32 tolerances (fp16 / bf16 graphs are unaffected)
     options = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if cuda_graph else {})}
@@ -94,8 +108,9 @@ def _has_bf16_outputs(model) -> bool:
     return any(o.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for o in model.graph.output)
 
 
-def open_session(path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None,
-                 cuda_graph: bool = False):
+def open_session(
+    path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None, cuda_graph: bool = False
+):
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
     import onnxruntime as ort
 
@@ -103,25 +118,34 @@ def open_session(path: Path, device: str = "cpu", optimization: str = "all", thr
 
     header = check_onnx_file(path)
     try:
-        session = ort.InferenceSession(str(path), sess_options=session_options(optimization, threads),
-                                       providers=providers_for(device, cuda_graph))
+        session = ort.InferenceSession(
+            str(path), sess_options=session_options(optimization, threads), providers=providers_for(device, cuda_graph)
+        )
     except _ort_errors() as e:
         if cuda_graph:  # e.g. "... cannot use the graph capture feature ... not been partitioned to the CUDA EP"
-            why = ("a KV-cached decoder: its past grows every step, and ONNX Runtime keeps the shape arithmetic "
-                   "that follows from it on the CPU; CUDA graphs are for prefill graphs, see "
-                   "docs/benchmarks.md#ort-decode-and-cuda-graphs" if _is_growing_decoder(header)
-                   else "every node must run on the GPU")
-            raise TaperfoldError(f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
-                                 f"({why}; {first_line(e)})") from None
+            why = (
+                "a KV-cached decoder: its past grows every step, and ONNX Runtime keeps the shape arithmetic "
+                "that follows from it on the CPU; CUDA graphs are for prefill graphs, see "
+                "docs/benchmarks.md#ort-decode-and-cuda-graphs"
+                if _is_growing_decoder(header)
+                else "every node must run on the GPU"
+            )
+            raise TaperfoldError(
+                f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
+                f"({why}; {first_line(e)})"
+            ) from None
         if device == "cpu" and _has_bf16_outputs(header):  # e.g. "Could not find an implementation for Mul(14)"
-            raise TaperfoldError(f"{path}: a bf16 graph: onnxruntime's CPU provider has no bf16 kernels for it "
-                                 f"({first_line(e)}); run it with --device cuda, or check an fp16 or fp32 export "
-                                 "on the CPU") from None
+            raise TaperfoldError(
+                f"{path}: a bf16 graph: onnxruntime's CPU provider has no bf16 kernels for it "
+                f"({first_line(e)}); run it with --device cuda, or check an fp16 or fp32 export "
+                "on the CPU"
+            ) from None
         raise TaperfoldError(f"{path}: onnxruntime cannot load the model ({first_line(e)})") from None
     # ORT falls back to CPU with only a log line when the CUDA libraries or the GPU are missing.
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-        raise TaperfoldError(f"{path}: onnxruntime could not start its CUDA execution provider "
-                             "(no GPU, or CUDA/cuDNN libraries missing)")
+        raise TaperfoldError(
+            f"{path}: onnxruntime could not start its CUDA execution provider (no GPU, or CUDA/cuDNN libraries missing)"
+        )
     return session
 
 
@@ -145,8 +169,9 @@ def device_copy(array: np.ndarray, device: str):
     return value
 
 
-def bind_io(session, feeds: dict, output_names: list[str], device: str = "cuda",
-            shared: dict[str, str] | None = None) -> BoundInputs:
+def bind_io(
+    session, feeds: dict, output_names: list[str], device: str = "cuda", shared: dict[str, str] | None = None
+) -> BoundInputs:
     """IOBinding on `device` (CUDA device 0, or the CPU): host inputs are copied there once, outputs stay there, so
     timing sees no copies. OrtValues the session returned (a KV cache fed back while decoding) are already there:
     bound as is. `shared` (output name -> input name): outputs bound to their input's buffer, a static cache's
@@ -154,8 +179,9 @@ def bind_io(session, feeds: dict, output_names: list[str], device: str = "cuda",
     import onnxruntime as ort
 
     binding = session.io_binding()
-    device_inputs = {name: value if isinstance(value, ort.OrtValue) else device_copy(value, device)
-                     for name, value in feeds.items()}
+    device_inputs = {
+        name: value if isinstance(value, ort.OrtValue) else device_copy(value, device) for name, value in feeds.items()
+    }
     for name, value in device_inputs.items():
         binding.bind_ortvalue_input(name, value)
     for name in output_names:
@@ -183,13 +209,20 @@ class OrtRunner(Runner):
 
     name = "onnxruntime"
 
-    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, optimization: str = "all",
-                 cuda_graph: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        threads: int | None = None,
+        optimization: str = "all",
+        cuda_graph: bool = False,
+    ):
         if device not in DEVICES:
             raise TaperfoldError(f"onnxruntime device must be one of {DEVICES}, got {device!r}")
         if optimization not in OPTIMIZATION_LEVELS:
-            raise TaperfoldError(f"onnxruntime optimization level must be one of {OPTIMIZATION_LEVELS}, "
-                                 f"got {optimization!r}")
+            raise TaperfoldError(
+                f"onnxruntime optimization level must be one of {OPTIMIZATION_LEVELS}, got {optimization!r}"
+            )
         if threads is not None and threads < 1:
             raise TaperfoldError(f"onnxruntime threads must be at least 1, got {threads}")
         if cuda_graph and device != "cuda":
@@ -228,8 +261,10 @@ class OrtRunner(Runner):
         if self.cuda_graph:
             return self._prepare_slot(feeds)
         if self.device == "cpu" and not self._shared:
-            return {name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
-                    for name, value in feeds.items()}
+            return {
+                name: value.numpy() if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value)
+                for name, value in feeds.items()
+            }
         return bind_io(self.session, feeds, self._outputs, self.device, self._shared)
 
     def _launcher(self, prepared: Any):
@@ -240,19 +275,23 @@ class OrtRunner(Runner):
             prepared = self._slot_for(prepared)
         session, names = self.session, self._outputs
         if isinstance(prepared, GraphSlot):
+
             def replay():
                 try:
                     session.run_with_iobinding(prepared.binding, prepared.run_options)
                 except _ort_errors() as e:
                     raise self._run_failed(e) from None
                 return dict(prepared.outputs)
+
             return replay
         if isinstance(prepared, dict):  # the CPU without IOBinding
+
             def run_on_cpu():
                 try:
                     return dict(zip(names, session.run(None, prepared)))
                 except _ort_errors() as e:
                     raise self._run_failed(e) from None
+
             return run_on_cpu
         binding, queued = prepared.binding, self._queued
 
@@ -262,6 +301,7 @@ class OrtRunner(Runner):
             except _ort_errors() as e:
                 raise self._run_failed(e) from None
             return dict(zip(names, binding.get_outputs()))
+
         return run_bound
 
     def _run_failed(self, error: BaseException) -> RunnerError:
@@ -282,8 +322,10 @@ class OrtRunner(Runner):
         signature = tuple((name, _shape_of(value), _type_of(value)) for name, value in feeds.items())
         slot = self._slots.get(signature)
         if slot is None:
-            device_inputs = {name: value if isinstance(value, ort.OrtValue) else device_copy(value, self._slot_device)
-                             for name, value in feeds.items()}
+            device_inputs = {
+                name: value if isinstance(value, ort.OrtValue) else device_copy(value, self._slot_device)
+                for name, value in feeds.items()
+            }
             return NewShape(signature, device_inputs)
         for name, value in feeds.items():
             fixed = slot.inputs[name]
@@ -294,7 +336,7 @@ class OrtRunner(Runner):
                 fixed.update_inplace(np.ascontiguousarray(value))
         return slot
 
-    def _slot_for(self, new: "NewShape") -> "GraphSlot":
+    def _slot_for(self, new: NewShape) -> GraphSlot:
         slot = self._slots.get(new.signature)
         if slot is None:
             start = time.perf_counter()
@@ -302,7 +344,7 @@ class OrtRunner(Runner):
             self.setup_log.append(("capture", new.signature, time.perf_counter() - start))
         return slot
 
-    def _capture(self, device_inputs: dict) -> "GraphSlot":
+    def _capture(self, device_inputs: dict) -> GraphSlot:
         import onnxruntime as ort
 
         def bound(outputs: dict):
@@ -376,8 +418,9 @@ def _type_of(value) -> str:
 # ---- the engine (taperfold.engines' "ort" row) ---------------------------------------------------------------
 
 
-def open_runner(path, *, device, threads, decoder, logits, name, shapes=None, optimization="all",
-                cuda_graph=False) -> OrtRunner:
+def open_runner(
+    path, *, device, threads, decoder, logits, name, shapes=None, optimization="all", cuda_graph=False
+) -> OrtRunner:
     return OrtRunner(path, device=device, threads=threads, optimization=optimization, cuda_graph=cuda_graph)
 
 

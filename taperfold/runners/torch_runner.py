@@ -39,8 +39,8 @@ import torch
 from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
 from taperfold.exportdir import CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, OUTPUT, STATIC, cache_of, decoder_io_names
-from taperfold.taper import TaperedLM
 from taperfold.runners.base import CudaEventClock, InputSpec, Runner, WallClock
+from taperfold.taper import TaperedLM
 
 
 @dataclass
@@ -86,9 +86,18 @@ class TorchRunner(Runner):
 
     name = "torch"
 
-    def __init__(self, model: TaperedLM, device: str = "cpu", compile: bool = False, decoder: bool | str = False,
-                 logits: str = "last", name: str = "torch model", compile_mode: str = "default",
-                 cuda_graph: bool = False, shapes: int | None = None):
+    def __init__(
+        self,
+        model: TaperedLM,
+        device: str = "cpu",
+        compile: bool = False,
+        decoder: bool | str = False,
+        logits: str = "last",
+        name: str = "torch model",
+        compile_mode: str = "default",
+        cuda_graph: bool = False,
+        shapes: int | None = None,
+    ):
         super().__init__(name, device)
         if compile_mode not in COMPILE_MODES:
             raise self.error(f"torch.compile mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
@@ -99,11 +108,14 @@ class TorchRunner(Runner):
         self.model, self.compile, self.decoder, self.logits = model, compile, decoder, logits
         self.cache = cache_of(decoder)
         if self.cache == STATIC and not model.static_cache:
-            raise self.error("this model takes no static KV cache (its transformers cache has sliding-window layers); "
-                             "use --kv-cache growing")
+            raise self.error(
+                "this model takes no static KV cache (its transformers cache has sliding-window layers); "
+                "use --kv-cache growing"
+            )
         self.compile_mode, self.cuda_graph, self.shapes = compile_mode, cuda_graph, shapes or 8
-        self._outputs_in_graph_pool = (compile and compile_mode in ("reduce-overhead", "max-autotune")
-                                       and self.device.startswith("cuda"))
+        self._outputs_in_graph_pool = (
+            compile and compile_mode in ("reduce-overhead", "max-autotune") and self.device.startswith("cuda")
+        )
         if decoder:
             self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers, decoder)
         else:
@@ -132,9 +144,12 @@ class TorchRunner(Runner):
             # a growing cache changes shape every step: let dynamo turn the changing sizes dynamic after the first
             # recompile instead of compiling every step; prefill cells and a static cache's prompt and step are
             # few and fixed shapes: one static graph each
-            self._module = torch.compile(own_forward(self.model), mode=None if self.compile_mode == "default"
-                                         else self.compile_mode, fullgraph=True,
-                                         dynamic=None if self.cache == GROWING else False)
+            self._module = torch.compile(
+                own_forward(self.model),
+                mode=None if self.compile_mode == "default" else self.compile_mode,
+                fullgraph=True,
+                dynamic=None if self.cache == GROWING else False,
+            )
 
     # ---- running ----
 
@@ -167,8 +182,13 @@ class TorchRunner(Runner):
             cache_names = [n for n in self._inputs if n not in (INPUT, CACHE_POSITION)]  # key, value per layer
             past = [(prepared[k], prepared[v]) for k, v in zip(cache_names[::2], cache_names[1::2])]
             if self.cache == STATIC:
-                logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True,
-                                               cache_position=prepared[CACHE_POSITION])
+                logits, present = self._module(
+                    prepared[INPUT],
+                    logits="last",
+                    past_key_values=past,
+                    use_cache=True,
+                    cache_position=prepared[CACHE_POSITION],
+                )
                 presents = dict(zip(self._outputs[1:-1], (t for kv in present for t in kv)))
                 return {OUTPUT: logits, **presents, NEXT_TOKEN: logits.argmax(-1, keepdim=True)}
             logits, present = self._module(prepared[INPUT], logits="last", past_key_values=past, use_cache=True)
@@ -212,8 +232,9 @@ class TorchRunner(Runner):
             self._forward(prepared)
         except Exception as e:  # dynamo raises many types (Unsupported, FailOnRecompileLimitHit, BackendCompilerFailed)
             if type(e).__module__.startswith("torch._dynamo") or type(e).__module__.startswith("torch._inductor"):
-                raise self.error(f"torch.compile failed instead of falling back to eager "
-                                 f"({type(e).__name__}: {first_line(e)})") from None
+                raise self.error(
+                    f"torch.compile failed instead of falling back to eager ({type(e).__name__}: {first_line(e)})"
+                ) from None
             raise
         finally:
             dynamo_log.setLevel(level)
@@ -265,10 +286,30 @@ class TorchRunner(Runner):
 # ---- the engine (taperfold.engines' "torch" row) -------------------------------------------------------------
 
 
-def open_runner(model, *, device, threads, decoder, logits, name, shapes=None, compile=False,
-                compile_mode="default", cuda_graph=False) -> TorchRunner:
-    return TorchRunner(model, device=device, compile=compile, compile_mode=compile_mode, cuda_graph=cuda_graph,
-                       shapes=shapes, decoder=decoder, logits=logits, name=name or "torch model")
+def open_runner(
+    model,
+    *,
+    device,
+    threads,
+    decoder,
+    logits,
+    name,
+    shapes=None,
+    compile=False,
+    compile_mode="default",
+    cuda_graph=False,
+) -> TorchRunner:
+    return TorchRunner(
+        model,
+        device=device,
+        compile=compile,
+        compile_mode=compile_mode,
+        cuda_graph=cuda_graph,
+        shapes=shapes,
+        decoder=decoder,
+        logits=logits,
+        name=name or "torch model",
+    )
 
 
 def unavailable(device: str) -> str | None:

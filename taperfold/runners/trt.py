@@ -20,8 +20,16 @@ from taperfold.errors import TaperfoldError
 from taperfold.runners.base import CudaEventClock, InputSpec, Runner
 
 # trt.DataType member name -> torch dtype
-_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
-           "INT32": torch.int32, "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT64": torch.int64,
+    "INT32": torch.int32,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class _Prepared:
@@ -56,21 +64,27 @@ class TrtRunner(Runner):
             self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
             engine = self._runtime.deserialize_cuda_engine(self.plan_path.read_bytes())
             if engine is None:
-                raise TaperfoldError(f"{self.plan_path}: TensorRT cannot load this engine (built by another "
-                                     f"TensorRT than {trt.__version__}, or for another GPU?); rebuild it")
+                raise TaperfoldError(
+                    f"{self.plan_path}: TensorRT cannot load this engine (built by another "
+                    f"TensorRT than {trt.__version__}, or for another GPU?); rebuild it"
+                )
             context = engine.create_execution_context()
             names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
             self._inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
             self._outputs = [n for n in names if n not in self._inputs]
             self._dtypes = {n: self._torch_dtype(engine.get_tensor_dtype(n)) for n in names}
             self._profile = {n: [tuple(d) for d in engine.get_tensor_profile_shape(n, 0)] for n in self._inputs}
-            self._specs = {n: InputSpec(rank=len(self._profile[n][0]), floating=self._dtypes[n].is_floating_point)
-                           for n in self._inputs}
+            self._specs = {
+                n: InputSpec(rank=len(self._profile[n][0]), floating=self._dtypes[n].is_floating_point)
+                for n in self._inputs
+            }
             # the largest outputs come from the largest inputs: ask the context, then allocate once
             for n in self._inputs:
                 self._check(context.set_input_shape(n, self._profile[n][2]), f"set_input_shape({n!r})")
-            self._out_buffers = {n: torch.empty(math.prod(context.get_tensor_shape(n)), dtype=self._dtypes[n],
-                                                device=self._device) for n in self._outputs}
+            self._out_buffers = {
+                n: torch.empty(math.prod(context.get_tensor_shape(n)), dtype=self._dtypes[n], device=self._device)
+                for n in self._outputs
+            }
             self._stream = torch.cuda.Stream(self._device)  # TensorRT warns about the default stream
         self._engine, self._context = engine, context
         self._bound = None  # the prepared inputs whose shapes and addresses the context holds
@@ -89,8 +103,10 @@ class TrtRunner(Runner):
             lo, _, hi = self._profile[name]
             shape = tuple(array.shape)
             if len(shape) != len(lo) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
-                raise self.error(f"{name} shape {shape} is outside the engine's profile "
-                                 f"(min {lo}, max {hi}); rebuild the engine with a wider profile")
+                raise self.error(
+                    f"{name} shape {shape} is outside the engine's profile "
+                    f"(min {lo}, max {hi}); rebuild the engine with a wider profile"
+                )
             tensors[name] = torch.from_numpy(np.ascontiguousarray(array)).to(self._device, self._dtypes[name])
         torch.cuda.synchronize(self._device)
         return _Prepared(tensors)
@@ -106,6 +122,7 @@ class TrtRunner(Runner):
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 launch()
             return dict(outputs)
+
         return enqueue
 
     def _synchronize(self) -> None:

@@ -12,15 +12,24 @@ wing (taperfold.hf), which nothing else outside the wing imports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from taperfold.errors import TaperfoldError
 from taperfold.sources import builtin
 from taperfold.sources.base import FineTuned, ModelSource, SourceKind, checkpoint_digest
 
-__all__ = ["FineTuned", "ModelSource", "SourceKind", "checkpoint_digest", "config_from_dict", "fine_tune", "local_path",
-           "open_source", "register"]
+__all__ = [
+    "FineTuned",
+    "ModelSource",
+    "SourceKind",
+    "checkpoint_digest",
+    "config_from_dict",
+    "fine_tune",
+    "local_path",
+    "open_source",
+    "register",
+]
 
 
 def _transformers() -> SourceKind:
@@ -61,15 +70,16 @@ def _kind_of(path: Path) -> SourceKind:
     return next(kind for kind in (get() for get in SOURCE_KINDS) if kind.claims(path))
 
 
-def fine_tune(path: str | Path, opts, data_files: list[Path] | None, taper: str, aux: bool,
-              on_step=None) -> FineTuned:
+def fine_tune(path: str | Path, opts, data_files: list[Path] | None, taper: str, aux: bool, on_step=None) -> FineTuned:
     """Taper the plain model at `path` and train it through the whole taper (`taperfold train --from`); the
     result's `save(out)` writes it in its source's format."""
     path = local_path(path)
     kind = _kind_of(path)
     if kind.fine_tune is None:
-        raise TaperfoldError(f"{path}: `train --from` takes a plain Hugging Face directory; a taperfold checkpoint "
-                             "is trained with --preset")
+        raise TaperfoldError(
+            f"{path}: `train --from` takes a plain Hugging Face directory; a taperfold checkpoint "
+            "is trained with --preset"
+        )
     return kind.fine_tune(path, opts, data_files, taper=taper, aux=aux, on_step=on_step)
 
 

@@ -77,8 +77,14 @@ def _tensors_for_saving(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _header(ckpt: Checkpoint) -> dict:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "config": ckpt.config.to_dict(),
-            "gate": float(ckpt.gate), "step": int(ckpt.step), "meta": ckpt.meta}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": ckpt.config.to_dict(),
+        "gate": float(ckpt.gate),
+        "step": int(ckpt.step),
+        "meta": ckpt.meta,
+    }
 
 
 def save_checkpoint(ckpt: Checkpoint, path: str | Path) -> Path:
@@ -139,14 +145,18 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
     except OSError as e:
         raise TaperfoldError(f"{path}: cannot read ({e.strerror})") from None
     if not magic.startswith((b"PK", b"\x80")):  # a zip archive (torch.save) or a pickle (the legacy format)
-        raise TaperfoldError(f"{path}: not a readable checkpoint: not a PyTorch file (neither a zip archive nor a "
-                             "pickle); taperfold reads .pt, .safetensors and checkpoint directories")
+        raise TaperfoldError(
+            f"{path}: not a readable checkpoint: not a PyTorch file (neither a zip archive nor a "
+            "pickle); taperfold reads .pt, .safetensors and checkpoint directories"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Unsupported global" in str(e) or "GLOBAL" in str(e):
-            raise TaperfoldError(f"{path}: refused: the file holds a pickle that would construct objects or "
-                                 "run code; taperfold only loads tensors and plain data") from None
+            raise TaperfoldError(
+                f"{path}: refused: the file holds a pickle that would construct objects or "
+                "run code; taperfold only loads tensors and plain data"
+            ) from None
         detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
         raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
     except Exception as e:  # weights_only=True ran nothing; whatever the parser raised, the file is corrupt
@@ -192,11 +202,14 @@ def _read_directory(path: Path) -> tuple[dict, dict]:
 
 def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     if header.get("format") != FORMAT:
-        raise TaperfoldError(f"{path}: not a taperfold checkpoint (key 'format' is {header.get('format')!r}, "
-                             f"expected {FORMAT!r})")
+        raise TaperfoldError(
+            f"{path}: not a taperfold checkpoint (key 'format' is {header.get('format')!r}, expected {FORMAT!r})"
+        )
     if header.get("format_version") != FORMAT_VERSION:
-        raise TaperfoldError(f"{path}: key 'format_version' is {header.get('format_version')!r}; "
-                             f"this taperfold reads version {FORMAT_VERSION}")
+        raise TaperfoldError(
+            f"{path}: key 'format_version' is {header.get('format_version')!r}; "
+            f"this taperfold reads version {FORMAT_VERSION}"
+        )
     for key in ("config", "gate", "step"):
         if key not in header:
             raise TaperfoldError(f"{path}: missing key '{key}'")
@@ -227,8 +240,10 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
     # Before building anything, even on the meta device (a config of 10^9 layers would hang there): a config
     # far larger than the tensors is refused here; smaller mismatches get the exact key below.
     if implied > 2 * present:
-        raise TaperfoldError(f"{path}: key 'config' describes a model of at least {implied:,} parameters, but the "
-                             f"file holds {present:,} values; the config does not match the tensors")
+        raise TaperfoldError(
+            f"{path}: key 'config' describes a model of at least {implied:,} parameters, but the "
+            f"file holds {present:,} values; the config does not match the tensors"
+        )
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = build_model(ckpt.config).state_dict()
     optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
@@ -238,27 +253,37 @@ def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
             raise TaperfoldError(f"{path}: missing key '{key}'")
     for key, value in ckpt.state_dict.items():
         if key not in expected:
-            raise TaperfoldError(f"{path}: unexpected key '{key}' (not in a {ckpt.config.arch} "
-                                 f"model with taper={ckpt.config.taper})")
+            raise TaperfoldError(
+                f"{path}: unexpected key '{key}' (not in a {ckpt.config.arch} model with taper={ckpt.config.taper})"
+            )
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise TaperfoldError(f"{path}: key '{key}' has shape {list(value.shape)}, "
-                                 f"expected {list(expected[key].shape)}")
+            raise TaperfoldError(
+                f"{path}: key '{key}' has shape {list(value.shape)}, expected {list(expected[key].shape)}"
+            )
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{path}: key '{key}' contains NaN or Inf")
         if key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
-            raise TaperfoldError(f"{path}: key '{key}' is {float(value):g}; a tapered norm's scale c must lie in "
-                                 f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]")
+            raise TaperfoldError(
+                f"{path}: key '{key}' is {float(value):g}; a tapered norm's scale c must lie in "
+                f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]"
+            )
 
 
 def _load_into(config: ModelConfig, state: dict, path) -> CausalLM:
     model, missing, unexpected = build_with_weights(config, state)
     if missing or unexpected:
-        raise TaperfoldError(f"{path}: state dict does not match the model (missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)})")
+        raise TaperfoldError(
+            f"{path}: state dict does not match the model (missing {sorted(missing)}, unexpected {sorted(unexpected)})"
+        )
     return model
 
 
 # Claims every path no other kind claims; its manifest configs are ModelConfigs (a transformers model's names
 # its source).
-KIND = SourceKind("taperfold", claims=lambda path: True, open=read_checkpoint,
-                  wrote_config=lambda config: "source" not in config, config_from_dict=ModelConfig.from_dict)
+KIND = SourceKind(
+    "taperfold",
+    claims=lambda path: True,
+    open=read_checkpoint,
+    wrote_config=lambda config: "source" not in config,
+    config_from_dict=ModelConfig.from_dict,
+)
