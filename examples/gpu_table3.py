@@ -18,7 +18,7 @@ configuration, each in its own process (a failure is logged in OUT/runs.json and
 each in bf16 and fp16, prefill (B 1, 4 x T 128, 256, 512) and KV-cached decode (prompt 128 + 32 steps, B 1, 4;
 ORT decodes fp16 only: numpy has no bfloat16 for the cache), variants baseline, unfolded, folded, nonorm,
 alternated in rounds (taperfold bench's medians; CV recorded per cell). `render` reads every taperfold-bench JSON
-in OUT; its arithmetic is tested on the CPU (tests/test_gpu_table3.py).
+in OUT; its arithmetic is tested on the CPU (tests/test_bench_floors.py, tests/test_gpu_table3.py).
 """
 
 from __future__ import annotations

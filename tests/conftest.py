@@ -75,6 +75,14 @@ def run_cli(*args) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+def one_line(result: CliResult, *needles) -> None:
+    """A refusal as the user sees it: exit 2, exactly one stderr line `taperfold: error: ...` holding each needle."""
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("taperfold: error: "), result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import one_line
 
 from taperfold.bench.decode import generate
 from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
@@ -433,3 +434,27 @@ def test_fuse_projections_with_a_graph_engine_and_no_export_is_the_engines_own_l
     r = cli("bench", "--preset", "tiny", "--engine", "ort", "--fuse-projections")
     assert r.exit_code == 2 and r.stderr.count("\n") == 2  # the --seq note, then the error
     assert "taperfold: error: --engine ort runs exported graphs: give an export directory (DIR)" in r.stderr
+
+
+# ---- defaults that fit the model, refusals ------------------------------------------------------------------
+
+
+def test_bench_default_lengths_are_capped_at_the_context_and_say_so(tiny_export, tmp_path, cli):
+    report = tmp_path / "b.json"
+    r = cli("bench", tiny_export, "--engine", "ort", "--variants", "folded", "--batch", "1", "--iters", "1",
+            "--warmup", "0", "--threads", "1", "--report", report)
+    assert r.exit_code == 0, r.stderr
+    assert "note: --seq: the defaults 128,256,512 are capped at the model's context (128): timing 128" in r.stderr
+    assert {row["seq"] for row in json.loads(report.read_text())["results"]} == {128}
+    r = cli("bench", tiny_export, "--engine", "ort", "--mode", "decode", "--variants", "folded", "--batch", "1",
+            "--new-tokens", "4", "--iters", "1", "--warmup", "0", "--threads", "1", "--report", report)
+    assert r.exit_code == 0, r.stderr
+    assert "note: --prompt: the default 128 + --new-tokens 4 would pass the model's context (128): prompt 124" \
+        in r.stderr
+    one_line(cli("bench", tiny_export, "--engine", "ort", "--seq", "512"), "--seq 512 exceeds the model's context")
+
+
+def test_bench_refuses_a_batch_no_graph_takes(tiny_export, cli):
+    one_line(cli("bench", tiny_export, "--batch", str(10**12)), "--batch", "largest allowed, 4096")
+    r = cli("bench", tiny_export, "--threads", str(10**12))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "'--threads'" in r.stderr

@@ -13,7 +13,7 @@ from taperfold.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.models import build_model, preset_config
 
-from conftest import run_cli
+from conftest import one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,12 @@ def test_inspect_json(tmp_path, ckpt):
     assert by_name["model.layers.0.input_layernorm"]["foldable"] is False  # calibrated flag never set here
     assert by_name["model.norm"]["kind"] == "RMSNorm" and not by_name["model.norm"]["foldable"]
     assert by_name["model.layers.1.input_layernorm"]["c"] == pytest.approx(0.8)
+
+
+
+
+def test_a_gate_that_is_a_bool_is_refused(tiny_checkpoint, tmp_path, cli):
+    obj = torch.load(tiny_checkpoint, weights_only=True)
+    obj["gate"] = True  # a bool is an int in Python, and 0 <= True <= 1
+    torch.save(obj, tmp_path / "g.pt")
+    one_line(cli("inspect", tmp_path / "g.pt"), "key 'gate' must be a number in [0, 1], got True")

@@ -2,6 +2,8 @@
 
 import json
 
+from taperfold.errors import TaperfoldError
+
 
 def test_demo_runs_every_stage(cli, tmp_path):
     out = tmp_path / "demo"
@@ -18,3 +20,17 @@ def test_demo_runs_every_stage(cli, tmp_path):
     assert {r["phase"] for r in decode["results"]} == {"prefill", "decode"}
     assert json.loads((export / "bench.json").read_text())["mode"] == "prefill"  # not overwritten by decode
     assert "(bench-decode.json, bench.json, manifest.json, verify.json)" in result.stdout.splitlines()[-1]
+
+
+
+
+def test_a_failed_demo_takes_the_folder_it_made_with_it(cli, tmp_path, monkeypatch):
+    import taperfold.export
+
+    def failing_export(*args, **kwargs):
+        raise TaperfoldError("the export failed")
+
+    monkeypatch.setattr(taperfold.export, "export_checkpoint", failing_export)
+    r = cli("demo", "-o", tmp_path / "demo", "--steps", "30")
+    assert r.exit_code == 2 and "the export failed" in r.stderr
+    assert not (tmp_path / "demo").exists()

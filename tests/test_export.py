@@ -10,6 +10,7 @@ import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import one_line
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
@@ -206,3 +207,22 @@ def test_a_norm_epsilon_of_1e_8_survives_the_exporters_optimizer(tmp_path):
     assert epsilons and all(e == pytest.approx(1e-8, rel=1e-6) for e in epsilons)
     got = ort.InferenceSession(str(out / "baseline.onnx")).run(None, {"input_ids": ids.numpy()})[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- context ------------------------------------------------------------------------------------------------
+
+
+def test_export_needs_a_context_it_can_trace_and_a_short_one_exports(tmp_path, cli):
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.models import random_gate0_model
+
+    for context in (1, 4):
+        model = random_gate0_model("tiny", "gpt2", n_layers=1, d_model=32, n_heads=2, d_ff=64, max_seq_len=context)
+        save_checkpoint(checkpoint_from_model(model, step=0), tmp_path / f"c{context}.pt")
+    one_line(cli("export", tmp_path / "c1.pt", "-o", tmp_path / "e1"), "context is 1 token", "needs a context of 4")
+    assert not (tmp_path / "e1").exists()
+    assert cli("export", tmp_path / "c4.pt", "-o", tmp_path / "e4", "--kv-cache").exit_code == 0
+    r = cli("verify", tmp_path / "e4", "--json")
+    assert r.exit_code == 0, r.stderr
+    decoders = [p for p in json.loads(r.stdout)["pairs"] if p["candidate"].endswith(".decoder")]
+    assert decoders and all(p["status"] == "skipped" and "holds no prompt" in p["reason"] for p in decoders)

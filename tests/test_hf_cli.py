@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_models import tapered_tiny_model, tiny_config  # noqa: E402
+from conftest import one_line  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from taperfold.hf import save_hf_directory  # noqa: E402
@@ -244,3 +245,51 @@ def test_moe_directory_with_an_expert_missing(cli, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _refused(cli, tmp_path, folder, "model.safetensors", f"'{prefix}.2.w1.weight'", "experts 0 ... 3",
              command="inspect")
+
+
+# ---- a plain directory described; Hub ids -------------------------------------------------------------------
+
+
+def test_inspect_describes_a_plain_hugging_face_directory_and_how_to_taper_it(tmp_path, cli):
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_config
+
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "plain")
+    r = cli("inspect", tmp_path / "plain", "--json")
+    assert r.exit_code == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["taper"] == "none" and info["foldable"] == 0 and info["how_to_taper"].startswith(
+        f"`taperfold train --from {tmp_path / 'plain'}")
+    layers = {n["name"]: n for n in info["norms"] if n["name"].startswith("model.layers.0.")}
+    assert layers["model.layers.0.input_layernorm"]["folds_into"] == [
+        f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
+    assert info["would_fold"] == 2 * len({n.split(".")[2] for n in (m["name"] for m in info["norms"])
+                                          if n.startswith("model.layers.")})
+    r = cli("inspect", tmp_path / "plain")
+    assert r.exit_code == 0 and "train --from" in r.stdout
+
+
+def test_a_hub_model_id_resolves_through_the_local_cache_offline(tmp_path, monkeypatch, cli):
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_config
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants  # read once at import: what the environment says now
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+
+    r = cli("inspect", "acme/tiny-llama", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["path"] == str(repo / "snapshots" / commit)
+    r = cli("train", "--from", "acme/tiny-llama", "--steps", "30", "--batch-size", "2", "-o", tmp_path / "tapered",
+            "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads((tmp_path / "tapered" / "config.json").read_text())["taperfold"]["gate"] == 0.0
+    one_line(cli("inspect", "acme/not-cached"), "acme/not-cached: no such file or directory",
+             "Hugging Face Hub cache")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from taperfold.families import family_for
-from taperfold.models import ARCHS, MODEL_CLASSES, baseline_of, build_model, num_parameters, preset_config
+from taperfold.models import (ARCHS, MODEL_CLASSES, baseline_of, build_model, num_parameters, preset_config,
+                              random_gate0_model)
 from taperfold.nn import TaperLN, TaperNorm, bias_corrected
 from taperfold.train import TrainOptions, train
 from taperfold.variants import fold_in_torch
@@ -161,3 +162,31 @@ def test_nonorm_is_the_tapered_model_with_unit_norms_and_benches_next_to_folded(
             "--warmup", "0", "--json", tmp_path / "n.json")
     assert r.exit_code == 0, r.stderr
     assert [row["variant"] for row in json.loads((tmp_path / "n.json").read_text())["results"]] == ["folded", "nonorm"]
+
+
+# ---- the forward: nothing per call that depends only on the shape (no position tables) ---------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_forward_builds_no_position_tables_and_the_state_dict_stays_the_weights(arch, monkeypatch):
+    model = random_gate0_model("tiny", arch=arch)
+    buffers = {name for name, _ in model.named_buffers()}
+    assert {"positions"} <= buffers and (arch != "llama" or {"rope_cos", "rope_sin"} <= buffers)
+    assert not buffers & {"positions", "rope_cos", "rope_sin"} & set(model.state_dict())
+    cfg, ids = model.cfg, torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = [(torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim), torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim))
+             for _ in range(cfg.n_layers)]
+    with torch.no_grad():
+        expected = model(ids, logits="all")
+        _, grown = model(ids[:, :8], past_key_values=None, use_cache=True)
+
+        def no_arange(*args, **kwargs):
+            raise AssertionError("a forward computed positions (torch.arange)")
+
+        monkeypatch.setattr(torch, "arange", no_arange)
+        full = model(ids, logits="all")  # prefill, a growing cache's step, a static cache's prompt
+        step = model(ids[:, 8:], past_key_values=grown)
+        prompt, _ = model(ids[:, :8], past_key_values=cache, use_cache=True, cache_position=torch.tensor(range(8)))
+    torch.testing.assert_close(full, expected)
+    torch.testing.assert_close(step, expected[:, 8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt, expected[:, 7], rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
-"""Static KV cache (issue 20, item 3) and no per-call shape work in taperfold's own model (item 4): the static
-decoder's export, its fixed shapes, its logits against the growing decoder and the checkpoint at every step, the
-fold of its norms, the runners (ONNX Runtime with shared past/present buffers, torch with the argmax on the device),
-verify, bench and the options' refusals."""
+"""Static KV cache: the static decoder's export, its fixed shapes, its logits against the growing decoder and the
+checkpoint at every step, the fold of its norms, the runners (ONNX Runtime with shared past/present buffers, torch
+with the argmax on the device), verify, bench and the options' refusals. (That taperfold's own forward computes no
+position tables per call is in test_models.py.)"""
 
 from __future__ import annotations
 
@@ -39,34 +39,6 @@ def static_export(request, tmp_path_factory):
 
 def _ids(vocab: int, shape, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, shape, dtype=np.int64)
-
-
-# ---- the model: nothing per call that depends only on the shape ------------------------------------------
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_forward_builds_no_position_tables_and_the_state_dict_stays_the_weights(arch, monkeypatch):
-    model = random_gate0_model("tiny", arch=arch)
-    buffers = {name for name, _ in model.named_buffers()}
-    assert {"positions"} <= buffers and (arch != "llama" or {"rope_cos", "rope_sin"} <= buffers)
-    assert not buffers & {"positions", "rope_cos", "rope_sin"} & set(model.state_dict())
-    cfg, ids = model.cfg, torch.from_numpy(_ids(256, (2, 9)))
-    cache = [(torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim), torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim))
-             for _ in range(cfg.n_layers)]
-    with torch.no_grad():
-        expected = model(ids, logits="all")
-        _, grown = model(ids[:, :8], past_key_values=None, use_cache=True)
-
-        def no_arange(*args, **kwargs):
-            raise AssertionError("a forward computed positions (torch.arange)")
-
-        monkeypatch.setattr(torch, "arange", no_arange)
-        full = model(ids, logits="all")  # prefill, a growing cache's step, a static cache's prompt
-        step = model(ids[:, 8:], past_key_values=grown)
-        prompt, _ = model(ids[:, :8], past_key_values=cache, use_cache=True, cache_position=torch.tensor(range(8)))
-    torch.testing.assert_close(full, expected)
-    torch.testing.assert_close(step, expected[:, 8], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(prompt, expected[:, 7], rtol=1e-5, atol=1e-5)
 
 
 # ---- the export ------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from conftest import one_line
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.errors import TaperfoldError
@@ -405,3 +407,31 @@ def test_report_says_which_of_unfolded_and_folded_is_closer_to_the_checkpoint():
     assert report(2e-3, 1e-3).closer().startswith("closer to the checkpoint: folded (")
     assert "unfolded (max rel folded 0.0023, unfolded 0.002, ratio 1.15)" in report(2e-3, 2.3e-3).closer()
     assert report(2e-3, 1e-3).to_dict()["closer"].endswith("ratio 0.50)")
+
+
+# ---- bounds and devices refused -----------------------------------------------------------------------------
+
+
+def test_a_kl_of_two_near_equal_rows_is_never_negative():
+    from taperfold.compare import compare_logits
+
+    rng = np.random.default_rng(0)
+    reference = (rng.standard_normal((1, 256)) * 5).astype(np.float32)
+    candidate = (reference.astype(np.float64) + rng.standard_normal(reference.shape) * 1e-8).astype(np.float32)
+    assert compare_logits(reference, candidate, 1e-5).kl >= 0.0  # rounding made it -9e-17
+    assert compare_logits(reference, reference, 1e-5).kl == 0.0
+
+
+def test_verify_refuses_a_nan_bound_and_writes_nothing(tiny_export, tmp_path, cli):
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    (export / "verify.json").unlink(missing_ok=True)
+    for flag, value in (("--rtol", "nan"), ("--max-kl", "inf"), ("--min-top1", "nan"), ("--seed", "-1")):
+        r = cli("verify", export, flag, value)
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and f"'{flag}'" in r.stderr, r.stderr
+    assert not (export / "verify.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_verify_on_cuda_without_a_gpu_is_one_line(tiny_export, cli):
+    one_line(cli("verify", tiny_export, "--device", "cuda"), "--device cuda")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
 from _graphs import D, mul_matmul, rand, run
+from conftest import one_line
 from test_torch_exports import Block, TaperNorm, export
 
 from taperfold.errors import TaperfoldError
@@ -151,3 +155,26 @@ def test_merge_norm_weights_only_when_asked(tmp_path, cli):
     result = cli("fold", path, "-o", tmp_path / "b.onnx", "--merge-norm-weights", "--verify", "--json")
     summary = json.loads(result.stdout)["summary"]
     assert result.exit_code == 0 and summary["weights_merged"] == 1 and summary["folded"] == 0
+
+
+# ---- the command line's output ------------------------------------------------------------------------------
+
+
+def test_fold_output_with_a_trailing_slash_names_a_directory(tiny_export, tmp_path, cli):
+    out = str(tmp_path / "new") + os.sep
+    one_line(cli("fold", tiny_export / "unfolded.onnx", "-o", out), "is a directory; name a file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fold_report_on_a_narrow_terminal_is_a_list_not_a_squeezed_table(tiny_export, tmp_path):
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run([sys.executable, "-m", "taperfold", "fold", str(tiny_export / "unfolded.onnx"),
+                        "-o", str(tmp_path / "f.onnx"), "--report", "-"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)  # stdout: the report
+    lines = r.stderr.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    # one norm a line, whole: q, k and v read it, or their one fused projection (export fuses by default)
+    fused = json.loads((tiny_export / "manifest.json").read_text())["export"]["fuse_projections"]
+    assert f"  model.layers.0.input_layernorm: rms, folded, {1 if fused else 3} reader(s)" in lines

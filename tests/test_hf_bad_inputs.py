@@ -1,4 +1,4 @@
-"""Hostile Hugging Face directories (issue 21): a save_pretrained directory is input and is held to the rules of
+"""Bad Hugging Face directories: a save_pretrained directory is input and is held to the rules of
 taperfold's own checkpoints (docs/guarantees.md). Every numeric config key the model construction reads is
 checked before anything is built, even on the meta device; a config far larger than its weights is refused
 before building; NaN or Inf in any floating-point weight, a tapered norm's c outside (0, 1e6] and a malformed

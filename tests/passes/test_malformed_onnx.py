@@ -1,4 +1,4 @@
-"""Malformed ONNX (issue 21, items 9 and 13): one line naming the file and the node, tensor or input, exit 2, no
+"""Malformed ONNX: one line naming the file and the node, tensor or input, exit 2, no
 traceback, nothing written; the graph is checked (taperfold.onnx_files.check_graph, through load_model) before
 any pass runs, and `fold --verify` refuses an input it cannot generate before allocating it."""
 
@@ -143,7 +143,7 @@ def assert_refused(cli, src, dst, message, *options, names_file=True):
     assert not dst.exists() and not dst.with_name(dst.name + ".data").exists()
 
 
-class TestHostileOnnx:
+class TestMalformedOnnx:
     @pytest.mark.parametrize("case", list(CASES))
     def test_malformed_graph_is_one_line_and_writes_nothing(self, tmp_path, cli, case):
         build, message = CASES[case]
