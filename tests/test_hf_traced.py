@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from hf_models import FAMILIES, UNLISTED, tiny_config  # noqa: E402
 
 from taperfold.families import family_for, is_registered  # noqa: E402
+from taperfold.families.serialize import family_to_data  # noqa: E402
 from taperfold.hf import taper_model  # noqa: E402
 from taperfold.hf import trace  # noqa: E402
 from taperfold.passes import detect_norms  # noqa: E402
@@ -152,7 +153,7 @@ def test_unlisted_architecture_through_the_command_line(cli, tmp_path, corpus, n
     assert trained.exit_code == 0, trained.stderr
     block = json.loads((tapered / "config.json").read_text())["taperfold"]
     traced = trace.traced_family(transformers.AutoConfig.from_pretrained(plain), name)
-    assert block["family"] == trace.family_to_data(traced)  # recorded as data
+    assert block["family"] == family_to_data(traced)  # recorded as data
     shown = json.loads(cli("inspect", tapered, "--json").stdout)
     tapered_norms = {n["name"]: n["folds_into"] for n in shown["norms"] if n["tapered"]}
     assert tapered_norms == would_fold and all(n["foldable"] for n in shown["norms"] if n["tapered"])

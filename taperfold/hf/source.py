@@ -37,10 +37,11 @@ import torch
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for, is_registered
+from taperfold.families.serialize import family_from_data, family_to_data
 from taperfold.fsutil import atomic_dir, read_json_object
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.taper import taper_model, tapering_of
-from taperfold.hf.trace import GUIDE, check_family_paths, family_from_data, family_to_data, shipped_note, traced_family
+from taperfold.hf.trace import GUIDE, check_family_paths, shipped_note, traced_family
 from taperfold.models import assign_weights, parameters_on_meta
 from taperfold.sources.base import ModelSource, read_safetensors
 from taperfold.sources.builtin import C_RANGE

@@ -1,0 +1,91 @@
+"""A Family as JSON data: what a tapered Hugging Face directory records in its `taperfold.family` key for a family
+found by tracing the model (taperfold.hf.trace), so export and verify read it back instead of tracing again
+(docs/checkpoint-format.md)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from taperfold.families import Family
+from taperfold.norms import norm_kind, norm_kinds
+
+_DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
+_PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+
+
+def family_to_data(family: Family) -> dict:
+    """A traced family as the JSON a tapered directory's `taperfold.family` key holds."""
+    return {
+        "norm": family.norm,
+        "gain_offset": family.gain_offset,
+        "layers": family.layers,
+        "internal": {norm: list(readers) for norm, readers in family.internal.items()},
+        "post": dict(family.post),
+        "final": family.final,
+        "head": family.head,
+        "untapered": dict(family.untapered),
+        "norm_eps": family.norm_eps,
+    }
+
+
+def family_from_data(raw, model_type: str, bad) -> Family:
+    """The family a `taperfold.family` key holds; `bad(key, why)` makes the error for a wrong one."""
+    if not isinstance(raw, dict):
+        raise bad("family", f"must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_DATA_KEYS))
+    if unknown:
+        raise bad(f"family.{unknown[0]}", f"is not a known key ({', '.join(_DATA_KEYS)})")
+    missing = [key for key in _DATA_KEYS if key not in raw]
+    if missing:
+        raise bad(f"family.{missing[0]}", "is missing")
+    gated = [k.name for k in norm_kinds() if k.gated]
+    if raw["norm"] not in gated:
+        raise bad("family.norm", f"must be one of {', '.join(gated)}, got {raw['norm']!r}")
+    offset = raw["gain_offset"]
+    if offset not in (0, 1) or isinstance(offset, bool) or (offset and not norm_kind(raw["norm"]).gain_offset_allowed):
+        raise bad(
+            "family.gain_offset",
+            f"must be 0{' or 1' if norm_kind(raw['norm']).gain_offset_allowed else ''}, got {offset!r}",
+        )
+    for key in ("layers", "final", "head"):
+        if not _is_path(raw[key]):
+            raise bad(f"family.{key}", f"must be a module path, got {raw[key]!r}")
+    internal, post, untapered = raw["internal"], raw["post"], raw["untapered"]
+    if not isinstance(internal, dict) or not all(
+        _is_path(k) and isinstance(v, list) and v and all(map(_is_path, v)) for k, v in internal.items()
+    ):
+        raise bad("family.internal", "must map each norm's path in a layer to a non-empty list of reader paths")
+    if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
+        raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
+    if not internal and not post:
+        raise bad("family.internal", "and 'post' are both empty: no norm to taper")
+    if set(internal) & set(post):
+        raise bad("family.post", f"names {sorted(set(internal) & set(post))[0]!r}, which 'internal' names too")
+    if not isinstance(untapered, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in untapered.items()
+    ):
+        raise bad("family.untapered", "must map module names to the reasons they are left untapered")
+    eps = raw["norm_eps"]
+    if eps is not None and not (
+        isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and 0 < eps <= 1
+    ):
+        raise bad("family.norm_eps", f"must be null or a number in (0, 1], got {eps!r}")
+    return Family(
+        name=model_type,
+        model_types=(model_type,),
+        norm=raw["norm"],
+        layers=raw["layers"],
+        internal={k: tuple(v) for k, v in internal.items()},
+        final=raw["final"],
+        post=dict(post),
+        head=raw["head"],
+        gain_offset=float(offset),
+        untapered=dict(untapered),
+        norm_eps=None if eps is None else float(eps),
+        traced=True,
+    )
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, str) and _PATH.fullmatch(value) is not None
