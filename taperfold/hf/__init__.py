@@ -12,7 +12,8 @@ taperfold.sources only, by `KIND`: how a save_pretrained directory is recognised
 from taperfold.families import Family, family_for, supported_model_types
 from taperfold.hf import hub
 from taperfold.hf.model import SOURCE, HFModelInfo
-from taperfold.hf.source import HFCheckpoint, is_hf_directory, load_hf_directory, save_hf_directory
+from taperfold.hf.save import save_hf_directory
+from taperfold.hf.source import HFCheckpoint, is_hf_directory, load_hf_directory
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.hf.training import TaperHook, train_hf_directory
 from taperfold.sources.base import SourceKind

@@ -16,7 +16,7 @@ from torch import nn
 
 from taperfold.families import family_for
 from taperfold.models.base import CausalLM, num_parameters
-from taperfold.models.config import TAPERS, ModelConfig, implied_parameters, preset_config, validate_config
+from taperfold.models.config import TAPERS, ModelConfig, preset_config, validate_config
 from taperfold.models.gpt2 import GPT2LMHeadModel
 from taperfold.models.llama import LlamaForCausalLM
 from taperfold.nn import ScaledEmbedding
@@ -35,7 +35,6 @@ __all__ = [
     "baseline_of",
     "build_model",
     "build_with_weights",
-    "implied_parameters",
     "num_parameters",
     "parameters_on_meta",
     "preset_config",

@@ -136,13 +136,6 @@ def validate_config(cfg: ModelConfig) -> None:
         raise ValueError(f"head dimension d_model / n_heads = {cfg.head_dim} must be even (rotary embeddings)")
 
 
-def implied_parameters(cfg: ModelConfig) -> int:
-    """A lower bound on the parameters any family's model of this config holds, whatever the family: the
-    embedding, and per layer a query and an output projection (d × d each) and the MLP's two matrices
-    (d × d_ff each). Checked against the tensors of a checkpoint before a model is built."""
-    return cfg.vocab_size * cfg.d_model + cfg.n_layers * 2 * cfg.d_model * (cfg.d_model + cfg.d_ff)
-
-
 def preset_config(name: str, arch: str = "llama", **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")

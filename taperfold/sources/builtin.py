@@ -21,8 +21,9 @@ import torch
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for
 from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
-from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, build_with_weights, implied_parameters
+from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, build_with_weights
 from taperfold.sources.base import ModelSource, SourceKind, read_safetensors
+from taperfold.sources.checks import MAX_PARAMETERS_RATIO, check_state, implied_parameters
 
 FORMAT = "taperfold-checkpoint"
 FORMAT_VERSION = 1
@@ -134,7 +135,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     else:
         header, tensors = _read_pt(path)
     ckpt = _from_parts(path, header, tensors)
-    _check_state(path, ckpt)
+    _check_tensors(path, ckpt)
     return ckpt
 
 
@@ -230,43 +231,35 @@ def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     return Checkpoint(config, tensors, float(gate), header["step"], header.get("meta") or {}, path)
 
 
-# c ≈ 1 / RMS of the norm's input at taper start; 1e6 would mean a residual stream of RMS 1e-6.
-C_RANGE = (0.0, 1e6)
-
-
-def _check_state(path: Path | None, ckpt: Checkpoint) -> None:
+def _check_tensors(path: Path | None, ckpt: Checkpoint) -> None:
+    """The tensors against the model the config describes (taperfold.sources.checks)."""
+    config = ckpt.config
     present = sum(t.numel() for t in ckpt.state_dict.values())
-    implied = implied_parameters(ckpt.config)
+    implied = implied_parameters(
+        vocab_size=config.vocab_size,
+        hidden=config.d_model,
+        layers=config.n_layers,
+        attention=config.n_heads * config.head_dim,
+        intermediate=config.d_ff,
+    )
     # Before building anything, even on the meta device (a config of 10^9 layers would hang there): a config
     # far larger than the tensors is refused here; smaller mismatches get the exact key below.
-    if implied > 2 * present:
+    if implied > MAX_PARAMETERS_RATIO * present:
         raise TaperfoldError(
             f"{path}: key 'config' describes a model of at least {implied:,} parameters, but the "
             f"file holds {present:,} values; the config does not match the tensors"
         )
     with torch.device("meta"):  # shapes only: no memory, no init
-        expected = build_model(ckpt.config).state_dict()
-    optional = {"lm_head.weight"} if ckpt.config.tie_embeddings else set()
-    norms = set(ckpt.family.norm_paths(ckpt.config.n_layers, "all"))
-    for key in expected:
-        if key not in ckpt.state_dict and key not in optional:
-            raise TaperfoldError(f"{path}: missing key '{key}'")
-    for key, value in ckpt.state_dict.items():
-        if key not in expected:
-            raise TaperfoldError(
-                f"{path}: unexpected key '{key}' (not in a {ckpt.config.arch} model with taper={ckpt.config.taper})"
-            )
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise TaperfoldError(
-                f"{path}: key '{key}' has shape {list(value.shape)}, expected {list(expected[key].shape)}"
-            )
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise TaperfoldError(f"{path}: key '{key}' contains NaN or Inf")
-        if key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
-            raise TaperfoldError(
-                f"{path}: key '{key}' is {float(value):g}; a tapered norm's scale c must lie in "
-                f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]"
-            )
+        expected = build_model(config).state_dict()
+    described = f"a {config.arch} model with taper={config.taper}"
+    check_state(
+        ckpt.state_dict,
+        expected,
+        path,
+        unexpected=lambda key, name: f"unexpected key '{name}' (not in {described})",
+        optional={"lm_head.weight"} if config.tie_embeddings else set(),
+        norms=set(ckpt.family.norm_paths(config.n_layers, "all")),
+    )
 
 
 def _load_into(config: ModelConfig, state: dict, path) -> CausalLM:

@@ -1,0 +1,244 @@
+"""config.json of a Hugging Face directory, checked before transformers reads it, and transformers' config object for
+it (`transformers_config`). Each problem is one `TaperfoldError` naming the file and the key.
+
+Checked on config.json itself, before transformers builds a config object (some build a list per layer) or a model,
+even on the meta device: a config is input, and a wrong one must fail in one line, not in a ZeroDivisionError or
+after minutes of building 10^9 layers. Then the same keys as the config object holds them (its defaults included),
+and the parameters they imply against the values the weights hold (`check_size`), before any model is built.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from taperfold.errors import TaperfoldError
+from taperfold.families import Family
+from taperfold.hf.taper_block import BLOCK
+from taperfold.hf.trace import GUIDE, shipped_note
+from taperfold.sources.checks import MAX_PARAMETERS_RATIO, implied_parameters, printable, short
+
+# Types and ranges of the numeric keys taperfold and transformers' model construction read, as transformers
+# names them (`attribute_map` gives a family's own spelling: GPT-2's n_embd, n_layer, n_head, n_positions).
+# The bounds are taperfold.models.config's, far above any real model (Llama 3.1 405B: hidden 16384, 126 layers,
+# 128k context).
+_INT_KEYS = {  # name -> (low, high, null allowed)
+    "vocab_size": (1, 1 << 24, False),
+    "hidden_size": (1, 1 << 16, False),
+    "num_hidden_layers": (1, 1024, False),
+    "num_attention_heads": (1, 1024, False),
+    "num_key_value_heads": (1, 1024, True),
+    "head_dim": (1, 1 << 16, True),
+    "intermediate_size": (1, 1 << 18, False),
+    "ffn_dim": (1, 1 << 18, False),  # OPT's intermediate size
+    "n_inner": (1, 1 << 18, True),  # GPT-2's (null: 4 × n_embd)
+    "word_embed_proj_dim": (1, 1 << 16, True),  # OPT
+    "max_position_embeddings": (1, 1 << 20, False),
+    "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
+}
+_FLOAT_KEYS = {  # name -> (low, excluded; high, included)
+    "rms_norm_eps": (0.0, 1.0),
+    "layer_norm_eps": (0.0, 1.0),
+    "layer_norm_epsilon": (0.0, 1.0),  # GPT-2
+    "rope_theta": (0.0, 1e12),
+    "rotary_emb_base": (0.0, 1e12),  # GPT-NeoX's rope_theta, as older configs spell it
+    "partial_rotary_factor": (0.0, 1.0),
+    "rotary_pct": (0.0, 1.0),  # GPT-NeoX's partial_rotary_factor, as older configs spell it
+}
+_ROPE_BLOCKS = ("rope_parameters", "rope_scaling")  # objects holding rope_theta / partial_rotary_factor
+_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    if not _is_int(value) or not low <= value <= high:
+        raise TaperfoldError(
+            f"{where}: key '{key}' must be {'null or ' if nullable else ''}an integer in "
+            f"[{low}, {high}], got {short(value)}"
+        )
+
+
+def _check_float(where: Path, key: str, value, low: float, high: float) -> None:
+    if not _is_number(value) or not low < value <= high:
+        raise TaperfoldError(f"{where}: key '{key}' must be a number in ({low:g}, {high:g}], got {short(value)}")
+
+
+def _json_names(config_class, name: str) -> list[str]:
+    """The spellings of a key config.json may use: transformers' standard name and the family's own."""
+    alias = (getattr(config_class, "attribute_map", None) or {}).get(name)
+    return [name] if not isinstance(alias, str) or alias == name else [name, alias]
+
+
+def _json_name(config_class, name: str) -> str:
+    return _json_names(config_class, name)[-1]
+
+
+def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_hidden: bool = True) -> None:
+    """The numeric keys of config.json, as written, before transformers reads them. With a `head_dim`, the hidden
+    size need not be a multiple of the heads (Gemma, Qwen3) unless `head_dim_frees_hidden` is false: after
+    transformers refused the config (its Llama requires it anyway), to name the key."""
+    for name, (low, high, nullable) in _INT_KEYS.items():
+        for key in _json_names(config_class, name):
+            if key in config:
+                _check_int(where, key, config[key], low, high, nullable)
+    for name, (low, high) in _FLOAT_KEYS.items():
+        for key in _json_names(config_class, name):
+            if key in config:
+                _check_float(where, key, config[key], low, high)
+    for block in _ROPE_BLOCKS:
+        value = config.get(block)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise TaperfoldError(f"{where}: key '{block}' must be null or an object, got {short(value)}")
+        # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
+        for prefix, params in [(block, value)] + [
+            (f"{block}.{printable(k)}", v) for k, v in value.items() if isinstance(v, dict)
+        ]:
+            for name in _ROPE_KEYS:
+                if name in params:
+                    _check_float(where, f"{prefix}.{name}", params[name], *_FLOAT_KEYS[name])
+
+    def given(name):  # the value config.json gives for a standard name, or None
+        return next((config[k] for k in reversed(_json_names(config_class, name)) if config.get(k) is not None), None)
+
+    heads, kv_heads, hidden = given("num_attention_heads"), given("num_key_value_heads"), given("hidden_size")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(config_class, 'num_key_value_heads')}' is {kv_heads}, "
+            f"which does not divide '{_json_name(config_class, 'num_attention_heads')}' ({heads})"
+        )
+    if (
+        heads is not None
+        and hidden is not None
+        and hidden % heads
+        and (given("head_dim") is None or not head_dim_frees_hidden)
+    ):
+        why = (
+            "the head dimension is their quotient"
+            if given("head_dim") is None
+            else f"transformers' {config_class.__name__} requires it"
+        )
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(config_class, 'hidden_size')}' is {hidden}, not a multiple "
+            f"of '{_json_name(config_class, 'num_attention_heads')}' ({heads}); {why}"
+        )
+    vocab, pad = given("vocab_size") or getattr(config_class, "vocab_size", None), config.get("pad_token_id")
+    if pad is not None and _is_int(vocab) and not (_is_int(pad) and -vocab <= pad < vocab):
+        raise TaperfoldError(
+            f"{where}: key 'pad_token_id' must be null or a token id, an integer in "
+            f"[{-vocab}, {vocab - 1}], got {short(pad)}"
+        )
+
+
+def _check_config_object(hf_config, where: Path, context: int | None) -> None:
+    """The same keys as transformers' config object holds them: its defaults included, and the ones it derives
+    (`context`: the family's, for configs that state none)."""
+    cls = type(hf_config)
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        *(() if context else ("max_position_embeddings",)),
+    )
+    for name in required:
+        if getattr(hf_config, name, None) is None:
+            raise TaperfoldError(
+                f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
+                f"{cls.__name__} has no default for it)"
+            )
+    for name, (low, high, nullable) in _INT_KEYS.items():
+        if hasattr(hf_config, name):
+            _check_int(where, _json_name(cls, name), getattr(hf_config, name), low, high, nullable)
+    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
+            f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})"
+        )
+    if getattr(hf_config, "head_dim", None) is None and hidden % heads:
+        raise TaperfoldError(
+            f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
+            f"'{_json_name(cls, 'num_attention_heads')}' ({heads})"
+        )
+
+
+def _intermediate(hf_config) -> tuple[str, int]:
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        if getattr(hf_config, name, None):
+            return _json_name(type(hf_config), name), getattr(hf_config, name)
+    return "n_inner", 4 * hf_config.hidden_size  # GPT-2's default
+
+
+def check_size(hf_config, present: int, where: Path, weights: Path) -> None:
+    """Refuse a config far larger than the weights before anything is built, even on the meta device; smaller
+    mismatches get the exact tensor from taperfold.sources.checks.check_state."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    implied = implied_parameters(
+        vocab_size=hf_config.vocab_size,
+        hidden=hidden,
+        layers=hf_config.num_hidden_layers,
+        attention=heads * head_dim,
+        intermediate=_intermediate(hf_config)[1],
+    )
+    if implied <= MAX_PARAMETERS_RATIO * present:
+        return
+    cls = type(hf_config)
+    sizes = [
+        (_json_name(cls, name), getattr(hf_config, name))
+        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
+        if hasattr(hf_config, name)
+    ]
+    keys = ", ".join(
+        f"'{key}' = {value}"
+        for key, value in (*sizes, _intermediate(hf_config), (_json_name(cls, "vocab_size"), hf_config.vocab_size))
+    )
+    raise TaperfoldError(
+        f"{where}: keys {keys} describe a model of at least {implied:,} parameters, but {weights} "
+        f"holds {present:,} values; config.json does not match the weights"
+    )
+
+
+def transformers_config(config: dict, where: Path, family: Family | None):
+    """transformers' config object for config.json (`family`: the shipped one, None for a model_type traced)."""
+    from transformers import CONFIG_MAPPING
+
+    plain = {k: v for k, v in config.items() if k != BLOCK}
+    try:
+        config_class = CONFIG_MAPPING[plain["model_type"]]
+    except (KeyError, TypeError):  # a model type this transformers does not know (a family may be registered for it)
+        raise TaperfoldError(
+            f"{where}: key 'model_type' is {short(plain.get('model_type'))}, which this "
+            f"transformers has no config class for ({shipped_note()}; {GUIDE} says how to add "
+            "one)"
+        ) from None
+    _check_config_json(plain, config_class, where)
+    try:
+        hf_config = config_class.from_dict(plain)
+    except Exception as e:  # noqa: BLE001 - transformers' validation (huggingface_hub's strict dataclasses among
+        # others) refused the config, which is input: one line, whatever it raised, naming the key where it can
+        _check_config_json(plain, config_class, where, head_dim_frees_hidden=False)
+        detail = " ".join(str(e).split())
+        field_name = re.search(r"field '(\w+)'", detail)
+        key = f"key '{field_name.group(1)}': " if field_name and field_name.group(1) in plain else ""
+        raise TaperfoldError(f"{where}: {key}not a valid {plain['model_type']} config ({detail})") from None
+    _check_config_object(hf_config, where, family.context if family is not None else None)
+    return hf_config
