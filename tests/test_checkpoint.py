@@ -40,13 +40,16 @@ def test_round_trip(tmp_path, ckpt, name):
     for key, value in ckpt.state_dict.items():
         if key == "lm_head.weight":  # tied: stored once as the embedding
             continue
-        assert torch.equal(back.state_dict[key], value), key
+        assert torch.equal(back.state_dict[key], value), key  # the weights: bit for bit
     assert back.state_dict["model.layers.0.input_layernorm.ema_num"].dtype == torch.float64
-    ids = torch.randint(0, 256, (1, 8))
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     original = build_model(ckpt.config).eval()
     original.load_state_dict(ckpt.state_dict)
     original.set_gate(0.0)
-    torch.testing.assert_close(back.build()(ids), original(ids), rtol=0, atol=0)
+    # The outputs of two models to fp32's tolerance, not bit for bit: the loaded weights are equal but lie elsewhere
+    # (a .safetensors file's tensors are views at offsets not 64-byte aligned), and MKL's sgemm takes another path,
+    # summing in another order, on unaligned operands (1e-7 apart on some inputs, whatever the thread count).
+    torch.testing.assert_close(back.build()(ids), original(ids), rtol=1e-6, atol=1e-6)
 
 
 def inspect_cli(path):

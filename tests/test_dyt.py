@@ -97,9 +97,11 @@ def test_a_dyt_checkpoint_round_trips(tmp_path):
     path = save_checkpoint(checkpoint_from_model(model, 7), tmp_path / "dyt.safetensors")
     again = load_checkpoint(path).build()
     assert again.cfg.norm == "dyt" and again.gate.value == 0.0
-    ids = torch.randint(0, 256, (1, 9))
-    with torch.no_grad():
-        assert torch.equal(again(ids), model(ids))
+    saved, loaded = model.state_dict(), again.state_dict()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())  # bit for bit
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # two models, the loaded weights at unaligned addresses: fp32's tolerance (test_checkpoint)
+        torch.testing.assert_close(again(ids), model(ids), rtol=1e-6, atol=1e-6)
 
 
 def test_train_inspect_export_verify_bench_a_dyt_model(cli, tmp_path):

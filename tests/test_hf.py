@@ -117,7 +117,8 @@ def test_saved_directory_loads_to_the_same_model(fam):
     with torch.no_grad():
         expected = fam.result.model(ids).logits
         got = ckpt.build()(ids, logits="all")
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # two models, the loaded weights at unaligned addresses (safetensors views): MKL may sum in another order
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -135,7 +136,8 @@ def test_built_models_hold_the_directorys_tensors(family, tmp_path):
         assert (model.hf.get_output_embeddings().weight is model.hf.get_input_embeddings().weight) == tied
     ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(ckpt.build()(ids, logits="all"), saved(ids).logits, rtol=0, atol=0)
+        # two models, the loaded weights at unaligned addresses (safetensors views): MKL may sum in another order
+        torch.testing.assert_close(ckpt.build()(ids, logits="all"), saved(ids).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_torch_fold_equals_the_tapered_model(fam):

@@ -137,11 +137,12 @@ def test_sharded_checkpoint_loads(tmp_path, tapered_dir):
     from taperfold.hf import load_hf_directory
 
     folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "sharded", max_shard_size="40KB")
-    ids = torch.randint(3, 256, (2, 9))
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = load_hf_directory(folder).build()(ids)
         b = load_hf_directory(tapered_dir).build()(ids)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # two models, the weights at other (unaligned: safetensors views) addresses: MKL may sum in another order
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_without_transformers_one_line_names_the_extra(cli, tmp_path, tapered_dir, monkeypatch):
