@@ -43,6 +43,12 @@ def pytest_unconfigure(config):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+HANG_S = 3600
+"""The limit on a child process a test starts (subprocess timeout=HANG_S): a guard against a hang, never a speed
+check. The children here take seconds to a few minutes on a quiet 2-core machine; on a loaded one the suite ran 4x
+slower, and one 300-step training more than 30x."""
+
+
 @dataclass
 class CliResult:
     exit_code: int

@@ -13,7 +13,7 @@ from taperfold.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.models import build_model, preset_config
 
-from conftest import one_line, run_cli
+from conftest import HANG_S, one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, ckpt):
     assert not marker.exists()
     # the installed entry point, in a fresh process, behaves the same
     result = subprocess.run([sys.executable, "-m", "taperfold.cli", "inspect", str(path)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and not marker.exists()
 

@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from conftest import HANG_S
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -24,6 +26,6 @@ def test_a_test_run_leaves_the_temp_folder_as_it_found_it(tmp_path):
     env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(ROOT / "tests")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "test_probe.py"],
-                       cwd=probe, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=probe, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stdout + r.stderr
     assert list(temp.iterdir()) == []

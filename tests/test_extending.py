@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from conftest import HANG_S
+
 import pytest
 
 from taperfold import engines, families, norms
@@ -43,7 +45,7 @@ def test_the_example_family_is_named_nowhere_in_the_package():
 @pytest.mark.slow
 def test_plugin_family_example_runs_the_whole_chain():
     pytest.importorskip("transformers")
-    result = subprocess.run([sys.executable, str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS: every tapered norm folded and verify passed" in result.stdout
     assert "export: 2 folded, 0 kept" in result.stdout and "fold unfolded.onnx: 2 folded, 0 kept" in result.stdout

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import HANG_S
 
 from taperfold.bench.decode import generate
 from taperfold.checkpoint import load_checkpoint
@@ -61,7 +62,7 @@ def tiny_source(tiny_checkpoint):
 
 def test_python_dash_m_taperfold_runs_the_cli():
     r = subprocess.run([sys.executable, "-m", "taperfold", "bench", "--help"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert "--cuda-graph" in r.stdout and "--compile-mode" in r.stdout
 

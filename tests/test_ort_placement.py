@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import onnxruntime as ort
+from conftest import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ort_placement", ROOT / "examples" / "ort_placement.py")
@@ -49,7 +50,7 @@ def test_a_real_cpu_session_places_every_node_of_its_graph_on_the_cpu(tiny_expor
     ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     nodes = len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "ort_placement.py"), str(model), "--json"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert {provider: placed["count"] for provider, placed in json.loads(r.stdout).items()} == \
         {"CPUExecutionProvider": nodes}

@@ -6,13 +6,15 @@ import subprocess
 import sys
 import textwrap
 
+from conftest import HANG_S
+
 
 PY = sys.executable
 
 
 def test_a_closed_pipe_ends_quietly(tiny_checkpoint):
     shell = f"{PY} -m taperfold inspect {tiny_checkpoint} | head -c1 > /dev/null; echo ${{PIPESTATUS[0]}}"
-    r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=HANG_S)
     assert r.stdout.strip() == "141" and r.stderr == ""  # as `seq 1000000 | head -1`: SIGPIPE's status, no word
 
 
@@ -24,7 +26,7 @@ def test_a_signal_after_the_outputs_are_written_is_one_line_and_130(tiny_checkpo
         from taperfold.cli import main
         main()
     """)
-    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 130 and r.stderr == "taperfold: interrupted (SIGINT)\n", r.stderr
     json.loads(r.stdout)  # what was printed before stays whole
 
@@ -50,6 +52,6 @@ def test_a_swallowed_interrupt_leaves_no_exception_ignored_noise(tiny_checkpoint
         from taperfold.cli import main
         main()
     """)
-    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 130 and r.stderr == "taperfold: interrupted (SIGINT)\n", r.stderr
     assert not (tmp_path / "out").exists()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import HANG_S
 
 from taperfold import trt_build as tftrt
 from taperfold.checkpoint import Checkpoint, save_checkpoint
@@ -52,7 +53,7 @@ def test_export_trt_without_tensorrt_says_so_and_writes_nothing(tmp_path, ckpt_p
     out = tmp_path / "out"
     env = {"PYTHONPATH": f"{fake}:{REPO}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=HANG_S)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"taperfold: error: {tftrt.NOT_INSTALLED}"]
@@ -342,7 +343,7 @@ def test_engine_matches_onnxruntime(tmp_path, ckpt_path, cuda_graph):
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out),
-                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=600)
+                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["artifacts"]["engine"]["path"] == "model.plan"

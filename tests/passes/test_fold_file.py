@@ -12,7 +12,7 @@ import onnx_ir as ir
 import pytest
 import torch
 from _graphs import D, mul_matmul, rand, run
-from conftest import one_line
+from conftest import HANG_S, one_line
 from test_torch_exports import Block, TaperNorm, export
 
 from taperfold.errors import TaperfoldError
@@ -169,8 +169,8 @@ def test_fold_output_with_a_trailing_slash_names_a_directory(tiny_export, tmp_pa
 def test_fold_report_on_a_narrow_terminal_is_a_list_not_a_squeezed_table(tiny_export, tmp_path):
     env = {**os.environ, "COLUMNS": "80"}
     r = subprocess.run([sys.executable, "-m", "taperfold", "fold", str(tiny_export / "unfolded.onnx"),
-                        "-o", str(tmp_path / "f.onnx"), "--report", "-"], capture_output=True, text=True, timeout=300,
-                       env=env)
+                        "-o", str(tmp_path / "f.onnx"), "--report", "-"], capture_output=True, text=True,
+                       timeout=HANG_S, env=env)
     assert r.returncode == 0, r.stderr
     json.loads(r.stdout)  # stdout: the report
     lines = r.stderr.splitlines()
