@@ -299,7 +299,7 @@ def test_moe_norm_folds_in_torch_into_the_router_and_every_expert(model_type):
     # The fold's arithmetic on the router and the stacked experts (the directory path: the `fam` tests; the graph
     # passes: tests/passes).
     from taperfold.hf.model import HFCausalLM, HFModelInfo
-    from taperfold.passes.testing import tiny_model
+    from fold_models import tiny_model
 
     hf = tiny_model(model_type)
     tapering = taper_model(hf, "all")

@@ -1,6 +1,6 @@
 """Tiny transformers models of every family, exported by torch.onnx, folded (issue 10).
 
-Tapered: every norm replaced by its g = 0 constant map (`taperfold.passes.testing.constant_norms`).
+Tapered: every norm replaced by its g = 0 constant map (`tests/fold_models.py`: `constant_norms`).
 Negative control: the same model with its real norms comes out bit-identical, nothing reported as folded.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fold_models import FAMILIES, LAYERS, constant_norms, export, tiny_model
 
 from taperfold.passes import NormStatus, fold_onnx_file
 from taperfold.passes.check_fold import check_fold
-from taperfold.passes.testing import FAMILIES, LAYERS, constant_norms, export, tiny_model
 
 pytest.importorskip("transformers")
 

@@ -109,7 +109,7 @@ def test_gpt2_c_attn_is_already_one_layer(builtin_exports):
 def test_transformers_models(tmp_path, family):
     """Llama (GQA: k/v narrower than q; no biases) and Phi (q/k/v and fc1 read one norm; every layer biased)."""
     pytest.importorskip("transformers")
-    from taperfold.passes.testing import constant_norms, export, tiny_model
+    from fold_models import constant_norms, export, tiny_model
 
     model, _ = constant_norms(tiny_model(family))
     graph = in_memory(export(model, tmp_path / "m.onnx", "dynamo", 18))
@@ -365,7 +365,7 @@ def test_a_sibling_called_on_a_changed_input_computes_afresh():
 def test_torch_fusion_of_transformers_models_follows_the_family(family):
     pytest.importorskip("transformers")
     from taperfold.hf.model import HFCausalLM, HFModelInfo
-    from taperfold.passes.testing import tiny_model
+    from fold_models import tiny_model
     from taperfold.variants import fuse_projections_in_torch
 
     hf = tiny_model(family)
