@@ -83,7 +83,7 @@ def child(directory: str, out: str) -> None:
     t0 = time.perf_counter()
     result = export_checkpoint(directory, out, ExportOptions())
     total = time.perf_counter() - t0
-    summary = result.manifest["fold_report"]["summary"]
+    summary = result.manifest.report("folded", "fold")["summary"]
     print(
         json.dumps(
             {

@@ -24,7 +24,8 @@ import torch
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
-from taperfold.exportdir import FOLDED, read_manifest
+from taperfold.exportdir import FOLDED
+from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
 from taperfold.sources import open_source
 from taperfold.variants import build_variants
@@ -65,7 +66,7 @@ def measure(preset: str, args, workdir: Path) -> list[dict]:
         out = workdir / f"{preset}-{kind}"
         export_checkpoint(ckpt, out, ExportOptions(baseline=False, fuse_projections=kind == "fused"))
         manifest = read_manifest(out)
-        projections = manifest.artifacts["folded"]["projections"]
+        projections = manifest.find(FOLDED).details["projections"]
         groups[kind] = projections["summary"]["groups"] if projections else 0
         sessions[kind] = ort.InferenceSession(
             str(manifest.artifact(FOLDED)), options, providers=["CPUExecutionProvider"]
@@ -82,8 +83,8 @@ def measure(preset: str, args, workdir: Path) -> list[dict]:
         for seq in args.seq:
             ids = rng.integers(0, source.config.vocab_size, (batch, seq), dtype=np.int64)
             tensor = torch.from_numpy(ids)
-            ort_calls = {kind: (lambda s=s: s.run(None, {"input_ids": ids})) for kind, s in sessions.items()}
-            torch_calls = {kind: (lambda m=m: m(tensor, logits="last")) for kind, m in models.items()}
+            ort_calls = {kind: (lambda s=s, ids=ids: s.run(None, {"input_ids": ids})) for kind, s in sessions.items()}
+            torch_calls = {kind: (lambda m=m, tensor=tensor: m(tensor, logits="last")) for kind, m in models.items()}
             with torch.no_grad():
                 for engine, calls in (("ort", ort_calls), ("torch", torch_calls)):
                     timed = alternate(calls, args.rounds, args.iters)

@@ -110,22 +110,24 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     manifest.json (artifacts.nonorm, artifacts.nonorm.decoder), as export would with the same options."""
     import torch
 
+    from taperfold.artifacts.onnx_graph import ONNX_GRAPH
     from taperfold.checkpoint import load_checkpoint
     from taperfold.export import ExportOptions, export_to_ir
-    from taperfold.exportdir import artifact_key, read_manifest, torch_dtype
-    from taperfold.passes.onnx_io import save_model
+    from taperfold.exportdir import GROWING, NONORM, PREFILL, torch_dtype
+    from taperfold.manifest import read_manifest
     from taperfold.variants import without_norms
 
     manifest = read_manifest(export_dir)
     model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(manifest.dtype)).eval()
     with torch.no_grad():
-        for decoder in (False, True):
+        for graph in (PREFILL, GROWING):
             # the same opset as the folded graph it is compared with (export picks one per graph)
-            opset = manifest.artifacts[artifact_key("folded", decoder)]["opset"]
+            opset = manifest.find("folded", graph).details["opset"]
             opts = ExportOptions(logits=manifest.logits, dtype=manifest.dtype, opset=opset)
-            key = "nonorm" + (".decoder" if decoder else "")
-            save_model(export_to_ir(model, opts, decoder), export_dir / f"{key}.onnx")
-            manifest.artifacts[key] = {"path": f"{key}.onnx", "opset": opset}
+            model_ir = export_to_ir(model, opts, graph)
+            manifest.add_artifact(
+                ONNX_GRAPH.write(model_ir, export_dir, NONORM, graph, manifest.dtype, {"opset": opset})
+            )
     manifest.write()
 
 
@@ -149,7 +151,7 @@ def prepare(out: Path, dtypes: tuple[str, ...] = DTYPES) -> dict:
         export_dir = work / f"export-{dtype}"
         if not (export_dir / "manifest.json").exists():
             subprocess.run(
-                taperfold_cmd() + ["export", str(ckpt), "-o", str(export_dir), "--dtype", dtype, "--kv-cache"],
+                [*taperfold_cmd(), "export", str(ckpt), "-o", str(export_dir), "--dtype", dtype, "--kv-cache"],
                 check=True,
                 env=env,
             )

@@ -31,8 +31,9 @@ from taperfold.engines import ENGINES
 from taperfold.environment import machine_info, package_versions
 from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
-from taperfold.exportdir import ALL_VARIANTS, INPUT, read_manifest
+from taperfold.exportdir import ALL_VARIANTS, GROWING, INPUT, PREFILL
 from taperfold.fsutil import write_json_atomic
+from taperfold.manifest import read_manifest
 from taperfold.models import PRESETS, random_gate0_model
 
 
@@ -91,14 +92,14 @@ for opset in args.opsets:
     out_dir = work / f"opset{opset}-{args.dtype}"
     try:
         if not (out_dir / "manifest.json").exists():  # an earlier --export-only run's export is reused
-            export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, kv_cache=True))
+            export_checkpoint(ckpt, out_dir, ExportOptions(dtype=args.dtype, opset=opset, decoders=(GROWING,)))
         manifest = read_manifest(out_dir)
     except TaperfoldError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     exports[opset] = manifest
     graphs[opset] = {
-        key: {k: v for k, v in entry.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
-        for key, entry in manifest.artifacts.items()
+        record.key: {k: v for k, v in record.details.items() if k in ("norm_ops", "norms_fused_by_taperfold")}
+        for record in manifest.records()
     }
     print(f"exported opset {opset} in {time.perf_counter() - t0:.0f} s -> {out_dir}", file=sys.stderr)
 if args.export_only:
@@ -109,14 +110,14 @@ rng = np.random.default_rng(0)
 rows = []
 
 
-def runners(decoder: bool) -> dict:
+def runners(graph: str) -> dict:
     """(opset, variant) label -> a loaded ORT runner of that graph."""
     out = {}
     for opset, manifest in exports.items():
         for variant in variants:
-            if manifest.has_artifact(variant, decoder=decoder):
+            if manifest.has_artifact(variant, graph):
                 runner = ort_engine.runner(
-                    manifest.artifact(variant, decoder=decoder), device=args.device, threads=threads, decoder=decoder
+                    manifest.artifact(variant, graph), device=args.device, threads=threads, graph=graph
                 )
                 runner.load()
                 out[f"opset{opset}/{variant}"] = runner
@@ -141,7 +142,7 @@ def record(mode: str, batch: int, seq: int, label: str, samples_s: list[float], 
     )
 
 
-prefill = runners(decoder=False)
+prefill = runners(PREFILL)
 for batch in args.batch:
     for seq in args.seq:
         ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
@@ -155,12 +156,14 @@ for batch in args.batch:
 for r in prefill.values():
     r.close()
 
-decoders = runners(decoder=True)
+decoders = runners(GROWING)
 kv_dtype = args.dtype
 decode_schedule = Schedule(max(1, args.warmup // 5), max(args.rounds, args.iters // 5), args.rounds)
 for batch in args.batch:
     ids = rng.integers(0, cfg.vocab_size, (batch, args.prompt), dtype=np.int64)
-    jobs = {name: Job(lambda r=r: generate(r, ids, args.new_tokens, cfg, kv_dtype)) for name, r in decoders.items()}
+    jobs = {
+        name: Job(lambda r=r, ids=ids: generate(r, ids, args.new_tokens, cfg, kv_dtype)) for name, r in decoders.items()
+    }
     timed = run_rounds(jobs, decode_schedule).synced
     for name, gens in timed.items():
         record("decode", batch, args.prompt, name, [s for g in gens for s in g.step_s], batch)

@@ -92,7 +92,7 @@ def main() -> int:
         print(f"fold in torch: max rel {torch_error:.2e} from the tapered model")
 
         export = export_checkpoint(tapered, tmp / "export", ExportOptions())
-        summary = export.manifest["fold_report"]["summary"]
+        summary = export.manifest.report("folded", "fold")["summary"]
         print(f"export: {summary['folded']} folded, {summary['kept']} kept, {summary['real_norm']} real norm(s)")
 
         report = verify_export(export.out_dir)

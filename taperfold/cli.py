@@ -364,30 +364,33 @@ def export(
     with --trt, a TensorRT engine of model.onnx too."""
     from taperfold import interrupts
     from taperfold.export import ExportOptions, check_options, export_checkpoint
-    from taperfold.exportdir import is_export_dir
     from taperfold.fsutil import Output, check_outputs
+    from taperfold.manifest import is_export_dir
     from taperfold.ui import print_export, stage_status
 
+    artifacts = {}
+    if to_trt:
+        from taperfold.trt_support import require_tensorrt
+
+        require_tensorrt()  # fail before the ONNX export, and write nothing
+        artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,
         opset=opset,
         target=target or ("trt" if to_trt else "ort"),
-        kv_cache=tuple(kv_cache.split(",")) if kv_cache else False,
+        decoders=_kv_caches(kv_cache),
         max_cache=max_cache,
         force_gate0=force_gate0,
         baseline=baseline,
         fuse_projections=fuse_projections,
+        artifacts=artifacts,
     )
     check_options(opts)
     check_outputs(
         [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
         inputs=[checkpoint],
     )
-    if to_trt:
-        from taperfold.trt_build import require_tensorrt
-
-        require_tensorrt()  # fail before the ONNX export, and write nothing
     with stage_status(quiet=as_json) as show_stage:
 
         def on_stage(name: str) -> None:
@@ -395,12 +398,18 @@ def export(
             show_stage(name)
 
         result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
-        if to_trt:
-            from taperfold.trt_build import build_engine_for_export, make_profile
+    _print_json(result.manifest.to_json()) if as_json else print_export(result.manifest, result.out_dir)
 
-            profile = make_profile(result.manifest["config"]["max_seq_len"], batch=trt_batch, sequence=trt_seq)
-            result.manifest = build_engine_for_export(result.out_dir, profile=profile, on_stage=on_stage)
-    _print_json(result.manifest) if as_json else print_export(result.manifest, result.out_dir)
+
+def _kv_caches(option: str | None) -> tuple[str, ...]:
+    """--kv-cache's value as the decoders to export: none without the flag, the growing one for the flag alone (its
+    spelling before static caches), else the comma-separated caches it names (an empty name is refused)."""
+    if option is None:
+        return ()
+    caches = tuple(part.strip() for part in option.split(","))
+    if not all(caches):
+        raise TaperfoldError(f"--kv-cache {option!r}: name growing, static, or growing,static")
+    return caches
 
 
 # ---- verify ------------------------------------------------------------------------------------------
@@ -457,15 +466,19 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 @click.option("--max-kl", type=FiniteFloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
-    from taperfold.exportdir import read_manifest
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
+    from taperfold.manifest import read_manifest
     from taperfold.ui import print_verify, step_progress
     from taperfold.verify import REPORT, tokens_from_file, tokens_from_text, verify_export
 
     if tokens_file and text_file:
         raise click.UsageError("pass --tokens or --text, not both")
-    read_manifest(export_dir)  # the clearest message for a directory that is not an export
-    check_outputs([Output(Path(export_dir) / REPORT, REPORT)], inputs=[tokens_file, text_file])
+    manifest = read_manifest(export_dir)  # the clearest message for a directory that is not an export
+    report_path = Path(export_dir) / REPORT
+    check_outputs(
+        [Output(report_path, REPORT)],
+        inputs=[tokens_file, text_file, manifest.checkpoint, *_export_files(export_dir, keep=report_path)],
+    )
     inputs = tokens_from_file(tokens_file) if tokens_file else tokens_from_text(text_file) if text_file else None
     overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl}
     with step_progress("verifying", quiet=as_json) as on_step:
@@ -478,9 +491,9 @@ def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_
             threads=threads,
             on_progress=on_step,
         )
-    result = report.to_dict()
-    write_json_atomic(Path(export_dir) / REPORT, result)
-    _print_json(result) if as_json else print_verify(result)
+    result = report.to_json()
+    write_json_atomic(report_path, result)
+    _print_json(result) if as_json else print_verify(report)
     if not report.passed:
         raise NumericMismatch(report.failure_message())
 
@@ -669,6 +682,7 @@ def bench(
     Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
     """
     from taperfold.bench.measure import (
+        AUTO,
         DEFAULT_PROMPT,
         DEFAULT_SEQS,
         MAX_BATCH,
@@ -716,13 +730,13 @@ def bench(
         mode=mode,
         prompt=prompt or DEFAULT_PROMPT,
         new_tokens=new_tokens,
-        kv_cache=kv_cache,
+        kv_cache=kv_cache or AUTO,
         dtype=dtype,
         device=device or ENGINES[engine].default_device,
         threads=threads,
         engine_options=changed_options(engine_options),
         seed=seed,
-        fuse_projections=fuse_projections,
+        fuse_projections=AUTO if fuse_projections is None else fuse_projections,
     )
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:
@@ -782,8 +796,8 @@ def demo(ctx, out_dir, steps):
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
     from rich.rule import Rule
 
-    from taperfold.exportdir import is_export_dir
     from taperfold.fsutil import Output, check_outputs, write_errors
+    from taperfold.manifest import is_export_dir
     from taperfold.ui import out
 
     root = Path(out_dir)

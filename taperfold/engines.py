@@ -5,13 +5,12 @@ its runner takes; the CLI's `--engine` choices and option flags come from this t
 (taperfold.runners.NAME) does the rest, imported only when the engine is used (so `taperfold --help` loads
 no torch, onnxruntime or tensorrt). It defines:
 
-    open_runner(target, *, device, threads, decoder, logits, name, shapes, **options) -> Runner
+    open_runner(target, *, device, threads, graph, logits, name, shapes, **options) -> Runner
     unavailable(device) -> why the engine cannot run here, or None
-    files(manifest, variants, decoder) -> {variant: file}      (engines that run exported graphs)
 
-Two kinds of engine:
-- MODELS: runs PyTorch models that taperfold builds itself (from a checkpoint or a preset);
-- GRAPHS: runs the files of an export directory (ONNX graphs, or engines built from them).
+An engine runs either MODELS, the PyTorch models taperfold builds itself (from a checkpoint or a preset), or the
+artifacts of one kind in an export directory (taperfold.artifacts: `onnx` graphs, `tensorrt-plan` engines); the
+kind finds (and, for engines built on demand, builds) the files, so runners only load and run.
 
 Adding an engine is its runner module plus one row here (docs/extending.md). `open_runners` loads the
 runners of a run up front and closes them all: bench (whose variants are timed in alternating rounds) and fold
@@ -24,11 +23,17 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import PREFILL, Graph
 
-MODELS, GRAPHS = "torch models", "exported graphs"
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from taperfold.manifest import Manifest
+
+MODELS = "torch models"
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Option:
 class Engine:
     name: str
     title: str
-    runs: str  # MODELS | GRAPHS
+    runs: str  # MODELS, or the artifact kind it runs (taperfold.artifacts)
     default_device: str
     devices: tuple[str, ...]
     decodes: bool  # runs KV-cached decoders (bench --mode decode)
@@ -65,19 +70,20 @@ class Engine:
         *,
         device: str | None = None,
         threads: int | None = None,
-        decoder: bool = False,
+        graph: Graph = PREFILL,
         logits: str = "last",
         name: str | None = None,
         shapes: int | None = None,
         **options,
     ):
-        """A Runner (not loaded yet) for `target`: a torch model (MODELS) or a file (GRAPHS). `shapes`: how many
-        distinct input shapes the caller will run (bench: its cells), for runners that compile per shape."""
+        """A Runner (not loaded yet) of `graph` (prefill, or a decoder) for `target`: a torch model (MODELS) or an
+        artifact's file. `shapes`: how many distinct input shapes the caller will run (bench: its cells), for runners
+        that compile per shape."""
         return self._runner_module().open_runner(
             target,
             device=device or self.default_device,
             threads=threads,
-            decoder=decoder,
+            graph=graph,
             logits=logits,
             name=name,
             shapes=shapes,
@@ -88,9 +94,16 @@ class Engine:
         """Why this engine cannot run on `device` here (a library or the device missing), or None."""
         return self._runner_module().unavailable(device)
 
-    def files(self, manifest, variants: list[str], decoder: bool) -> dict:
-        """GRAPHS engines: {variant: the file its runner opens} in an export directory."""
-        return self._runner_module().files(manifest, variants, decoder)
+    @property
+    def runs_models(self) -> bool:
+        return self.runs == MODELS
+
+    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
+        """{variant: the file its runner opens}: the artifacts of the kind this engine runs, which that kind finds
+        in `manifest` (or builds first, where it builds on demand)."""
+        from taperfold.artifacts import artifact_kind
+
+        return artifact_kind(self.runs).files(manifest, variants, graph)
 
     def require(self, device: str) -> None:
         why = self.unavailable(device)
@@ -190,7 +203,7 @@ ENGINES: dict[str, Engine] = {
         Engine(
             "ort",
             "ONNX Runtime",
-            GRAPHS,
+            "onnx",
             default_device="cpu",
             devices=("cpu", "cuda"),
             decodes=True,
@@ -209,7 +222,7 @@ ENGINES: dict[str, Engine] = {
         Engine(
             "trt",
             "TensorRT",
-            GRAPHS,
+            "tensorrt-plan",
             default_device="cuda",
             devices=("cuda",),
             decodes=False,
@@ -218,6 +231,11 @@ ENGINES: dict[str, Engine] = {
         ),
     )
 }
+
+
+def engines_running(kind: str) -> list[Engine]:
+    """The engines that run artifacts of `kind`."""
+    return [e for e in ENGINES.values() if e.runs == kind]
 
 
 def register(engine: Engine) -> Engine:

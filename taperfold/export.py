@@ -39,35 +39,47 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx_ir as ir
 import torch
 from torch import nn
 
-from taperfold import exportdir
+from taperfold.artifacts import artifact_kind
+from taperfold.artifacts.base import TORCH, ArtifactRecord
+from taperfold.artifacts.onnx_graph import ONNX_GRAPH
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import (
     BASELINE,
+    DECOMPOSED_BASELINE,
     DTYPES,
     FOLDED,
+    GRAPHS,
     GROWING,
     INPUT,
     KV_CACHES,
     LOGITS,
-    MANIFEST,
     OUTPUT,
+    PREFILL,
     STATIC,
     UNFOLDED,
-    cache_of,
+    VARIANT_TABLE,
+    Graph,
     decoder_io_names,
+    graph_key,
     onnx_file,
     torch_dtype,
 )
-from taperfold.fsutil import atomic_dir, write_json_atomic
+from taperfold.fsutil import atomic_dir
+from taperfold.manifest import Manifest, new_manifest, read_manifest
 from taperfold.norms import norm_kinds
 from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
+from taperfold.passes import FoldReport, FuseProjectionsPass, ProjectionReport, fold_passes
+from taperfold.passes.cleanup import check
+from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 
@@ -98,32 +110,27 @@ class ExportOptions:
     dtype: str = "fp32"
     opset: int | None = None  # None: per graph and target from taperfold.opsets.TABLE
     target: str = "ort"  # "ort" (ONNX Runtime) | "trt" (TensorRT's ONNX parser): decides opsets and norm fusion
-    kv_cache: bool | str | tuple[str, ...] = False  # decoders: True = "growing", "static", or both as a tuple
+    decoders: tuple[Graph, ...] = ()  # the KV-cached decoders to export: GROWING, STATIC or both
     max_cache: int | None = None  # the static cache's length (None: the model's context)
     force_gate0: bool = False
     baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
     fuse_projections: bool = True  # every graph: linear layers reading one tensor become one and a Split
+    # artifacts built from the graphs once they are written: kind name -> that kind's options (taperfold.artifacts),
+    # e.g. {"tensorrt-plan": {"batch": "1/4/8"}} for `export --trt`
+    artifacts: dict[str, dict] = field(default_factory=dict)
 
-    @property
-    def caches(self) -> tuple[str, ...]:
-        """The decoders to export, in KV_CACHES order (the growing one first)."""
-        if self.kv_cache is False or self.kv_cache is None:
-            return ()
-        asked = (self.kv_cache,) if isinstance(self.kv_cache, (bool, str)) else tuple(self.kv_cache)
-        kinds = {GROWING if kind is True else kind for kind in asked}
-        unknown = sorted(str(kind) for kind in kinds - set(KV_CACHES))
-        if unknown or not kinds:
-            raise TaperfoldError(
-                f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got "
-                f"{','.join(unknown) or 'nothing'}"
-            )
-        return tuple(kind for kind in KV_CACHES if kind in kinds)
+    def __post_init__(self) -> None:
+        self.decoders = tuple(cache for cache in KV_CACHES if cache in self.decoders) + tuple(
+            cache
+            for cache in self.decoders
+            if cache not in KV_CACHES  # refused by check_options, named
+        )
 
 
 @dataclass
 class ExportResult:
     out_dir: Path
-    manifest: dict
+    manifest: Manifest
     timings: dict = field(default_factory=dict)
 
 
@@ -212,8 +219,6 @@ _NEAR_IDENTITY = {"Add": ((0, 1), 0.0), "Sub": ((1,), 0.0), "Mul": ((0, 1), 1.0)
 def _keep_near_identity_constants(model_ir) -> None:
     """Reshape each scalar constant the optimizer would take for an identity, but is not one, from [] to [1] (the
     same broadcast against a tensor of rank ≥ 1), which its no-op rules do not match."""
-    import onnx_ir as ir
-
     for node in ir.traversal.RecursiveGraphIterator(model_ir.graph):
         positions, identity = _NEAR_IDENTITY.get(node.op_type, ((), None))
         for i in positions:
@@ -236,8 +241,6 @@ def _keep_near_identity_constants(model_ir) -> None:
 
 
 def _initializer(graph, name: str, array):
-    import onnx_ir as ir
-
     value = ir.Value(
         name=name,
         shape=ir.Shape(array.shape),
@@ -248,16 +251,16 @@ def _initializer(graph, name: str, array):
     return value
 
 
-def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = False, opset: int | None = None):
-    """torch model → onnx_ir.Model with dynamic batch and sequence (and past) axes, at `opset` (default: the
-    one `opts` chooses for this graph). `decoder`: False (prefill), True / "growing" or "static" (exportdir)."""
-    opset = opset or choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset).opset
+def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, opset: int | None = None):
+    """torch model → onnx_ir.Model of `graph` (prefill, or a decoder) with dynamic batch and sequence (and past)
+    axes, at `opset` (default: the one `opts` chooses for this graph)."""
+    opset = opset or choose_opset(opts.target, opset_graph(graph), opts.opset).opset
     cfg = model.cfg
     batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
     seq_len, past_len = trace_lengths(cfg.max_seq_len)
     ids = torch.randint(0, cfg.vocab_size, (TRACE_SHAPE[0], seq_len))
-    if cache_of(decoder) == STATIC:
+    if graph == STATIC:
         cache_len = static_cache_length(cfg, opts)
         seq = torch.export.Dim("sequence", min=1, max=cache_len)
         seq_len = min(seq_len, cache_len // 2)  # a prompt that fits, not the whole cache (2 at least: MIN_CONTEXT)
@@ -267,11 +270,11 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = Fa
         inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
         module, args, kwargs = _StaticDecoder(model), (ids, torch.arange(seq_len), past), {}
         shapes = ({0: batch, 1: seq}, {0: seq}, [{0: batch}] * len(past))
-    elif decoder:
+    elif graph == GROWING:
         past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
         kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, past_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
-        inputs, outputs = decoder_io_names(cfg.n_layers)
+        inputs, outputs = decoder_io_names(cfg.n_layers, GROWING)
         module, args = _Decoder(model), (ids, past)
         shapes = ({0: batch, 1: seq}, [{0: batch, 2: past_dim}] * len(past))
         kwargs = {}
@@ -306,28 +309,20 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, decoder: bool | str = Fa
     return program.model
 
 
-def _save(model_ir, path: Path) -> None:
-    import onnx_ir as ir
-
-    ir.save(model_ir, path, external_data=path.name + ".data")
-
-
-def _load(path: Path):
-    """A graph just written, its weights read lazily."""
-    import onnx_ir as ir
-
-    return ir.load(path)
-
-
 def check_options(opts: ExportOptions) -> None:
     """A bad --dtype, --logits, --target, --opset, --kv-cache or --max-cache fails before any work."""
     if opts.dtype not in DTYPES:
         raise TaperfoldError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     if opts.logits not in LOGITS:
         raise TaperfoldError(f"--logits must be 'last' or 'all', got {opts.logits!r}")
+    unknown = [str(cache) for cache in opts.decoders if cache not in KV_CACHES]
+    if unknown:
+        raise TaperfoldError(
+            f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got {','.join(unknown)}"
+        )
     choose_opset(opts.target, "prefill", opts.opset)
     if opts.max_cache is not None:
-        if STATIC not in opts.caches:
+        if STATIC not in opts.decoders:
             raise TaperfoldError(
                 f"--max-cache {opts.max_cache}: only a static cache has a length; add --kv-cache static"
             )
@@ -335,6 +330,11 @@ def check_options(opts: ExportOptions) -> None:
             raise TaperfoldError(
                 f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got {opts.max_cache}"
             )
+    for name, options in opts.artifacts.items():
+        kind = artifact_kind(name)
+        if kind.built_from == TORCH:
+            raise TaperfoldError(f"artifact kind {name!r} is written by export itself: it takes no request")
+        kind.check_request(options)
 
 
 def static_cache_length(cfg, opts: ExportOptions) -> int:
@@ -343,7 +343,7 @@ def static_cache_length(cfg, opts: ExportOptions) -> int:
 
 
 def _check_static_cache(source: ModelSource, model: TaperedLM, opts: ExportOptions) -> None:
-    if STATIC not in opts.caches:
+    if STATIC not in opts.decoders:
         return
     if not model.static_cache:
         raise TaperfoldError(STATIC_CACHE_REFUSED.format(path=source.path))
@@ -357,7 +357,8 @@ def _check_static_cache(source: ModelSource, model: TaperedLM, opts: ExportOptio
 def export_checkpoint(
     ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions, on_stage=lambda name: None
 ) -> ExportResult:
-    """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`."""
+    """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`, then build the
+    artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing."""
     check_options(opts)
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
@@ -380,84 +381,175 @@ def export_checkpoint(
         exported = export_graphs(sources, tmp, opts, on_stage)
         on_stage("writing manifest")
         manifest = _manifest(source, ckpt_path, opts, tmp, exported)
-        write_json_atomic(tmp / MANIFEST, manifest)
-    return ExportResult(out_dir, manifest, exported.timings)
+        manifest.write()
+        for kind, options in opts.artifacts.items():
+            on_stage(f"building {artifact_kind(kind).title}")
+            manifest.build(kind, **options, on_stage=on_stage)
+    return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
+
+
+class StageClock:
+    """Where an export's time goes: seconds per stage, each measured by one context manager (`with clock(stage):`)."""
+
+    STAGES = ("torch_export_s", "passes_s", "write_s")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
 
 
 @dataclass
 class ExportedGraphs:
-    """What `export_graphs` wrote into a folder, for the manifest."""
+    """What `export_graphs` wrote into a folder: a record per graph (taperfold.artifacts.onnx_graph), and the time."""
 
-    reports: dict = field(default_factory=dict)  # artifact key of an unfolded graph -> its fold report
-    graphs: dict = field(default_factory=dict)  # artifact key -> opset and norm ops of that graph
-    timings: dict = field(default_factory=lambda: {"torch_export_s": 0.0, "passes_s": 0.0, "write_s": 0.0})
+    records: list[ArtifactRecord] = field(default_factory=list)
+    clock: StageClock = field(default_factory=StageClock)
+
+
+@dataclass
+class GraphPasses:
+    """The passes export runs on one traced graph, built from the options, and what they report."""
+
+    passes: list[ir.passes.PassBase]
+    fold: FoldReport | None = None
+    projections: ProjectionReport | None = None
+    fuse_norms: FuseRMSNormPass | None = None
+
+    def run(self, model_ir: ir.Model, clock: StageClock) -> None:
+        if self.passes:
+            with clock("passes_s"):
+                ir.passes.PassManager(self.passes)(model_ir)
+
+    @property
+    def norms_fused(self) -> int:
+        return self.fuse_norms.fused if self.fuse_norms else 0
+
+    def projections_report(self, prefix: str) -> dict | None:
+        """What FuseProjectionsPass fused (None: not asked for), modules named as paths in the model's network (without
+        what the export wrappers put in front, `prefix`)."""
+        if self.projections is None:
+            return None
+        for group in self.projections.groups:
+            group.modules = [module.removeprefix(prefix) for module in group.modules]
+        return self.projections.to_dict()
+
+
+def graph_details(model_ir: ir.Model, choice: OpsetChoice, norms_fused: int, projections: dict | None) -> dict:
+    """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
+    norms export fused, and its fused projections (None: not asked for)."""
+    ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
+    return {
+        **choice.to_dict(),
+        "norm_ops": {k: v for k, v in ops.items() if v},
+        "norms_fused_by_taperfold": norms_fused,
+        "projections": projections,
+    }
+
+
+def graph_passes(
+    opts: ExportOptions,
+    *,
+    fold: bool = False,
+    fuse_norms: bool = True,
+    fuse_projections: bool = True,
+    model_ir: ir.Model | None = None,
+) -> GraphPasses:
+    """The pipeline of one graph, as the options ask: the fold (`fold`: the unfolded graph becomes the folded one),
+    fused projections (--fuse-projections), decomposed RMSNorms fused into one op (where the target runs ONNX
+    Runtime's op). A stage is added here, in pipeline order (a target's own fusions, quantization, ...)."""
+    pipeline = GraphPasses([])
+    if fold:
+        assert model_ir is not None  # the fold holds the graph to the checker's verdict on it as traced
+        pipeline.fold = FoldReport(nodes_before=len(model_ir.graph), check_input=check(model_ir))
+        pipeline.passes += fold_passes(pipeline.fold)
+    if fuse_projections and opts.fuse_projections:
+        pipeline.projections = ProjectionReport()
+        pipeline.passes.append(FuseProjectionsPass(pipeline.projections))
+    if fuse_norms and fuses_norms(opts.target):
+        pipeline.fuse_norms = FuseRMSNormPass()
+        pipeline.passes.append(pipeline.fuse_norms)
+    return pipeline
 
 
 def export_graphs(
     sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions, on_stage=lambda name: None
 ) -> ExportedGraphs:
     """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
-    KV-cache decoders `opts.caches` names; an unfolded graph is also folded and written as `folded`. The fold
+    KV-cache decoders `opts.decoders` names; an unfolded graph is also folded and written as `folded`. The fold
     reports name norms by their paths in the model's `network`, as the family does."""
-    from taperfold.passes import fold_model
-
     out = ExportedGraphs()
-    timings = out.timings
-    for decoder in (False, *opts.caches):
-        choice = choose_opset(opts.target, "decoder" if decoder else "prefill", opts.opset)
+    clock = out.clock
+    for graph in (PREFILL, *opts.decoders):
+        choice = choose_opset(opts.target, opset_graph(graph), opts.opset)
         for variant, model in sources:
-            name = exportdir.artifact_key(variant, decoder)
+            name = graph_key(variant, graph)
             on_stage(f"exporting {name} (opset {choice.opset})")
-            t0 = time.perf_counter()
-            model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
-            if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
-                choice = fallback  # and for the rest of this group: every variant shares the RoPE
-                on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
-                model_ir = export_to_ir(model, opts, decoder, opset=choice.opset)
-            timings["torch_export_s"] += time.perf_counter() - t0
+            with clock("torch_export_s"):
+                model_ir = export_to_ir(model, opts, graph, opset=choice.opset)
+                if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
+                    choice = fallback  # and for the rest of this group: every variant shares the RoPE
+                    on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
+                    model_ir = export_to_ir(model, opts, graph, opset=choice.opset)
+            prefix = _network_prefix(model, graph)
             if variant == BASELINE:
-                t0 = time.perf_counter()
-                projections = _fuse_projections(model_ir, opts, _network_prefix(model, decoder))
-                timings["passes_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                _write_baselines(model_ir, folder, decoder, choice, opts.target, out.graphs, projections)
-                timings["write_s"] += time.perf_counter() - t0
+                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix)
                 continue
-            t0 = time.perf_counter()
-            # written aside first: the plain norms the taper keeps (Internal-Taper's final norm) get the
-            # baseline's fused form, but only after the fold, whose onnx.checker run knows no ONNX Runtime op
-            staged = folder / ("." + onnx_file(variant, decoder))
-            _save(model_ir, staged)
-            timings["write_s"] += time.perf_counter() - t0
+            # written aside first: the folded graph is made from the unfolded one in place, and the unfolded
+            # graph then read back (its weights lazily) for its own passes; two copies are never held
+            staged = folder / ("." + onnx_file(variant, graph))
+            with clock("write_s"):
+                _save(model_ir, staged)
             on_stage(f"folding {name}")
-            t0 = time.perf_counter()
-            out.reports[name] = _network_names(fold_model(model_ir).to_dict(), model, decoder)
-            timings["passes_s"] += time.perf_counter() - t0
-            for graph_ir, written in ((model_ir, FOLDED), (_load(staged), UNFOLDED)):
-                t0 = time.perf_counter()
-                projections = _fuse_projections(graph_ir, opts, _network_prefix(model, decoder))
-                timings["passes_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                fused = _fuse(graph_ir, opts.target)
-                out.graphs[exportdir.artifact_key(written, decoder)] = _graph_info(graph_ir, choice, fused, projections)
-                _save(graph_ir, folder / onnx_file(written, decoder))
-                timings["write_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for path in (staged, staged.with_name(staged.name + ".data")):
-                path.unlink()
-            timings["write_s"] += time.perf_counter() - t0
+            folding = graph_passes(opts, fold=True, model_ir=model_ir)
+            folding.run(model_ir, clock)
+            assert folding.fold is not None
+            report = _network_names(folding.fold.to_dict(), prefix)
+            details = graph_details(model_ir, choice, folding.norms_fused, folding.projections_report(prefix))
+            with clock("write_s"):
+                folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)
+            folded.built_from, folded.reports["fold"] = name, report
+            unfolded_ir = _load(staged)
+            passes = graph_passes(opts)
+            passes.run(unfolded_ir, clock)
+            details = graph_details(unfolded_ir, choice, passes.norms_fused, passes.projections_report(prefix))
+            with clock("write_s"):
+                unfolded = ONNX_GRAPH.write(unfolded_ir, folder, UNFOLDED, graph, opts.dtype, details)
+                for path in (staged, staged.with_name(staged.name + ".data")):
+                    path.unlink()
+            out.records += [unfolded, folded]
     return out
 
 
-def _network_prefix(model: TaperedLM, decoder: bool) -> str:
+def opset_graph(graph: Graph) -> str:
+    """The opset table's name of a graph (taperfold.opsets): "prefill", or "decoder" for either cache."""
+    return "prefill" if graph == PREFILL else "decoder"
+
+
+def _save(model_ir, path: Path) -> None:
+    ir.save(model_ir, path, external_data=path.name + ".data")
+
+
+def _load(path: Path) -> ir.Model:
+    """A graph just written, its weights read lazily."""
+    return ir.load(path)
+
+
+def _network_prefix(model: TaperedLM, graph: Graph) -> str:
     """What the export wrappers put in front of the module paths of the model's network."""
-    return (_Decoder.prefix if decoder else "") + (f"{model.network_path}." if model.network_path else "")
+    wrapper = "" if graph == PREFILL else _Decoder.prefix
+    return wrapper + (f"{model.network_path}." if model.network_path else "")
 
 
-def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
+def _network_names(report: dict, prefix: str) -> dict:
     """Norm names (and the producers a backward fold names) as paths in the model's network: without what the export
-    wrappers put in front."""
-    prefix = _network_prefix(model, decoder)
+    wrappers put in front (`prefix`)."""
     for entry in report["norms"]:
         entry["name"] = entry["name"].removeprefix(prefix)
         if prefix:
@@ -465,42 +557,9 @@ def _network_names(report: dict, model: TaperedLM, decoder: bool) -> dict:
     return report
 
 
-def _fuse(model_ir, target: str) -> int:
-    """Fuse decomposed RMSNorms into one op for ONNX Runtime; the number fused (0 for TensorRT)."""
-    from taperfold.passes.fuse_norm import fuse_rms_norms
-
-    return fuse_rms_norms(model_ir) if fuses_norms(target) else 0
-
-
-def _fuse_projections(model_ir, opts: ExportOptions, prefix: str) -> dict | None:
-    """Fuse the projections of one graph when `opts` asks, else None; the report names modules as paths in the
-    model's network (without `prefix`)."""
-    if not opts.fuse_projections:
-        return None
-    from taperfold.passes import FuseProjectionsPass, ProjectionReport
-
-    report = ProjectionReport()
-    FuseProjectionsPass(report)(model_ir)
-    for group in report.groups:
-        group.modules = [module.removeprefix(prefix) for module in group.modules]
-    return report.to_dict()
-
-
-def _graph_info(model_ir, choice: OpsetChoice, fused: int, projections: dict | None) -> dict:
-    """The manifest's words on one graph: its opset and why, the fused norm ops it runs, and its fused projections
-    (None: not asked for)."""
-    ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
-    return {
-        **choice.to_dict(),
-        "norm_ops": {k: v for k, v in ops.items() if v},
-        "norms_fused_by_taperfold": fused,
-        "projections": projections,
-    }
-
-
 def _write_baselines(
-    model_ir, folder: Path, decoder: bool, choice: OpsetChoice, target: str, graphs: dict, projections: dict | None
-) -> None:
+    model_ir, folder: Path, graph: Graph, choice: OpsetChoice, opts: ExportOptions, clock: StageClock, prefix: str
+) -> list[ArtifactRecord]:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
     baseline.decomposed.onnx with those.
 
@@ -509,18 +568,31 @@ def _write_baselines(
     and the decomposed file is the fused graph expanded back (passes/fuse_norm.py). LayerNorm exports as
     LayerNormalization at every opset: nothing to fuse or expand.
     """
-    from taperfold.passes.fuse_norm import count_rms_norms, expand_rms_norms
+    records = []
+    shared = graph_passes(opts, fuse_norms=False)  # fused projections, as in every graph
+    shared.run(model_ir, clock)
+    projections = shared.projections_report(prefix)
 
-    def write(variant: str, fused: int = 0) -> None:
-        graphs[exportdir.artifact_key(variant, decoder)] = _graph_info(model_ir, choice, fused, projections)
-        _save(model_ir, folder / onnx_file(variant, decoder))
+    def write(variant: str, norms_fused: int = 0) -> None:
+        details = graph_details(model_ir, choice, norms_fused, projections)
+        with clock("write_s"):
+            records.append(ONNX_GRAPH.write(model_ir, folder, variant, graph, opts.dtype, details))
 
-    fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(target) and count_rms_norms(model_ir) > 0
+    fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(opts.target) and count_rms_norms(model_ir) > 0
     if fuse_after_export:
-        write(exportdir.DECOMPOSED_BASELINE)
-    write(BASELINE, _fuse(model_ir, target) if fuse_after_export else 0)
-    if choice.opset >= FUSING_OPSET and expand_rms_norms(model_ir):
-        write(exportdir.DECOMPOSED_BASELINE)
+        write(DECOMPOSED_BASELINE)
+        fusing = graph_passes(opts, fuse_projections=False)
+        fusing.run(model_ir, clock)
+        write(BASELINE, fusing.norms_fused)
+    else:
+        write(BASELINE)
+    if choice.opset >= FUSING_OPSET:
+        expand = ExpandRMSNormalizationPass()
+        with clock("passes_s"):
+            expand(model_ir)
+        if expand.expanded:
+            write(DECOMPOSED_BASELINE)
+    return records
 
 
 def _check_gate(source: ModelSource, opts: ExportOptions) -> None:
@@ -536,11 +608,12 @@ def _check_gate(source: ModelSource, opts: ExportOptions) -> None:
 
 def _manifest(
     source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder: Path, exported: ExportedGraphs
-) -> dict:
-    artifacts = exportdir.describe_artifacts(folder)
-    for key, info in exported.graphs.items():
-        artifacts[key].update(info)
-    manifest = exportdir.new_manifest(
+) -> Manifest:
+    extra = source.manifest_block()
+    if not source.tapered:
+        extra["note"] = NOTHING_TO_FOLD.format(path=ckpt_path)
+    manifest = new_manifest(
+        folder,
         checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": source.step},
         config=source.config.to_dict(),
         gate=source.gate,
@@ -550,20 +623,22 @@ def _manifest(
             "dtype": opts.dtype,
             "target": opts.target,
             "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
-            "kv_cache": list(opts.caches),
-            "max_cache": static_cache_length(source.config, opts) if STATIC in opts.caches else None,
+            "kv_cache": list(opts.decoders),
+            "max_cache": static_cache_length(source.config, opts) if STATIC in opts.decoders else None,
             "fuse_projections": opts.fuse_projections,
             "inputs": [INPUT],
             "outputs": [OUTPUT],
         },
         versions=package_versions(),
-        artifacts=artifacts,
-        fold_report=exported.reports.get(UNFOLDED),
-        decoder_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, GROWING)),
-        static_fold_report=exported.reports.get(exportdir.artifact_key(UNFOLDED, STATIC)),
-        timings=exported.timings,
+        timings=exported.clock.seconds,
+        extra=extra,
     )
-    manifest.update(source.manifest_block())
-    if not source.tapered:
-        manifest["note"] = NOTHING_TO_FOLD.format(path=ckpt_path)
+    for record in sorted(exported.records, key=_artifact_order):
+        manifest.add_artifact(record)
     return manifest
+
+
+def _artifact_order(record: ArtifactRecord) -> tuple[int, int]:
+    """Graphs in the manifest in the variant table's order, each variant's in GRAPHS order."""
+    variants = [v.name for v in VARIANT_TABLE]
+    return variants.index(record.variant or FOLDED), GRAPHS.index(record.graph or PREFILL)

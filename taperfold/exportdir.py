@@ -1,6 +1,7 @@
 """The export directory's contract: what `taperfold export` writes and everything else reads.
 
-    DIR/manifest.json          what was exported, from which checkpoint, with which options (format_version 1)
+    DIR/manifest.json          what was exported, from which checkpoint, with which options, and every artifact
+                               (taperfold.manifest)
     DIR/baseline.onnx          ordinary RMSNorm / LayerNorm in its fused form: the benchmark's reference
     DIR/baseline.decomposed.onnx  the same RMSNorm as plain ops (what hand-written norms export to)
     DIR/unfolded.onnx          tapered norms at g = 0 as explicit constant multiplies
@@ -12,22 +13,21 @@
     DIR/*.onnx.data            each graph's weights (external data)
 
 `VARIANT_TABLE` names every variant with its files and meaning; `unfused` (the paper's word) is accepted
-wherever a user types `unfolded`. Other modules ask this one for file names, dtypes, decoder tensor names and
-artifact paths instead of spelling them out (CLI choices and docs/design.md's variant table come from it).
+wherever a user types `unfolded`. `GRAPHS` names the graphs a variant may have (prefill and the KV-cached
+decoders). Other modules ask this one for file names, dtypes and decoder tensor names instead of spelling them out
+(CLI choices and docs/design.md's variant table come from it); artifact kinds (taperfold.artifacts) name their files
+from these.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import read_json_object, write_json_atomic
 
-MANIFEST = "manifest.json"
-FORMAT = "taperfold-export"
-FORMAT_VERSION = 1
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,6 @@ VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.default)  # the default set 
 ALL_VARIANTS = tuple(v.name for v in VARIANT_TABLE if v.exported)  # every variant `taperfold export` may write
 NAMEABLE_VARIANTS = tuple(VARIANTS_BY_NAME)  # what a user may name
 ALIASES = {alias: v.name for v in VARIANT_TABLE for alias in v.aliases}
-PLAN_FILES = {v.name: f"{v.stem}.plan" for v in VARIANT_TABLE if v.exported}
-ENGINE_ARTIFACT = "engine"  # artifacts.engine: the folded model's TensorRT plan
 
 DTYPES = ("fp32", "fp16", "bf16")
 LOGITS = ("last", "all")
@@ -111,37 +109,47 @@ def canonical_variants(names: list[str]) -> list[str]:
     return list(dict.fromkeys(ALIASES.get(n, n) for n in names))
 
 
-# The KV caches a decoder may have: growing (past + new every step, the shapes change each step) and static
-# (buffers of a fixed length written at a position: every step has the same shapes). Each is a graph of its own,
-# named by its suffix. Wherever a graph is named, `decoder` is False (the prefill graph), True (the growing
-# decoder, what `--kv-cache` meant before static caches) or one of KV_CACHES.
-GROWING, STATIC = "growing", "static"
-KV_CACHES = (GROWING, STATIC)
-_DECODER_SUFFIX = {GROWING: "decoder", STATIC: "static"}
+# The graphs a variant may have: the prefill graph (a whole prompt, no cache: the paper's benchmark) and KV-cached
+# decoders, each a graph of its own named by its file suffix: growing (past + new every step, so every step has new
+# shapes) and static (buffers of a fixed length written at a position: every step has the same shapes). Wherever code
+# names a graph it is one of GRAPHS; `export --kv-cache` alone still means the growing decoder (the CLI's alias).
+Graph = Literal["prefill", "growing", "static"]
+PREFILL: Graph = "prefill"
+GROWING: Graph = "growing"
+STATIC: Graph = "static"
+GRAPHS: tuple[Graph, ...] = (PREFILL, GROWING, STATIC)
+KV_CACHES: tuple[Graph, ...] = (GROWING, STATIC)  # the decoders
+_FILE_SUFFIX = {PREFILL: "", GROWING: ".decoder", STATIC: ".static"}
 
 
-def cache_of(decoder: bool | str) -> str | None:
-    """The KV cache of the graph `decoder` names: None (prefill), GROWING or STATIC."""
-    if decoder is False or decoder is None:
-        return None
-    if decoder is True:
-        return GROWING
-    if decoder not in KV_CACHES:
-        raise ValueError(f"a decoder's cache is one of {KV_CACHES}, got {decoder!r}")
-    return decoder
+def check_graph(graph: str) -> Graph:
+    """`graph` if it names one of GRAPHS, else a ValueError (a programming error: users name caches through flags)."""
+    if graph not in GRAPHS:
+        raise ValueError(f"a graph is one of {GRAPHS}, got {graph!r}")
+    return graph  # type: ignore[return-value]  # checked just above
 
 
-def artifact_key(variant: str, decoder: bool | str = False) -> str:
-    """The key of `variant`'s graph in manifest.json's `artifacts`: `folded`, `unfolded.decoder`, `folded.static`..."""
-    cache = cache_of(decoder)
-    return canonical_variant(variant) + (f".{_DECODER_SUFFIX[cache]}" if cache else "")
+def is_decoder(graph: Graph) -> bool:
+    return check_graph(graph) != PREFILL
 
 
-def onnx_file(variant: str, decoder: bool | str = False) -> str:
+def graph_key(variant: str, graph: Graph = PREFILL) -> str:
+    """`folded`, `unfolded.decoder`, `folded.static`...: how manifest.json and reports name a variant's graph."""
+    return canonical_variant(variant) + _FILE_SUFFIX[check_graph(graph)]
+
+
+def onnx_file(variant: str, graph: Graph = PREFILL) -> str:
     """`model.onnx`, `unfolded.decoder.onnx`, `model.static.onnx`...: the file name export writes for a variant."""
-    cache = cache_of(decoder)
-    stem = VARIANTS_BY_NAME[canonical_variant(variant)].stem
-    return f"{stem}.{_DECODER_SUFFIX[cache]}.onnx" if cache else f"{stem}.onnx"
+    return f"{VARIANTS_BY_NAME[canonical_variant(variant)].stem}{_FILE_SUFFIX[check_graph(graph)]}.onnx"
+
+
+def parse_graph_key(key: str) -> tuple[str, Graph] | None:
+    """(variant, graph) of a key `graph_key` wrote, or None."""
+    for graph, suffix in _FILE_SUFFIX.items():
+        variant = key.removesuffix(suffix) if suffix else key
+        if (not suffix or key.endswith(suffix)) and variant in VARIANTS_BY_NAME:
+            return variant, graph
+    return None
 
 
 def torch_dtype(name: str):
@@ -168,14 +176,14 @@ CACHE_POSITION = "cache_position"
 NEXT_TOKEN = "next_token"
 
 
-def decoder_io_names(n_layers: int, decoder: bool | str = True) -> tuple[list[str], list[str]]:
+def decoder_io_names(n_layers: int, graph: Graph = GROWING) -> tuple[list[str], list[str]]:
     """Input and output names of a KV-cached decoder, as optimum and onnxruntime-genai name them: `input_ids`,
     (`cache_position` for a static cache), `past_key_values.{i}.key|value` → `logits`, `present.{i}.key|value`. A
     static cache's present is its past, written at the positions: onnxruntime-genai's past_present_share_buffer
     binds the two to one buffer (shape [batch, kv_heads, cache length, head_dim])."""
     past = [f"{PAST}{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    positions = [CACHE_POSITION] if cache_of(decoder) == STATIC else []
+    positions = [CACHE_POSITION] if check_graph(graph) == STATIC else []
     return [INPUT, *positions, *past], [OUTPUT, *present]
 
 
@@ -185,199 +193,41 @@ def shared_cache_buffers(n_layers: int) -> dict[str, str]:
     return dict(zip(outputs[1:], inputs[2:]))
 
 
-# ---- manifest.json -----------------------------------------------------------------------------------
+# ---- the decoder protocol: what a caller feeds a KV-cached decoder, step by step ----------------------------------
+# Growing cache: the prompt runs with an empty past (length 0) through the same graph as every later step, each
+# step's present one longer than its past. Static cache: `cache_len` zeros, `cache_position` saying where the new
+# tokens go (0..prompt-1, then one position per step); the presents are the cache buffers, written in place.
+# `cfg` is the model's shape: anything with n_layers, kv_heads and head_dim (a ModelConfig, an HF model's info).
 
 
-# Keys every format_version 1 manifest has (dotted paths); others are optional.
-_REQUIRED = (
-    "checkpoint.path",
-    "checkpoint.sha256",
-    "config",
-    "gate",
-    "forced_gate0",
-    "export.logits",
-    "export.dtype",
-    "artifacts",
-)
-_FOLDED_ARTIFACTS = ("artifacts.unfolded.path", "artifacts.folded.path")
-_BASELINE_ONLY = ("artifacts.baseline.path",)  # the export of a plain (untapered) model: nothing to fold
+def empty_cache(cfg: Any, batch: int, dtype: str, cache_len: int | None = None) -> dict[str, np.ndarray]:
+    """The cache before the prompt: past length 0 (growing), or `cache_len` zeros (static)."""
+    import numpy as np
+
+    names = [n for n in decoder_io_names(cfg.n_layers)[0] if n != INPUT]
+    shape = (batch, cfg.kv_heads, cache_len or 0, cfg.head_dim)
+    return {name: np.zeros(shape, dtype=numpy_dtype(dtype)) for name in names}
 
 
-@dataclass
-class Manifest:
-    """manifest.json of one export directory. `data` is the JSON object itself (kept whole, so keys this
-    class does not model survive a rewrite); the fields are the parts other modules read."""
+def prompt_feeds(cfg: Any, ids: np.ndarray, dtype: str, cache_len: int | None = None) -> dict:
+    """The feeds of the prompt call: an empty growing cache, or (with `cache_len`) a static one and the prompt's
+    positions."""
+    import numpy as np
 
-    directory: Path
-    data: dict
-    checkpoint: Path = field(init=False)
-    checkpoint_sha256: str = field(init=False)
-    gate: float = field(init=False)
-    forced_gate0: bool = field(init=False)
-    logits: str = field(init=False)
-    dtype: str = field(init=False)
-
-    def __post_init__(self):
-        self.checkpoint = Path(self.data["checkpoint"]["path"])
-        self.checkpoint_sha256 = str(self.data["checkpoint"]["sha256"])
-        self.gate = self.data["gate"]
-        self.forced_gate0 = bool(self.data["forced_gate0"])
-        self.logits = self.data["export"]["logits"]
-        self.dtype = self.data["export"]["dtype"]
-
-    @property
-    def path(self) -> Path:
-        return self.directory / MANIFEST
-
-    @property
-    def artifacts(self) -> dict:
-        return self.data["artifacts"]
-
-    @property
-    def engines(self) -> dict:
-        """TensorRT engines built in this directory: variant -> build metadata (path, profile, tensorrt...)."""
-        return self.data.get("engines") or {}
-
-    def config(self):
-        """The exported model's shape, read by the kind of source that wrote it (taperfold.sources)."""
-        from taperfold.sources import config_from_dict
-
-        try:
-            return config_from_dict(self.data["config"])
-        except (TypeError, ValueError) as e:
-            raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
-
-    def has_artifact(self, variant: str, decoder: bool | str = False) -> bool:
-        return artifact_key(variant, decoder) in self.artifacts
-
-    @property
-    def max_cache(self) -> int | None:
-        """The cache length of the static decoders (None: the export has none)."""
-        return self.data["export"].get("max_cache")
-
-    @property
-    def fused_projections(self) -> bool:
-        """Whether export fused each group of sibling projections (q/k/v, gate/up) into one MatMul and a Split."""
-        return bool(self.data["export"].get("fuse_projections"))
-
-    def artifact(self, variant: str, decoder: bool | str = False) -> Path:
-        """Path of `variant`'s graph (its growing-cache decoder with `decoder=True`, its static one with
-        `decoder="static"`); a one-line error naming manifest.json and the key when the manifest does not list it,
-        or the file it lists is gone."""
-        key = artifact_key(variant, decoder)
-        cache = cache_of(decoder)
-        hint = None if cache is None else "re-export with --kv-cache" + (" static" if cache == STATIC else "")
-        return self._file(key, hint)
-
-    def engine_plan(self, variant: str = FOLDED) -> Path:
-        """Path of the TensorRT engine built for `variant`."""
-        entry = self.engines.get(canonical_variant(variant))
-        path = self.directory / entry["path"] if isinstance(entry, dict) and "path" in entry else None
-        if path is None or not path.is_file():
-            raise TaperfoldError(
-                f"{self.directory}: no TensorRT engine for {variant!r}; build it with "
-                f"`taperfold export CKPT --trt -o {self.directory}` (bench builds the others on "
-                "demand)"
-            )
-        return path
-
-    def _file(self, key: str, hint: str | None) -> Path:
-        entry = self.artifacts.get(key)
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}.path'" + (f": {hint}" if hint else ""))
-        path = self.directory / entry["path"]
-        if not path.is_file():
-            raise TaperfoldError(f"{path}: missing ({MANIFEST} lists it as artifacts.{key})")
-        return path
-
-    def write(self) -> None:
-        write_json_atomic(self.path, self.data)
+    feeds = {INPUT: ids, **empty_cache(cfg, ids.shape[0], dtype, cache_len)}
+    if cache_len is not None:
+        feeds[CACHE_POSITION] = np.arange(ids.shape[1], dtype=np.int64)
+    return feeds
 
 
-def is_export_dir(path: Path) -> bool:
-    """Whether `path` holds a taperfold export, which a new export may replace whole."""
-    try:
-        return read_json_object(path / MANIFEST).get("format") == FORMAT
-    except TaperfoldError:
-        return False
+def step_feeds(cfg: Any, tokens: Any, previous: dict, position: int, static: bool) -> dict:
+    """The feeds of one step: `tokens` ([batch, 1], host or the runner's own), the presents of the `previous` call as
+    the past, and for a static cache the step's `position`."""
+    import numpy as np
 
-
-def read_manifest(export_dir: str | Path) -> Manifest:
-    """Read and check DIR/manifest.json; every problem is one line naming the file and the key."""
-    export_dir = Path(export_dir)
-    if not export_dir.exists():
-        raise TaperfoldError(f"{export_dir}: no such directory (run `taperfold export` first)")
-    if not export_dir.is_dir():
-        raise TaperfoldError(f"{export_dir}: not a directory; pass the folder `taperfold export` wrote")
-    path = export_dir / MANIFEST
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: missing; is {export_dir} a taperfold export directory?")
-    data = read_json_object(path)
-    if data.get("format") != FORMAT:
-        raise TaperfoldError(f"{path}: not a taperfold export manifest (key 'format' is not '{FORMAT}')")
-    artifacts = data.get("artifacts")
-    baseline_only = isinstance(artifacts, dict) and not {UNFOLDED, FOLDED} & set(artifacts)
-    for key in (*_REQUIRED, *(_BASELINE_ONLY if baseline_only else _FOLDED_ARTIFACTS)):
-        node = data
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise TaperfoldError(f"{path}: missing key '{key}'")
-            node = node[part]
-    logits, dtype = data["export"]["logits"], data["export"]["dtype"]
-    if logits not in LOGITS:
-        raise TaperfoldError(f"{path}: key 'export.logits' must be 'last' or 'all', got {logits!r}")
-    if dtype not in DTYPES:
-        raise TaperfoldError(f"{path}: key 'export.dtype' must be fp32, fp16 or bf16, got {dtype!r}")
-    return Manifest(export_dir, data)
-
-
-def describe_artifacts(folder: Path) -> dict:
-    """The `artifacts` entry of a manifest: every ONNX graph in `folder`, keyed by variant."""
-    out = {}
-    for variant in ALL_VARIANTS:
-        for decoder in (False, *KV_CACHES):
-            path = folder / onnx_file(variant, decoder)
-            if not path.is_file():
-                continue
-            data = path.with_name(path.name + ".data")
-            out[artifact_key(variant, decoder)] = {
-                "path": path.name,
-                "bytes": path.stat().st_size,
-                "external_data": data.name if data.exists() else None,
-                "external_data_bytes": data.stat().st_size if data.exists() else 0,
-            }
-    return out
-
-
-def new_manifest(
-    *,
-    checkpoint: dict,
-    config: dict,
-    gate: float,
-    forced_gate0: bool,
-    export: dict,
-    versions: dict,
-    artifacts: dict,
-    fold_report: dict | None,
-    decoder_fold_report: dict | None,
-    static_fold_report: dict | None,
-    timings: dict,
-) -> dict:
-    """A format_version 1 manifest object (docs/design.md lists its keys)."""
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "checkpoint": checkpoint,
-        "config": config,
-        "gate": gate,
-        "exported_gate": 0.0,
-        "forced_gate0": forced_gate0,
-        "export": export,
-        "versions": versions,
-        "artifacts": artifacts,
-        "fold_report": fold_report,
-        "decoder_fold_report": decoder_fold_report,
-        "static_fold_report": static_fold_report,
-        "timings": {k: round(v, 3) for k, v in timings.items()},
-    }
+    inputs, outputs = decoder_io_names(cfg.n_layers, STATIC if static else GROWING)
+    cache_inputs = [n for n in inputs if n not in (INPUT, CACHE_POSITION)]
+    feeds = {INPUT: tokens, **{past: previous[present] for past, present in zip(cache_inputs, outputs[1:])}}
+    if static:
+        feeds[CACHE_POSITION] = np.array([position], dtype=np.int64)
+    return feeds

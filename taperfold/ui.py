@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.padding import Padding
@@ -12,6 +14,11 @@ from rich.table import Table
 from rich.text import Text
 
 from taperfold.bench.report import UNIT, report_phases, report_variants, row_label, speedup_labels
+from taperfold.exportdir import FOLDED
+
+if TYPE_CHECKING:
+    from taperfold.manifest import Manifest
+    from taperfold.verify.report import VerifyReport
 
 
 class _Console(Console):
@@ -112,23 +119,23 @@ def print_inspect(info: dict) -> None:
         out.print(f"a plain model: {info['how_to_taper']}; then {info['would_fold']} of them fold", highlight=False)
 
 
-def print_export(manifest: dict, out_dir) -> None:
+def print_export(manifest: Manifest, out_dir) -> None:
     table = Table(title=f"exported to {out_dir}")
     for col in ("variant", "file", "size (MB)", "opset", "norm ops"):
         table.add_column(col)
-    for name, art in manifest["artifacts"].items():
-        size = (art["bytes"] + art["external_data_bytes"]) / 1e6
-        opset = f"{art['opset']} ({art['opset_source']})" if "opset" in art else ""
-        norms = ", ".join(f"{op} ×{n}" for op, n in (art.get("norm_ops") or {}).items())
-        table.add_row(name, art["path"], f"{size:.2f}", opset, norms)
+    for record in manifest.records():
+        size = (record.bytes + record.external_data_bytes) / 1e6
+        details = record.details
+        opset = f"{details['opset']} ({details['opset_source']})" if "opset" in details else ""
+        norms = ", ".join(f"{op} ×{n}" for op, n in (details.get("norm_ops") or {}).items())
+        table.add_row(record.key, record.path, f"{size:.2f}", opset, norms)
     out.print(table)
     if manifest.get("note"):
-        out.print(manifest["note"], highlight=False)
-    report = manifest.get("fold_report") or {}
-    summary = report.get("summary", {})
+        out.print(manifest.get("note"), highlight=False)
+    summary = (manifest.report(FOLDED, "fold") or {}).get("summary", {})
     if summary:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
-    t = manifest["timings"]
+    t = manifest.get("timings")
     out.print(f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s")
 
 
@@ -155,7 +162,7 @@ def step_progress(label: str, quiet: bool = False):
 METRIC_COLUMNS = ("max abs", "max rel", "rtol", "mean abs", "cosine", "top-1", "top-5", "KL")
 
 
-def print_verify(report: dict) -> None:
+def print_verify(report: VerifyReport) -> None:
     """One row per pair, pooled over the input batches (worst case for maxima, means over rows)."""
     styles = {
         "pass": "[green]PASS[/]",
@@ -164,20 +171,21 @@ def print_verify(report: dict) -> None:
         "skipped": "[yellow]SKIPPED[/]",
     }
     table = Table(
-        title=f"{report['export_dir']}: {report['dtype']}, logits={report['logits']}, "
-        f"{len(report['inputs'])} input batch(es), device {report['device']}"
+        title=f"{report.export_dir}: {report.dtype}, logits={report.logits}, "
+        f"{len(report.inputs)} input batch(es), device {report.device}"
     )
     for col in ("pair", "status", *METRIC_COLUMNS, "worst input / note"):
         table.add_column(col)
-    for pair in report["pairs"]:
-        m, tol = pair["metrics"] or {}, pair["tolerance"] or {}
-        worst = f"worst: {pair['worst_input']}" if pair["worst_input"] else ""
-        note = pair["reason"] or "; ".join([*pair["violations"], worst] if pair["violations"] else [worst])
-        if pair["kind"] == "cost":
+    for pair in report.pairs:
+        m = {k: v for k, v in (pair.metrics.to_dict() if pair.metrics else {}).items() if math.isfinite(v)}
+        tol = pair.tolerance.to_dict() if pair.tolerance else {}
+        worst = f"worst: {pair.worst_input}" if pair.worst_input else ""
+        note = pair.reason or "; ".join([*pair.violations, worst] if pair.violations else [worst])
+        if pair.kind == "cost":
             note = f"cost of forcing g=0 (not judged); {note}"
         table.add_row(
-            pair["name"],
-            styles[pair["status"]],
+            pair.name,
+            styles[pair.status],
             _fmt(m.get("max_abs"), ".3g"),
             _fmt(m.get("max_rel"), ".3g"),
             _fmt(tol.get("rtol"), "g"),
@@ -189,17 +197,14 @@ def print_verify(report: dict) -> None:
             note,
         )
     out.print(table)
-    judged = [p for p in report["pairs"] if p["status"] in ("pass", "fail")]
-    failed = [p for p in judged if p["status"] == "fail"]
+    judged = [p for p in report.pairs if p.status in ("pass", "fail")]
+    failed = [p for p in judged if p.status == "fail"]
     verdict = "[bold red]FAIL[/]" if failed else "[bold green]PASS[/]"
     out.print(f"{verdict}: {len(judged) - len(failed)} of {len(judged)} pairs within tolerance")
-    if report.get("closer"):
-        out.print(report["closer"], highlight=False)
-    if report.get("note"):
-        out.print(report["note"], highlight=False)
-
-
-# ---- bench -------------------------------------------------------------------------------------------
+    if report.closer():
+        out.print(report.closer(), highlight=False)
+    if report.note:
+        out.print(report.note, highlight=False)
 
 
 def print_fold_report(src, dst, report, console: Console) -> None:

@@ -114,4 +114,4 @@ def tiny_export(tmp_path_factory, tiny_checkpoint):
     from taperfold.export import ExportOptions, export_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-export") / "out"
-    return export_checkpoint(tiny_checkpoint, out, ExportOptions(kv_cache=True)).out_dir
+    return export_checkpoint(tiny_checkpoint, out, ExportOptions(decoders=("growing",))).out_dir

@@ -87,7 +87,7 @@ def quick_exporter(monkeypatch, tiny_export):
 
     import taperfold.export
 
-    def export_to_ir(model, opts, decoder=False, **options):
+    def export_to_ir(model, opts, graph="prefill", **options):
         name = "baseline" if model.cfg.taper == "none" else "unfolded"
         return onnx_ir.load(tiny_export / f"{name}{'.decoder' if decoder else ''}.onnx")
 
@@ -388,7 +388,7 @@ def test_an_interrupt_swallowed_inside_the_exporter_still_stops_the_export(work,
         def __del__(self):
             signal.raise_signal(signal.SIGINT)  # the handler runs here, inside __del__
 
-    def export_to_ir(model, opts, decoder=False, **options):
+    def export_to_ir(model, opts, graph="prefill", **options):
         Finalizer()  # collected at once: the interrupt lands in its __del__ and is swallowed
         return onnx_ir.load(tiny_export / "unfolded.onnx")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import one_line
 
+from taperfold.exportdir import GROWING
 from taperfold.bench.decode import generate
 from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
 from taperfold.bench.report import CSV_COLUMNS, check_report, csv_rows, throughput_stats
@@ -127,7 +128,7 @@ def test_torch_kv_decoding_matches_the_full_forward_pass(tiny_model, variant):
 
     model = tiny_model if variant == "unfolded" else baseline_of(tiny_model)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 7), dtype=np.int64)
-    with TorchRunner(model, decoder=True) as runner:
+    with TorchRunner(model, graph=GROWING) as runner:
         gen = generate(runner, prompt, steps=5, cfg=model.cfg, dtype="fp32")
     assert gen.tokens.shape == (2, 6) and len(gen.step_s) == 5
     np.testing.assert_allclose(gen.last_logits, _full_forward_logits(model, prompt, gen), rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ def test_demo_runs_every_stage(cli, tmp_path):
     assert json.loads((export / "verify.json").read_text())["passed"] is True
     manifest = json.loads((export / "manifest.json").read_text())
     assert manifest["gate"] == 0.0  # Internal-Taper: both norms of every layer fold
-    assert manifest["fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
     decode = json.loads((export / "bench-decode.json").read_text())
     assert {r["phase"] for r in decode["results"]} == {"prefill", "decode"}
     assert json.loads((export / "bench.json").read_text())["mode"] == "prefill"  # not overwritten by decode

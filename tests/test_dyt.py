@@ -117,7 +117,7 @@ def test_train_inspect_export_verify_bench_a_dyt_model(cli, tmp_path):
     assert info["foldable"] == len(dyts) == 8 and all(n["alpha"] > 0 for n in dyts)
     assert [n["name"] for n in info["norms"] if n["kind"] != "DyT"] == ["model.norm"]  # Internal: the final RMSNorm
     assert cli("export", ckpt, "-o", out).exit_code == 0
-    report = json.loads((out / "manifest.json").read_text())["fold_report"]
+    report = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
     assert [(n["kind"], n["status"], n["reason"]) for n in report["norms"] if n["kind"] == "dyt"] == \
         [("dyt", "folded", "γ, β folded, tanh kept")] * 8
     r = cli("verify", out)

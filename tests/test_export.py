@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import one_line
 
+from taperfold.exportdir import GROWING
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
 from taperfold.fsutil import sha256_file
@@ -75,7 +76,7 @@ def check_export(out, ckpt_path, arch, taper, tol=1e-5):
     expected = Counter(n.op_type for n in norm_free.graph)
     assert op_counts(out / "model.onnx") == expected
     # Internal-Taper keeps exactly its final norm; All-Taper keeps none
-    report = json.loads((out / "manifest.json").read_text())["fold_report"]
+    report = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
     kept = [n["name"] for n in report["norms"] if n["status"] not in ("folded", "real_norm")]
     real = [n["name"] for n in report["norms"] if n["status"] == "real_norm"]
     tapered = [n for n in report["norms"] if n["status"] == "folded"]
@@ -121,7 +122,7 @@ def test_manifest(tiny_export, tiny_checkpoint):
                                           "folded.decoder", "baseline-decomposed", "baseline-decomposed.decoder"}
     for art in manifest["artifacts"].values():
         assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
-    assert manifest["fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]  # Internal-Taper
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]  # Internal-Taper
     assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s"}
 
 
@@ -143,14 +144,14 @@ def test_force_gate0(cli, tmp_path):
 
 
 def test_failed_export_leaves_nothing(monkeypatch, tmp_path):
-    import taperfold.passes
+    import taperfold.export
 
     ckpt = random_checkpoint(tmp_path, "llama", "internal")
 
-    def broken(model):  # fails after unfolded.onnx was written into the staging folder
+    def broken(report, merge_norm_weights=False):  # fails after unfolded.onnx was staged in the export's folder
         raise RuntimeError("simulated crash in a pass")
 
-    monkeypatch.setattr(taperfold.passes, "fold_model", broken)
+    monkeypatch.setattr(taperfold.export, "fold_passes", broken)
     with pytest.raises(RuntimeError):
         export_checkpoint(ckpt, tmp_path / "out", ExportOptions(baseline=False))
     assert not (tmp_path / "out").exists()  # the directory appears only whole
@@ -159,7 +160,7 @@ def test_failed_export_leaves_nothing(monkeypatch, tmp_path):
 
 def test_fp16_and_kv_cache(tmp_path):
     ckpt = random_checkpoint(tmp_path, "llama", "internal")
-    out = export_checkpoint(ckpt, tmp_path / "out", ExportOptions(dtype="fp16", kv_cache=True)).out_dir
+    out = export_checkpoint(ckpt, tmp_path / "out", ExportOptions(dtype="fp16", decoders=(GROWING,))).out_dir
     ids = np.random.default_rng(1).integers(0, 256, (1, 9)).astype(np.int64)
     folded, unfolded = ort_logits(out / "model.onnx", ids), ort_logits(out / "unfolded.onnx", ids)
     assert folded.dtype == np.float16
@@ -169,7 +170,7 @@ def test_fp16_and_kv_cache(tmp_path):
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"baseline.decoder", "unfolded.decoder", "folded.decoder"} <= set(manifest["artifacts"])
-    assert manifest["decoder_fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    assert manifest["artifacts"]["folded.decoder"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
     session = ort.InferenceSession(str(out / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     assert names[:3] == ["input_ids", "past_key_values.0.key", "past_key_values.0.value"]

@@ -1,5 +1,5 @@
-"""Extension from outside the package (docs/extending.md): a family, a norm kind and an engine are each
-data plus one registration, and the core never names them."""
+"""Extension from outside the package (docs/extending.md): a family, a norm kind, an engine and an artifact kind are
+each data (or one class) plus one registration, and the core never names them."""
 
 import dataclasses
 import re
@@ -13,15 +13,16 @@ from conftest import HANG_S
 
 import pytest
 
-from taperfold import engines, families, norms
+from taperfold import artifacts, engines, families, norms
 from taperfold.errors import TaperfoldError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "plugin_family.py"
+ARTIFACT_EXAMPLE = ROOT / "examples" / "plugin_artifact.py"
 
 
-def _example_module():
-    spec = importlib.util.spec_from_file_location("plugin_family", EXAMPLE)
+def _example_module(path=EXAMPLE):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,9 +31,10 @@ def _example_module():
 @pytest.fixture
 def registries():
     """Every registry as it was before the test: registrations by a test do not outlive it."""
-    saved = dict(families._REGISTRY), dict(norms._KINDS), dict(engines.ENGINES)
+    tables = (families._REGISTRY, norms._KINDS, engines.ENGINES, artifacts._KINDS)
+    saved = [dict(table) for table in tables]
     yield
-    for registry, before in zip((families._REGISTRY, norms._KINDS, engines.ENGINES), saved):
+    for registry, before in zip(tables, saved):
         registry.clear()
         registry.update(before)
 
@@ -163,3 +165,44 @@ def test_a_wrong_family_is_refused_in_one_line_before_anything_is_tapered(intern
         taper_model(model, wrong, "internal", where="m")
     assert "\n" not in str(info.value) and getattr(model, "tapering", None) is None
     assert not model.tapered_norms()  # nothing was swapped
+
+
+# ---- an artifact kind ----------------------------------------------------------------------------------------
+
+
+def test_the_example_artifact_kind_is_named_nowhere_in_the_package():
+    sources = [p for p in (ROOT / "taperfold").rglob("*.py")]
+    assert sources and not [p for p in sources if "model-card" in p.read_text() or "ModelCard" in p.read_text()]
+
+
+@pytest.mark.slow
+def test_plugin_artifact_example_exports_reads_back_and_verifies_its_kind():
+    result = subprocess.run([sys.executable, str(ARTIFACT_EXAMPLE)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "model-card: model-card.json" in result.stdout
+    assert "verify: manifest -> model-card: pass; all pairs pass" in result.stdout
+
+
+@pytest.mark.parametrize("attribute, value, message", [
+    ("built_from", "nowhere", "built_from 'nowhere' is neither 'torch', 'export' nor a registered kind"),
+    ("name", "Model Card", "name 'Model Card' is not lowercase letters"),
+    ("verified", "eyeballed", "verified 'eyeballed' is neither 'logits' nor 'checked'"),
+    ("fields", {"path": None}, "field 'path' is a key every artifact has"),
+])
+def test_plugin_artifact_example_fails_on_a_wrong_declaration(registries, capsys, attribute, value, message):
+    example = _example_module(ARTIFACT_EXAMPLE)
+    wrong = type("WrongCard", (example.ModelCard,), {attribute: value})()
+    assert example.main(wrong) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "plugin_artifact: artifact kind" in err
+
+
+def test_a_kind_that_builds_nothing_is_refused(registries):
+    from taperfold.artifacts.base import EXPORT, ArtifactKind
+
+    class Empty(ArtifactKind):
+        name, title, built_from = "empty", "nothing", EXPORT
+
+    with pytest.raises(TaperfoldError, match=r"^artifact kind 'empty': build\(\) is not implemented"):
+        artifacts.register_kind(Empty())

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import HANG_S
 
+from taperfold.exportdir import GROWING
 from taperfold.bench.decode import generate
 from taperfold.checkpoint import load_checkpoint
 from taperfold.engines import CUDA_GRAPH, ENGINES, MODELS, Engine
@@ -279,9 +280,9 @@ def test_torch_cuda_graph_replays_new_inputs_of_a_shape(tiny_source):
 def test_torch_cuda_graph_decoding_matches_eager(tiny_source):
     model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
-    with TorchRunner(model, device="cuda", decoder=True) as eager:
+    with TorchRunner(model, device="cuda", graph=GROWING) as eager:
         expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
-    with TorchRunner(model, device="cuda", decoder=True, cuda_graph=True) as runner:
+    with TorchRunner(model, device="cuda", graph=GROWING, cuda_graph=True) as runner:
         first = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
         captures = len(runner.setup_log)
         again = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
@@ -316,9 +317,9 @@ def test_compile_on_cuda_without_fallback(tiny_source, mode):
 def test_compile_reduce_overhead_decoding_matches_eager(tiny_source):
     model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
-    with TorchRunner(model, device="cuda", decoder=True) as eager:
+    with TorchRunner(model, device="cuda", graph=GROWING) as eager:
         expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
-    with TorchRunner(model, device="cuda", decoder=True, compile=True, compile_mode="reduce-overhead",
+    with TorchRunner(model, device="cuda", graph=GROWING, compile=True, compile_mode="reduce-overhead",
                      shapes=7) as runner:
         for _ in range(2):
             gen = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
@@ -441,9 +442,9 @@ def test_graph_bookkeeping_prefill_copies_new_inputs_into_the_static_ones(tiny_s
 def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_source):
     model = build_variants(tiny_source, ["baseline"], torch.float32)["baseline"]
     prompt = _ids(model.cfg.vocab_size, (2, 7))
-    with TorchRunner(model, decoder=True) as eager:
+    with TorchRunner(model, graph=GROWING) as eager:
         expected = generate(eager, prompt, steps=4, cfg=model.cfg, dtype="fp32")
-    with _graph_runner_on_cpu(model, decoder=True) as runner:
+    with _graph_runner_on_cpu(model, graph=GROWING) as runner:
         for _ in range(2):
             gen = generate(runner, prompt, steps=4, cfg=model.cfg, dtype="fp32")
             np.testing.assert_array_equal(gen.tokens, expected.tokens)

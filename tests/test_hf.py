@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow  # each family trains and exports a model
 
 from hf_models import FAMILIES, tapered_tiny_model, tiny_config  # noqa: E402
 
+from taperfold.exportdir import GROWING
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
 from taperfold.families import family_for  # noqa: E402
 from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
@@ -70,7 +71,7 @@ def fam(request, tmp_path_factory):
     f.result = train_hf_directory(f.plain, opts, taper=f.taper)
     f.tapered = save_hf_directory(f.result.model, root / "tapered", step=opts.steps, schedule=f.result.schedule)
     f.export = export_checkpoint(f.tapered, root / "export",
-                                 ExportOptions(baseline=False, kv_cache=family in KV_CACHE)).out_dir
+                                 ExportOptions(baseline=False, decoders=(GROWING,) if family in KV_CACHE else ())).out_dir
     f.manifest = json.loads((f.export / "manifest.json").read_text())
     return f
 
@@ -166,7 +167,7 @@ def test_export_verifies_against_the_transformers_forward(fam):
 def test_every_tapered_norm_is_folded(fam):
     # Counted, not named: where two norms share their mean subtraction (GPT-NeoX), the report may name
     # both after the node's module. Detection on model.onnx says what is left: the untapered norms only.
-    report = fam.manifest["fold_report"]
+    report = fam.manifest["artifacts"]["folded"]["reports"]["fold"]
     tapered = len(fam.result.model.tapering.norms)
     assert report["summary"]["folded"] == tapered, [(n["name"], n["status"], n["reason"]) for n in report["norms"]]
     left = detect_norms(ir.load(fam.export / "model.onnx"))

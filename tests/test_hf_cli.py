@@ -170,7 +170,7 @@ def test_plain_directory_exports_verifies_and_benches_the_baseline_only(cli, tmp
     assert "nothing to fold" in result.stdout
     assert sorted(p.name for p in out.glob("*.onnx")) == ["baseline.decoder.onnx", "baseline.onnx"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["fold_report"] is None and manifest["config"]["taper"] == "none"
+    assert "folded" not in manifest["artifacts"] and manifest["config"]["taper"] == "none"
 
     # verify: the transformers forward (the reference) against the baseline graph and its decoder
     result = cli("verify", out, "--threads", "1")

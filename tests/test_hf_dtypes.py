@@ -32,7 +32,7 @@ def fp16_export(request, tmp_path_factory):
 def test_fp16_export_verifies_within_the_fp16_tolerances(fp16_export):
     manifest = json.loads((fp16_export / "manifest.json").read_text())
     assert manifest["export"]["dtype"] == "fp16"
-    assert manifest["fold_report"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
     report = verify_export(fp16_export, threads=1)
     assert report.dtype == "fp16" and report.passed, report.failure_message()
     pairs = {p.name: p for p in report.pairs}

@@ -162,7 +162,7 @@ def test_unlisted_architecture_through_the_command_line(cli, tmp_path, corpus, n
     assert verified.exit_code == 0, verified.stdout + verified.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"]["family_traced"] is True and manifest["source"]["family"] == name
-    assert manifest["fold_report"]["summary"]["folded"] == len(tapered_norms)
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == len(tapered_norms)
     left = detect_norms(ir.load(out / "model.onnx"))
     assert left.candidates == [] and len(left.real_norms) == len(manifest["source"]["untapered"])
     if name == "persimmon":  # its per-head q/k LayerNorms read a per-head split: left, with the reason
@@ -186,7 +186,7 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     monkeypatch.setattr(trace, "_trace", no_tracing)
     result = cli("export", tapered_unlisted, "-o", tmp_path / "out", "--no-baseline")
     assert result.exit_code == 0, result.stderr
-    report = json.loads((tmp_path / "out" / "manifest.json").read_text())["fold_report"]["summary"]
+    report = json.loads((tmp_path / "out" / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]["summary"]
     assert report["folded"] == 4  # two layers, two norms each
 
 

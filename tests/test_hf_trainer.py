@@ -56,4 +56,4 @@ def test_trainer_runs_the_schedule_and_saves_a_foldable_directory(cli, tmp_path)
     result = cli("export", tapered, "-o", tmp_path / "out", "--no-baseline")  # one graph: keeps it fast
     assert result.exit_code == 0, result.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["fold_report"]["summary"]["folded"] == len(tapering.norms) == 4
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == len(tapering.norms) == 4

@@ -56,9 +56,9 @@ def test_bench_variants_share_the_weights_the_fold_leaves(tiny_checkpoint, fuse,
     assert sum(own.values()) == folded_layers * dtype.itemsize
 
 
-@pytest.mark.parametrize("kv_cache", [False, ("growing", "static")])
+@pytest.mark.parametrize("kv_cache", [(), ("growing", "static")])
 def test_verify_opens_one_model_at_a_time(tiny_checkpoint, tmp_path, monkeypatch, kv_cache):
-    out = export_checkpoint(tiny_checkpoint, tmp_path / "out", ExportOptions(kv_cache=kv_cache)).out_dir
+    out = export_checkpoint(tiny_checkpoint, tmp_path / "out", ExportOptions(decoders=kv_cache)).out_dir
     loaded, most = set(), []
     load, close = Runner.load, Runner.close
 

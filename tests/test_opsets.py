@@ -16,7 +16,8 @@ import torch
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import TRACE_PAST, TRACE_SHAPE, ExportOptions, export_checkpoint
-from taperfold.exportdir import ALL_VARIANTS, read_manifest
+from taperfold.exportdir import ALL_VARIANTS, GROWING, PREFILL
+from taperfold.manifest import read_manifest
 from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
 from taperfold.passes.fuse_norm import match_rms_norm
 from taperfold.models import random_gate0_model
@@ -48,7 +49,7 @@ def export(tmp_path_factory, arch: str, **options) -> Path:
 @pytest.fixture(scope="module")
 def llama_table(tmp_path_factory):
     """The default: ONNX Runtime target, opsets from the table (23 for prefill and decoders)."""
-    return export(tmp_path_factory, "llama", kv_cache=True)
+    return export(tmp_path_factory, "llama", decoders=(GROWING,))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def llama_20(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_23(tmp_path_factory):
-    return export(tmp_path_factory, "gpt2", opset=23, kv_cache=True)
+    return export(tmp_path_factory, "gpt2", opset=23, decoders=(GROWING,))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def gpt2_20(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_trt(tmp_path_factory):
-    return export(tmp_path_factory, "llama", target="trt", kv_cache=True)
+    return export(tmp_path_factory, "llama", target="trt", decoders=(GROWING,))
 
 
 def graph_opset(path: Path) -> int:
@@ -110,10 +111,10 @@ def test_choose_opset_table_override_and_bad_values():
 
 def test_manifest_records_the_table_choice_per_artifact(llama_table):
     manifest = read_manifest(llama_table)
-    assert manifest.data["export"]["target"] == "ort" and manifest.data["export"]["opset"] is None
-    assert set(manifest.artifacts) == {f"{v}{d}" for v in ALL_VARIANTS for d in ("", ".decoder")}
+    assert manifest.to_json()["export"]["target"] == "ort" and manifest.to_json()["export"]["opset"] is None
+    assert set(manifest.to_json()["artifacts"]) == {f"{v}{d}" for v in ALL_VARIANTS for d in ("", ".decoder")}
     assert not [p.name for p in llama_table.iterdir() if p.name.startswith(".")]  # the staged graphs are gone
-    for key, entry in manifest.artifacts.items():
+    for key, entry in manifest.to_json()["artifacts"].items():
         graph = "decoder" if key.endswith(".decoder") else "prefill"
         opset, reason = TABLE[("ort", graph)]
         assert (entry["opset"], entry["opset_source"], entry["opset_reason"]) == (opset, "table", reason), key
@@ -122,8 +123,8 @@ def test_manifest_records_the_table_choice_per_artifact(llama_table):
 
 def test_manifest_records_the_override(llama_20):
     manifest = read_manifest(llama_20)
-    assert manifest.data["export"]["opset"] == 20
-    for key, entry in manifest.artifacts.items():
+    assert manifest.to_json()["export"]["opset"] == 20
+    for key, entry in manifest.to_json()["artifacts"].items():
         assert (entry["opset"], entry["opset_source"], entry["opset_reason"]) == (20, "override", "--opset 20"), key
         assert graph_opset(llama_20 / entry["path"]) == 20
 
@@ -138,19 +139,18 @@ def rms_patterns(path: Path) -> int:
 
 @pytest.mark.parametrize("which", ["opset 20 prefill", "opset 20 decoder", "opset 23 prefill"])
 def test_fused_baseline_has_no_decomposed_rms_norm_left(which, llama_20, llama_table):
-    directory, decoder = {"opset 20 prefill": (llama_20, False), "opset 20 decoder": (llama_20, True),
-                          "opset 23 prefill": (llama_table, False)}[which]
+    directory, graph = {"opset 20 prefill": (llama_20, PREFILL), "opset 20 decoder": (llama_20, GROWING),
+                        "opset 23 prefill": (llama_table, PREFILL)}[which]
     manifest = read_manifest(directory)
     norms = 2 * SMALL["n_layers"] + 1
-    fused, plain = manifest.artifact("baseline", decoder), manifest.artifact("baseline-decomposed", decoder)
+    fused, plain = manifest.artifact("baseline", graph), manifest.artifact("baseline-decomposed", graph)
     assert rms_patterns(fused) == 0
     assert rms_patterns(plain) == norms  # the decomposed variant keeps every norm as plain ops
     op = "RMSNormalization" if graph_opset(fused) >= 23 else "SimplifiedLayerNormalization"
     assert op_types(fused)[op] == norms
-    entry = manifest.artifacts["baseline" + (".decoder" if decoder else "")]
-    assert entry["norm_ops"] == {op: norms}
+    assert manifest.find("baseline", graph).details["norm_ops"] == {op: norms}
     # the tapered graphs' plain final norm gets the same fused form (folding is all that differs)
-    assert op_types(manifest.artifact("folded", decoder))[op] == 1
+    assert op_types(manifest.artifact("folded", graph))[op] == 1
 
 
 def test_layernorm_family_has_no_decomposed_variant(gpt2_20):
@@ -199,9 +199,9 @@ def test_verify_passes_every_variant_and_decoder(name, request):
     expected = {"checkpoint -> unfolded", "checkpoint -> folded", "unfolded -> folded", "baseline (torch) -> baseline"}
     if manifest.has_artifact("baseline-decomposed"):
         expected |= {"baseline (torch) -> baseline-decomposed", "baseline-decomposed -> baseline"}
-    if manifest.data["export"]["kv_cache"]:
+    if manifest.to_json()["export"]["kv_cache"]:
         expected |= {f"{'baseline (torch)' if v.startswith('baseline') else 'checkpoint'} -> {v}.decoder"
-                     for v in ALL_VARIANTS if manifest.has_artifact(v, decoder=True)}
+                     for v in ALL_VARIANTS if manifest.has_artifact(v, GROWING)}
     assert set(pairs) == expected
     assert all(p.status == "pass" for p in pairs.values())
     decoded = [p for p in pairs.values() if p.candidate.endswith(".decoder")]
@@ -228,9 +228,9 @@ def test_verify_fails_a_decoder_that_computes_something_else(llama_table, tmp_pa
 
 def test_trt_target_uses_only_ops_the_parser_takes(llama_trt):
     manifest = read_manifest(llama_trt)
-    assert manifest.data["export"]["target"] == "trt"
+    assert manifest.to_json()["export"]["target"] == "trt"
     assert TRT_MIN_VERSION == (10, 15)  # what the table's trt rows assume (RMSNormalization)
-    for key, entry in manifest.artifacts.items():
+    for key, entry in manifest.to_json()["artifacts"].items():
         graph = onnx.load(str(llama_trt / entry["path"]), load_external_data=False)
         opset = graph_opset(llama_trt / entry["path"])
         for node in graph.graph.node:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from taperfold.exportdir import GROWING
 from taperfold.engines import ENGINES, GRAPHS, MODELS, changed_options, check_options
 from taperfold.errors import TaperfoldError
 from taperfold.models import build_model, preset_config
@@ -68,7 +69,7 @@ def _echo(request):
 
 def _torch(request):
     model = request.getfixturevalue("tiny_model")
-    runner = TorchRunner(model, decoder=True, name="tiny (torch)")
+    runner = TorchRunner(model, graph=GROWING, name="tiny (torch)")
     feeds = {"input_ids": np.zeros((1, 2), np.int64)}
     cfg = model.cfg
     feeds.update({n: np.zeros((1, cfg.kv_heads, 0, cfg.head_dim), np.float32) for n in runner.input_names[1:]})

@@ -43,7 +43,7 @@ def test_a_swallowed_interrupt_leaves_no_exception_ignored_noise(tiny_checkpoint
             def __del__(self):
                 signal.raise_signal(signal.SIGINT)  # the handler raises here, inside __del__
 
-        def export_to_ir(model, opts, decoder=False, **options):
+        def export_to_ir(model, opts, graph="prefill", **options):
             Finalizer()
             return onnx_ir.load({str(tiny_export / "unfolded.onnx")!r})
 

@@ -12,15 +12,17 @@ import onnx
 import pytest
 import torch
 
-from taperfold.bench.decode import generate, prompt_feeds, step_feeds
+from taperfold.bench.decode import generate
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, STATIC, artifact_key, decoder_io_names,
-                                 read_manifest)
+from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, STATIC, decoder_io_names, graph_key,
+                                 prompt_feeds, step_feeds)
+from taperfold.manifest import read_manifest
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.models import random_gate0_model
 from taperfold.runners.ort import OrtRunner
 from taperfold.runners.torch_runner import TorchRunner
-from taperfold.verify import DECODE_STEPS, _decode_logits, decode_cases, verify_export
+from taperfold.verify import DECODE_STEPS, decode_cases, verify_export
+from taperfold.verify.run import decode_logits
 
 MAX_CACHE = 48  # shorter than the tiny preset's context (128): the cache length is --max-cache's
 HAS_CUDA = torch.cuda.is_available()
@@ -33,7 +35,7 @@ def static_export(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"static-{request.param}")
     model = random_gate0_model("tiny", arch=request.param)
     ckpt = save_checkpoint(checkpoint_from_model(model, step=0), root / "tiny.pt")
-    opts = ExportOptions(kv_cache=(GROWING, STATIC), max_cache=MAX_CACHE)
+    opts = ExportOptions(decoders=(GROWING, STATIC), max_cache=MAX_CACHE)
     return export_checkpoint(ckpt, root / "out", opts).out_dir, model
 
 
@@ -48,7 +50,7 @@ def test_static_decoder_has_fixed_cache_shapes_and_named_tensors(static_export):
     out, model = static_export
     cfg = model.cfg
     manifest = read_manifest(out)
-    assert manifest.data["export"]["kv_cache"] == [GROWING, STATIC] and manifest.max_cache == MAX_CACHE
+    assert manifest.to_json()["export"]["kv_cache"] == [GROWING, STATIC] and manifest.max_cache == MAX_CACHE
     graph = onnx.load(manifest.artifact("folded", STATIC), load_external_data=False).graph
     inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
     assert [i.name for i in graph.input] == inputs and inputs[:2] == ["input_ids", CACHE_POSITION]
@@ -64,14 +66,14 @@ def test_static_decoder_has_fixed_cache_shapes_and_named_tensors(static_export):
 
 def test_folded_static_decoder_keeps_no_tapered_norm(static_export):
     out, model = static_export
-    data = read_manifest(out).data
-    report, growing = data["static_fold_report"], data["decoder_fold_report"]
+    manifest = read_manifest(out)
+    report, growing = manifest.report("folded.static", "fold"), manifest.report("folded.decoder", "fold")
     tapered = len(model.tapered_norms())
     assert report["summary"]["folded"] == tapered == growing["summary"]["folded"]
     assert report["summary"]["kept"] == 0 and report["summary"]["not_foldable"] == 0
-    norm_ops = data["artifacts"][artifact_key("folded", STATIC)]["norm_ops"]
-    assert sum(norm_ops.values()) == 1  # the final norm, kept as the scale anchor (Internal-Taper)
-    assert data["artifacts"][artifact_key("folded", STATIC)]["path"] == "model.static.onnx"
+    record = manifest.record(graph_key("folded", STATIC))
+    assert sum(record.details["norm_ops"].values()) == 1  # the final norm, kept as the scale anchor (Internal-Taper)
+    assert record.path == "model.static.onnx" and record.built_from == "unfolded.static"
 
 
 def test_static_steps_share_one_shape_and_update_the_cache_in_place(static_export):
@@ -98,12 +100,12 @@ def test_static_logits_match_the_growing_decoder_and_the_checkpoint_at_every_ste
     cfg, manifest = model.cfg, read_manifest(out)
     with OrtRunner(manifest.artifact("folded", STATIC), threads=1) as static, \
             OrtRunner(manifest.artifact("folded", GROWING), threads=1) as growing, \
-            TorchRunner(model, decoder=True) as checkpoint:
+            TorchRunner(model, graph=GROWING) as checkpoint:
         for case in decode_cases(cfg.vocab_size, MAX_CACHE):
-            got = _decode_logits(static, case.ids, cfg, "fp32", MAX_CACHE)
+            got = decode_logits(static, case.ids, cfg, "fp32", MAX_CACHE)
             assert len(got) == DECODE_STEPS + 1
             for reference in (growing, checkpoint):
-                want = _decode_logits(reference, case.ids, cfg, "fp32")
+                want = decode_logits(reference, case.ids, cfg, "fp32")
                 for step, (a, b) in enumerate(zip(got, want)):
                     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), f"{case.label} step {step}"
 
@@ -112,10 +114,10 @@ def test_verify_covers_the_static_decoders(static_export):
     out, _ = static_export
     report = verify_export(out, threads=1)
     static = {p.candidate: p for p in report.pairs if p.candidate.endswith(".static")}
-    assert set(static) == {artifact_key(v, STATIC) for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
+    assert set(static) == {graph_key(v, STATIC) for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
                            if read_manifest(out).has_artifact(v, STATIC)}
     assert all(p.status == "pass" for p in static.values()) and report.passed
-    steps = {r["input"].rsplit(" ", 2)[-1] for r in static[artifact_key("folded", STATIC)].per_input}
+    steps = {r["input"].rsplit(" ", 2)[-1] for r in static[graph_key("folded", STATIC)].per_input}
     assert steps == {"prompt", *(str(k) for k in range(1, DECODE_STEPS + 1))}
 
 
@@ -125,9 +127,9 @@ def test_verify_covers_the_static_decoders(static_export):
 def test_torch_static_runner_takes_the_argmax_on_the_device_and_matches_the_growing_one(static_export):
     _, model = static_export
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
-    with TorchRunner(model, decoder=True) as growing:
+    with TorchRunner(model, graph=GROWING) as growing:
         expected = generate(growing, prompt, 6, cfg, "fp32")
-    with TorchRunner(model, decoder=STATIC) as runner:
+    with TorchRunner(model, graph=STATIC) as runner:
         assert runner.output_names[-1] == NEXT_TOKEN and CACHE_POSITION in runner.input_names
         got = generate(runner, prompt, 6, cfg, "fp32", cache_len=MAX_CACHE)
         out = runner.run(runner.prepare(prompt_feeds(cfg, prompt, "fp32", MAX_CACHE)))
@@ -142,7 +144,7 @@ def test_runners_never_write_into_the_callers_cache_arrays(static_export):
     out, model = static_export
     cfg = model.cfg
     feeds = prompt_feeds(cfg, _ids(cfg.vocab_size, (1, 5)), "fp32", MAX_CACHE)
-    with TorchRunner(model, decoder=STATIC) as torch_runner, \
+    with TorchRunner(model, graph=STATIC) as torch_runner, \
             OrtRunner(read_manifest(out).artifact("folded", STATIC), threads=1) as ort_runner:
         for runner in (torch_runner, ort_runner):
             runner.infer(feeds)
@@ -169,9 +171,9 @@ def test_torch_graph_bookkeeping_one_graph_serves_every_static_step(static_expor
 
     _, model = static_export
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
-    with TorchRunner(model, decoder=STATIC) as eager:
+    with TorchRunner(model, graph=STATIC) as eager:
         expected = generate(eager, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
-    runner = TorchRunner(model, decoder=STATIC)
+    runner = TorchRunner(model, graph=STATIC)
     runner.cuda_graph = True  # the constructor refuses it off CUDA; the capture below needs no CUDA
 
     def capture(prepared):
@@ -277,7 +279,7 @@ def test_bench_refuses_a_static_cache_the_export_lacks_in_one_line(tiny_export, 
     r = cli("bench", tiny_export, "--mode", "decode", "--kv-cache", "static", "--prompt", "8", "--new-tokens", "2",
             "--report", tmp_path / "r.json")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
-    assert "missing key 'artifacts.baseline.static.path': re-export with --kv-cache static" in r.stderr
+    assert "missing key 'artifacts.baseline.static': re-export with --kv-cache static" in r.stderr
     r = cli("bench", tiny_export, "--kv-cache", "static", "--seq", "8", "--report", tmp_path / "r.json")
     assert r.exit_code == 2 and "--kv-cache chooses the decoders' cache: it needs --mode decode" in r.stderr
 
@@ -314,10 +316,10 @@ def test_a_transformers_model_exports_and_verifies_a_static_decoder(tmp_path):
     from hf_models import tapered_tiny_model
 
     folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "tapered")
-    out = export_checkpoint(folder, tmp_path / "out", ExportOptions(baseline=False, kv_cache=STATIC)).out_dir
+    out = export_checkpoint(folder, tmp_path / "out", ExportOptions(baseline=False, decoders=(STATIC,))).out_dir
     manifest = read_manifest(out)
     assert manifest.has_artifact("folded", STATIC) and not manifest.has_artifact("folded", GROWING)
-    assert manifest.data["static_fold_report"]["summary"]["kept"] == 0
+    assert manifest.report("folded.static", "fold")["summary"]["kept"] == 0
     report = verify_export(out, threads=1)
     static = [p for p in report.pairs if p.candidate.endswith(".static")]
     assert {p.candidate for p in static} == {"unfolded.static", "folded.static"} and report.passed

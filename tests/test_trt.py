@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import HANG_S
 
-from taperfold import trt_build as tftrt
+from taperfold import trt_support
+from taperfold.artifacts import tensorrt_plan as tftrt
 from taperfold.checkpoint import Checkpoint, save_checkpoint
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import PLAN_FILES, read_manifest
+from taperfold.manifest import read_manifest
 from taperfold.models import build_model, preset_config
 
 has_tensorrt_and_gpu = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
@@ -56,7 +57,7 @@ def test_export_trt_without_tensorrt_says_so_and_writes_nothing(tmp_path, ckpt_p
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=HANG_S)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == [f"taperfold: error: {tftrt.NOT_INSTALLED}"]
+    assert lines == [f"taperfold: error: {trt_support.NOT_INSTALLED}"]
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -74,9 +75,9 @@ def test_build_without_tensorrt_raises(no_tensorrt, tmp_path):
 
 def test_tensorrt_without_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
-    monkeypatch.setattr(tftrt, "_gpu", lambda: None)
+    monkeypatch.setattr(trt_support, "gpu", lambda: None)
     with pytest.raises(TaperfoldError, match="^no CUDA GPU found: TensorRT engines need an NVIDIA GPU$"):
-        tftrt.require_tensorrt()
+        trt_support.require_tensorrt()
 
 
 # ---- profile -----------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def _onnx_model():
 def export_dir(tmp_path, monkeypatch):
     import onnx
 
-    monkeypatch.setattr(tftrt, "_gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
+    monkeypatch.setattr(trt_support, "gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
     for name in ("model", "unfolded", "baseline"):
         onnx.save(_onnx_model(), tmp_path / f"{name}.onnx")
     manifest = {"format": "taperfold-export", "format_version": 1, "checkpoint": {"path": "x.pt", "sha256": "0"},
@@ -238,12 +239,15 @@ def test_build_call_sequence(monkeypatch, export_dir, version, flags):
     assert ("add_optimization_profile", ("input_ids", (1, 1), (1, 64), (8, 64))) in trt.calls
     assert (export_dir / "model.plan").read_bytes() == b"PLAN"
     assert (export_dir / "trt.timing-cache").read_bytes() == b"CACHE"
-    engine = manifest["engines"]["folded"]
-    assert engine["tensorrt"] == version and engine["gpu"] == "Fake GPU" and engine["dtype"] == "fp16"
-    assert engine["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
-    assert manifest["artifacts"]["engine"]["path"] == "model.plan"
-    assert json.loads((export_dir / "manifest.json").read_text()) == manifest
-    assert read_manifest(export_dir).engine_plan() == export_dir / "model.plan"
+    engine = manifest.record("folded.plan")
+    assert (engine.kind, engine.path, engine.built_from, engine.precision) == ("tensorrt-plan", "model.plan", "folded",
+                                                                               "fp16")
+    assert engine.details["tensorrt"] == version and engine.details["gpu"] == "Fake GPU"
+    assert engine.details["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
+    written = json.loads((export_dir / "manifest.json").read_text())
+    assert written == manifest.to_json() and written["format_version"] == 2  # a version-1 manifest, rewritten
+    assert "engines" not in written and "engine" not in written["artifacts"]  # recorded once
+    assert read_manifest(export_dir).artifact("folded", kind="tensorrt-plan") == export_dir / "model.plan"
 
 
 def test_tensorrt_11_without_the_deprecated_flag(monkeypatch, export_dir):
@@ -303,21 +307,23 @@ def test_failed_build_leaves_no_plan(monkeypatch, export_dir):
     with pytest.raises(TaperfoldError, match="model.onnx: TensorRT could not build an engine"):
         tftrt.build_engine_for_export(export_dir)
     assert not (export_dir / "model.plan").exists()
-    assert "engines" not in json.loads((export_dir / "manifest.json").read_text())
+    assert "folded.plan" not in json.loads((export_dir / "manifest.json").read_text())["artifacts"]
 
 
 def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3"))
     tftrt.build_engine_for_export(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
     trt = use(monkeypatch, fake_tensorrt("10.13.3"))
-    paths = tftrt.ensure_engines(export_dir, ["baseline", "unfolded", "folded"])
-    assert paths == {v: export_dir / PLAN_FILES[v] for v in ("baseline", "unfolded", "folded")}
+    paths = tftrt.ensure_engines(read_manifest(export_dir), ["baseline", "unfolded", "folded"])
+    assert paths == {v: export_dir / f"{stem}.plan" for v, stem in (("baseline", "baseline"), ("unfolded", "unfolded"),
+                                                                     ("folded", "model"))}
     built = [c[1] for c in trt.calls if c[0] == "parse_from_file"]
     assert built == ["baseline.onnx", "unfolded.onnx"]  # folded was fresh
-    engines = json.loads((export_dir / "manifest.json").read_text())["engines"]
+    artifacts = json.loads((export_dir / "manifest.json").read_text())["artifacts"]
+    engines = {a["variant"]: a for a in artifacts.values() if a["kind"] == "tensorrt-plan"}
     assert {v: e["profile"]["batch"] for v, e in engines.items()} == {v: [1, 2, 4] for v in paths}
     trt = use(monkeypatch, fake_tensorrt("10.14.1"))  # another TensorRT: every engine is stale
-    tftrt.ensure_engines(export_dir, ["folded"])
+    tftrt.ensure_engines(read_manifest(export_dir), ["folded"])
     assert [c[1] for c in trt.calls if c[0] == "parse_from_file"] == ["model.onnx"]
 
 
@@ -325,8 +331,8 @@ def test_unknown_variant_and_missing_engine(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3"))
     with pytest.raises(TaperfoldError, match="no ONNX model for variant 'folded.decoder'"):
         tftrt.build_engine_for_export(export_dir, variants=("folded.decoder",))
-    with pytest.raises(TaperfoldError, match="no TensorRT engine for 'baseline'; build it with"):
-        read_manifest(export_dir).engine_plan("baseline")
+    with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.baseline\.plan'"):
+        read_manifest(export_dir).artifact("baseline", kind="tensorrt-plan")
 
 
 # ---- on a GPU with TensorRT -------------------------------------------------------------------------
@@ -346,7 +352,7 @@ def test_engine_matches_onnxruntime(tmp_path, ckpt_path, cuda_graph):
                            "--json"], capture_output=True, text=True, cwd=REPO, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["artifacts"]["engine"]["path"] == "model.plan"
+    assert manifest["artifacts"]["folded.plan"]["path"] == "model.plan"
     ids = np.random.default_rng(0).integers(0, 256, size=(2, 16), dtype=np.int64)
     ref = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(
         None, {"input_ids": ids})[0]

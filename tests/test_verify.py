@@ -262,7 +262,7 @@ def test_fold_bound_follows_the_exporters_own_distance(tiny_export, tmp_path):
     assert 3e-5 < export.metrics.max_rel < 1e-4 and 1e-5 < fold.metrics.max_rel  # the fixed bound would fail it
     assert report.passed, report.failure_message()
     assert fold.tolerance.rtol == pytest.approx(2 * export.metrics.max_rel)
-    assert "checkpoint -> unfolded" in fold.tolerance.basis and fold.to_dict()["tolerance"]["basis"]
+    assert "checkpoint -> unfolded" in fold.tolerance.basis and fold.to_json()["tolerance"]["basis"]
 
     wrong = _two_graphs(tiny_export, tmp_path / "wrong")
     _scale_weight(tiny_export / "unfolded.onnx", wrong, 1 + 5e-5, _final_norm_gain)
@@ -406,7 +406,7 @@ def test_report_says_which_of_unfolded_and_folded_is_closer_to_the_checkpoint():
 
     assert report(2e-3, 1e-3).closer().startswith("closer to the checkpoint: folded (")
     assert "unfolded (max rel folded 0.0023, unfolded 0.002, ratio 1.15)" in report(2e-3, 2.3e-3).closer()
-    assert report(2e-3, 1e-3).to_dict()["closer"].endswith("ratio 0.50)")
+    assert report(2e-3, 1e-3).to_json()["closer"].endswith("ratio 0.50)")
 
 
 # ---- bounds and devices refused -----------------------------------------------------------------------------

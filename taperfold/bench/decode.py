@@ -21,16 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taperfold.exportdir import (
-    CACHE_POSITION,
-    GROWING,
-    INPUT,
-    NEXT_TOKEN,
-    OUTPUT,
-    STATIC,
-    decoder_io_names,
-    numpy_dtype,
-)
+from taperfold.exportdir import CACHE_POSITION, NEXT_TOKEN, OUTPUT, prompt_feeds, step_feeds
 from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
 
@@ -43,44 +34,11 @@ class Generation:
     last_logits: np.ndarray  # [batch, vocab] of the final step
 
 
-def empty_cache(cfg: ModelConfig, batch: int, dtype: str, cache_len: int | None = None) -> dict[str, np.ndarray]:
-    """The cache before the prompt: past length 0 (growing: the prompt runs through the same decoder graph as every
-    later step), or `cache_len` zeros (static)."""
-    names = [n for n in decoder_io_names(cfg.n_layers)[0] if n != INPUT]
-    shape = (batch, cfg.kv_heads, cache_len or 0, cfg.head_dim)
-    return {name: np.zeros(shape, dtype=numpy_dtype(dtype)) for name in names}
-
-
-def is_static(runner: Runner) -> bool:
-    """Whether `runner` runs a static-cache decoder (it takes `cache_position`)."""
-    return CACHE_POSITION in runner.input_names
-
-
-def prompt_feeds(cfg: ModelConfig, ids: np.ndarray, dtype: str, cache_len: int | None = None) -> dict:
-    """The feeds of the prompt call: an empty growing cache, or (with `cache_len`) a static one and the prompt's
-    positions."""
-    feeds = {INPUT: ids, **empty_cache(cfg, ids.shape[0], dtype, cache_len)}
-    if cache_len is not None:
-        feeds[CACHE_POSITION] = np.arange(ids.shape[1], dtype=np.int64)
-    return feeds
-
-
-def step_feeds(cfg: ModelConfig, tokens, previous: dict, position: int, static: bool) -> dict:
-    """The feeds of one step: `tokens` ([batch, 1], host or the runner's own), the presents of the `previous` call as
-    the past, and for a static cache the step's `position`."""
-    inputs, outputs = decoder_io_names(cfg.n_layers, STATIC if static else GROWING)
-    cache_inputs = [n for n in inputs if n not in (INPUT, CACHE_POSITION)]
-    feeds = {INPUT: tokens, **{past: previous[present] for past, present in zip(cache_inputs, outputs[1:])}}
-    if static:
-        feeds[CACHE_POSITION] = np.array([position], dtype=np.int64)
-    return feeds
-
-
 def generate(
     runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str, cache_len: int | None = None
 ) -> Generation:
     """A prompt and `steps` greedy steps; `cache_len`: the static cache's length, for a runner of a static decoder."""
-    static = is_static(runner)
+    static = CACHE_POSITION in runner.input_names
     if static != (cache_len is not None):
         raise ValueError("a static decoder needs cache_len (and a growing one takes none)")
     on_device = NEXT_TOKEN in runner.output_names

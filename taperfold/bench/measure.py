@@ -15,7 +15,7 @@ from taperfold.bench.harness import Job, Schedule, run_rounds
 from taperfold.bench.report import FORMAT, FORMAT_VERSION
 from taperfold.bench.source import Source
 from taperfold.bench.stats import summarize
-from taperfold.engines import ENGINES, GRAPHS, Engine, check_options, engine, open_runners
+from taperfold.engines import ENGINES, Engine, check_options, engine, open_runners
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.export import MAX_EXPORT_BATCH
@@ -26,9 +26,11 @@ from taperfold.exportdir import (
     GROWING,
     INPUT,
     KV_CACHES,
+    PREFILL,
     STATIC,
     VARIANTS,
-    artifact_key,
+    Graph,
+    graph_key,
     torch_dtype,
 )
 from taperfold.models import ModelConfig
@@ -55,6 +57,9 @@ def cv_threshold_pct(device: str) -> float:
 DEFAULT_SEQS = (128, 256, 512)  # prefill lengths, and the decode prompt, when none is given: capped to the context
 DEFAULT_PROMPT = 128
 MAX_BATCH = MAX_EXPORT_BATCH
+# The choice an option leaves to bench when the user makes none: --kv-cache (static where the export, or for torch the
+# model, has static decoders) and --fuse-projections (as the export in DIR did; unfused for a checkpoint or preset)
+AUTO = "auto"
 
 
 @dataclass
@@ -69,13 +74,13 @@ class BenchOptions:
     mode: str = "prefill"  # prefill | decode
     prompt: int = DEFAULT_PROMPT  # decode: prompt length
     new_tokens: int = 32  # decode: decode steps after the prompt
-    kv_cache: str | None = None  # decode: "static" | "growing"; None: static where the export (torch: the model) has it
+    kv_cache: str = AUTO  # decode: "static" | "growing" | AUTO
     dtype: str | None = None  # None: fp32 for torch, the export's dtype for ort / trt
     device: str = "cpu"
     threads: int | None = None  # None: torch's default (the physical cores), used for every engine
     engine_options: dict = field(default_factory=dict)  # runner keyword options the user set (engines.Option)
     seed: int = 0
-    fuse_projections: bool | None = None  # torch: sibling projections as one layer; None: as the export did (else no)
+    fuse_projections: bool | str = AUTO  # torch: sibling projections as one layer (True | False | AUTO)
 
     @property
     def schedule(self) -> Schedule:
@@ -123,14 +128,14 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
     what = f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens}" if opts.mode == "decode" else f"--seq {longest}"
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
-    if opts.mode == "decode" and engine(opts.engine).runs == GRAPHS and dtype == "bf16":
+    if opts.mode == "decode" and not engine(opts.engine).runs_models and dtype == "bf16":
         raise TaperfoldError(
             "--mode decode with a bf16 export: numpy has no bfloat16 to feed the KV cache; "
             "use --engine torch --dtype bf16"
         )
 
 
-def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[str, int | None]:
+def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[Graph, int | None]:
     """The decoders' KV cache (--kv-cache; else static where the export has static decoders of every variant, or,
     for torch, where the source is taperfold's own model) and the static cache's length (the export's --max-cache,
     else the context; None for a growing cache). A torch model that takes no static cache is refused by its runner."""
@@ -148,19 +153,20 @@ def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[st
 def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> int | None:
     """The static cache's length when decode runs one (see decode_cache), else None (a growing cache)."""
     manifest = source.manifest
-    if opts.kv_cache is not None and opts.kv_cache not in KV_CACHES:
+    if opts.kv_cache != AUTO and opts.kv_cache not in KV_CACHES:
         raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
     exported_static = manifest is not None and all(manifest.has_artifact(v, STATIC) for v in opts.variants)
-    has_static = exported_static or (chosen.runs != GRAPHS and isinstance(source.config, ModelConfig))
-    if (opts.kv_cache or (STATIC if has_static else GROWING)) == GROWING:
+    has_static = exported_static or (chosen.runs_models and isinstance(source.config, ModelConfig))
+    cache = (STATIC if has_static else GROWING) if opts.kv_cache == AUTO else opts.kv_cache
+    if cache == GROWING:
         return None
     return manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
 
 
-def _check_exported(manifest, variants: list[str], decoder: bool | str) -> None:
+def _check_exported(manifest, variants: list[str], graph: Graph) -> None:
     """A plain model's export has its baseline only: asking for anything else is one line saying what it can time.
     (Other missing graphs are named by `Manifest.artifact` when the runners open.)"""
-    present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, decoder=decoder)]
+    present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, graph)]
     missing = [v for v in variants if v not in present]
     if missing and present and set(present) <= {BASELINE, DECOMPOSED_BASELINE}:
         raise TaperfoldError(
@@ -178,7 +184,7 @@ class LoadedBench:
     dtype: str
     threads: int
     runners: dict[str, Runner]
-    cache: str | None = None  # decode: the decoders' KV cache (GROWING | STATIC)
+    cache: Graph | None = None  # decode: the decoders' KV cache (GROWING | STATIC)
     cache_len: int | None = None  # a static cache's length
     fused_projections: bool = False  # the variants run sibling projections (q/k/v, gate/up) as one
     projection_groups: dict[str, int] = field(default_factory=dict)  # per variant: the sibling groups fused
@@ -189,15 +195,15 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     """Check the options against the model, fix the thread count, and load every variant up front."""
     chosen = engine(opts.engine)
     # graph engines run the dtype the graphs were exported in; torch builds fp32 unless told
-    exported = source.manifest.dtype if chosen.runs == GRAPHS and source.manifest else "fp32"
+    exported = source.manifest.dtype if not chosen.runs_models and source.manifest else "fp32"
     dtype = opts.dtype or exported
     _check(opts, source.config, dtype)
-    if opts.kv_cache is not None and opts.mode != "decode":
+    if opts.kv_cache != AUTO and opts.mode != "decode":
         raise TaperfoldError("--kv-cache chooses the decoders' cache: it needs --mode decode")
     cache, cache_len = decode_cache(chosen, source, opts) if opts.mode == "decode" else (None, None)
-    decoder = cache or False
-    if chosen.runs == GRAPHS and source.manifest:
-        _check_exported(source.manifest, opts.variants, decoder=decoder)
+    graph = cache or PREFILL
+    if not chosen.runs_models and source.manifest:
+        _check_exported(source.manifest, opts.variants, graph)
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     fused = fused_projections(chosen, source, opts.fuse_projections)
@@ -205,7 +211,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         chosen,
         source,
         opts.variants,
-        decoder=decoder,
+        graph=graph,
         device=opts.device,
         dtype=dtype,
         threads=threads,
@@ -237,7 +243,7 @@ def execution_of(runner: Runner) -> str:
     return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
 
 
-def fused_projections(engine: Engine, source: Source, asked: bool | None) -> bool:
+def fused_projections(engine: Engine, source: Source, asked: bool | str = AUTO) -> bool:
     """Whether the variants bench times run each group of sibling projections (q/k/v, gate/up) as one layer.
 
     Exported graphs run as export wrote them (`export --no-fuse-projections` is the switch there); a
@@ -247,8 +253,8 @@ def fused_projections(engine: Engine, source: Source, asked: bool | None) -> boo
     checkpoint or preset has no export to match and runs its layers as the model defines them (unfused)."""
     manifest = source.manifest
     exported = manifest is not None and manifest.fused_projections
-    if engine.runs == GRAPHS:  # (without an export, make_runners says that this engine needs one)
-        if manifest is not None and asked is not None and asked != exported:
+    if not engine.runs_models:  # (without an export, make_runners says that this engine needs one)
+        if manifest is not None and asked != AUTO and asked != exported:
             raise TaperfoldError(
                 f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
                 f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
@@ -256,7 +262,7 @@ def fused_projections(engine: Engine, source: Source, asked: bool | None) -> boo
                 "--no-fuse-projections, or time --engine torch"
             )
         return exported
-    return exported if asked is None else asked
+    return exported if asked == AUTO else bool(asked)
 
 
 def make_runners(
@@ -264,7 +270,7 @@ def make_runners(
     source: Source,
     variants: list[str],
     *,
-    decoder: bool | str,
+    graph: Graph,
     device: str,
     dtype: str,
     threads: int,
@@ -272,16 +278,16 @@ def make_runners(
     shapes: int | None = None,
     fuse_projections: bool = False,
 ) -> tuple[dict[str, Runner], dict[str, int]]:
-    """One runner per variant (not loaded yet) of the prefill graph or `decoder` (True / "growing", "static"). With
+    """One runner per variant (not loaded yet) of `graph` (prefill, or a decoder). With
     `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
     `runner_label(variant, "cuda-graph")`), measured side by side. Also each variant's fused projection groups:
     counted in the torch models (built with `fuse_projections`), read from the manifest for exported graphs."""
     check_options(engine, options, device)
     engine.require(device)
-    if decoder and not engine.decodes:
+    if graph != PREFILL and not engine.decodes:
         others = " or ".join(f"--engine {e}" for e, spec in ENGINES.items() if spec.decodes)
         raise TaperfoldError(f"--mode decode: {engine.title} runs no KV-cached decoders; use {others}")
-    if engine.runs == GRAPHS:
+    if not engine.runs_models:
         if source.manifest is None:
             raise TaperfoldError(
                 f"--engine {engine.name} runs exported graphs: give an export directory (DIR), "
@@ -292,34 +298,37 @@ def make_runners(
                 f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
                 f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}"
             )
-        targets = engine.files(source.manifest, variants, decoder)
-        groups = {name: _exported_groups(source.manifest, name, decoder) for name in targets}
+        targets = engine.files(source.manifest, variants, graph)
+        groups = {name: _exported_groups(source.manifest, name, graph) for name in targets}
     else:
         targets = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
         groups = {name: fused_group_count(model) for name, model in targets.items()}
-    kinds = [False, True] if options.get("cuda_graph") else [False]
+    replays = [False, True] if options.get("cuda_graph") else [False]
     runners = {}
     for name, target in targets.items():
-        for graph in kinds:
-            kind = {**options, "cuda_graph": True} if graph else {k: v for k, v in options.items() if k != "cuda_graph"}
+        for replay in replays:
+            kind = (
+                {**options, "cuda_graph": True} if replay else {k: v for k, v in options.items() if k != "cuda_graph"}
+            )
             runner = engine.runner(
                 target,
                 device=device,
                 threads=threads,
-                decoder=decoder,
+                graph=graph,
                 logits=source.logits,
                 name=f"{name} ({source.label})",
                 shapes=shapes,
                 **kind,
             )
-            runners[runner_label(name, "cuda-graph" if graph else "eager")] = runner
+            runners[runner_label(name, "cuda-graph" if replay else "eager")] = runner
     return runners, groups
 
 
-def _exported_groups(manifest, variant: str, decoder: bool | str) -> int:
+def _exported_groups(manifest, variant: str, graph: Graph) -> int:
     """The projection groups export fused in `variant`'s graph (artifacts.<key>.projections; 0 where none)."""
-    key = artifact_key(variant, decoder)
-    projections = (manifest.artifacts.get(key) or {}).get("projections")
+    key = graph_key(variant, graph)
+    record = manifest.find(variant, graph)
+    projections = record.details.get("projections") if record is not None else None
     if not projections:
         return 0
     summary = projections.get("summary") if isinstance(projections, dict) else None
@@ -343,7 +352,7 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         marks = {name: len(getattr(r, "setup_log", ())) for name, r in runners.items()}
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
-            kv_dtype = bench.dtype if engine(opts.engine).runs == GRAPHS else "fp32"
+            kv_dtype = bench.dtype if not engine(opts.engine).runs_models else "fp32"
             jobs = {
                 name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
                 for name, r in runners.items()

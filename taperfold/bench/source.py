@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import Manifest, read_manifest
+from taperfold.manifest import Manifest, read_manifest
 from taperfold.sources import ModelSource, open_source
 
 

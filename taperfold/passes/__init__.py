@@ -46,9 +46,26 @@ __all__ = [
     "detect_norms",
     "fold_model",
     "fold_onnx_file",
+    "fold_passes",
     "load_model",
     "save_model",
 ]
+
+
+def fold_passes(report: FoldReport, merge_norm_weights: bool = False) -> list[ir.passes.PassBase]:
+    """The fold as a list of passes, ending with the cleanup (which holds the model to the checker's verdict on it as
+    given, `report.check_input`): forwards into readers and embedding, then backwards into producers; with
+    `merge_norm_weights`, real norms' gains moved into their readers too. Pipelines put later passes behind these."""
+    passes: list[ir.passes.PassBase] = [
+        FoldConstantsPass(report),
+        ObserveNormsPass(report),
+        FoldIntoReadersPass(report),
+        FoldIntoEmbeddingPass(report),
+        FoldIntoProducerPass(report),
+    ]
+    if merge_norm_weights:
+        passes.append(MergeNormWeightsPass(report))
+    return [*passes, CleanupPass(report, input_check=report.check_input)]
 
 
 def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projections: bool = False) -> FoldReport:
@@ -59,19 +76,11 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projectio
     that read one tensor then become one (`report.projections` says which).
     """
     report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
-    passes = [
-        FoldConstantsPass(report),
-        ObserveNormsPass(report),
-        FoldIntoReadersPass(report),
-        FoldIntoEmbeddingPass(report),
-        FoldIntoProducerPass(report),
-    ]
-    if merge_norm_weights:
-        passes.append(MergeNormWeightsPass(report))
+    passes = fold_passes(report, merge_norm_weights)
     if fuse_projections:
         report.projections = ProjectionReport()
-        passes.append(FuseProjectionsPass(report.projections))
-    ir.passes.PassManager([*passes, CleanupPass(report, input_check=report.check_input)])(model)
+        passes.insert(-1, FuseProjectionsPass(report.projections))
+    ir.passes.PassManager(passes)(model)
     return report
 
 

@@ -419,7 +419,7 @@ def _type_of(value) -> str:
 
 
 def open_runner(
-    path, *, device, threads, decoder, logits, name, shapes=None, optimization="all", cuda_graph=False
+    path, *, device, threads, graph, logits, name, shapes=None, optimization="all", cuda_graph=False
 ) -> OrtRunner:
     return OrtRunner(path, device=device, threads=threads, optimization=optimization, cuda_graph=cuda_graph)
 
@@ -437,7 +437,3 @@ def unavailable(device: str) -> str | None:
     if not torch.cuda.is_available():
         return "--device cuda: no CUDA device on this machine (torch sees none)"
     return None
-
-
-def files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
-    return {v: manifest.artifact(v, decoder=decoder) for v in variants}

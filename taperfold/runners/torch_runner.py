@@ -2,9 +2,9 @@
 
 Three input/output layouts, so that one benchmark loop drives torch and ONNX Runtime alike:
 - full forward: `input_ids` → `logits`;
-- growing-cache decoder (`decoder=True`): the names of the exported KV-cached decoders, `input_ids` and
+- growing-cache decoder (`graph="growing"`): the names of the exported KV-cached decoders, `input_ids` and
   `past_key_values.{i}.key|value` → `logits` and `present.{i}.key|value` (see taperfold.exportdir);
-- static-cache decoder (`decoder="static"`): also `cache_position`; the model writes the new keys and values into
+- static-cache decoder (`graph="static"`): also `cache_position`; the model writes the new keys and values into
   the fed cache buffers in place and returns those same tensors as present (so a step feeds back its presents
   without a copy and every step has the same shapes), and `next_token`: the greedy token, taken on the device.
 
@@ -38,7 +38,18 @@ import torch
 
 from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
-from taperfold.exportdir import CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, OUTPUT, STATIC, cache_of, decoder_io_names
+from taperfold.exportdir import (
+    CACHE_POSITION,
+    GROWING,
+    INPUT,
+    NEXT_TOKEN,
+    OUTPUT,
+    PREFILL,
+    STATIC,
+    Graph,
+    check_graph,
+    decoder_io_names,
+)
 from taperfold.runners.base import CudaEventClock, InputSpec, Runner, WallClock
 from taperfold.taper import TaperedLM
 
@@ -91,7 +102,7 @@ class TorchRunner(Runner):
         model: TaperedLM,
         device: str = "cpu",
         compile: bool = False,
-        decoder: bool | str = False,
+        graph: Graph = PREFILL,
         logits: str = "last",
         name: str = "torch model",
         compile_mode: str = "default",
@@ -105,9 +116,8 @@ class TorchRunner(Runner):
             raise self.error("CUDA graphs need a CUDA device (--cuda-graph needs --device cuda)")
         if cuda_graph and compile:
             raise self.error("choose torch.compile or CUDA graphs, not both")
-        self.model, self.compile, self.decoder, self.logits = model, compile, decoder, logits
-        self.cache = cache_of(decoder)
-        if self.cache == STATIC and not model.static_cache:
+        self.model, self.compile, self.graph, self.logits = model, compile, check_graph(graph), logits
+        if graph == STATIC and not model.static_cache:
             raise self.error(
                 "this model takes no static KV cache (its transformers cache has sliding-window layers); "
                 "use --kv-cache growing"
@@ -116,11 +126,11 @@ class TorchRunner(Runner):
         self._outputs_in_graph_pool = (
             compile and compile_mode in ("reduce-overhead", "max-autotune") and self.device.startswith("cuda")
         )
-        if decoder:
-            self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers, decoder)
-        else:
+        if graph == PREFILL:
             self._inputs, self._outputs = [INPUT], [OUTPUT]
-        if self.cache == STATIC:
+        else:
+            self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers, graph)
+        if graph == STATIC:
             self._outputs.append(NEXT_TOKEN)
         self._specs = {n: InputSpec(rank=4, floating=True) for n in self._inputs}
         self._specs[INPUT] = InputSpec(rank=2, floating=False)
@@ -148,7 +158,7 @@ class TorchRunner(Runner):
                 own_forward(self.model),
                 mode=None if self.compile_mode == "default" else self.compile_mode,
                 fullgraph=True,
-                dynamic=None if self.cache == GROWING else False,
+                dynamic=None if self.graph == GROWING else False,
             )
 
     # ---- running ----
@@ -159,7 +169,7 @@ class TorchRunner(Runner):
         dtype = next(self.model.parameters()).dtype
         out = {}
         for name, value in feeds.items():
-            if isinstance(value, np.ndarray) and self.cache == STATIC:
+            if isinstance(value, np.ndarray) and self.graph == STATIC:
                 value = np.array(value)  # the model writes into its cache: never into the caller's arrays
             t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
             if t.is_floating_point():
@@ -177,11 +187,11 @@ class TorchRunner(Runner):
 
     def _forward(self, prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
-            if not self.decoder:
+            if self.graph == PREFILL:
                 return {OUTPUT: self._module(prepared[INPUT], logits=self.logits)}
             cache_names = [n for n in self._inputs if n not in (INPUT, CACHE_POSITION)]  # key, value per layer
             past = [(prepared[k], prepared[v]) for k, v in zip(cache_names[::2], cache_names[1::2])]
-            if self.cache == STATIC:
+            if self.graph == STATIC:
                 logits, present = self._module(
                     prepared[INPUT],
                     logits="last",
@@ -291,7 +301,7 @@ def open_runner(
     *,
     device,
     threads,
-    decoder,
+    graph,
     logits,
     name,
     shapes=None,
@@ -306,7 +316,7 @@ def open_runner(
         compile_mode=compile_mode,
         cuda_graph=cuda_graph,
         shapes=shapes,
-        decoder=decoder,
+        graph=graph,
         logits=logits,
         name=name or "torch model",
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from taperfold import trt_support
 from taperfold.errors import TaperfoldError
 from taperfold.runners.base import CudaEventClock, InputSpec, Runner
 
@@ -43,12 +44,10 @@ class TrtRunner(Runner):
     name = "trt"
 
     def __init__(self, plan_path, device: str = "cuda", cuda_graph: bool = False):
-        from taperfold.trt_build import require_tensorrt
-
         super().__init__(str(plan_path), device)
         if not str(device).startswith("cuda"):
             raise TaperfoldError(f"TensorRT runs on CUDA devices only, got device {device!r}")
-        self._trt = require_tensorrt()  # the same one-line error as `export --trt` when it is missing
+        self._trt = trt_support.require_tensorrt()  # the same one-line error as `export --trt` when it is missing
         self.plan_path = Path(plan_path)
         self.cuda_graph = cuda_graph
         self._engine = None
@@ -191,28 +190,9 @@ class TrtRunner(Runner):
 # ---- the engine (taperfold.engines' "trt" row) ---------------------------------------------------------------
 
 
-def open_runner(path, *, device, threads, decoder, logits, name, shapes=None, cuda_graph=False) -> TrtRunner:
+def open_runner(path, *, device, threads, graph, logits, name, shapes=None, cuda_graph=False) -> TrtRunner:
     return TrtRunner(path, device=device, cuda_graph=cuda_graph)
 
 
 def unavailable(device: str) -> str | None:
-    from taperfold.trt_build import require_tensorrt
-
-    try:
-        require_tensorrt()
-    except TaperfoldError as e:
-        return str(e)
-    return None
-
-
-def files(manifest, variants: list[str], decoder: bool) -> dict[str, Path]:
-    """Engines of `variants`, built from their ONNX graphs when missing or stale."""
-    from taperfold.exportdir import VARIANTS_BY_NAME
-    from taperfold.trt_build import ensure_engines
-
-    for variant in variants:
-        if not VARIANTS_BY_NAME[variant].exported:
-            raise TaperfoldError(f"--engine trt builds no engine for the reference variant {variant!r}")
-    for variant in variants:  # the engines are built from these: name a missing one
-        manifest.artifact(variant)
-    return ensure_engines(manifest.directory, variants)
+    return trt_support.unavailable()

@@ -1,5 +1,6 @@
-"""TensorRT engines from an export folder: `model.plan` (folded) and, for the benchmark, `baseline.plan`
-and `unfolded.plan`, with one optimization profile for `input_ids` [batch, sequence].
+"""TensorRT engines (kind `tensorrt-plan`), built from an export's ONNX graphs: `model.plan` (folded) and, for the
+benchmark, `baseline.plan` and `unfolded.plan`, with one optimization profile for `input_ids` [batch, sequence].
+Recorded as artifacts `VARIANT.plan` (built_from: the graph's key); verify holds each to the checkpoint.
 
 Works with TensorRT 10.x and 11.x. TensorRT 11 networks are always strongly typed (its FP16/BF16 builder
 flags are gone); on 10.x the network is created with the STRONGLY_TYPED flag so both behave alike: the
@@ -13,15 +14,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
+from taperfold import trt_support
+from taperfold.artifacts import ONNX, TENSORRT_PLAN, register_kind
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Field
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import ENGINE_ARTIFACT, FOLDED, INPUT, PLAN_FILES, Manifest, canonical_variant, read_manifest
+from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path
+from taperfold.manifest import Manifest, read_manifest
 from taperfold.onnx_files import check_onnx_file
 from taperfold.opsets import TRT_MIN_VERSION
 
-NOT_INSTALLED = "tensorrt is not installed: pip install 'taperfold[trt]' on a machine with an NVIDIA GPU"
-NO_GPU = "no CUDA GPU found: TensorRT engines need an NVIDIA GPU"
 TIMING_CACHE = "trt.timing-cache"
 
 
@@ -79,33 +84,6 @@ def make_profile(max_seq_len: int, batch=None, sequence=None) -> Profile:
 # ---- environment -------------------------------------------------------------------------------------
 
 
-def _gpu() -> dict | None:
-    """Name and compute capability of CUDA device 0, or None. torch's view is the one that counts:
-    TrtRunner's buffers are torch CUDA tensors, so the TensorRT path needs a CUDA build of torch anyway."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}"}
-
-
-def _import_tensorrt():
-    try:
-        import tensorrt
-    except (ImportError, OSError):  # OSError: wheel present, its CUDA libraries not
-        raise TaperfoldError(NOT_INSTALLED) from None
-    return tensorrt
-
-
-def require_tensorrt():
-    """The `tensorrt` module, or a one-line TaperfoldError saying what is missing and how to get it."""
-    trt = _import_tensorrt()
-    if _gpu() is None:
-        raise TaperfoldError(NO_GPU)
-    return trt
-
-
 def _major(trt) -> int:
     return int(trt.__version__.split(".")[0])
 
@@ -161,7 +139,7 @@ def build_engine(
 ) -> dict:
     """Parse `onnx_path` (its external data is found beside it), build, write `plan_path` atomically.
     Returns the engine's metadata for the manifest."""
-    trt = require_tensorrt()
+    trt = trt_support.require_tensorrt()
     onnx_path, plan_path = Path(onnx_path), Path(plan_path)
     timing_cache = Path(timing_cache) if timing_cache is not None else None
     check_onnx_file(onnx_path)  # the parser reads external data wherever a location points: only beside the model
@@ -195,7 +173,7 @@ def build_engine(
         "onnx": onnx_path.name,
         "bytes": plan_path.stat().st_size,
         "tensorrt": trt.__version__,
-        **_gpu(),
+        **(trt_support.gpu() or {}),
         "strongly_typed": True,
         "profile": profile.to_dict(),
         "build_seconds": round(seconds, 3),
@@ -206,86 +184,133 @@ def build_engine(
 def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
     """The given profile, else the one earlier engines in this folder used (so that every variant the
     benchmark compares was built for the same shapes), else the defaults."""
-    max_seq_len = manifest.data["config"]["max_seq_len"]
+    max_seq_len = manifest.config_data["max_seq_len"]
     if profile is None:
-        earlier = [e["profile"] for e in manifest.engines.values()]
+        earlier = [r.details["profile"] for r in manifest.records(TENSORRT_PLAN) if "profile" in r.details]
         profile = Profile.from_dict(earlier[0]) if earlier else make_profile(max_seq_len)
     if profile.sequence[2] > max_seq_len:
         raise TaperfoldError(f"sequence: max {profile.sequence[2]} exceeds the model's max_seq_len {max_seq_len}")
     return profile
 
 
+class TensorrtPlan(ArtifactKind):
+    name = TENSORRT_PLAN
+    title = "TensorRT engine"
+    built_from = ONNX
+    verified = LOGITS
+    suffix = "plan"
+    fields = MappingProxyType(
+        {
+            "onnx": Field((str,), help="the ONNX graph it was built from"),
+            "tensorrt": Field(
+                (str,), required=True, help="the TensorRT version that built it (a plan runs on no other)"
+            ),
+            "gpu": Field((str,), help="the GPU it was built on"),
+            "compute_capability": Field((str,)),
+            "strongly_typed": Field((bool,), help="the ONNX dtype decides each layer's precision"),
+            "profile": Field((dict,), required=True, help="the optimization profile of input_ids (Profile.to_dict)"),
+            "build_seconds": Field((int, float)),
+            "timing_cache": Field((str, type(None)), help="the timing cache file the builds in this folder share"),
+        }
+    )
+
+    def build(self, manifest: Manifest, **options: Any) -> list[ArtifactRecord]:
+        """Engines of `variants` (default: folded) for `profile` (default: the folder's earlier engines', else
+        make_profile's), one timing cache (`trt.timing-cache`) shared by all builds in the folder."""
+        variants = [ALIASES.get(v, v) for v in options.get("variants", (FOLDED,))]
+        profile = options.get("profile")
+        if profile is None and (options.get("batch") or options.get("sequence")):
+            profile = make_profile(manifest.config_data["max_seq_len"], options.get("batch"), options.get("sequence"))
+        profile = _resolve_profile(manifest, profile)
+        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+        records = []
+        for variant in variants:
+            graph = manifest.find(variant, PREFILL, ONNX) if variant in VARIANTS_BY_NAME else None
+            if graph is None or not VARIANTS_BY_NAME[variant].exported:
+                known = ", ".join(r.variant or "" for r in manifest.records(ONNX) if r.graph == PREFILL)
+                raise TaperfoldError(
+                    f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be built for: {known})"
+                )
+            plan = f"{VARIANTS_BY_NAME[variant].stem}.plan"
+            info = build_engine(
+                manifest.file(graph),
+                manifest.directory / plan,
+                profile,
+                timing_cache=manifest.directory / TIMING_CACHE,
+                on_stage=on_stage,
+            )
+            records.append(
+                ArtifactRecord(
+                    key=self.key(variant, PREFILL),
+                    kind=self.name,
+                    path=info.pop("path"),
+                    variant=variant,
+                    graph=PREFILL,
+                    precision=graph.precision,
+                    bytes=info.pop("bytes"),
+                    built_from=graph.key,
+                    details=info,
+                )
+            )
+        return records
+
+    def check_request(self, options: dict[str, Any]) -> None:
+        """`export --trt-batch/--trt-seq`: three integers each, checked before the export starts."""
+        for what in ("batch", "sequence"):
+            if options.get(what) is not None:
+                _triple(options[what], what)
+
+    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
+        """The engines of `variants`, built from their ONNX graphs when missing or stale."""
+        if graph != PREFILL:
+            raise TaperfoldError(f"TensorRT engines are built for prefill graphs only, not {graph} decoders")
+        for variant in variants:
+            if not VARIANTS_BY_NAME[variant].exported:
+                raise TaperfoldError(f"--engine trt builds no engine for the reference variant {variant!r}")
+        for variant in variants:  # the engines are built from these: name a missing one
+            manifest.artifact(variant)
+        return ensure_engines(manifest, variants)
+
+    def is_fresh(self, manifest: Manifest, record: ArtifactRecord, profile: Profile, version: str) -> bool:
+        """Whether `record`'s engine can be run as it is: its file is there, built by this TensorRT for `profile`."""
+        return (
+            (manifest.directory / record.path).is_file()
+            and record.details.get("tensorrt") == version
+            and record.details.get("profile") == profile.to_dict()
+        )
+
+
+TENSORRT = TensorrtPlan()
+register_kind(TENSORRT)
+
+
 def build_engine_for_export(
     out_dir, variants=(FOLDED,), profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
-) -> dict:
-    """Build the engines of `variants` from an export folder, record them in manifest.json and return its data.
-
-    `manifest["engines"][variant]` holds each engine's metadata; `manifest["artifacts"]["engine"]` points at
-    model.plan (the folded model), as the other artifacts point at their ONNX files. One timing cache file
-    (`trt.timing-cache`) is shared by all builds in the folder.
-    """
-    require_tensorrt()
+) -> Manifest:
+    """Build the engines of `variants` from an export folder, record them in its manifest.json (artifacts
+    `VARIANT.plan`) and return the manifest."""
+    trt_support.require_tensorrt()
     manifest = read_manifest(out_dir)
-    return _build_engines(manifest, variants, _resolve_profile(manifest, profile), on_stage)
-
-
-def _build_engines(manifest: Manifest, variants, profile: Profile, on_stage: Callable[[str], None]) -> dict:
-    """build_engine_for_export's work, on a manifest already read and a profile already resolved."""
-    out_dir = manifest.directory
-    engines = dict(manifest.engines)
-    for variant in variants:
-        if variant not in PLAN_FILES or not manifest.has_artifact(variant):
-            known = ", ".join(v for v in PLAN_FILES if manifest.has_artifact(v))
-            raise TaperfoldError(
-                f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be built for: {known})"
-            )
-        engines[variant] = build_engine(
-            manifest.artifact(variant),
-            out_dir / PLAN_FILES[variant],
-            profile,
-            timing_cache=out_dir / TIMING_CACHE,
-            on_stage=on_stage,
-        )
-        engines[variant]["dtype"] = manifest.dtype
-    manifest.data["engines"] = engines
-    if FOLDED in engines:
-        manifest.artifacts[ENGINE_ARTIFACT] = {
-            "path": engines[FOLDED]["path"],
-            "bytes": engines[FOLDED]["bytes"],
-            "external_data": None,
-            "external_data_bytes": 0,
-            "variant": FOLDED,
-            "format": "tensorrt-plan",
-        }
-    manifest.write()
-    return manifest.data
+    manifest.build(TENSORRT_PLAN, variants=variants, profile=profile, on_stage=on_stage)
+    return manifest
 
 
 # ---- engines for bench and verify --------------------------------------------------------------------
 
 
 def ensure_engines(
-    out_dir, variants, profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
+    manifest: Manifest, variants, profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
 ) -> dict[str, Path]:
-    """Paths of the engines of `variants`, building those that are missing or stale (another TensorRT
-    version or another profile than asked for)."""
-    trt = require_tensorrt()
-    out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
+    """Paths of the engines of `variants`, building (and recording) those that are missing or stale (another
+    TensorRT version or another profile than asked for)."""
+    trt = trt_support.require_tensorrt()
     profile = _resolve_profile(manifest, profile)
-    engines = manifest.engines
     variants = [canonical_variant(v) for v in variants]
-
-    def fresh(v):
-        e = engines.get(v)
-        return (
-            e is not None
-            and (out_dir / e["path"]).is_file()
-            and e["tensorrt"] == trt.__version__
-            and e["profile"] == profile.to_dict()
-        )
-
-    stale = [v for v in variants if not fresh(v)]
+    stale = []
+    for variant in variants:
+        record = manifest.find(variant, PREFILL, TENSORRT_PLAN)
+        if record is None or not TENSORRT.is_fresh(manifest, record, profile, trt.__version__):
+            stale.append(variant)
     if stale:
-        _build_engines(manifest, stale, profile, on_stage)
-    return {v: out_dir / PLAN_FILES[v] for v in variants}
+        manifest.build(TENSORRT_PLAN, variants=stale, profile=profile, on_stage=on_stage)
+    return {v: manifest.artifact(v, PREFILL, TENSORRT_PLAN) for v in variants}

@@ -1,0 +1,218 @@
+"""What an artifact kind is, and the manifest entry every artifact has.
+
+An artifact is one output of an export directory: an ONNX graph of a variant, the TensorRT engine built from one,
+and whatever a later stage or a plug-in adds. Each kind says
+
+- what it is built from (`built_from`: the torch variants, the export as a whole, or another kind's artifacts),
+- how it is written (`build`, atomically, into the export directory; the ONNX graphs are written by export itself),
+- what it records in the manifest (`fields`: its own keys beside the ones every artifact has, ArtifactRecord),
+- how it is verified (`verified`: LOGITS, run by an engine and held to its variant's torch model, or CHECKED by
+  its own `check`),
+- which engines run it (the engines whose `runs` names it: taperfold.engines).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from taperfold.errors import TaperfoldError
+from taperfold.exportdir import PREFILL, Graph, graph_key
+
+if TYPE_CHECKING:
+    from taperfold.manifest import Manifest
+
+# What a kind is built from, besides another kind's artifacts (named by that kind's name)
+TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself
+EXPORT = "export"  # the export directory as a whole (its manifest): one artifact per export
+# How a kind is verified
+LOGITS = "logits"  # an engine runs it; verify holds its logits to its variant's torch model
+CHECKED = "checked"  # the kind's own `check` (a file no engine runs: a model card, a weights file)
+
+# Keys every manifest entry has; a kind's own fields may not reuse them
+COMMON_KEYS = (
+    "kind",
+    "path",
+    "variant",
+    "graph",
+    "precision",
+    "bytes",
+    "external_data",
+    "external_data_bytes",
+    "built_from",
+    "reports",
+)
+_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a kind's own in its manifest entries: the JSON types it takes, and whether every entry has it."""
+
+    types: tuple[type, ...]
+    required: bool = False
+    help: str = ""
+
+    def accepts(self, value: Any) -> bool:
+        if isinstance(value, bool) and bool not in self.types:  # JSON true is no number
+            return False
+        return isinstance(value, self.types)
+
+
+@dataclass
+class ArtifactRecord:
+    """One entry of manifest.json's `artifacts`, keyed by `key`."""
+
+    key: str
+    kind: str
+    path: str  # relative to the export directory (taperfold.manifest keeps it inside)
+    variant: str | None  # None: an artifact of the export as a whole
+    graph: Graph | None
+    precision: str  # fp32 | fp16 | bf16 (the export's dtype), or a quantized form
+    bytes: int
+    external_data: str | None = None  # the weights file beside it (ONNX external data), relative like `path`
+    external_data_bytes: int = 0
+    built_from: str | None = None  # the key of the artifact it was built from; None: the torch model or the export
+    details: dict = field(default_factory=dict)  # the kind's own fields (ArtifactKind.fields)
+    reports: dict = field(default_factory=dict)  # what the stages that made it reported, by name ("fold")
+
+    def to_json(self) -> dict:
+        common = {
+            "kind": self.kind,
+            "path": self.path,
+            "variant": self.variant,
+            "graph": self.graph,
+            "precision": self.precision,
+            "bytes": self.bytes,
+            "external_data": self.external_data,
+            "external_data_bytes": self.external_data_bytes,
+            "built_from": self.built_from,
+        }
+        return {**common, **self.details, "reports": self.reports}
+
+    @classmethod
+    def from_json(cls, key: str, entry: dict) -> ArtifactRecord:
+        """The record of an entry the manifest's schema has checked (taperfold.manifest)."""
+        return cls(
+            key=key,
+            kind=entry["kind"],
+            path=entry["path"],
+            variant=entry.get("variant"),
+            graph=entry.get("graph"),
+            precision=entry["precision"],
+            bytes=entry.get("bytes", 0),
+            external_data=entry.get("external_data"),
+            external_data_bytes=entry.get("external_data_bytes", 0),
+            built_from=entry.get("built_from"),
+            reports=dict(entry.get("reports") or {}),
+            details={k: v for k, v in entry.items() if k not in COMMON_KEYS},
+        )
+
+
+class ArtifactKind:
+    """One kind of artifact. Subclass it, set the class attributes, override what the kind does, and register an
+    instance (taperfold.artifacts.register_kind)."""
+
+    name: ClassVar[str]  # as manifest.json's `kind` spells it
+    title: ClassVar[str]  # as reports name it
+    built_from: ClassVar[str]  # TORCH | EXPORT | another kind's name
+    verified: ClassVar[str] = CHECKED  # LOGITS | CHECKED
+    suffix: ClassVar[str] = ""  # what its keys add to the graph's key: `folded.plan`; "" only for the ONNX graphs
+    fields: ClassVar[Mapping[str, Field]] = MappingProxyType({})  # its own keys in a manifest entry
+
+    # ---- naming ----
+
+    def key(self, variant: str | None, graph: Graph | None = PREFILL, precision: str | None = None) -> str:
+        """The manifest key of the artifact of `variant`'s `graph` (`precision`: set only for a precision other than
+        the export's dtype), or of the export as a whole (`variant` None: the kind's name)."""
+        if variant is None:
+            return self.name
+        parts = [graph_key(variant, graph or PREFILL), precision, self.suffix]
+        return ".".join(part for part in parts if part)
+
+    # ---- building ----
+
+    def build(self, manifest: Manifest, **options: Any) -> list[ArtifactRecord]:
+        """Write this kind's artifacts into `manifest`'s directory (each file atomically) and return their records;
+        the caller adds them to the manifest. Kinds built from the torch variants are written by export instead."""
+        raise TaperfoldError(f"artifact kind {self.name!r} is written by `taperfold export`, not built afterwards")
+
+    def check_request(self, options: dict[str, Any]) -> None:
+        """Refuse, in one line, options of a build request (export's `artifacts`) that `build` would refuse after the
+        export's work; nothing by default."""
+
+    # ---- running ----
+
+    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
+        """{variant: file} of this kind's artifacts of `graph`, for an engine that runs them (one line naming
+        manifest.json's key when one is missing)."""
+        return {variant: manifest.artifact(variant, graph, self.name) for variant in variants}
+
+    # ---- verification ----
+
+    def check(self, manifest: Manifest, record: ArtifactRecord) -> list[str]:
+        """What is wrong with `record`'s artifact (empty: nothing). The default: its files are where the manifest
+        says, with the sizes it records; a CHECKED kind adds what its content must hold."""
+        problems = []
+        for name, size in ((record.path, record.bytes), (record.external_data, record.external_data_bytes)):
+            if name is None:
+                continue
+            path = manifest.directory / name
+            if not path.is_file():
+                problems.append(f"{name}: missing")
+            elif size and path.stat().st_size != size:
+                problems.append(f"{name}: {path.stat().st_size} bytes, the manifest records {size}")
+        return problems
+
+    # ---- the declaration ----
+
+    def declaration_errors(self, known_kinds: Collection[str]) -> list[str]:
+        """What is wrong with how this kind is declared (empty: nothing); `register_kind` refuses a kind with any."""
+        errors = []
+        name = getattr(self, "name", None)
+        if not isinstance(name, str) or not _NAME.match(name):
+            errors.append(f"name {name!r} is not lowercase letters, digits and '-' starting with a letter")
+        if not isinstance(getattr(self, "title", None), str) or not self.title:
+            errors.append("title is not set")
+        built_from = getattr(self, "built_from", None)
+        if built_from not in (TORCH, EXPORT) and built_from not in known_kinds:
+            errors.append(f"built_from {built_from!r} is neither {TORCH!r}, {EXPORT!r} nor a registered kind")
+        if self.verified not in (LOGITS, CHECKED):
+            errors.append(f"verified {self.verified!r} is neither {LOGITS!r} nor {CHECKED!r}")
+        if built_from != TORCH and not self.suffix and built_from != EXPORT:
+            errors.append("suffix is empty: an artifact built from another needs a key of its own (e.g. 'plan')")
+        if self.suffix and not _NAME.match(self.suffix):
+            errors.append(f"suffix {self.suffix!r} is not lowercase letters, digits and '-'")
+        for key, spec in self.fields.items():
+            if key in COMMON_KEYS:
+                errors.append(f"field {key!r} is a key every artifact has")
+            if not isinstance(spec, Field):
+                errors.append(f"field {key!r} is not declared as a Field")
+        if built_from != TORCH and type(self).build is ArtifactKind.build:
+            errors.append("build() is not implemented: nothing would write its artifacts")
+        return errors
+
+    def check_fields(self, entry: Mapping[str, Any], origin: str, key: str) -> None:
+        """The kind's own fields of manifest entry `key` (of file `origin`): one line naming the key when one is
+        missing or mistyped."""
+        for name, spec in self.fields.items():
+            if name not in entry:
+                if spec.required:
+                    raise TaperfoldError(f"{origin}: missing key '{key}.{name}'")
+                continue
+            if not spec.accepts(entry[name]):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in spec.types)
+                raise TaperfoldError(
+                    f"{origin}: key '{key}.{name}': expected {names}, got {type(entry[name]).__name__}"
+                )
+
+
+def describe_file(folder: Path, name: str) -> tuple[int, str | None, int]:
+    """(bytes, its external data file's name or None, that file's bytes) of a file just written into `folder`."""
+    path = folder / name
+    data = folder / (name + ".data")
+    return path.stat().st_size, data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0

@@ -1,0 +1,191 @@
+"""`taperfold verify`: run an export's models on the same tokens and hold their logits to tolerances.
+
+Three parts, as Polygraphy keeps them apart: the comparison plan (taperfold.verify.plan: which pairs, with which
+bounds, which models run in which order, every artifact verified as its kind says), the scheduler
+(taperfold.verify.run: one model in memory at a time, typed outputs) and the judge (taperfold.verify.judge: metrics
+and bounds, taperfold.compare). The report is typed (taperfold.verify.report).
+
+The reference is the checkpoint named in manifest.json, rebuilt in PyTorch (fp32, CPU) at its stored gate. Pairs
+(reference -> candidate):
+
+- checkpoint -> unfolded: the exporter's own fidelity (unfolded.onnx, ONNX Runtime)
+- checkpoint -> folded: what a user gets (model.onnx)
+- unfolded -> folded: the fold alone, held to a tighter bound in fp32
+- baseline (torch) -> baseline: the plain-norm model (`variants.baseline_of`) against baseline.onnx, and
+  baseline-decomposed -> baseline: the fused norm against the plain ops it replaced (fold bound)
+- an export of a plain (untapered) checkpoint has its baseline only: checkpoint -> baseline, and the
+  report's note says there is nothing folded to verify
+- checkpoint -> folded.plan: a TensorRT plan, when the export has one; skipped, with the reason, when
+  TensorRT or a GPU is missing
+- with decoders (`export --kv-cache`), every `*.decoder.onnx` and `*.static.onnx` against the same torch model
+  decoding with a growing cache: a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's
+  logits compared (a static decoder's prompt and steps write its fixed-size cache at their positions)
+- any other artifact as its kind says (an engine's logits, or the kind's own check)
+
+Every graph runs on shapes far from the one the exporter traced (export.TRACE_SHAPE, TRACE_PAST):
+batch 1 and 4, sequence 1 to the model's longest, past 0 to the longest, so a graph that only works
+at its tracing shape (a fused op that fixed a dynamic dimension) fails here.
+
+An export made with --force-gate0 comes from a checkpoint whose gate is not 0, so folding changed the
+function on purpose. Its reference is then the checkpoint built at g = 0, which the export must match,
+and one more pair, checkpoint@g=<gate> -> folded, shows the cost of forcing g = 0. That pair is
+reported but never fails: the user asked for the change, and how much loss it is worth is theirs to judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from taperfold.engines import ENGINES
+from taperfold.errors import TaperfoldError
+from taperfold.manifest import Manifest, read_manifest
+from taperfold.sources import ModelSource, checkpoint_digest, open_source
+from taperfold.verify.inputs import (
+    DECODE_STEPS,
+    InputBatch,
+    checked_ids,
+    decode_cases,
+    random_inputs,
+    tokens_from_file,
+    tokens_from_text,
+)
+from taperfold.verify.judge import Judge
+from taperfold.verify.plan import TORCH_BASELINE, PlanContext, make_plan
+from taperfold.verify.report import REPORT, PairResult, VerifyReport
+from taperfold.verify.run import run_models
+
+GRAPH_ENGINE = "ort"  # the engine of --device: ONNX Runtime, which runs the ONNX graphs
+NOTHING_FOLDED = (
+    "nothing folded to verify: {checkpoint} is a plain model (no tapered norms); checked its "
+    "baseline graph against its own forward"
+)
+
+__all__ = [
+    "DECODE_STEPS",
+    "REPORT",
+    "InputBatch",
+    "PairResult",
+    "VerifyReport",
+    "decode_cases",
+    "random_inputs",
+    "tokens_from_file",
+    "tokens_from_text",
+    "verify_export",
+]
+
+
+def _load_reference_checkpoint(manifest: Manifest) -> ModelSource:
+    path = manifest.checkpoint
+    if not path.exists():
+        raise TaperfoldError(f"{path}: checkpoint named in {manifest.path} is missing")
+    digest = checkpoint_digest(path)
+    if digest != manifest.checkpoint_sha256:
+        raise TaperfoldError(
+            f"{path}: checkpoint changed since export (sha256 {digest[:12]}..., manifest.json "
+            f"says {manifest.checkpoint_sha256[:12]}...); export it again"
+        )
+    return open_source(path)
+
+
+class TorchModels(Mapping):
+    """The torch models verify holds graphs to, by name, each built from the checkpoint when asked for and not kept:
+    they hold the checkpoint's own tensors (sources.ModelSource.build), so several at once cost one copy of the
+    weights. `release()` lets the checkpoint go; a model asked for afterwards reads it again (checked against
+    manifest.json as the first time)."""
+
+    def __init__(self, manifest: Manifest, source: ModelSource, builders: dict[str, Callable[[ModelSource], object]]):
+        self._manifest, self._source, self._builders = manifest, source, builders
+
+    def __getitem__(self, name: str):
+        if self._source is None:
+            self._source = _load_reference_checkpoint(self._manifest)
+        return self._builders[name](self._source)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def release(self) -> None:
+        self._source = None
+
+
+def verify_export(
+    export_dir: str | Path,
+    inputs: list[InputBatch] | None = None,
+    device: str = "cpu",
+    tolerances: dict | None = None,
+    seed: int = 0,
+    threads: int | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> VerifyReport:
+    """Compare every artifact in `export_dir` with the checkpoint it came from (see the module docstring).
+
+    `inputs`: token batches (default: seeded random ones over several shapes); `tolerances`: overrides
+    {"rtol", "min_top1", "max_kl"} applied to every judged pair; `threads`: CPU threads for the torch
+    reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run.
+    """
+    export_dir = Path(export_dir)
+    manifest = read_manifest(export_dir)
+    ENGINES[GRAPH_ENGINE].require(device)
+    ckpt = _load_reference_checkpoint(manifest)
+    cfg, forced = ckpt.config, manifest.forced_gate0
+    checkpoint_path, stored_gate = ckpt.path, ckpt.gate
+    batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
+    id_arrays = [checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
+
+    reference = "checkpoint@g=0" if forced else "checkpoint"
+    at_gate = f"checkpoint@g={stored_gate:g}" if forced else None
+    builders: dict[str, Callable[[ModelSource], object]] = {
+        reference: lambda source: source.build(gate=0.0 if forced else None),
+        TORCH_BASELINE: lambda source: source.build_baseline(),
+    }
+    if at_gate:
+        builders[at_gate] = lambda source: source.build()
+    # built when asked for, from one copy of the checkpoint's weights; shared by the prefill and the decoder checks
+    models = TorchModels(manifest, ckpt, builders)
+    del ckpt  # `models` holds the weights now, and lets them go when the torch models have run
+    overrides = {name: value for name, value in (tolerances or {}).items() if value is not None}
+    ctx = PlanContext(
+        manifest=manifest,
+        cfg=cfg,
+        torch_models=models,
+        release_checkpoint=models.release,
+        batches=list(zip(batches, id_arrays)),
+        device=device,
+        threads=threads,
+        tolerances=overrides,
+        seed=seed,
+        reference=reference,
+        at_gate=at_gate,
+    )
+    plan = make_plan(ctx)
+    judge = Judge(plan.pairs, given=set(overrides))
+    torch_threads = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        for outputs in run_models(plan.models, on_progress or (lambda done, total, description: None)):
+            judge.take(outputs)
+    finally:
+        torch.set_num_threads(torch_threads)
+    return VerifyReport(
+        export_dir=str(export_dir),
+        dtype=manifest.dtype,
+        logits=manifest.logits,
+        device=device,
+        forced_gate0=forced,
+        note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if ctx.baseline_only else None,
+        checkpoint={
+            "path": str(checkpoint_path),
+            "sha256": manifest.checkpoint_sha256,
+            "gate": stored_gate,
+            "reference_gate": 0.0 if forced else stored_gate,
+        },
+        inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
+        pairs=[*judge.results(), *plan.checked],
+    )

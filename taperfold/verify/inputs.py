@@ -1,0 +1,126 @@
+"""The token batches verify runs every model on: seeded random ones far from the shape the exporter traced (batch 1
+and 4, sequence 1 to the model's longest; export.TRACE_SHAPE is batch 2, sequence 8), a user's ids or text, and the
+decode cases (a prompt, then DECODE_STEPS KV-cached steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from taperfold.errors import TaperfoldError
+
+BATCH_SIZES = (1, 4)  # the export traces batch 2
+SHORT_SEQUENCE = 16  # and sequence 8
+DECODE_STEPS = 4  # KV-cached steps after each prompt
+
+
+@dataclass
+class InputBatch:
+    label: str  # names the batch in the report, and the file in errors
+    ids: np.ndarray  # [batch, sequence] token ids
+    tokenizer: str | None = None  # set when the ids were encoded here: must match the checkpoint's
+
+
+def random_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
+    """Uniform random tokens: batch 1 and >1 by sequence 1, a short one and the longest the model allows."""
+    rng = np.random.default_rng(seed)
+    sequences = sorted({1, min(SHORT_SEQUENCE, max_seq_len), max_seq_len})
+    return [
+        InputBatch(f"random {b}x{s}", rng.integers(0, vocab_size, size=(b, s), dtype=np.int64))
+        for b in BATCH_SIZES
+        for s in sequences
+    ]
+
+
+def tokens_from_file(path: str | Path) -> list[InputBatch]:
+    """A .npy integer array, or text with whitespace-separated ids, one sequence per line.
+    1-D (or one line) is one sequence; 2-D (or several lines of equal length) is a batch."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaperfoldError(f"{path}: no such token file")
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise TaperfoldError(f"{path}: not a readable .npy array ({e})") from None
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TaperfoldError(f"{path}: holds {ids.dtype} values; token ids must be integers")
+    else:
+        ids = _ids_from_text(path)
+    return [InputBatch(str(path), ids[None, :] if ids.ndim == 1 else ids)]
+
+
+def _ids_from_text(path: Path) -> np.ndarray:
+    try:
+        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaperfoldError(f"{path}: not a readable token file ({e}); use .npy or whitespace-separated ids") from None
+    rows = []
+    for number, words in enumerate(lines, 1):
+        try:
+            rows.append([int(w) for w in words])
+        except ValueError:
+            bad = next(w for w in words if not w.lstrip("+-").isdigit())
+            raise TaperfoldError(f"{path}: line {number}: {bad!r} is not an integer token id") from None
+    if not rows:
+        raise TaperfoldError(f"{path}: holds no token ids")
+    if len({len(r) for r in rows}) > 1:
+        raise TaperfoldError(
+            f"{path}: lines hold different numbers of ids ({sorted({len(r) for r in rows})}); "
+            "a batch needs sequences of equal length, one per line"
+        )
+    return np.array(rows[0] if len(rows) == 1 else rows, dtype=object)
+
+
+def tokens_from_text(path: str | Path) -> list[InputBatch]:
+    """A text file encoded with taperfold's byte-level tokenizer (its UTF-8 bytes), as one sequence."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TaperfoldError(f"{path}: cannot read text file ({e.strerror or e})") from None
+    if not data:
+        raise TaperfoldError(f"{path}: is empty")
+    return [InputBatch(str(path), np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None, :], tokenizer="bytes")]
+
+
+def checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer: str) -> np.ndarray:
+    if batch.tokenizer is not None and batch.tokenizer != tokenizer:
+        raise TaperfoldError(
+            f"{batch.label}: encoded with the {batch.tokenizer!r} tokenizer, but the checkpoint "
+            f"uses {tokenizer!r}; pass token ids with --tokens"
+        )
+    ids = batch.ids
+    if ids.ndim != 2 or ids.size == 0:
+        raise TaperfoldError(
+            f"{batch.label}: expected a 1-D sequence or a 2-D batch of token ids, got shape {list(ids.shape)}"
+        )
+    low, high = int(ids.min()), int(ids.max())  # Python ints: no overflow whatever the array's dtype
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise TaperfoldError(
+            f"{batch.label}: token id {bad} is out of range (the vocabulary has {vocab_size} ids, 0..{vocab_size - 1})"
+        )
+    if ids.shape[1] > max_seq_len:
+        raise TaperfoldError(
+            f"{batch.label}: sequence of {ids.shape[1]} tokens is longer than the model allows "
+            f"({max_seq_len}); shorten it"
+        )
+    return ids.astype(np.int64)
+
+
+def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
+    """Prompts for the decoders (past 0 at the prompt, then DECODE_STEPS steps), far from the tracing shape
+    (batch 2, 8 tokens, past 5): one short prompt at batch 1, and batch 4 up to the model's longest context.
+    The ids hold the prompt and then the token fed at each step (the same for reference and candidate)."""
+    rng = np.random.default_rng(seed + 1)
+    prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - DECODE_STEPS), max_seq_len - DECODE_STEPS})
+    return [
+        InputBatch(
+            f"decode {b}x{p}+{DECODE_STEPS}", rng.integers(0, vocab_size, size=(b, p + DECODE_STEPS), dtype=np.int64)
+        )
+        for b, p in zip(BATCH_SIZES, prompts)
+        if p >= 1
+    ]

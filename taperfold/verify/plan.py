@@ -1,0 +1,246 @@
+"""What verify compares, and in which order it runs the models: the comparison plan of one export.
+
+Every artifact the manifest records is verified as its kind says (taperfold.artifacts):
+
+- a kind verified by its LOGITS runs on the first engine that runs that kind (taperfold.engines: ONNX graphs on
+  ONNX Runtime, TensorRT plans on TensorRT), and is held to its variant's torch model: the checkpoint for the tapered
+  variants (at g = 0 when the export forced it), the checkpoint with plain norms for the baselines. A prefill graph
+  runs the input batches; a decoder graph decodes the decode cases (a growing decoder and a static one alike, against
+  the torch model decoding with a growing cache). Where its engine cannot run here (no TensorRT, no GPU), a bf16
+  decoder (numpy cannot feed it) or a cache too short for a case, the pair is skipped with the reason;
+- a CHECKED kind is checked by the kind itself.
+
+And three pairs that isolate one step: unfolded -> folded (the fold alone), baseline-decomposed -> baseline (the
+fused norm alone), both anchored on their first graph's own pair; and, for an export with --force-gate0,
+checkpoint@g=<gate> -> folded, the cost of forcing g = 0, reported but never judged.
+
+Models run one at a time: the torch models first (then the checkpoint goes), then each graph; decoders after the
+prefill graphs, their torch models reading the checkpoint again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from taperfold.artifacts import artifact_kind, is_registered
+from taperfold.artifacts.base import CHECKED, ArtifactRecord
+from taperfold.compare import Tolerance, default_tolerance
+from taperfold.engines import ENGINES, engines_running
+from taperfold.exportdir import (
+    BASELINE,
+    DECOMPOSED_BASELINE,
+    DTYPES,
+    FOLDED,
+    GRAPHS,
+    GROWING,
+    PREFILL,
+    UNFOLDED,
+)
+from taperfold.manifest import Manifest
+from taperfold.verify.inputs import DECODE_STEPS, InputBatch, decode_cases
+from taperfold.verify.judge import PlannedPair
+from taperfold.verify.report import CHECK, COST, EXPORT, FOLD, FUSE, PairResult
+from taperfold.verify.run import Case, ModelRun
+
+REFERENCE_ENGINE = "torch"  # the torch models graphs are held to run here, fp32 on the CPU: they are the truth
+TORCH_BASELINE = "baseline (torch)"
+# The order pairs are reported in: the tapered variants first, then the baselines
+_VARIANT_ORDER = (UNFOLDED, FOLDED, BASELINE, DECOMPOSED_BASELINE)
+
+
+@dataclass
+class Plan:
+    pairs: list[PlannedPair]
+    models: list[ModelRun]  # in the order they run
+    checked: list[PairResult] = field(default_factory=list)  # CHECKED kinds, judged when the plan was made
+
+
+@dataclass
+class PlanContext:
+    """What the plan is made of: the manifest, the checkpoint's torch models by name (built when asked for), the
+    inputs, and the options of the run."""
+
+    manifest: Manifest
+    cfg: Any  # the model's shape
+    torch_models: Mapping[str, object]
+    release_checkpoint: Callable[[], None]
+    batches: list[tuple[InputBatch, object]]  # (batch, its checked ids)
+    device: str
+    threads: int | None
+    tolerances: dict
+    seed: int
+    reference: str  # the checkpoint's torch model: "checkpoint", or "checkpoint@g=0" for a forced export
+    at_gate: str | None  # the checkpoint at its stored gate (a forced export), or None
+
+    @property
+    def baseline_only(self) -> bool:
+        """An export of a plain (untapered) checkpoint: baseline graphs and nothing tapered or folded."""
+        return not any(self.manifest.has_artifact(v) for v in (UNFOLDED, FOLDED))
+
+    def tolerance(self, kind: str) -> Tolerance:
+        return default_tolerance(self.manifest.dtype, kind).override(**self.tolerances)
+
+    def reference_of(self, variant: str | None) -> str:
+        """The torch model a variant's artifacts are held to."""
+        if variant in (BASELINE, DECOMPOSED_BASELINE) and not self.baseline_only:
+            return TORCH_BASELINE
+        return self.reference
+
+
+def make_plan(ctx: PlanContext) -> Plan:
+    pairs: list[PlannedPair] = []
+    checked: list[PairResult] = []
+    runs: dict[tuple[str, str], ModelRun] = {}  # (model name, graph) -> its run, cases added as pairs need them
+    prefill_cases = [Case(batch.label, ids) for batch, ids in ctx.batches]
+    manifest = ctx.manifest
+
+    def graph_run(record: ArtifactRecord, engine_name: str, cases: list[Case]) -> None:
+        engine = ENGINES[engine_name]
+        device = ctx.device if ctx.device in engine.devices else engine.default_device
+        graph = record.graph or PREFILL
+        runs[(record.key, graph)] = ModelRun(
+            record.key,
+            lambda: engine.runner(manifest.file(record), device=device, threads=ctx.threads, graph=graph),
+            cases,
+            ctx.cfg,
+            kv_dtype=manifest.dtype,
+        )
+
+    def torch_cases(name: str, graph: str, cases: list[Case]) -> None:
+        run = runs.get((name, graph))
+        if run is None:
+            engine = ENGINES[REFERENCE_ENGINE]
+            label = {TORCH_BASELINE: "with plain norms (reference)", ctx.reference: "(reference)"}.get(name, "")
+            run = runs[(name, graph)] = ModelRun(
+                name,
+                lambda: engine.runner(
+                    ctx.torch_models[name],
+                    device="cpu",
+                    logits=manifest.logits,
+                    graph=graph,
+                    name=f"{manifest.checkpoint} {label or name}".strip() + (" decoder" if graph != PREFILL else ""),
+                ),
+                [],
+                ctx.cfg,
+            )
+        known = {c.label for c in run.cases}
+        run.cases += [Case(c.label, c.ids, c.decode) for c in cases if c.label not in known]  # torch: growing cache
+
+    for record in sorted(manifest.records(), key=_report_order):
+        if not is_registered(record.kind):
+            reason = f"artifact kind {record.kind!r} is not registered here (a plug-in adds it)"
+            checked.append(PairResult("manifest", record.key, CHECK, None, status="skipped", reason=reason))
+            continue
+        kind = artifact_kind(record.kind)
+        if kind.verified == CHECKED:
+            problems = kind.check(manifest, record)
+            checked.append(
+                PairResult(
+                    record.built_from or "manifest",
+                    record.key,
+                    CHECK,
+                    None,
+                    status="fail" if problems else "pass",
+                    reason="; ".join(problems) or None,
+                )
+            )
+            continue
+        graph = record.graph or PREFILL
+        reference = ctx.reference_of(record.variant)
+        tolerance = ctx.tolerance(EXPORT) if record.precision in DTYPES else None
+        result = PairResult(reference, record.key, EXPORT, tolerance)
+        cases = prefill_cases if graph == PREFILL else _decode_cases(ctx, record)
+        why_not = _why_not(ctx, kind.name, graph, cases)
+        if why_not:
+            result.status, result.reason = "skipped", why_not
+            pairs.append(PlannedPair(result, [], graph=graph))
+            continue
+        engine = engines_running(kind.name)[0]
+        graph_run(record, engine.name, cases)
+        torch_cases(reference, graph if graph == PREFILL else GROWING, cases)
+        pairs.append(PlannedPair(result, [c.label for c in cases], graph=graph))
+
+    pairs = _with_step_pairs(ctx, pairs, prefill_cases, torch_cases)
+    models = _run_order(list(runs.values()), ctx)
+    return Plan(pairs, models, checked)
+
+
+def _report_order(record: ArtifactRecord) -> tuple[int, int, int]:
+    variant = _VARIANT_ORDER.index(record.variant) if record.variant in _VARIANT_ORDER else len(_VARIANT_ORDER)
+    return GRAPHS.index(record.graph or PREFILL), record.kind != "onnx", variant
+
+
+def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
+    """The decode cases of a decoder graph: for a static one, those that fit its cache."""
+    cfg = ctx.cfg
+    cache_len = None if record.graph == GROWING else (ctx.manifest.max_cache or cfg.max_seq_len)
+    cases = decode_cases(cfg.vocab_size, cache_len or cfg.max_seq_len, ctx.seed)
+    return [Case(c.label, c.ids, decode=True, cache_len=cache_len) for c in cases]
+
+
+def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str | None:
+    """Why an artifact of `kind` and `graph` cannot be run here, or None."""
+    engines = engines_running(kind)
+    if not engines:
+        return f"no engine runs {artifact_kind(kind).title}s"
+    engine = engines[0]
+    device = ctx.device if ctx.device in engine.devices else engine.default_device
+    why = engine.unavailable(device)
+    if why:
+        return why
+    if graph != PREFILL:
+        if not engine.decodes:
+            return f"{engine.title} runs no KV-cached decoders"
+        if ctx.manifest.dtype == "bf16":
+            return "bf16: numpy has no bfloat16 to feed the KV cache from the host"
+        if not cases:
+            holder = "the static cache" if graph != GROWING else "the context"
+            length = ctx.manifest.max_cache if graph != GROWING else None
+            return f"{holder} ({length or ctx.cfg.max_seq_len}) holds no prompt and {DECODE_STEPS} steps"
+    return None
+
+
+def _with_step_pairs(ctx: PlanContext, pairs: list[PlannedPair], cases: list[Case], torch_cases) -> list[PlannedPair]:
+    """The pairs that isolate one step, each placed after the pairs it needs: unfolded -> folded after checkpoint ->
+    folded, baseline-decomposed -> baseline after both baselines' own pairs, and the cost of a forced g = 0 last among
+    the prefill pairs."""
+    labels = [c.label for c in cases]
+    by_candidate = {p.result.candidate: p for p in pairs if p.result.kind == EXPORT}
+    out = list(pairs)
+
+    def after(key: str, pair: PlannedPair) -> None:
+        out.insert(out.index(by_candidate[key]) + 1, pair)
+
+    def judged(key: str) -> bool:
+        return key in by_candidate and by_candidate[key].result.status != "skipped"
+
+    if judged(UNFOLDED) and judged(FOLDED):
+        anchor = by_candidate[UNFOLDED].result.name
+        after(FOLDED, PlannedPair(PairResult(UNFOLDED, FOLDED, FOLD, ctx.tolerance("fold")), labels, anchor))
+    if judged(BASELINE) and judged(DECOMPOSED_BASELINE):
+        anchor = by_candidate[DECOMPOSED_BASELINE].result.name
+        pair = PairResult(DECOMPOSED_BASELINE, BASELINE, FUSE, ctx.tolerance("fold"))
+        after(DECOMPOSED_BASELINE, PlannedPair(pair, labels, anchor))
+    if ctx.at_gate is not None and judged(FOLDED):
+        torch_cases(ctx.at_gate, PREFILL, cases)
+        last_prefill = max(i for i, p in enumerate(out) if p.graph == PREFILL)
+        out.insert(last_prefill + 1, PlannedPair(PairResult(ctx.at_gate, FOLDED, COST, None, status="info"), labels))
+    return out
+
+
+def _run_order(runs: list[ModelRun], ctx: PlanContext) -> list[ModelRun]:
+    """One model in memory at a time: the prefill torch models (then the checkpoint goes), the prefill graphs, the
+    decoding torch models (the checkpoint read again, then let go), the decoder graphs."""
+    torch_names = {ctx.reference, TORCH_BASELINE, *([ctx.at_gate] if ctx.at_gate else [])}
+    prefill = [r for r in runs if not any(c.decode for c in r.cases)]
+    decode = [r for r in runs if any(c.decode for c in r.cases)]
+    order = []
+    for group in (prefill, decode):
+        torch = [r for r in group if r.name in torch_names]
+        torch.sort(key=lambda r: [ctx.reference, ctx.at_gate, TORCH_BASELINE].index(r.name))
+        if torch:
+            torch[-1].then = ctx.release_checkpoint
+        order += torch + [r for r in group if r.name not in torch_names]
+    return order

@@ -1,0 +1,101 @@
+"""Running verify's models, one at a time (as Polygraphy's Comparator.run): each model is opened when its turn comes,
+runs every case it is given and is closed before the next opens, so a model past 2 GB is never held twice; the
+outputs come back as typed results (`ModelOutputs`) for the judge (taperfold.verify.judge), which keeps only what a
+pair still waits for.
+
+A case is a prefill (the logits of a batch of ids) or a decode: a prompt with an empty (or zeroed static) cache, then
+DECODE_STEPS KV-cached steps, each fed the next column of ids (the same for reference and candidate); the logits of
+the prompt and of every step come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from taperfold.exportdir import INPUT, OUTPUT, prompt_feeds, step_feeds
+from taperfold.runners.base import Runner
+from taperfold.verify.inputs import DECODE_STEPS
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input a model runs: `ids` [batch, sequence]; a decode case's last DECODE_STEPS columns are its steps."""
+
+    label: str
+    ids: np.ndarray
+    decode: bool = False
+    cache_len: int | None = None  # a static decoder's cache length; None: a growing cache (or a prefill)
+
+
+@dataclass
+class ModelRun:
+    """One model of the schedule: how to open its runner (when its turn comes), the cases it runs, the dtype its KV
+    cache is fed in, and what to let go of once it has run (what no later model needs)."""
+
+    name: str
+    open_runner: Callable[[], Runner]
+    cases: list[Case]
+    cfg: object  # the model's shape (n_layers, kv_heads, head_dim) for its decoder feeds
+    kv_dtype: str = "fp32"
+    then: Callable[[], None] = lambda: None
+
+
+@dataclass
+class ModelOutputs:
+    """What one model returned: per case label, the logits of the prompt (prefill: the only ones) and of each step."""
+
+    model: str
+    logits: dict[str, list[np.ndarray]]
+
+
+def run_models(models: list[ModelRun], progress: Callable[[int, int, str], None]) -> Iterator[ModelOutputs]:
+    """Run each model in turn on its cases, one model in memory at a time; yield its outputs once it is closed."""
+    total, done = sum(len(m.cases) for m in models), 0
+    for model in models:
+        logits = {}
+        with model.open_runner() as runner:
+            for case in model.cases:
+                progress(done, total, f"{model.name} {'decoding' if case.decode else 'on'} {case.label}")
+                logits[case.label] = (
+                    decode_logits(runner, case.ids, model.cfg, model.kv_dtype, case.cache_len)
+                    if case.decode
+                    else _prefill(runner, case)
+                )
+                done += 1
+        del runner
+        model.then()
+        return_freed_memory()
+        yield ModelOutputs(model.name, logits)
+
+
+def _prefill(runner: Runner, case: Case) -> list[np.ndarray]:
+    return [runner.infer({INPUT: case.ids})[OUTPUT].astype(np.float32)]
+
+
+def decode_logits(
+    runner: Runner, ids: np.ndarray, cfg: object, kv_dtype: str, cache_len: int | None = None
+) -> list[np.ndarray]:
+    """Logits of the prompt (ids minus the last DECODE_STEPS columns; a static cache of `cache_len`, else a growing
+    one) and of each KV-cached step fed the next column of ids; the presents stay in the runner's own form between
+    steps."""
+    prompt = ids.shape[1] - DECODE_STEPS
+    feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
+    logits = []
+    for k in range(DECODE_STEPS + 1):
+        out = runner.infer(feeds)
+        logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
+        if k < DECODE_STEPS:
+            feeds = step_feeds(cfg, ids[:, prompt + k : prompt + k + 1], out, prompt + k, cache_len is not None)
+    return logits
+
+
+def return_freed_memory() -> None:
+    """Hand the heap a closed model freed back to the system: glibc keeps it otherwise, and ONNX Runtime sessions
+    opened one after another then grew the process by ~0.5x the weights each (a 1.5 GB model, measured)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
