@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -40,12 +41,20 @@ def cast_to(node: ir.Node) -> ir.DataType:
     return ir.DataType(node.attributes.get_int("to"))
 
 
-def is_fixed(value: ir.Value | None) -> bool:
+def fixed_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The contents of an initializer the caller cannot override (an initializer that is also a graph input can be
+    fed); None for any other value."""
+    if value is None or not value.is_initializer() or value.is_graph_input():
+        return None
+    return value.const_value
+
+
+def is_fixed(value: ir.Value | None) -> TypeGuard[ir.Value]:
     """An initializer the caller cannot override (an initializer that is also a graph input can be fed)."""
-    return value is not None and value.is_initializer() and not value.is_graph_input() and value.const_value is not None
+    return fixed_tensor(value) is not None
 
 
-def is_const(value: ir.Value | None) -> bool:
+def is_const(value: ir.Value | None) -> TypeGuard[ir.Value]:
     """Constant, known without reading data: a fixed initializer or a Constant node, passed through
     Identity/Cast/Reshape nodes (unoptimized dynamo exports build e.g. ReduceMean's axes that way)."""
     if value is None:
@@ -60,19 +69,28 @@ def is_const(value: ir.Value | None) -> bool:
     )
 
 
+def node_producing(value: ir.Value | None) -> ir.Node | None:
+    """The node computing `value`; None for a graph input, an initializer, or no value (an omitted input)."""
+    return None if value is None else value.producer()
+
+
 def const_array(value: ir.Value | None) -> np.ndarray | None:
-    """A constant value's contents (as the graph computes them, Casts applied); None if not constant."""
-    if not is_const(value):
+    """A constant value's contents (as the graph computes them, Casts applied); None if not constant (is_const)."""
+    if value is None:
         return None
-    if is_fixed(value):
-        return value.const_value.numpy()
+    if (fixed := fixed_tensor(value)) is not None:
+        return fixed.numpy()
     node = value.producer()
+    if node is None or node.domain != "":
+        return None
     if node.op_type == "Constant":
         try:
             tensor = ir.convenience.get_const_tensor(value)
         except ValueError:  # a malformed Constant is simply not a constant we can use
             return None
         return None if tensor is None else tensor.numpy()
+    if node.op_type not in ("Identity", "Cast", "Reshape"):
+        return None
     array = const_array(node.inputs[0])
     if array is None or node.op_type == "Identity":
         return array
@@ -81,9 +99,10 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     shape = const_array(node.inputs[1])
     if shape is None:
         return None
+    dims = [int(dim) for dim in shape]
     if not node.attributes.get_int("allowzero", 0):  # 0 copies the input's dim
-        shape = [array.shape[i] if dim == 0 else dim for i, dim in enumerate(shape)]
-    return array.reshape([int(dim) for dim in shape])
+        dims = [array.shape[i] if dim == 0 else dim for i, dim in enumerate(dims)]
+    return array.reshape(dims)
 
 
 def const_producers(value: ir.Value) -> list[ir.Node]:
@@ -147,7 +166,7 @@ def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol, suffi
     while name in graph.initializers:
         name, i = f"{base}{suffix}_{i}", i + 1
     tensor.name = name
-    value = ir.val(name, tensor.dtype, tensor.shape, const_value=tensor)
+    value = ir.val(name, const_value=tensor)  # its dtype and shape are the tensor's
     graph.register_initializer(value)
     return value
 
@@ -168,6 +187,11 @@ def write_const(graph: ir.Graph, reader: ir.Node, index: int, tensor: ir.TensorP
 def describe(node: ir.Node) -> str:
     """How a report names a node: "Add '/layers.0/Add'"."""
     return f"{node.op_type} '{node.name}'"
+
+
+def node_label(node: ir.Node) -> str:
+    """How a report lists a node: its name, or its op type when it has none."""
+    return node.name or node.op_type
 
 
 def with_const_producers(nodes: Sequence[ir.Node]) -> list[ir.Node]:
@@ -194,6 +218,7 @@ def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
                 for value in inputs:  # an initializer only this node read
                     if (
                         value.is_initializer()
+                        and value.name is not None
                         and not value.uses()
                         and not value.is_graph_output()
                         and not value.is_graph_input()
@@ -204,7 +229,7 @@ def remove_if_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
 def sole_use(value: ir.Value) -> tuple[ir.Node, int] | None:
     """(node, input index) of the only reader of `value`, None if it has several or is a graph output."""
     uses = list(value.uses())
-    return None if value.is_graph_output() or len(uses) != 1 else tuple(uses[0])
+    return None if value.is_graph_output() or len(uses) != 1 else (uses[0].node, uses[0].idx)
 
 
 def reduces_last_axis_only(node: ir.Node, rank: int | None) -> bool:
@@ -251,13 +276,18 @@ def last_dim(value: ir.Value, depth: int = 16) -> int | None:
     node = value.producer()
     if depth == 0 or node is None or node.domain != "":
         return None
-    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0 and is_fixed(node.inputs[0]):
-        return node.inputs[0].const_value.shape[-1]
-    if node.op_type == "MatMul" and is_fixed(node.inputs[1]):
-        return node.inputs[1].const_value.shape[-1]
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0:
+        table = fixed_tensor(node.inputs[0])
+        if table is not None:
+            return table.shape.numpy()[-1]
+    if node.op_type == "MatMul":
+        weight = fixed_tensor(node.inputs[1])
+        if weight is not None:
+            return weight.shape.numpy()[-1]
     if node.op_type in _ELEMENTWISE:
         dims = [last_dim(v, depth - 1) for v in node.inputs[:2] if v is not None]
         if node.op_type in ("Add", "Sub", "Mul", "Div"):
-            return max(dims) if None not in dims else None
+            known = [dim for dim in dims if dim is not None]
+            return max(known) if len(known) == len(dims) else None
         return dims[0]
     return None

@@ -62,53 +62,60 @@ def _lookup_rows(value: ir.Value, depth: int = 4) -> int | None:
         node = use.node
         if node.domain == "" and node.op_type == "Gather" and use.idx == 1:
             table = node.inputs[0]
-            if (
-                table is not None
-                and table.const_value is not None
-                and table.const_value.shape
-                and node.attributes.get_int("axis", 0) == 0
-            ):
-                return table.const_value.shape[0]
-        if depth and node.domain == "" and node.op_type in _INDEX_PATH and use.idx == 0:
-            if (rows := _lookup_rows(node.outputs[0], depth - 1)) is not None:
-                return rows
+            dims = table.const_value.shape.numpy() if table is not None and table.const_value is not None else ()
+            if dims and node.attributes.get_int("axis", 0) == 0:
+                return dims[0]
+        if (
+            depth
+            and node.domain == ""
+            and node.op_type in _INDEX_PATH
+            and use.idx == 0
+            and (rows := _lookup_rows(node.outputs[0], depth - 1)) is not None
+        ):
+            return rows
     return None
+
+
+@dataclasses.dataclass
+class _Feed:
+    """An input --verify generates."""
+
+    name: str
+    dtype: np.dtype
+    dims: list[int]
+    rows: int | None  # integer ids: the rows of the table they index, when known
 
 
 def _plan(
     model: ir.Model,
     shapes: dict[str, list[int]],
     source: str | os.PathLike | None = None,
-) -> list[tuple[ir.Value, list[int], int | None]]:
-    """(input, its dims, rows of the table it indexes) for every input to generate, or a one-line error naming
-    the input: nothing is allocated here."""
-    inputs = [v for v in model.graph.inputs if not v.is_initializer()]
-    if unknown := set(shapes) - {v.name for v in inputs}:
+) -> list[_Feed]:
+    """Every input to generate, or a one-line error naming the input: nothing is allocated here."""
+    # every graph input has a name (ONNX requires one); "" only gives the type checker a str
+    inputs = [(v.name or "", v) for v in model.graph.inputs if not v.is_initializer()]
+    if unknown := set(shapes) - {name for name, _ in inputs}:
         raise TaperfoldError(
-            f"--shapes: no graph input named {sorted(unknown)[0]!r} (inputs: {', '.join(v.name for v in inputs)})"
+            f"--shapes: no graph input named {sorted(unknown)[0]!r} (inputs: {', '.join(name for name, _ in inputs)})"
         )
     named: dict[str, int] = {}
-    for value in inputs:  # dimension names fixed by the user's shapes apply to every input
-        if value.name in shapes and value.shape is not None:
-            if len(shapes[value.name]) != len(value.shape):
-                raise TaperfoldError(
-                    f"--shapes: {value.name} has rank {len(value.shape)}, got {len(shapes[value.name])} dims"
-                )
-            for dim, size in zip(value.shape, shapes[value.name]):
+    for name, value in inputs:  # dimension names fixed by the user's shapes apply to every input
+        if name in shapes and value.shape is not None:
+            if len(shapes[name]) != len(value.shape):
+                raise TaperfoldError(f"--shapes: {name} has rank {len(value.shape)}, got {len(shapes[name])} dims")
+            for dim, size in zip(value.shape, shapes[name]):
                 if not isinstance(dim, int) and dim.value:
                     named.setdefault(dim.value, size)
     plan = []
     file = f"{source}: " if source is not None else ""
-    for value in inputs:
-        if value.shape is None and value.name not in shapes:
-            raise TaperfoldError(
-                f"{file}input '{value.name}' has no recorded shape: give it with --shapes {value.name}:..."
-            )
-        given = value.name in shapes
-        dims = (
-            list(shapes[value.name])
-            if given
-            else [
+    for name, value in inputs:
+        given = name in shapes
+        if given:
+            dims = list(shapes[name])
+        elif value.shape is None:
+            raise TaperfoldError(f"{file}input '{name}' has no recorded shape: give it with --shapes {name}:...")
+        else:
+            dims = [
                 dim
                 if isinstance(dim, int)
                 else named.setdefault(dim.value, 1 if i == 0 else 16)
@@ -116,35 +123,34 @@ def _plan(
                 else (1 if i == 0 else 16)
                 for i, dim in enumerate(value.shape)
             ]
-        )
         fixed = value.shape is not None and all(isinstance(d, int) for d in value.shape)
         static = (
             "" if given else " in the graph's static shape" if fixed else " (the graph's shape, dynamic dims 1 or 16)"
         )
-        hint = "" if given or fixed else f"; give a shape with --shapes {value.name}:..."
+        hint = "" if given or fixed else f"; give a shape with --shapes {name}:..."
         if any(d < 0 for d in dims):
             raise TaperfoldError(
-                f"{file}input '{value.name}' has a negative dimension{static}: {dims}; give its shape "
-                f"with --shapes {value.name}:..."
+                f"{file}input '{name}' has a negative dimension{static}: {dims}; give its shape "
+                f"with --shapes {name}:..."
             )
         elements = math.prod(dims)
         if elements == 0:
             raise TaperfoldError(
-                f"{file}input '{value.name}' has a 0 dimension{static} ({dims}): --verify needs at "
+                f"{file}input '{name}' has a 0 dimension{static} ({dims}): --verify needs at "
                 f"least one element per input{hint}"
             )
         if elements > MAX_FEED_ELEMENTS:
             raise TaperfoldError(
-                f"{file}input '{value.name}' would be {elements:,} elements{static} ({dims}), more "
+                f"{file}input '{name}' would be {elements:,} elements{static} ({dims}), more "
                 f"than the {MAX_FEED_ELEMENTS:,} (2^31) --verify generates for one input{hint}"
             )
-        dtype = value.dtype.numpy() if value.dtype is not None else np.float32
+        dtype = np.dtype(value.dtype.numpy() if value.dtype is not None else np.float32)
         rows = None if np.issubdtype(dtype, np.floating) else _lookup_rows(value)
         if rows is not None and rows < 1:
             raise TaperfoldError(
-                f"{file}input '{value.name}' indexes a table of {rows} rows: --verify has no valid ids to draw for it"
+                f"{file}input '{name}' indexes a table of {rows} rows: --verify has no valid ids to draw for it"
             )
-        plan.append((value, dims, rows))
+        plan.append(_Feed(name, dtype, dims, rows))
     return plan
 
 
@@ -155,7 +161,7 @@ def feed_shapes(
 ) -> dict[str, list[int]]:
     """The shape of every input --verify will generate, or a one-line error naming the input (and `source`, the
     model's file); allocates nothing."""
-    return {value.name: dims for value, dims, _ in _plan(model, shapes, source)}
+    return {feed.name: feed.dims for feed in _plan(model, shapes, source)}
 
 
 def check_inputs(src: str | os.PathLike, shapes: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
@@ -171,21 +177,20 @@ def make_feeds(
 ) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
-    for value, dims, rows in _plan(model, shapes, source):
-        dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-        name = value.name.lower()
+    for feed in _plan(model, shapes, source):
+        dims, dtype, name = feed.dims, feed.dtype, feed.name.lower()
         if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = rng.standard_normal(dims).astype(dtype)
-        elif rows is not None:
-            feeds[value.name] = rng.integers(0, rows, dims).astype(dtype)
+            feeds[feed.name] = rng.standard_normal(dims).astype(dtype)
+        elif feed.rows is not None:
+            feeds[feed.name] = rng.integers(0, feed.rows, dims).astype(dtype)
         elif "mask" in name:
-            feeds[value.name] = np.ones(dims, dtype)
+            feeds[feed.name] = np.ones(dims, dtype)
         elif "position" in name and dims:
-            feeds[value.name] = np.broadcast_to(np.arange(dims[-1]), dims).astype(dtype)
+            feeds[feed.name] = np.broadcast_to(np.arange(dims[-1]), dims).astype(dtype)
         elif dtype == np.bool_:
-            feeds[value.name] = np.ones(dims, np.bool_)
+            feeds[feed.name] = np.ones(dims, np.bool_)
         else:
-            feeds[value.name] = np.zeros(dims, dtype)
+            feeds[feed.name] = np.zeros(dims, dtype)
     return feeds
 
 

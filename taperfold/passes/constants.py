@@ -8,6 +8,8 @@ itself uses) on small tensors only: weight-sized transposes stay, the readers' f
 
 from __future__ import annotations
 
+import math
+
 import onnx_ir as ir
 
 from taperfold.passes._graph import describe, is_const
@@ -60,10 +62,7 @@ def _size(value: ir.Value) -> int:
     shape = value.shape
     if shape is None or not all(isinstance(d, int) for d in shape):
         return 0
-    size = 1
-    for dim in shape:
-        size *= dim
-    return size
+    return math.prod(shape.numpy())
 
 
 def require_constants_folded(model: ir.Model) -> None:

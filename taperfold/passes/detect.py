@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import NamedTuple, TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -35,6 +36,7 @@ from taperfold.passes._graph import (
     const_array,
     is_const,
     last_dim,
+    node_producing,
     reduces_last_axis_only,
     sole_use,
     with_const_producers,
@@ -105,24 +107,40 @@ def _data_index(node: ir.Node) -> int | None:
     if node.op_type == "Identity" or (node.op_type == "Cast" and cast_to(node) in FLOAT_TYPES):
         source = node.inputs[0]
         dtype = _dtype_of(source)
-        if is_const(source) or (dtype is not None and dtype not in FLOAT_TYPES):
+        if source is None or is_const(source) or (dtype is not None and dtype not in FLOAT_TYPES):
             return None  # a Cast from integers starts positions (RoPE), not a norm
         return 0
     if node.op_type == "Mul" and len(node.inputs) == 2:
         a, b = node.inputs
-        if not is_const(a) and channel_const(b, a) is not None:
+        if a is not None and not is_const(a) and channel_const(b, a) is not None:
             return 0
-        if not is_const(b) and channel_const(a, b) is not None:
+        if b is not None and not is_const(b) and channel_const(a, b) is not None:
             return 1
     return None
+
+
+def _data_input(node: ir.Node) -> ir.Value | None:
+    """The value a chain step passes along (`_data_index`); None when `node` is no chain step."""
+    i = _data_index(node)
+    return None if i is None else node.inputs[i]
+
+
+def _step_factor(node: ir.Node) -> np.ndarray | None:
+    """The per-channel constant a Mul chain step multiplies by, as float64 [1] or [d]; None for any other node."""
+    i = _data_index(node)
+    if i is None or node.op_type != "Mul":
+        return None
+    return channel_const(node.inputs[1 - i], node.inputs[i])
 
 
 _SAME_DTYPE = {"Unsqueeze", "Squeeze", "Reshape", "Expand", "Transpose", "Slice", "Identity", "Flatten", "Range"}
 
 
-def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
+def _dtype_of(value: ir.Value | None, depth: int = 8) -> ir.DataType | None:
     """The value's element type, looked up through dtype-keeping ops when the exporter did not record it."""
     for _ in range(depth):
+        if value is None:
+            return None
         if value.dtype is not None:
             return value.dtype
         if is_const(value):
@@ -132,7 +150,7 @@ def _dtype_of(value: ir.Value, depth: int = 8) -> ir.DataType | None:
         if node is None or node.domain != "" or (node.op_type not in _SAME_DTYPE and node.op_type != "Gather"):
             return None
         value = node.inputs[0]
-    return value.dtype
+    return None if value is None else value.dtype
 
 
 def _from_integers(value: ir.Value) -> bool:
@@ -145,8 +163,8 @@ def _from_integers(value: ir.Value) -> bool:
 
 def _continues(node: ir.Node) -> bool:
     """Whether `node` is a chain step whose data input is the sole output of another chain step."""
-    i = _data_index(node)
-    prev = node.inputs[i].producer() if i is not None else None
+    data = _data_input(node)
+    prev = data.producer() if data is not None else None
     return prev is not None and _data_index(prev) is not None and sole_use(prev.outputs[0]) is not None
 
 
@@ -163,14 +181,14 @@ def _chain_scale(chain: list[ir.Node], centered_input: ir.Value | None) -> np.nd
     weightless LayerNorm (OLMo) at g = 0 is (h - mean)·c, the same c for each of h's d channels."""
     scale, d = np.ones(1), None
     for node in chain:
-        if node.op_type == "Mul":
-            i = _data_index(node)
-            factor = channel_const(node.inputs[1 - i], node.inputs[i])
-            if factor.size > 1:
-                if d not in (None, factor.size):
-                    return None
-                d = factor.size
-            scale = scale * factor
+        factor = _step_factor(node)
+        if factor is None:  # a Cast or Identity step
+            continue
+        if factor.size > 1:
+            if d not in (None, factor.size):
+                return None
+            d = factor.size
+        scale = scale * factor
     if d is not None:
         return scale
     if centered_input is None or any(_data_index(u.node) == u.idx for u in chain[-1].outputs[0].uses()):
@@ -179,42 +197,43 @@ def _chain_scale(chain: list[ir.Node], centered_input: ir.Value | None) -> np.nd
     return None if d is None else np.full(d, scale[0])
 
 
-def _shared_prefix(x: ir.Value) -> list[ir.Node]:
+def _shared_prefix(x: ir.Value) -> tuple[list[ir.Node], ir.Value]:
     """Scalar chain steps in front of `x` whose output only chain steps read, several of them: two norms of a
     parallel block read one input, and when their c are equal (calibration gives equal c to two norms of one
-    input) the exporter computes (h - mean)·c once for both. Outermost first; each chain includes them."""
-    prefix = []
-    while (node := x.producer()) is not None and (i := _data_index(node)) is not None and not x.is_graph_output():
+    input) the exporter computes (h - mean)·c once for both. Outermost first; each chain includes them. Returns
+    them and the value the first of them reads (`x` when there are none)."""
+    prefix: list[ir.Node] = []
+    while (node := x.producer()) is not None and (data := _data_input(node)) is not None and not x.is_graph_output():
         if any(_data_index(u.node) != u.idx for u in x.uses()):
             break
-        if node.op_type == "Mul" and channel_const(node.inputs[1 - i], node.inputs[i]).size > 1:
+        if (factor := _step_factor(node)) is not None and factor.size > 1:
             break  # a per-channel step is a chain of its own, not a shared factor
         prefix.insert(0, node)
-        x = node.inputs[i]
-    return prefix
+        x = data
+    return prefix, x
 
 
-def _is_last_axis_mean(node: ir.Node | None, h: ir.Value) -> bool:
-    if node is None or node.op_type != "ReduceMean" or node.domain != "" or node.inputs[0] is not h:
+def _is_last_axis_mean(node: ir.Node | None, h: ir.Value | None) -> TypeGuard[ir.Node]:
+    if node is None or h is None or node.op_type != "ReduceMean" or node.domain != "" or node.inputs[0] is not h:
         return False
     return reduces_last_axis_only(node, len(h.shape) if h.shape is not None else None)
 
 
-def _centering(x: ir.Value) -> list[ir.Node] | None:
-    """[ReduceMean, Sub] when x = Sub(h, ReduceMean(h, last axis)) and only constant-scale chain steps read x
+def _centering(x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(h, [ReduceMean, Sub]) when x = Sub(h, ReduceMean(h, last axis)) and only constant-scale chain steps read x
     (possibly several: parallel-residual exports share one centering between two norms)."""
     sub = x.producer()
     if sub is None or sub.op_type != "Sub" or sub.domain != "" or len(sub.inputs) != 2:
         return None
     h, mean_value = sub.inputs
-    mean = mean_value.producer()
-    if not _is_last_axis_mean(mean, h) or mean_value.is_graph_output():
+    mean = node_producing(mean_value)
+    if h is None or mean_value is None or not _is_last_axis_mean(mean, h) or mean_value.is_graph_output():
         return None
     if any(u.node.op_type != "Sub" or u.node.inputs[0] is not h or u.idx != 1 for u in mean_value.uses()):
         return None
     if x.is_graph_output() or any(_data_index(u.node) != u.idx for u in x.uses()):
         return None
-    return [mean, sub]
+    return h, [mean, sub]
 
 
 def _scaled_elementwise(x: ir.Value, op_type: str) -> list[ir.Node] | None:
@@ -222,7 +241,7 @@ def _scaled_elementwise(x: ir.Value, op_type: str) -> list[ir.Node] | None:
     node = x.producer()
     if node is None or node.op_type != op_type or node.domain != "" or len(node.inputs) != 1:
         return None
-    mul = node.inputs[0].producer()
+    mul = node_producing(node.inputs[0])
     if (
         mul is None
         or mul.op_type != "Mul"
@@ -255,27 +274,26 @@ def match_norm(start: ir.Node) -> NormMatch | None:
     """The constant-scale chain that starts at `start`, as the first norm kind whose pattern it fits
     (taperfold.norms: a centering before it when the kind is `centered`, an Add of β after it when the kind
     has a `shift`), or None."""
-    if _data_index(start) is None or _continues(start):
+    start_input = _data_input(start)
+    if start_input is None or _continues(start):
         return None
-    chain = _chain_from(start)
-    shared = _shared_prefix(start.inputs[_data_index(start)])
-    chain = [*shared, *chain]
-    x = chain[0].inputs[_data_index(chain[0])]
-    head = _centering(x)
-    scale = _chain_scale(chain, head[1].inputs[0] if head else None)
+    shared, x = _shared_prefix(start_input)
+    chain = [*shared, *_chain_from(start)]
+    centering = _centering(x)
+    scale = _chain_scale(chain, centering[0] if centering else None)
     if scale is None or _from_integers(x):  # positions times RoPE frequencies: a broadcast, not a scale
         return None
     for kind in norm_kinds():
-        if kind.centered and head is None:
-            continue
         kept = _scaled_elementwise(x, kind.elementwise) if kind.elementwise else []
         if kept is None:
             continue
-        match = (
-            NormMatch(kind.name, head[1].inputs[0], chain[-1].outputs[0], [*head, *chain], scale, centered=True)
-            if kind.centered
-            else NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale, kept=kept)
-        )
+        if kind.centered:
+            if centering is None:
+                continue
+            h, head = centering
+            match = NormMatch(kind.name, h, chain[-1].outputs[0], [*head, *chain], scale, centered=True)
+        else:
+            match = NormMatch(kind.name, x, chain[-1].outputs[0], chain, scale, kept=kept)
         return _with_bias(match) if kind.shift else match
     return None
 
@@ -288,8 +306,13 @@ _SQUARE_STEPS = {"Pow", "Cast", "Identity", "Mul", "Abs"}
 
 
 def _strip_casts(value: ir.Value) -> ir.Value:
-    while (node := value.producer()) is not None and node.domain == "" and node.op_type in ("Cast", "Identity"):
-        value = node.inputs[0]
+    while (
+        (node := value.producer()) is not None
+        and node.domain == ""
+        and node.op_type in ("Cast", "Identity")
+        and (source := node.inputs[0]) is not None
+    ):
+        value = source
     return value
 
 
@@ -315,7 +338,7 @@ def _statistic_of(r: ir.Value, depth: int = 8) -> list[ir.Value]:
     Casts to a reduction, then from its input through squares and Casts. Empty when r is no such statistic."""
     frontier, reduces, roots = [r], [], False
     for _ in range(depth):
-        next_frontier = []
+        next_frontier: list[ir.Value] = []
         for value in frontier:
             node = value.producer()
             if node is None or node.domain != "":
@@ -331,16 +354,18 @@ def _statistic_of(r: ir.Value, depth: int = 8) -> list[ir.Value]:
         return []
     bases = []
     for reduce in reduces:
-        value = reduce.inputs[0]
+        base = reduce.inputs[0]
         for _ in range(depth):
-            bases.append(value)
-            node = value.producer()
+            if base is None:
+                break
+            bases.append(base)
+            node = base.producer()
             if node is None or node.domain != "" or node.op_type not in _SQUARE_STEPS:
                 break
             data = [v for v in node.inputs if v is not None and not is_const(v)]
             if not data or (node.op_type == "Mul" and (len(data) != 2 or not _same(data[0], data[1]))):
                 break
-            value = data[0]
+            base = data[0]
     return bases
 
 
@@ -389,7 +414,7 @@ def _centering_of(x: ir.Value) -> bool:
         and sub.op_type == "Sub"
         and sub.domain == ""
         and len(sub.inputs) == 2
-        and _is_last_axis_mean(sub.inputs[1].producer(), sub.inputs[0])
+        and _is_last_axis_mean(node_producing(sub.inputs[1]), sub.inputs[0])
     )
 
 
@@ -420,24 +445,30 @@ def _fused_gain(node: ir.Node, kind: NormKind) -> NormMatch | None:
 # ---- module metadata -------------------------------------------------------------------------------
 
 
-def _norm_module(node: ir.Node) -> tuple[str, str] | None:
-    """(module path, class name) of the innermost normalization module around `node`: a tapered norm, or a
-    class a norm kind claims (RMSNorm, LayerNorm, LlamaRMSNorm, ...)."""
+class _NormModule(NamedTuple):
+    path: str
+    cls: str  # the class name
+    kind: NormKind
+
+
+def _norm_module(node: ir.Node) -> _NormModule | None:
+    """The innermost normalization module around `node`: a tapered norm, or a class a norm kind claims (RMSNorm,
+    LayerNorm, LlamaRMSNorm, ...)."""
     for path, cls in reversed(scopes(node)):
         name = cls.rpartition(".")[2]
-        if kind_of_class(name) is not None:
-            return path or name, name
+        if (kind := kind_of_class(name)) is not None:
+            return _NormModule(path or name, name, kind)
     return None
 
 
 def norm_name(nodes: list[ir.Node]) -> str:
     """The module path of the norm (dynamo metadata), else its first node's name."""
     for node in nodes:
-        if (found := _norm_module(node)) is not None:
-            return found[0]
+        if (module := _norm_module(node)) is not None:
+            return module.path
     for node in nodes:
-        if (found := scopes(node)) and found[-1][0]:
-            return found[-1][0]
+        if (around := scopes(node)) and around[-1][0]:
+            return around[-1][0]
     return nodes[0].name or nodes[0].op_type
 
 
@@ -450,10 +481,10 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
     """Every candidate, real norm and tapered layer at g ≠ 0 of the main graph, in graph order."""
     graph = model.graph
     position = {node: i for i, node in enumerate(graph)}
-    found: list[tuple[int, object]] = []
+    found: list[tuple[int, Candidate | RealNorm | GateNotZero]] = []
 
     matches = [m for node in graph if (m := match_norm(node)) is not None]
-    by_input = {}
+    by_input: dict[ir.Value, NormMatch] = {}
     for m in matches:
         by_input.setdefault(m.input, m)
 
@@ -465,7 +496,7 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
             continue
         kind, form, at = real
         module = _norm_module(at)
-        if module is not None and tapered_kind_of_class(module[1]):  # a tapered layer that computes statistics
+        if module is not None and tapered_kind_of_class(module.cls):  # a tapered layer that computes statistics
             real_nodes.add(at)
             continue  # reported from its metadata below
         fused = at if _fused_kind(at) is not None else None
@@ -479,20 +510,20 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
     # Real norms and tapered layers at g ≠ 0 by metadata: a norm module with nodes outside every matched chain
     # computes per-token statistics, and a chain inside it is just its γ.
     owned = set().union(*(_owned_nodes(m) for m in matches))
-    modules: dict[str, tuple[str, list[ir.Node]]] = {}
+    modules: dict[str, tuple[_NormModule, list[ir.Node]]] = {}
     for node in graph:
         if (module := _norm_module(node)) is not None:
-            modules.setdefault(module[0], (module[1], []))[1].append(node)
-    with_stats = {path: (cls, nodes) for path, (cls, nodes) in modules.items() if not owned.issuperset(nodes)}
+            modules.setdefault(module.path, (module, []))[1].append(node)
+    with_stats = {path: entry for path, entry in modules.items() if not owned.issuperset(entry[1])}
     stats_nodes = {n for _, nodes in with_stats.values() for n in nodes}
     named = {entry.name for _, entry in found}
-    for path, (cls, nodes) in with_stats.items():
+    for path, (module, nodes) in with_stats.items():
         if path in named:
             continue
-        if (tapered := tapered_kind_of_class(cls)) is not None:
+        if (tapered := tapered_kind_of_class(module.cls)) is not None:
             found.append((position[nodes[0]], GateNotZero(path, tapered.name)))
         else:
-            found.append((position[nodes[0]], RealNorm(path, kind_of_class(cls).name, cls, None)))
+            found.append((position[nodes[0]], RealNorm(path, module.kind.name, module.cls, None)))
 
     counts = Counter(node for m in matches for node in m.nodes)
     for m in matches:

@@ -18,8 +18,9 @@ from taperfold.passes._graph import (
     NormMatch,
     derived_tensor,
     describe,
+    fixed_tensor,
     folded_source,
-    is_fixed,
+    node_label,
     remove_if_dead,
     write_const,
 )
@@ -36,13 +37,15 @@ def _lookup(match: NormMatch) -> ir.Node | None:
     return node
 
 
-def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
-    """The table to rewrite, or Blocked when the looked-up rows or the norm's centering are read elsewhere."""
+def _table(gather: ir.Node, match: NormMatch) -> tuple[ir.Value, ir.TensorProtocol]:
+    """The table to rewrite and its contents, or Blocked when the looked-up rows or the norm's centering are read
+    elsewhere."""
     table = gather.inputs[0]
-    if not is_fixed(table) or len(table.const_value.shape) != 2 or table.const_value.dtype not in FLOAT_TYPES:
+    rows = fixed_tensor(table)
+    if table is None or rows is None or len(rows.shape) != 2 or rows.dtype not in FLOAT_TYPES:
         raise Blocked(f"the table of {describe(gather)} is not a constant 2-D float initializer")
-    if table.const_value.shape[1] != match.width:
-        raise Blocked(f"the table of {describe(gather)} has rows of {table.const_value.shape[1]} channels")
+    if rows.shape[1] != match.width:
+        raise Blocked(f"the table of {describe(gather)} has rows of {rows.shape[1]} channels")
     if match.output.is_graph_output():
         raise Blocked("its output is a graph output")
     inner = [v for node in match.nodes for v in node.outputs if v is not match.output]
@@ -56,7 +59,7 @@ def _table(gather: ir.Node, match: NormMatch) -> ir.Value:
         if u.node not in match.nodes and not (u.node.domain == "" and u.node.op_type in SHAPE_OPS)
     ]:
         raise Blocked(f"the looked-up rows are also read by {describe(rows_readers[0])}")
-    return table
+    return table, rows
 
 
 class FoldIntoEmbeddingPass(AfterConstantsPass):
@@ -74,14 +77,14 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
             entry = self.report.entry(candidate.name, candidate.kind)
             readers_blocked = why_readers_cannot(match)
             try:
-                table = _table(gather, match)
+                table, original = _table(gather, match)
             except Blocked as why:
                 entry.status = NormStatus.KEPT
                 entry.reason = f"{readers_blocked}; not into the embedding: {why}" if readers_blocked else str(why)
                 continue
-            original = table.const_value
 
-            def compute(original=original, match=match) -> np.ndarray:  # bound now: the loop moves on
+            def compute(original: ir.TensorProtocol = original, match: NormMatch = match) -> np.ndarray:
+                # arguments bound now: the loop moves on
                 rows = original.numpy().astype(np.float64)
                 if match.centered:
                     rows -= rows.mean(axis=1, keepdims=True)
@@ -90,10 +93,10 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
                     rows += match.bias
                 return rows
 
-            tensor = derived_tensor(compute, original.dtype, original.shape)
+            tensor = derived_tensor(compute, original.dtype, original.shape.numpy())
             # a table the head reads too (tied) is copied for the lookup: the head keeps the original
             others = [u.node for u in table.uses() if u.node is not gather]
-            written = write_const(model.graph, gather, 0, tensor, base=table.name)
+            written = write_const(model.graph, gather, 0, tensor, base=table.name or node_label(gather))
             if others:
                 entry.copied.append(f"{table.name} -> {written.name} (also read by {describe(others[0])})")
             match.output.replace_all_uses_with(folded_source(match))

@@ -14,6 +14,7 @@ In the pipeline it runs after the forward folds, which are preferred; it sees on
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -24,6 +25,7 @@ from taperfold.passes._graph import (
     derived_tensor,
     describe,
     folded_source,
+    node_label,
     remove_if_dead,
     sole_use,
     write_const,
@@ -55,7 +57,7 @@ class Producer(WeightView):
     bias: tuple[ir.Node, int] | None  # where the constant bias is read: (Add, i) or (Gemm, 2)
 
 
-def _linear(node: ir.Node | None) -> bool:
+def _linear(node: ir.Node | None) -> TypeGuard[ir.Node]:
     return node is not None and node.domain == "" and node.op_type in ("MatMul", "Gemm")
 
 
@@ -90,7 +92,7 @@ def producer_of(match: NormMatch) -> Producer | None:
     if bias is not None and (sole_use(node.outputs[0]) or (None,))[0] is not bias[0]:
         raise Blocked(f"{describe(node)}'s output is also read before its bias is added")
     if node.op_type == "Gemm":
-        if node.attributes.get_int("transA", 0):
+        if node.attributes.get_int("transA", 0) != 0:
             raise Blocked(f"{describe(node)} has transA=1")
         if len(node.inputs) > 2 and node.inputs[2] is not None:
             if const_array(node.inputs[2]) is None:
@@ -102,13 +104,15 @@ def producer_of(match: NormMatch) -> Producer | None:
     if source is None:
         raise Blocked(f"{describe(node)}'s weight is not a constant")
     root, tensor, via, transposed = source
-    reads_nd = node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0))
+    reads_nd = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
     producer = Producer(node, root, tensor, via, transposed ^ reads_nd, reads_nd, bias)
     n = producer.shape[1]
     if n != match.width:
         raise Blocked(f"{describe(node)} has {n} output channels for {match.width}")
     if bias is not None:
         b = const_array(bias[0].inputs[bias[1]])
+        if b is None:
+            raise Blocked(f"{describe(bias[0])} adds a bias that is not a constant")
         if (
             b.size not in (1, n)
             or any(dim != 1 for dim in b.shape[:-1])
@@ -136,7 +140,7 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
     tensor = derived_tensor(compute, producer.tensor.dtype, (n, d_in) if producer.reads_nd else (d_in, n))
     path = [producer.root, *(v.outputs[0] for v in producer.via)]
     others = [u.node for v in path for u in v.uses() if u.node is not node and u.node not in producer.via]
-    new = write_const(graph, node, 1, tensor, base=producer.root.name or node.name)
+    new = write_const(graph, node, 1, tensor, base=producer.root.name or node_label(node))
     if others:
         effects.copied.append(f"{producer.root.name} -> {new.name} (also read by {describe(others[0])})")
     effects.bytes_rewritten += tensor.nbytes
@@ -144,7 +148,8 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
     if producer.bias is not None or centered or match.bias is not None:
         at, index = producer.bias or new_bias_slot(graph, node)
         output = at.outputs[0] if producer.bias is None else output
-        old = const_array(at.inputs[index]) if producer.bias is not None else None
+        current = at.inputs[index] if producer.bias is not None else None
+        old = const_array(current)
         b = np.zeros(n) if old is None else np.broadcast_to(old.astype(np.float64).reshape(-1), (n,)).copy()
         gemm_beta = node.attributes.get_float("beta", 1.0) if at is node else 1.0  # Gemm adds beta·C
         if centered:
@@ -155,8 +160,8 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
         shape = (n,) if old is None else (*old.shape[:-1], n)
         dtype = old.dtype if old is not None else producer.tensor.dtype.numpy()
         bias_tensor = ir.tensor(b.reshape(shape).astype(dtype))
-        base = at.inputs[index].name if old is not None else f"{node.name}.bias"
-        write_const(graph, at, index, bias_tensor, base=base)
+        base = current.name if current is not None and old is not None else None
+        write_const(graph, at, index, bias_tensor, base=base or f"{node.name}.bias")
         effects.bytes_rewritten += bias_tensor.nbytes
     return effects, output
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from taperfold.norms import norm_kind
-from taperfold.passes._graph import remove_if_dead
+from taperfold.passes._graph import node_label, remove_if_dead
 from taperfold.passes.constants import AfterConstantsPass
 from taperfold.passes.detect import detect_norms
 from taperfold.passes.readers import Blocked, move_into_readers, readers_of
@@ -29,7 +29,7 @@ class FoldIntoReadersPass(AfterConstantsPass):
         for candidate in detect_norms(model).candidates:
             match = candidate.match
             entry = self.report.entry(candidate.name, candidate.kind)
-            entry.consumers = [use.node.name for use in match.output.uses()]
+            entry.consumers = [node_label(use.node) for use in match.output.uses()]
             try:
                 readers = readers_of(match.output, match)
             except Blocked as why:

@@ -42,6 +42,7 @@ _FLOAT = ir.DataType.FLOAT
 @dataclass(eq=False)
 class RMSMatch:
     input: ir.Value  # x as the graph had it before any Cast
+    dtype: ir.DataType  # x's element type, and the output's
     output: ir.Value  # the norm's result, read by the rest of the graph
     nodes: list[ir.Node]  # every node of the pattern (removed by the fusion)
     epsilon: float
@@ -83,16 +84,21 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
     if pow_node.op_type != "Pow" or pow_node.domain != "" or _scalar(pow_node.inputs[1]) != 2.0:
         return None
     stats_input = pow_node.inputs[0]
+    if stats_input is None:
+        return None
     rank = len(stats_input.shape) if stats_input.shape is not None else None
     mean = _only_user(pow_node.outputs[0], "ReduceMean")
     if mean is None or not reduces_last_axis_only(mean, rank):
         return None
     add = _only_user(mean.outputs[0], "Add")
-    eps = _scalar(_other_input(add, mean.outputs[0])) if add is not None else None
-    sqrt = _only_user(add.outputs[0], "Sqrt") if eps is not None else None
+    if add is None or (eps := _scalar(_other_input(add, mean.outputs[0]))) is None:
+        return None
+    sqrt = _only_user(add.outputs[0], "Sqrt")
     inv = _only_user(sqrt.outputs[0], ("Reciprocal", "Div")) if sqrt is not None else None
-    if inv is None or (
-        inv.op_type == "Div" and (inv.inputs[1] is not sqrt.outputs[0] or _scalar(inv.inputs[0]) != 1.0)
+    if (
+        sqrt is None
+        or inv is None
+        or (inv.op_type == "Div" and (inv.inputs[1] is not sqrt.outputs[0] or _scalar(inv.inputs[0]) != 1.0))
     ):
         return None
     scale = _only_user(inv.outputs[0], "Mul")
@@ -119,14 +125,15 @@ def match_rms_norm(pow_node: ir.Node) -> RMSMatch | None:
         widen = stats_input.producer()
         if widen is None or widen.op_type != "Cast" or widen.domain != "" or cast_to(widen) != _FLOAT:
             return None
-        x = widen.inputs[0]
-        if cast_to(tail_cast) != x.dtype:
+        narrow = widen.inputs[0]
+        if narrow is None or cast_to(tail_cast) != narrow.dtype:
             return None
+        x = narrow
         if all(u.node in (pow_node, scale) for u in stats_input.uses()) and not stats_input.is_graph_output():
             nodes.insert(0, widen)  # else the widened x is read elsewhere too: that Cast stays
     if x.dtype is None or (out.dtype is not None and out.dtype != x.dtype):
         return None  # (ONNX's Mul takes one dtype, so an untyped out has x's)
-    return RMSMatch(input=x, output=out, nodes=nodes, epsilon=eps, weight=weight, last=nodes[-1])
+    return RMSMatch(input=x, dtype=x.dtype, output=out, nodes=nodes, epsilon=eps, weight=weight, last=nodes[-1])
 
 
 def _opset(model: ir.Model) -> int:
@@ -151,7 +158,7 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
             match = match_rms_norm(node)
             if match is None:
                 continue
-            dtype = match.input.dtype.numpy()
+            dtype = match.dtype.numpy()
             width = match.input.shape[-1] if match.input.shape is not None else None
             weight = match.weight
             if weight is None or weight.size == 1:
@@ -177,6 +184,47 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, self.fused > 0)
 
 
+def _decomposed_rms_norm(
+    graph: ir.Graph,
+    x: ir.Value,
+    dtype: ir.DataType,
+    scale: np.ndarray,
+    eps: float,
+    stem: str,
+    meta: dict[str, str],
+) -> list[ir.Node]:
+    """The nodes of RMSNorm(x) in the exporter's opset-20 form, named after `stem`, each with the metadata `meta`
+    (its constants become initializers of `graph`); the last one's output is the norm's."""
+    new: list[ir.Node] = []
+
+    def const(suffix: str, array: np.ndarray | np.generic) -> ir.Value:
+        return add_initializer(graph, f"{stem}.{suffix}", ir.tensor(np.asarray(array)), suffix="")
+
+    def op(op_type: str, *inputs: ir.Value, **attrs: int | ir.DataType) -> ir.Node:
+        return ir.node(
+            op_type,
+            list(inputs),
+            attrs or None,
+            name=f"{stem}.{len(new)}_{op_type.lower()}",
+            metadata_props=dict(meta),
+        )
+
+    xs = x
+    if dtype != _FLOAT:
+        new.append(op("Cast", x, to=_FLOAT))
+        xs = new[-1].outputs[0]
+    new.append(op("Pow", xs, const("two", np.float32(2.0))))
+    new.append(op("ReduceMean", new[-1].outputs[0], const("axes", np.array([-1], np.int64)), keepdims=1))
+    new.append(op("Add", new[-1].outputs[0], const("eps", np.float32(eps))))
+    new.append(op("Sqrt", new[-1].outputs[0]))
+    new.append(op("Reciprocal", new[-1].outputs[0]))
+    new.append(op("Mul", xs, new[-1].outputs[0]))
+    new.append(op("Mul", new[-1].outputs[0], const("weight", scale.astype(np.float32))))
+    if dtype != _FLOAT:
+        new.append(op("Cast", new[-1].outputs[0], to=dtype))
+    return new
+
+
 class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
     """Write each ONNX RMSNormalization (last axis) as the exporter's decomposed opset-20 form:
     [Cast f32] → Pow → ReduceMean → Add → Sqrt → Reciprocal → Mul → Mul(scale) [→ Cast back]."""
@@ -193,38 +241,10 @@ class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
                 continue
             scale = const_array(node.inputs[1])
             x, out = node.inputs[0], node.outputs[0]
-            if scale is None or x.dtype is None:
+            if scale is None or x is None or x.dtype is None:
                 continue
             eps = node.attributes.get_float("epsilon", 1e-5)
-            stem = out.name or "rms_norm"
-            meta = dict(node.metadata_props)
-
-            def const(suffix, array):
-                return add_initializer(graph, f"{stem}.{suffix}", ir.tensor(np.asarray(array)), suffix="")
-
-            def op(op_type, *inputs, **attrs):
-                return ir.node(
-                    op_type,
-                    list(inputs),
-                    attrs or None,
-                    name=f"{stem}.{len(new)}_{op_type.lower()}",
-                    metadata_props=dict(meta),
-                )
-
-            new = []
-            xs = x
-            if x.dtype != _FLOAT:
-                new.append(op("Cast", x, to=_FLOAT))
-                xs = new[-1].outputs[0]
-            new.append(op("Pow", xs, const("two", np.float32(2.0))))
-            new.append(op("ReduceMean", new[-1].outputs[0], const("axes", np.array([-1], np.int64)), keepdims=1))
-            new.append(op("Add", new[-1].outputs[0], const("eps", np.float32(eps))))
-            new.append(op("Sqrt", new[-1].outputs[0]))
-            new.append(op("Reciprocal", new[-1].outputs[0]))
-            new.append(op("Mul", xs, new[-1].outputs[0]))
-            new.append(op("Mul", new[-1].outputs[0], const("weight", scale.astype(np.float32))))
-            if x.dtype != _FLOAT:
-                new.append(op("Cast", new[-1].outputs[0], to=x.dtype))
+            new = _decomposed_rms_norm(graph, x, x.dtype, scale, eps, out.name or "rms_norm", dict(node.metadata_props))
             ir.convenience.replace_nodes_and_values(graph, node, [node], new, [out], [new[-1].outputs[0]])
             self.expanded += 1
         if self.expanded:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
 
-from taperfold.passes._graph import add_initializer, const_array, describe, remove_if_dead
+from taperfold.passes._graph import add_initializer, const_array, describe, node_label, remove_if_dead
 from taperfold.passes.detect import scopes
 from taperfold.passes.readers import weight_source
 from taperfold.passes.report import FusedGroup, LeftReader, ProjectionReport
@@ -50,12 +51,12 @@ class Sibling:
     @property
     def reads_nd(self) -> bool:
         """The node reads its weight as [N, K] (Gemm with transB=1), else [K, N]."""
-        return self.node.op_type == "Gemm" and bool(self.node.attributes.get_int("transB", 0))
+        return self.node.op_type == "Gemm" and self.node.attributes.get_int("transB", 0) != 0
 
     @property
     def shape(self) -> tuple[int, int]:
         """The weight as the node reads it."""
-        rows, cols = self.tensor.shape
+        rows, cols = self.tensor.shape.numpy()
         return (cols, rows) if self.stored_transposed else (rows, cols)
 
     @property
@@ -80,17 +81,20 @@ class Sibling:
 
     def bias_array(self) -> np.ndarray | None:
         if self.bias is not None:
-            return const_array(self.bias.inputs[self.bias_index]).reshape(-1)
-        if self.node.op_type == "Gemm" and len(self.node.inputs) > 2 and self.node.inputs[2] is not None:
-            return const_array(self.node.inputs[2]).reshape(-1)
-        return None
+            value = self.bias.inputs[self.bias_index]
+        elif self.node.op_type == "Gemm" and len(self.node.inputs) > 2:
+            value = self.node.inputs[2]
+        else:
+            return None
+        array = const_array(value)  # a constant: `sibling` checked it
+        return None if array is None else array.reshape(-1)
 
 
 def _onnx(node: ir.Node, *ops: str) -> bool:
     return node.domain == "" and node.op_type in ops
 
 
-def _per_channel(array: np.ndarray | None, n: int) -> bool:
+def _per_channel(array: np.ndarray | None, n: int) -> TypeGuard[np.ndarray]:
     return array is not None and array.size == n and all(dim == 1 for dim in array.shape[:-1])
 
 
@@ -105,7 +109,7 @@ def _bias_add(node: ir.Node, n: int) -> tuple[ir.Node, int] | None:
     array = const_array(bias)
     if not _per_channel(array, n) or (array.ndim > 1 and (out.shape is None or array.ndim > len(out.shape))):
         return None  # not one value per channel, or it would raise the output's rank
-    if bias.dtype != out.dtype:
+    if bias is None or bias.dtype != out.dtype:
         return None
     return add, 1 - i
 
@@ -159,14 +163,14 @@ def _weight_tensor(group: list[Sibling]) -> ir.LazyTensor:
     k = first.key()[3]
     shape = (total, k) if first.reads_nd else (k, total)
 
-    def compute() -> ir.Tensor:
+    def compute() -> ir.TensorProtocol:
         joined = np.concatenate([s.weight() for s in group], axis=0 if first.reads_nd else 1)
         return ir.tensor(np.ascontiguousarray(joined), dtype=first.tensor.dtype)
 
     return ir.LazyTensor(compute, dtype=first.tensor.dtype, shape=ir.Shape(shape))
 
 
-def _bias_tensor(group: list[Sibling]) -> ir.Tensor | None:
+def _bias_tensor(group: list[Sibling]) -> ir.TensorProtocol | None:
     """[b_1 ... b_n], zeros for a sibling without a bias; None when none has one."""
     biases = [s.bias_array() for s in group]
     if all(b is None for b in biases):
@@ -186,7 +190,8 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
     """Replace `group` (siblings reading `x`, in graph order) by one layer and a Split; return what was done."""
     first = group[0].node
     name = f"{first.name}_fused"
-    weight = add_initializer(graph, first.name or "projection", _weight_tensor(group), suffix=".fused_weight")
+    weight_tensor = _weight_tensor(group)
+    weight = add_initializer(graph, first.name or "projection", weight_tensor, suffix=".fused_weight")
     bias = _bias_tensor(group)
     bias_value = add_initializer(graph, first.name or "projection", bias, suffix=".fused_bias") if bias else None
     meta = dict(first.metadata_props)
@@ -233,7 +238,7 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
     # value info: the joined output is the first sibling's with the width summed
     shape = group[0].output.shape
     for step in new_nodes[:-1]:
-        step.outputs[0].dtype = weight.dtype
+        step.outputs[0].dtype = weight_tensor.dtype
         if shape is not None:
             step.outputs[0].shape = ir.Shape([*shape[:-1], sum(widths)])
     graph.insert_before(first, new_nodes)
@@ -250,10 +255,10 @@ def fuse_group(graph: ir.Graph, x: ir.Value, group: list[Sibling], opset: int) -
             old.name = f"{old_name}_unfused"
         dead += [s.node, *s.via, *([s.bias] if s.bias else [])]
     remove_if_dead(graph, dead)
-    nbytes = weight.const_value.nbytes + (bias.nbytes if bias is not None else 0)
+    nbytes = weight_tensor.nbytes + (bias.nbytes if bias is not None else 0)
     return FusedGroup(
         input=x.name or "",
-        nodes=[s.node.name for s in group],
+        nodes=[node_label(s.node) for s in group],
         modules=[_module(s.node) for s in group],
         fused=name,
         widths=widths,

@@ -11,27 +11,23 @@ import numpy as np
 import onnx_ir as ir
 
 from taperfold.norms import norm_kind
-from taperfold.passes._graph import remove_if_dead, write_const
+from taperfold.passes._graph import const_array, node_label, remove_if_dead, write_const
 from taperfold.passes.constants import AfterConstantsPass
-from taperfold.passes.detect import RealNorm, detect_norms
+from taperfold.passes.detect import detect_norms
 from taperfold.passes.readers import Blocked, move_into_readers, readers_of
 from taperfold.passes.report import NormStatus
 
 
-def _neutral_gain(graph: ir.Graph, norm: RealNorm) -> None:
-    """A fused norm keeps computing x̂: its scale becomes ones and its bias zeros (copies if shared)."""
-    node = norm.fused
-    scale_at, bias_at = norm_kind(norm.kind).fused_ops[node.op_type]
+def _neutral_gain(graph: ir.Graph, node: ir.Node, kind: str) -> None:
+    """The fused norm `node` of `kind` keeps computing x̂: its scale becomes ones and its bias zeros (copies if
+    shared)."""
+    scale_at, bias_at = norm_kind(kind).fused_ops[node.op_type]
     for index, value in ((scale_at, 1.0), (bias_at, 0.0)):
-        if index is not None and index < len(node.inputs) and node.inputs[index] is not None:
-            old = node.inputs[index].const_value
-            write_const(
-                graph,
-                node,
-                index,
-                ir.tensor(np.full(tuple(old.shape), value, old.dtype.numpy())),
-                base=node.inputs[index].name or node.name,
-            )
+        current = node.inputs[index] if index is not None and index < len(node.inputs) else None
+        old = const_array(current)  # a constant vector: detect took it for the gain
+        if index is not None and current is not None and old is not None:
+            neutral = ir.tensor(np.full(old.shape, value, old.dtype))
+            write_const(graph, node, index, neutral, base=current.name or node_label(node))
 
 
 class MergeNormWeightsPass(AfterConstantsPass):
@@ -53,10 +49,10 @@ class MergeNormWeightsPass(AfterConstantsPass):
             except Blocked as why:
                 entry.reason = f"real norm ({norm.form}); gain not merged: {why}"
                 continue
-            entry.consumers = [use.node.name for use in norm.gain.output.uses()]
+            entry.consumers = [node_label(use.node) for use in norm.gain.output.uses()]
             effects = move_into_readers(model.graph, norm.gain, readers)
             if norm.fused is not None:
-                _neutral_gain(model.graph, norm)
+                _neutral_gain(model.graph, norm.fused, norm.kind)
             remove_if_dead(model.graph, norm.gain.nodes)
             if norm.fused is None:  # a fused norm's output stays read, its gain now neutral
                 self.rewritten.append((norm.name, norm.gain.output))

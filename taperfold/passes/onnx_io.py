@@ -27,7 +27,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     check_graph(proto.graph, path)
     try:
         model = ir.serde.deserialize_model(proto)
-    except Exception as e:  # onnx_ir's SerdeError and whatever it wraps all mean the same here
+    except Exception as e:  # noqa: BLE001 - SerdeError, or what the parts onnx_ir does not wrap raise: all unreadable
         raise TaperfoldError(f"{path}: not a readable ONNX model ({first_line(e)})") from None
     ir.external_data.set_base_dir(model.graph, os.path.dirname(path))  # as ir.load does: weights beside the file
     return model

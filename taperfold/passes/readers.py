@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -33,10 +33,11 @@ from taperfold.passes._graph import (
     const_array,
     derived_tensor,
     describe,
+    fixed_tensor,
     folded_source,
     is_const,
-    is_fixed,
     last_dim,
+    node_producing,
     write_const,
 )
 
@@ -109,7 +110,7 @@ class WeightView:
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, cols = self.tensor.shape[-2:]
+        rows, cols = self.tensor.shape.numpy()[-2:]
         return (cols, rows) if self.transposed else (rows, cols)
 
     def weight(self) -> np.ndarray:
@@ -123,8 +124,8 @@ class LinearReader(WeightView, Reader):
     """MatMul(x, W), MatMul(W, x) or Gemm(x, W, [C]) with a constant W, or W a selection of matrices from a
     constant stack (Gather / GatherND along its first axis)."""
 
-    root: ir.Value = None  # the constant behind W (an initializer or Constant output)
-    tensor: ir.TensorProtocol = None  # its contents
+    root: ir.Value  # the constant behind W (an initializer or Constant output)
+    tensor: ir.TensorProtocol  # its contents
     via: list[ir.Node] = dataclasses.field(default_factory=list)  # Identity/Transpose/Gather nodes from W to root
     transposed: bool = False  # W[..., d, n] = tensor with its last two axes swapped
     reads_nd: bool = False  # node takes its weight as [..., n, d] (Gemm transB=1, MatMul(W, x))
@@ -154,11 +155,11 @@ class LinearReader(WeightView, Reader):
             return w.swapaxes(-1, -2) if as_nd else w
 
         d, n = self.shape
-        stack = tuple(self.tensor.shape[:-2])
+        stack = tuple(self.tensor.shape.numpy()[:-2])
         tensor = derived_tensor(compute, self.tensor.dtype, (*stack, *((n, d) if as_nd else (d, n))))
         path = [self.root, *(node.outputs[0] for node in self.via)]
         others = [u.node for v in path for u in v.uses() if u.node is not self.node and u.node not in self.via]
-        new = write_const(graph, at, index, tensor, base=self.root.name or self.node.name)
+        new = write_const(graph, at, index, tensor, base=self.root.name or self.node.name or "weight")
         if others:
             effects.copied.append(f"{self.root.name} -> {new.name} (also read by {describe(others[0])})")
         effects.bytes_rewritten += tensor.nbytes
@@ -170,12 +171,13 @@ class LinearReader(WeightView, Reader):
         shift = match.bias @ self.weight()
         if node.op_type == "Gemm":
             shift *= node.attributes.get_float("alpha", 1.0) / node.attributes.get_float("beta", 1.0)
-        old = const_array(at.inputs[index])
-        if old is None:
+        bias = at.inputs[index]
+        old = const_array(bias)
+        if bias is None or old is None:
             tensor, base = ir.tensor(shift.astype(self.tensor.dtype.numpy())), f"{node.name}.bias"
         else:
             tensor = ir.tensor((old.astype(np.float64) + shift).astype(old.dtype))
-            base = at.inputs[index].name or node.name
+            base = bias.name or node.name or "bias"
         write_const(graph, at, index, tensor, base=base)
         effects.bytes_rewritten += tensor.nbytes
 
@@ -204,7 +206,7 @@ def _onnx(node: ir.Node, *ops: str) -> bool:
     return node.domain == "" and node.op_type in ops
 
 
-def weight_source(value: ir.Value) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
+def weight_source(value: ir.Value | None) -> tuple[ir.Value, ir.TensorProtocol, list[ir.Node], bool] | None:
     """(root, tensor, via, transposed) for a constant 2-D float weight, seen through Identity/Transpose."""
     source = stacked_weight_source(value)
     if source is None or source.gather is not None or len(source.tensor.shape) != 2:
@@ -230,14 +232,16 @@ def _selects_matrices(node: ir.Node) -> bool:
     if _onnx(node, "Gather"):
         return node.attributes.get_int("axis", 0) == 0
     if _onnx(node, "GatherND") and node.attributes.get_int("batch_dims", 0) == 0:
-        ids = node.inputs[1].shape
-        return ids is not None and len(ids) > 0 and ids[-1] == 1
+        ids = node.inputs[1]
+        return ids is not None and ids.shape is not None and len(ids.shape) > 0 and ids.shape[-1] == 1
     return False
 
 
-def stacked_weight_source(value: ir.Value) -> WeightSource | None:
+def stacked_weight_source(value: ir.Value | None) -> WeightSource | None:
     """The constant float weight of rank >= 2 behind `value`, seen through Identity, Transpose of the last two
     axes and one selection of matrices (`_selects_matrices`); None when it is not one."""
+    if value is None:
+        return None
     via, transposed, gather, after_gather = [], False, None, False
     while (node := value.producer()) is not None:
         if _onnx(node, "Identity"):
@@ -252,13 +256,13 @@ def stacked_weight_source(value: ir.Value) -> WeightSource | None:
         else:
             break
         via.append(node)
-        value = node.inputs[0]
-    if is_fixed(value):
-        tensor = value.const_value
-    elif node is not None and _onnx(node, "Constant"):
+        source = node.inputs[0]
+        if source is None:
+            return None
+        value = source
+    tensor = fixed_tensor(value)
+    if tensor is None and node is not None and _onnx(node, "Constant"):
         tensor = ir.convenience.get_const_tensor(value)
-    else:
-        return None
     if tensor is None or len(tensor.shape) < (3 if gather is not None else 2) or tensor.dtype not in FLOAT_TYPES:
         return None
     return WeightSource(value, tensor, via, transposed, gather, transposed ^ after_gather)
@@ -299,14 +303,14 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
         return None
     if index != 0 and (node.op_type == "Gemm" or channels.axis != -2):  # not a column of channels
         raise Blocked(f"read by {describe(node)} as its weight")
-    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0:
         raise Blocked(f"read by {describe(node)} with transA=1")
     if channels.axis != (-1 if index == 0 else -2):  # the axis the layer contracts
         raise Blocked(f"read by {describe(node)}, which does not contract the channel axis")
     source = stacked_weight_source(node.inputs[weight_index(node, index)])
     if source is None:
         raise Blocked(f"read by {describe(node)} whose weight is not a constant")
-    reads_nd = index == 1 or (node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0)))
+    reads_nd = index == 1 or (node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0)
     reader = LinearReader(
         node,
         index,
@@ -333,10 +337,12 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
     return reader
 
 
-def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
+def _last_element(value: ir.Value | None, depth: int = 8) -> int | ir.Value | None:
     """The last element of a shape tensor: an int, or a Value meaning "the last dimension of that value"
     (legacy exports build `view(-1, x.size(-1))`'s shape as Concat(-1, Shape(x)[-1:]) at run time)."""
     for _ in range(depth):
+        if value is None:
+            return None
         array = const_array(value)
         if array is not None:
             return int(array.reshape(-1)[-1]) if array.size else None
@@ -358,10 +364,10 @@ def _last_element(value: ir.Value, depth: int = 8) -> int | ir.Value | None:
                 return None
             value = node.inputs[0]
         elif node.op_type == "Gather":  # Shape(x)[-1], or Shape(x)[i] with i the last axis of x (legacy exports)
-            index, shape = const_array(node.inputs[1]), node.inputs[0].producer()
-            if index is None or index.size != 1:
+            indices, shape = const_array(node.inputs[1]), node_producing(node.inputs[0])
+            if indices is None or indices.size != 1:
                 return None
-            index = int(index.reshape(-1)[0])
+            index = int(indices.reshape(-1)[0])
             if index != -1 and not (
                 shape is not None and _onnx(shape, "Shape") and _rank_of(shape.inputs[0]) == index + 1
             ):
@@ -457,14 +463,16 @@ def _infer_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
             continue
         op, inputs = node.op_type, [rank(v) for v in node.inputs]
         first = inputs[0] if inputs else None
+        second = inputs[1] if len(inputs) > 1 else None
+        known = [r for r in inputs if r is not None]
         out = None
         if op == "Constant":
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             out = None if tensor is None else len(tensor.shape)
         elif op == "Shape":
             out = 1
-        elif op == "Gather" and None not in inputs[:2]:
-            out = inputs[0] - 1 + inputs[1]
+        elif op == "Gather" and first is not None and second is not None:
+            out = first - 1 + second
         elif op in ("Unsqueeze", "Squeeze") and first is not None and (axes := _axes(node)) is not None:
             out = first + len(axes) if op == "Unsqueeze" else first - len(axes)
         elif op in ("Reshape", "Expand", "ConstantOfShape"):
@@ -474,18 +482,22 @@ def _infer_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
             out = 2
         elif op in _SAME_RANK:
             out = first
-        elif op in _BROADCAST and inputs and None not in inputs:
-            out = max(inputs)
-        elif op == "MatMul" and None not in inputs[:2] and min(inputs[:2]) >= 2:
-            out = max(inputs[:2])
+        elif op in _BROADCAST and inputs and len(known) == len(inputs):
+            out = max(known)
+        elif op == "MatMul" and first is not None and second is not None and min(first, second) >= 2:
+            out = max(first, second)
         if out is not None:
             ranks[node.outputs[0]] = out
     return ranks
 
 
-def _length(value: ir.Value, rank: Callable[[ir.Value], int | None] | None = None, depth: int = 8) -> int | None:
+def _length(
+    value: ir.Value | None, rank: Callable[[ir.Value | None], int | None] | None = None, depth: int = 8
+) -> int | None:
     """The number of elements of a 1-D shape tensor (Concat's parts: constants and unsqueezed scalars); `rank`
     gives values' ranks (`_rank_of` by default)."""
+    if value is None:
+        return None
     if value.shape is not None and len(value.shape) == 1 and isinstance(value.shape[0], int):
         return value.shape[0]
     array = const_array(value)
@@ -496,7 +508,8 @@ def _length(value: ir.Value, rank: Callable[[ir.Value], int | None] | None = Non
         return None
     if node.op_type == "Concat":
         parts = [_length(v, rank, depth - 1) for v in node.inputs]
-        return None if None in parts else sum(parts)
+        known = [part for part in parts if part is not None]
+        return sum(known) if len(known) == len(parts) else None
     if node.op_type == "Unsqueeze" and (rank or _rank_of)(node.inputs[0]) == 0:
         return 1
     return None
@@ -540,9 +553,9 @@ def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch, channe
     return _passing_on(node, index, match, Channels(-1, last is not None, rank))
 
 
-def _rank(value: ir.Value, match: NormMatch) -> int | None:
+def _rank(value: ir.Value | None, match: NormMatch) -> int | None:
     for v in (value, match.output, match.input):
-        if v.shape is not None:
+        if v is not None and v.shape is not None:
             return len(v.shape)
     return None
 
@@ -553,6 +566,7 @@ def slice_keeping_channels(node: ir.Node, index: int, match: NormMatch, channels
     if not _onnx(node, "Slice", "Gather") or index != 0:
         return None
     rank = channels.rank if channels.rank is not None else _rank(node.inputs[0], match)
+    axes: Sequence[int] | np.ndarray | None
     if node.op_type == "Gather":
         axes = [node.attributes.get_int("axis", 0)]
     else:
@@ -584,8 +598,10 @@ def rows_copied(node: ir.Node, index: int, match: NormMatch, channels: Channels)
         rank = None if rank is None or axes is None else rank + len(axes)
         if axes is None or (rank is None and any(a >= 0 for a in axes)):
             raise Blocked(f"read by {describe(node)} whose axes are not known before run time")
+        # from the end: every axis is negative already where the rank is unknown
+        positions = axes if rank is None else [a if a < 0 else a - rank for a in axes]
         axis = channels.axis
-        for position in sorted((a if a < 0 else a - rank for a in axes), reverse=True):
+        for position in sorted(positions, reverse=True):
             if position >= axis:  # a new axis after the channel axis
                 axis -= 1
         return _passing_on(node, index, match, Channels(axis, channels.exact, rank))
