@@ -39,7 +39,7 @@ def run_cell(family: str, exporter: str, opset: int, models: tuple, work: Path) 
     for name, model in (("tapered", tapered), ("original", original)):
         try:
             src = export(model, work / f"{name}.onnx", exporter, opset)
-        except Exception as e:  # an exporter that cannot export this family at this opset: recorded
+        except Exception as e:  # noqa: BLE001 - an exporter that cannot export this family at this opset: recorded
             row["error"] = f"export failed: {first_line(e)[:120]}"
             return row
         report = fold_onnx_file(src, work / f"{name}.folded.onnx")
@@ -57,7 +57,7 @@ def run_cell(family: str, exporter: str, opset: int, models: tuple, work: Path) 
             )
         try:
             check = check_fold(src, work / f"{name}.folded.onnx", SHAPES)
-        except Exception as e:  # ONNX Runtime cannot run the exported model itself
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime cannot run the exported model itself: recorded
             row[f"{name}_check_error"] = first_line(e)[:160]
             continue
         if name == "tapered":

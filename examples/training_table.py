@@ -20,10 +20,11 @@ NAMES = {
 
 def main(path: str) -> None:
     runs = defaultdict(list)
-    for line in open(path):
-        if line.strip():
-            r = json.loads(line)
-            runs[(r["arch"], r["taper"], r["aux"])].append(r)
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                runs[(r["arch"], r["taper"], r["aux"])].append(r)
     print("| arch | variant | seeds | validation loss | vs baseline | train time (s, median) |")
     print("|---|---|---|---|---|---|")
     for arch in sorted({k[0] for k in runs}):
