@@ -15,7 +15,7 @@ from taperfold.clickutil import SEED, AliasedOption, FiniteFloatRange
 from taperfold.compare import tolerance_help
 from taperfold.engines import ENGINES
 from taperfold.errors import NumericMismatch, TaperfoldError
-from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIANTS
+from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIANTS, Graph, kv_cache
 from taperfold.interrupts import interrupted_line
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
@@ -401,7 +401,7 @@ def export(
     _print_json(result.manifest.to_json()) if as_json else print_export(result.manifest, result.out_dir)
 
 
-def _kv_caches(option: str | None) -> tuple[str, ...]:
+def _kv_caches(option: str | None) -> tuple[Graph, ...]:
     """--kv-cache's value as the decoders to export: none without the flag, the growing one for the flag alone (its
     spelling before static caches), else the comma-separated caches it names (an empty name is refused)."""
     if option is None:
@@ -409,7 +409,7 @@ def _kv_caches(option: str | None) -> tuple[str, ...]:
     caches = tuple(part.strip() for part in option.split(","))
     if not all(caches):
         raise TaperfoldError(f"--kv-cache {option!r}: name growing, static, or growing,static")
-    return caches
+    return tuple(kv_cache(cache) for cache in caches)
 
 
 # ---- verify ------------------------------------------------------------------------------------------

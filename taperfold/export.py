@@ -39,9 +39,10 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -149,9 +150,13 @@ class _Decoder(nn.Module):
         return logits, *[t for kv in present for t in kv]
 
 
-class _StaticDecoder(_Decoder):
+class _StaticDecoder(nn.Module):
     """The static cache's decoder: the model writes the new keys and values into its cache buffers in place; the
     copies make the exported graph a function of its inputs (ScatterElements(past) → present, no copy node)."""
+
+    def __init__(self, model: TaperedLM):
+        super().__init__()
+        self.model = model  # under the same path as in _Decoder: module paths gain _Decoder.prefix
 
     def forward(self, input_ids, cache_position, past: list[torch.Tensor]):
         pairs = [(past[2 * i].clone(), past[2 * i + 1].clone()) for i in range(len(past) // 2)]
@@ -223,9 +228,11 @@ def _keep_near_identity_constants(model_ir) -> None:
         positions, identity = _NEAR_IDENTITY.get(node.op_type, ((), None))
         for i in positions:
             other = node.inputs[1 - i] if len(node.inputs) == 2 else None
-            tensor = ir.convenience.get_const_tensor(node.inputs[i]) if node.inputs[i] is not None else None
+            value = node.inputs[i]
+            tensor = ir.convenience.get_const_tensor(value) if value is not None else None
             if (
-                tensor is None
+                identity is None
+                or tensor is None
                 or other is None
                 or other.shape is None
                 or other.shape.rank() == 0
@@ -260,6 +267,10 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
     seq_len, past_len = trace_lengths(cfg.max_seq_len)
     ids = torch.randint(0, cfg.vocab_size, (TRACE_SHAPE[0], seq_len))
+    module: nn.Module
+    args: tuple
+    kwargs: dict[str, Any] = {}
+    shapes: Any  # per input: the dynamic axes torch.export takes
     if graph == STATIC:
         cache_len = static_cache_length(cfg, opts)
         seq = torch.export.Dim("sequence", min=1, max=cache_len)
@@ -268,7 +279,7 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, cache_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
-        module, args, kwargs = _StaticDecoder(model), (ids, torch.arange(seq_len), past), {}
+        module, args = _StaticDecoder(model), (ids, torch.arange(seq_len), past)
         shapes = ({0: batch, 1: seq}, {0: seq}, [{0: batch}] * len(past))
     elif graph == GROWING:
         past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
@@ -277,7 +288,6 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         inputs, outputs = decoder_io_names(cfg.n_layers, GROWING)
         module, args = _Decoder(model), (ids, past)
         shapes = ({0: batch, 1: seq}, [{0: batch, 2: past_dim}] * len(past))
-        kwargs = {}
     else:
         module, args, kwargs = model, (ids,), {"logits": opts.logits}
         inputs, outputs = [INPUT], [OUTPUT]
@@ -301,6 +311,7 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
                     else None
                 ),
             )
+            assert program is not None  # dynamo=True always returns the program
             _keep_near_identity_constants(program.model)
             program.optimize()
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
@@ -370,7 +381,9 @@ def export_checkpoint(
             f"context of {MIN_CONTEXT} or more"
         )
     dtype = torch_dtype(opts.dtype)
-    sources = []  # (variant, model); the folded graphs are the unfolded ones after the passes
+    sources: list[
+        tuple[str, TaperedLM]
+    ] = []  # (variant, model); the folded graphs are the unfolded ones after the passes
     if opts.baseline or not source.tapered:
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
@@ -479,7 +492,7 @@ def graph_passes(
 
 
 def export_graphs(
-    sources: list[tuple[str, nn.Module]], folder: Path, opts: ExportOptions, on_stage=lambda name: None
+    sources: Sequence[tuple[str, TaperedLM]], folder: Path, opts: ExportOptions, on_stage=lambda name: None
 ) -> ExportedGraphs:
     """Export each (variant, model) of `sources` ("baseline" and/or "unfolded") into `folder`, and the
     KV-cache decoders `opts.decoders` names; an unfolded graph is also folded and written as `folded`. The fold

@@ -126,7 +126,14 @@ def check_graph(graph: str) -> Graph:
     """`graph` if it names one of GRAPHS, else a ValueError (a programming error: users name caches through flags)."""
     if graph not in GRAPHS:
         raise ValueError(f"a graph is one of {GRAPHS}, got {graph!r}")
-    return graph  # type: ignore[return-value]  # checked just above
+    return graph
+
+
+def kv_cache(name: str) -> Graph:
+    """The decoder graph `--kv-cache` names, or one line listing what it takes."""
+    if name not in KV_CACHES:
+        raise TaperfoldError(f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got {name}")
+    return check_graph(name)
 
 
 def is_decoder(graph: Graph) -> bool:

@@ -61,7 +61,8 @@ class Profile:
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """(min, opt, max) shapes of `input_ids`, as `IOptimizationProfile.set_shape` takes them."""
-        return tuple((b, s) for b, s in zip(self.batch, self.sequence))
+        (b0, b1, b2), (s0, s1, s2) = self.batch, self.sequence
+        return (b0, s0), (b1, s1), (b2, s2)
 
     def to_dict(self) -> dict:
         return {"input": INPUT, "batch": list(self.batch), "sequence": list(self.sequence)}

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from taperfold.exportdir import CACHE_POSITION, NEXT_TOKEN, OUTPUT, prompt_feeds, step_feeds
-from taperfold.models import ModelConfig
 from taperfold.runners.base import Runner
+from taperfold.sources.base import ModelShape
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Generation:
 
 
 def generate(
-    runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelConfig, dtype: str, cache_len: int | None = None
+    runner: Runner, prompt_ids: np.ndarray, steps: int, cfg: ModelShape, dtype: str, cache_len: int | None = None
 ) -> Generation:
     """A prompt and `steps` greedy steps; `cache_len`: the static cache's length, for a runner of a static decoder."""
     static = CACHE_POSITION in runner.input_names

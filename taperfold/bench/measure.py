@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from taperfold.exportdir import (
 )
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
+from taperfold.sources.base import ModelShape
 from taperfold.variants import build_variants, fused_group_count
 
 GENERATION = "generation"
@@ -180,7 +182,7 @@ def _check_exported(manifest, variants: list[str], graph: Graph) -> None:
 class LoadedBench:
     source: Source
     opts: BenchOptions
-    cfg: ModelConfig
+    cfg: ModelShape
     dtype: str
     threads: int
     runners: dict[str, Runner]
@@ -287,6 +289,7 @@ def make_runners(
     if graph != PREFILL and not engine.decodes:
         others = " or ".join(f"--engine {e}" for e, spec in ENGINES.items() if spec.decodes)
         raise TaperfoldError(f"--mode decode: {engine.title} runs no KV-cached decoders; use {others}")
+    targets: dict[str, Any]  # what each runner opens: a file, or a torch model
     if not engine.runs_models:
         if source.manifest is None:
             raise TaperfoldError(
@@ -301,8 +304,9 @@ def make_runners(
         targets = engine.files(source.manifest, variants, graph)
         groups = {name: _exported_groups(source.manifest, name, graph) for name in targets}
     else:
-        targets = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
-        groups = {name: fused_group_count(model) for name, model in targets.items()}
+        models = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
+        groups = {name: fused_group_count(model) for name, model in models.items()}
+        targets = dict(models)
     replays = [False, True] if options.get("cuda_graph") else [False]
     runners = {}
     for name, target in targets.items():

@@ -15,12 +15,13 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError
 from taperfold.manifest import Manifest, read_manifest
 from taperfold.sources import ModelSource, open_source
+from taperfold.sources.base import ModelShape
 
 
 @dataclass
 class Source:
     label: str  # names it in errors: the directory, the checkpoint, or "--preset NAME"
-    config: object  # the model's shape (ModelSource.config)
+    config: ModelShape  # the model's shape (ModelSource.config)
     model_source: Callable[[], ModelSource]  # a tapered model source, opened when a torch engine needs it
     manifest: Manifest | None  # set for an export directory
     description: dict  # the report's `source`
@@ -60,6 +61,7 @@ def resolve_source(export_dir: str | None, checkpoint: str | None, preset: str |
     if checkpoint:
         model_source = _tapered(open_source(checkpoint), checkpoint)
         return Source(str(checkpoint), model_source.config, lambda: model_source, None, description)
+    assert export_dir is not None  # exactly one of the three, checked above
     manifest = read_manifest(export_dir)
     return Source(str(export_dir), manifest.config(), lambda: _exported_checkpoint(manifest), manifest, description)
 

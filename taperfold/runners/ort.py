@@ -232,8 +232,9 @@ class OrtRunner(Runner):
         self.threads = threads
         self.optimization = optimization
         self.cuda_graph = cuda_graph
-        self.session = None
-        self._queued = self._sync_binding = None  # CUDA: RunOptions that queue a run, a binding to synchronize with
+        self.session: Any = None  # an onnxruntime.InferenceSession once loaded
+        self._queued: Any = None
+        self._sync_binding: Any = None  # CUDA: RunOptions that queue a run, a binding to synchronize with
         self.setup_log: list[tuple[str, tuple, float]] = []  # ("capture", shape signature, seconds) per slot
         self._shared: dict[str, str] = {}  # a static decoder's present -> past: one buffer each (shared_cache_buffers)
         self._slots: dict[tuple, GraphSlot] = {}

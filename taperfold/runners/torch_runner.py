@@ -135,7 +135,7 @@ class TorchRunner(Runner):
         self._specs = {n: InputSpec(rank=4, floating=True) for n in self._inputs}
         self._specs[INPUT] = InputSpec(rank=2, floating=False)
         self._specs[CACHE_POSITION] = InputSpec(rank=1, floating=False)
-        self._module = None
+        self._module: Any = None  # the model, or its compiled forward
         # one-off work per input shape, outside every timing: ("compile" | "capture", shape signature, seconds)
         self.setup_log: list[tuple[str, tuple, float]] = []
         self._seen: set[tuple] = set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -86,13 +87,16 @@ class TrtRunner(Runner):
             }
             self._stream = torch.cuda.Stream(self._device)  # TensorRT warns about the default stream
         self._engine, self._context = engine, context
-        self._bound = None  # the prepared inputs whose shapes and addresses the context holds
-        self._graphs = weakref.WeakKeyDictionary()
+        self._bound: _Prepared | None = None  # the prepared inputs whose shapes and addresses the context holds
+        self._bound_outputs: dict[str, torch.Tensor] = {}
+        self._graphs: weakref.WeakKeyDictionary[_Prepared, Any] = weakref.WeakKeyDictionary()
 
     def _close(self) -> None:
         # a graph and a context reference memory of the engine: release them first
-        self._graphs = self._bound = self._bound_outputs = None
-        self._context = self._engine = self._runtime = self._out_buffers = None
+        self._graphs = weakref.WeakKeyDictionary()
+        self._bound, self._bound_outputs = None, {}
+        self._context = self._engine = self._runtime = None
+        self._out_buffers = {}
 
     # ---- running ----
 

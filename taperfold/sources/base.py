@@ -19,13 +19,45 @@ from taperfold.fsutil import sha256_file
 from taperfold.taper import TaperedLM
 
 
+class ModelShape(Protocol):
+    """A model's shape as every tool reads it: taperfold's ModelConfig and a transformers model's HFModelInfo."""
+
+    @property
+    def arch(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def taper(self) -> str: ...
+    @property
+    def norm_kind(self) -> str: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def aux(self) -> bool: ...
+    @property
+    def tokenizer(self) -> str: ...
+    def to_dict(self) -> dict: ...
+
+
 class ModelSource(abc.ABC):
     """One model, validated, its weights in memory. `config` gives its shape as every tool reads it
     (arch, vocab_size, d_model, n_layers, n_heads, kv_heads, head_dim, max_seq_len, taper, norm_kind,
     tie_embeddings, aux, tokenizer; `to_dict()` for manifests and reports)."""
 
     path: Path | None
-    config: object
+    config: ModelShape
     family: Family
     gate: float  # the gate the weights were saved at (1 for a plain model)
     step: int
@@ -80,10 +112,15 @@ def checkpoint_digest(path: Path) -> str:
 class FineTuned(Protocol):
     """What a kind's `fine_tune` returns (`taperfold train --from`), and `taperfold.train.train` too."""
 
-    gate: float
-    val_loss: float
-    seconds: float
-    tokenizer_name: str  # "bytes", or "hf" for a transformers directory's own tokenizer
+    @property
+    def gate(self) -> float: ...
+    @property
+    def val_loss(self) -> float: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def tokenizer_name(self) -> str:  # "bytes", or "hf" for a transformers directory's own tokenizer
+        ...
 
     def save(self, out: str | Path) -> Path:
         """Write the trained model in its source's format."""
@@ -95,7 +132,7 @@ class SourceKind:
     claims: Callable[[Path], bool]  # is this path one of mine (reads a header at most)
     open: Callable[[Path], ModelSource]
     wrote_config: Callable[[dict], bool]  # is this manifest `config` one a source of mine wrote
-    config_from_dict: Callable[[dict], object]
+    config_from_dict: Callable[[dict], ModelShape]
     # (path, TrainOptions, data files, taper=, aux=, on_step=) -> FineTuned: `taperfold train --from`
     fine_tune: Callable[..., FineTuned] | None = None
     # a name that is no path (a Hub model id) -> the local directory it stands for, or None when it is not one

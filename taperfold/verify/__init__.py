@@ -97,7 +97,8 @@ class TorchModels(Mapping):
     manifest.json as the first time)."""
 
     def __init__(self, manifest: Manifest, source: ModelSource, builders: dict[str, Callable[[ModelSource], object]]):
-        self._manifest, self._source, self._builders = manifest, source, builders
+        self._manifest, self._builders = manifest, builders
+        self._source: ModelSource | None = source
 
     def __getitem__(self, name: str):
         if self._source is None:

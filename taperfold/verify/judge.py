@@ -10,6 +10,7 @@ holding its first graph to the torch model: that graph's own distance from the t
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,7 @@ class Judge:
     """Compares pairs as their models' outputs arrive (`take`), then concludes them (`results`). `given`: the bounds
     the user set (rtol, max_kl), never widened."""
 
-    def __init__(self, pairs: list[PlannedPair], given: set[str] = frozenset()):
+    def __init__(self, pairs: list[PlannedPair], given: Collection[str] = ()):
         self.pairs = pairs
         self.given = given
         self._waiting = [p for p in pairs if p.result.status != "skipped"]

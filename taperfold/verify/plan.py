@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from taperfold.artifacts import artifact_kind, is_registered
 from taperfold.artifacts.base import CHECKED, ArtifactRecord
 from taperfold.compare import Tolerance, default_tolerance
@@ -37,6 +39,7 @@ from taperfold.exportdir import (
     GROWING,
     PREFILL,
     UNFOLDED,
+    Graph,
 )
 from taperfold.manifest import Manifest
 from taperfold.verify.inputs import DECODE_STEPS, InputBatch, decode_cases
@@ -66,7 +69,7 @@ class PlanContext:
     cfg: Any  # the model's shape
     torch_models: Mapping[str, object]
     release_checkpoint: Callable[[], None]
-    batches: list[tuple[InputBatch, object]]  # (batch, its checked ids)
+    batches: list[tuple[InputBatch, np.ndarray]]  # (batch, its checked ids)
     device: str
     threads: int | None
     tolerances: dict
@@ -108,7 +111,7 @@ def make_plan(ctx: PlanContext) -> Plan:
             kv_dtype=manifest.dtype,
         )
 
-    def torch_cases(name: str, graph: str, cases: list[Case]) -> None:
+    def torch_cases(name: str, graph: Graph, cases: list[Case]) -> None:
         run = runs.get((name, graph))
         if run is None:
             engine = ENGINES[REFERENCE_ENGINE]

@@ -38,7 +38,8 @@ def _finite_or_none(obj: Any) -> Any:
 def _metrics_from(data: dict | None) -> Metrics | None:
     if data is None:
         return None
-    return Metrics(**{k: math.nan if v is None else v for k, v in data.items()})
+    values: dict[str, Any] = {k: math.nan if v is None else v for k, v in data.items()}
+    return Metrics(**values)
 
 
 @dataclass
