@@ -716,7 +716,11 @@ def bench(
             Output(plot_path, "--plot", stream=True),
             Output(dir_report, BENCH_REPORTS[mode]),
         ],
-        inputs=[checkpoint, *_export_files(export_dir, keep=dir_report)],
+        inputs=[
+            checkpoint,
+            source.manifest and source.manifest.checkpoint,
+            *_export_files(export_dir, keep=dir_report),
+        ],
     )
     engine = engine or ("ort" if export_dir else "torch")
     opts = BenchOptions(

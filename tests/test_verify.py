@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -435,3 +436,18 @@ def test_verify_refuses_a_nan_bound_and_writes_nothing(tiny_export, tmp_path, cl
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_verify_on_cuda_without_a_gpu_is_one_line(tiny_export, cli):
     one_line(cli("verify", tiny_export, "--device", "cuda"), "--device cuda")
+
+
+@pytest.mark.parametrize("command, report", [(("verify",), "verify.json"),
+                                             (("bench", "--seq", "8", "--iters", "1", "--warmup", "0"), "bench.json")])
+@pytest.mark.parametrize("target", ["model.onnx.data", "checkpoint"])
+def test_a_report_planted_as_a_symlink_onto_an_input_is_refused(cli, tiny_export, tiny_checkpoint, tmp_path, command,
+                                                                report, target):
+    out = shutil.copytree(tiny_export, tmp_path / "out")
+    victim = out / "model.onnx.data" if target == "model.onnx.data" else Path(tiny_checkpoint)
+    before = victim.read_bytes()
+    (out / report).unlink(missing_ok=True)
+    (out / report).symlink_to(victim)
+    result = cli(command[0], out, *command[1:])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "would overwrite the input" in result.stderr and victim.read_bytes() == before
