@@ -26,12 +26,12 @@ from types import MappingProxyType
 from typing import Any
 
 from taperfold.artifacts import register_kind
-from taperfold.artifacts.base import CHECKED, EXPORT, ArtifactKind, ArtifactRecord, Field
+from taperfold.artifacts.base import CHECKED, EXPORT, ArtifactKind, ArtifactRecord, Export, Field
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.fsutil import sha256_file, write_json_atomic
-from taperfold.manifest import Manifest, read_manifest
+from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
 from taperfold.verify import verify_export
 
@@ -52,7 +52,7 @@ class ModelCard(ArtifactKind):
         }
     )
 
-    def build(self, manifest: Manifest, **options: Any) -> list[ArtifactRecord]:
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
         graphs = [
             {
                 "key": r.key,
@@ -83,7 +83,7 @@ class ModelCard(ArtifactKind):
             )
         ]
 
-    def check(self, manifest: Manifest, record: ArtifactRecord) -> list[str]:
+    def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         problems = super().check(manifest, record)  # the file is there, with the size recorded
         if problems:
             return problems

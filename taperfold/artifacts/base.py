@@ -18,13 +18,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import PREFILL, Graph, graph_key
-
-if TYPE_CHECKING:
-    from taperfold.manifest import Manifest
 
 # What a kind is built from, besides another kind's artifacts (named by that kind's name)
 TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself
@@ -113,6 +110,32 @@ class ArtifactRecord:
         )
 
 
+class Export(Protocol):
+    """What a kind reads of an export directory and its manifest (taperfold.manifest.Manifest is one; the manifest
+    in turn checks its entries against the kinds, so the kinds name this rather than the class)."""
+
+    @property
+    def directory(self) -> Path: ...
+    @property
+    def path(self) -> Path: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def checkpoint(self) -> Path: ...
+    @property
+    def gate(self) -> float: ...
+    @property
+    def config_data(self) -> dict: ...
+    def records(self, kind: str | None = None) -> list[ArtifactRecord]: ...
+    def find(
+        self, variant: str, graph: Graph = PREFILL, kind: str = ..., precision: str | None = None
+    ) -> ArtifactRecord | None: ...
+    def artifact(self, variant: str, graph: Graph = PREFILL, kind: str = ..., precision: str | None = None) -> Path: ...
+    def file(self, record: ArtifactRecord) -> Path: ...
+    def report(self, key: str, name: str) -> dict | None: ...
+    def build(self, kind: str, **options: Any) -> list[ArtifactRecord]: ...
+
+
 class ArtifactKind:
     """One kind of artifact. Subclass it, set the class attributes, override what the kind does, and register an
     instance (taperfold.artifacts.register_kind)."""
@@ -136,7 +159,7 @@ class ArtifactKind:
 
     # ---- building ----
 
-    def build(self, manifest: Manifest, **options: Any) -> list[ArtifactRecord]:
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
         """Write this kind's artifacts into `manifest`'s directory (each file atomically) and return their records;
         the caller adds them to the manifest. Kinds built from the torch variants are written by export instead."""
         raise TaperfoldError(f"artifact kind {self.name!r} is written by `taperfold export`, not built afterwards")
@@ -147,14 +170,14 @@ class ArtifactKind:
 
     # ---- running ----
 
-    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
+    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
         """{variant: file} of this kind's artifacts of `graph`, for an engine that runs them (one line naming
         manifest.json's key when one is missing)."""
         return {variant: manifest.artifact(variant, graph, self.name) for variant in variants}
 
     # ---- verification ----
 
-    def check(self, manifest: Manifest, record: ArtifactRecord) -> list[str]:
+    def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """What is wrong with `record`'s artifact (empty: nothing). The default: its files are where the manifest
         says, with the sizes it records; a CHECKED kind adds what its content must hold."""
         problems = []

@@ -19,7 +19,7 @@ from typing import Any
 
 from taperfold import trt_support
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, register_kind
-from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Field
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, Field
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path
@@ -182,7 +182,7 @@ def build_engine(
     }
 
 
-def _resolve_profile(manifest: Manifest, profile: Profile | None) -> Profile:
+def _resolve_profile(manifest: Export, profile: Profile | None) -> Profile:
     """The given profile, else the one earlier engines in this folder used (so that every variant the
     benchmark compares was built for the same shapes), else the defaults."""
     max_seq_len = manifest.config_data["max_seq_len"]
@@ -215,7 +215,7 @@ class TensorrtPlan(ArtifactKind):
         }
     )
 
-    def build(self, manifest: Manifest, **options: Any) -> list[ArtifactRecord]:
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
         """Engines of `variants` (default: folded) for `profile` (default: the folder's earlier engines', else
         make_profile's), one timing cache (`trt.timing-cache`) shared by all builds in the folder."""
         variants = [ALIASES.get(v, v) for v in options.get("variants", (FOLDED,))]
@@ -261,7 +261,7 @@ class TensorrtPlan(ArtifactKind):
             if options.get(what) is not None:
                 _triple(options[what], what)
 
-    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
+    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
         """The engines of `variants`, built from their ONNX graphs when missing or stale."""
         if graph != PREFILL:
             raise TaperfoldError(f"TensorRT engines are built for prefill graphs only, not {graph} decoders")
@@ -272,7 +272,7 @@ class TensorrtPlan(ArtifactKind):
             manifest.artifact(variant)
         return ensure_engines(manifest, variants)
 
-    def is_fresh(self, manifest: Manifest, record: ArtifactRecord, profile: Profile, version: str) -> bool:
+    def is_fresh(self, manifest: Export, record: ArtifactRecord, profile: Profile, version: str) -> bool:
         """Whether `record`'s engine can be run as it is: its file is there, built by this TensorRT for `profile`."""
         return (
             (manifest.directory / record.path).is_file()
@@ -300,7 +300,7 @@ def build_engine_for_export(
 
 
 def ensure_engines(
-    manifest: Manifest, variants, profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
+    manifest: Export, variants, profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
 ) -> dict[str, Path]:
     """Paths of the engines of `variants`, building (and recording) those that are missing or stale (another
     TensorRT version or another profile than asked for)."""
