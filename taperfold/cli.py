@@ -685,7 +685,9 @@ def bench(
         AUTO,
         DEFAULT_PROMPT,
         DEFAULT_SEQS,
+        FUSED,
         MAX_BATCH,
+        UNFUSED,
         BenchOptions,
         cells,
         fit_to_context,
@@ -740,7 +742,7 @@ def bench(
         threads=threads,
         engine_options=changed_options(engine_options),
         seed=seed,
-        fuse_projections=AUTO if fuse_projections is None else fuse_projections,
+        fuse_projections=AUTO if fuse_projections is None else FUSED if fuse_projections else UNFUSED,
     )
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:

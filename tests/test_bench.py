@@ -197,7 +197,7 @@ class LaunchBoundRunner(Runner):
 
 def launch_bound_engine(fail_at: int | None = None) -> Engine:
     """Stands in for the torch engine (its name and options, so that the CLI's flags still map to an engine)."""
-    def open_runner(model, *, device, threads, decoder, logits, name, shapes=None, **options):
+    def open_runner(model, *, device, threads, graph, logits, name, shapes=None, **options):
         return LaunchBoundRunner(name, fail_at)
 
     return Engine("torch", "Launch-bound", MODELS, default_device="cpu", devices=("cpu",), decodes=False,

@@ -191,7 +191,7 @@ class FakeRunner(Runner):
 
 @pytest.fixture
 def fake_engine(monkeypatch):
-    def open_fake(model, *, device, threads, decoder, logits, name, shapes=None, cuda_graph=False):
+    def open_fake(model, *, device, threads, graph, logits, name, shapes=None, cuda_graph=False):
         return FakeRunner(name.split(" ")[0], cuda_graph, model.cfg.vocab_size)
 
     fake = Engine("fake", "Fake", MODELS, default_device="cuda", devices=("cpu", "cuda"), decodes=False,

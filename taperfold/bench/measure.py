@@ -62,6 +62,7 @@ MAX_BATCH = MAX_EXPORT_BATCH
 # The choice an option leaves to bench when the user makes none: --kv-cache (static where the export, or for torch the
 # model, has static decoders) and --fuse-projections (as the export in DIR did; unfused for a checkpoint or preset)
 AUTO = "auto"
+FUSED, UNFUSED = "fused", "unfused"  # --fuse-projections / --no-fuse-projections
 
 
 @dataclass
@@ -82,7 +83,7 @@ class BenchOptions:
     threads: int | None = None  # None: torch's default (the physical cores), used for every engine
     engine_options: dict = field(default_factory=dict)  # runner keyword options the user set (engines.Option)
     seed: int = 0
-    fuse_projections: bool | str = AUTO  # torch: sibling projections as one layer (True | False | AUTO)
+    fuse_projections: str = AUTO  # torch: sibling projections as one layer: FUSED | UNFUSED | AUTO
 
     @property
     def schedule(self) -> Schedule:
@@ -245,7 +246,7 @@ def execution_of(runner: Runner) -> str:
     return getattr(runner, "execution", "cuda-graph" if getattr(runner, "cuda_graph", False) else "eager")
 
 
-def fused_projections(engine: Engine, source: Source, asked: bool | str = AUTO) -> bool:
+def fused_projections(engine: Engine, source: Source, asked: str = AUTO) -> bool:
     """Whether the variants bench times run each group of sibling projections (q/k/v, gate/up) as one layer.
 
     Exported graphs run as export wrote them (`export --no-fuse-projections` is the switch there); a
@@ -253,18 +254,20 @@ def fused_projections(engine: Engine, source: Source, asked: bool | str = AUTO) 
     as asked, and by default as the export they come from (manifest `export.fuse_projections`): `bench DIR` on
     torch and on ONNX Runtime then times the same layers, the comparison a user of a fused export expects. A
     checkpoint or preset has no export to match and runs its layers as the model defines them (unfused)."""
+    if asked not in (AUTO, FUSED, UNFUSED):
+        raise ValueError(f"fuse_projections is one of {AUTO}, {FUSED}, {UNFUSED}; got {asked!r}")
     manifest = source.manifest
     exported = manifest is not None and manifest.fused_projections
     if not engine.runs_models:  # (without an export, make_runners says that this engine needs one)
-        if manifest is not None and asked != AUTO and asked != exported:
+        if manifest is not None and asked != AUTO and (asked == FUSED) != exported:
             raise TaperfoldError(
-                f"--{'' if asked else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
+                f"--{'' if asked == FUSED else 'no-'}fuse-projections: --engine {engine.name} times the graphs "
                 f"as exported, {'fused' if exported else 'unfused'} ({manifest.path}: key "
                 f"'export.fuse_projections'); re-export {'with' if exported else 'without'} "
                 "--no-fuse-projections, or time --engine torch"
             )
         return exported
-    return exported if asked == AUTO else bool(asked)
+    return exported if asked == AUTO else asked == FUSED
 
 
 def make_runners(
