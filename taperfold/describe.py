@@ -3,8 +3,11 @@ every source, taperfold.sources)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
+from taperfold.nn import TaperedNorm
 from taperfold.norms import is_norm_module, tapered_kind
 from taperfold.sources import ModelSource
 
@@ -16,7 +19,9 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
     """One tapered norm (or a norm kind without a gate in a norm's place: DyT), with whether export can fold it
     and why."""
     kind = tapered_kind(module)
-    if not kind.gated:
+    if kind is None:
+        raise ValueError(f"{name}: a {type(module).__name__} is not a tapered norm")
+    if not isinstance(module, TaperedNorm):  # a kind without a gate (DyT)
         folds = bool(folds_into)
         reason = (
             f"{kind.name}: γ, β fold into the readers, tanh(αh) stays"
@@ -29,7 +34,7 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
             "tapered": True,
             "gate": None,
             "c": None,
-            "alpha": float(module.alpha.detach()),
+            "alpha": float(module.get_parameter("alpha").detach()),
             "gamma_tilde_min": None,
             "gamma_tilde_max": None,
             "folds_into": folds_into,
@@ -57,7 +62,7 @@ def tapered_norm_entry(name: str, module: nn.Module, gate: float, folds_into: li
     }
 
 
-def plain_norm_entry(name: str, kind: str, reason: str, folds_into: list[str] = ()) -> dict:
+def plain_norm_entry(name: str, kind: str, reason: str, folds_into: Sequence[str] = ()) -> dict:
     """A norm that is not tapered: never folded (`folds_into`: where it would fold once tapered)."""
     return {
         "name": name,

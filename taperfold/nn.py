@@ -64,8 +64,16 @@ def bias_corrected(ema: torch.Tensor, count: torch.Tensor, momentum: float) -> t
     return ema / (1.0 - (1.0 - momentum) ** n)
 
 
-class _Tapered(nn.Module):
-    """State shared by TaperNorm and TaperLN: γ, γ̃, the frozen scalar c and the calibration EMAs."""
+class TaperedNorm(nn.Module):
+    """State shared by TaperNorm and TaperLN: γ, γ̃, the frozen scalar c and the calibration EMAs (what a gated norm
+    kind's constant map reads)."""
+
+    # buffers (register_buffer), declared for the type checker
+    c: torch.Tensor
+    ema_num: torch.Tensor
+    ema_den: torch.Tensor
+    ema_count: torch.Tensor
+    calibrated: torch.Tensor
 
     def __init__(self, dim: int, gate: TaperGate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0):
         super().__init__()
@@ -120,7 +128,7 @@ class _Tapered(nn.Module):
         return f"{self.dim}, eps={self.eps}{offset}, gate={self.gate.value:g}"
 
 
-class TaperNorm(_Tapered):
+class TaperNorm(TaperedNorm):
     """RMSNorm variant (eq. 3)."""
 
     def __init__(
@@ -148,7 +156,7 @@ class TaperNorm(_Tapered):
         return g * normed + (1.0 - g) * (h * self.c * self.gain(self.weight_tilde))
 
 
-class TaperLN(_Tapered):
+class TaperLN(TaperedNorm):
     """LayerNorm variant (eq. 6); β is shared by both branches."""
 
     def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-5, momentum: float = 0.01, delta: float = 1e-8):
@@ -204,6 +212,12 @@ class ScaleAnchorLoss(nn.Module):
     During warm-up it tracks an EMA of the batch-mean scale; `freeze()` (taper start) fixes s_tgt to the
     bias-corrected EMA. The loss is zero until the target is frozen: before that there is no target.
     """
+
+    # buffers (register_buffer), declared for the type checker
+    ema: torch.Tensor
+    ema_count: torch.Tensor
+    target: torch.Tensor
+    frozen: torch.Tensor
 
     def __init__(self, *, centered: bool, weight: float = 0.1, eps: float = 1e-6, momentum: float = 0.01):
         super().__init__()

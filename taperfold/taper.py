@@ -10,14 +10,17 @@ scale-anchoring loss.
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Sized
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from taperfold.errors import TaperfoldError
 from taperfold.families import Family
-from taperfold.nn import GateSchedule, ScaleAnchorLoss, TaperGate
+from taperfold.nn import GateSchedule, ScaleAnchorLoss, TaperedNorm, TaperGate
 from taperfold.norms import NormKind, is_norm_module, norm_kind, tapered_kind
 
 TAPERS = ("internal", "all")  # internal: every norm but the final one (the paper's default); all: that one too
@@ -53,8 +56,9 @@ class Tapering:
         self.gate.value, self.gate.calibrating = float(value), calibrating
 
     def start_taper(self) -> dict[str, float]:
-        """Taper start: every tapered norm freezes c ← c* and copies γ → γ̃; the scale target is frozen."""
-        cs = {name: norm.calibrate() for name, norm in self.norms.items()}
+        """Taper start: every tapered norm freezes c ← c* and copies γ → γ̃; the scale target is frozen. A kind
+        without a gate has nothing to calibrate."""
+        cs = {name: norm.calibrate() for name, norm in self.norms.items() if isinstance(norm, TaperedNorm)}
         if self.scale_loss is not None:
             self.scale_loss.freeze()
         return cs
@@ -88,21 +92,71 @@ class GateDriver:
         return gate
 
 
-class TaperedLM:
+class ModelShape(Protocol):
+    """A model's shape as every tool reads it (taperfold.models.ModelConfig, taperfold.hf.model.HFModelInfo)."""
+
+    @property
+    def arch(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def taper(self) -> str: ...
+    @property
+    def norm_kind(self) -> str: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def aux(self) -> bool: ...
+    @property
+    def tokenizer(self) -> str: ...
+    def to_dict(self) -> dict: ...
+
+
+class TaperedLM(nn.Module, abc.ABC):
     """The taper's side of every model taperfold runs (taperfold.models.CausalLM, taperfold.hf.model.HFCausalLM).
 
-    Such a model also has `cfg` (its shape: vocab_size, n_layers, kv_heads, head_dim, max_seq_len, ...),
-    `forward(input_ids, logits="last"|"all", past_key_values=None, use_cache=False)` (and
-    `cache_position=` where `static_cache`), `loss(inputs, targets)`
-    -> (cross-entropy, scale-anchoring loss), `copy(shared=False)` (a deep copy; `shared`: the modules copied,
-    the parameters the same objects, see shared_parameters), and `network`: the module tree its family's paths
-    name, to which `taper_model` attaches the tapering (None on a plain model).
+    Such a model also has `cfg` (its shape), `forward(input_ids, logits="last"|"all", past_key_values=None,
+    use_cache=False)` (and `cache_position=` where `static_cache`), `loss`, `copy` and `network`: the module tree
+    its family's paths name, to which `taper_model` attaches the tapering (None on a plain model).
     """
 
-    network: nn.Module
+    cfg: ModelShape
     network_path = ""  # where `network` sits in the model, as module paths spell it ("": the model itself)
-    tapering: Tapering | None = None
-    static_cache = False  # forward takes `cache_position` and a static cache (taperfold.models.base)
+
+    @property
+    @abc.abstractmethod
+    def network(self) -> nn.Module:
+        """The module tree the family's paths name."""
+
+    @property
+    def tapering(self) -> Tapering | None:
+        """What `taper_model` attached to `network` (None on a plain model)."""
+        return getattr(self.network, "tapering", None)
+
+    @property
+    def static_cache(self) -> bool:
+        """Whether forward takes `cache_position` and a static cache (taperfold.models.base)."""
+        return False
+
+    @abc.abstractmethod
+    def copy(self, shared: bool = False) -> TaperedLM:
+        """A deep copy; `shared`: the modules copied, the parameters the same objects (see shared_parameters)."""
+
+    @abc.abstractmethod
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy on next-token `targets`, the scale-anchoring loss)."""
 
     @property
     def gate(self) -> TaperGate:
@@ -150,8 +204,18 @@ def linear_widths(module: nn.Module | nn.Parameter) -> tuple[int, int]:
         return module.shape[-1], module.shape[-2]
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    rows, cols = module.weight.shape
+    rows, cols = module.get_parameter("weight").shape
     return rows, cols
+
+
+def layer_count(network: nn.Module, family: Family) -> int:
+    """The number of blocks in the list the family names (`family.layers`)."""
+    layers = network.get_submodule(family.layers)
+    if not isinstance(layers, Sized):
+        raise TaperfoldError(
+            f"{family.layers} is a {type(layers).__name__}, not the list of layers family {family.name} names"
+        )
+    return len(layers)
 
 
 def fold_target(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
@@ -225,34 +289,37 @@ def taper_model(
     if getattr(model, "tapering", None) is not None:
         raise TaperfoldError(f"{where}: already tapered")
     try:
-        kind = norm_kind(kind or family.norm)
+        new_kind = norm_kind(kind or family.norm)
     except ValueError as e:
         raise TaperfoldError(f"{where}: {e}") from None
-    if kind.gated and kind.name != family.norm:
+    if new_kind.gated and new_kind.name != family.norm:
         raise TaperfoldError(
-            f"{where}: {family.name}'s norms taper as {family.norm}, not {kind.name}; only a kind "
+            f"{where}: {family.name}'s norms taper as {family.norm}, not {new_kind.name}; only a kind "
             "without a gate (dyt) takes their place"
         )
-    if not kind.gated:
+    if not new_kind.gated:
         aux, gate = False, 0.0
     shared = TaperGate(gate)
-    n_layers = len(model.get_submodule(family.layers))
+    n_layers = layer_count(model, family)
     readers = family.norm_readers(n_layers, taper)
-    producers = family.norm_producers(n_layers) if kind.elementwise is None else {}
-    norms = {}
+    producers = family.norm_producers(n_layers) if new_kind.elementwise is None else {}
+    norms: dict[str, nn.Module] = {}
     for path in family.norm_paths(n_layers, taper):
         try:
             original = model.get_submodule(path)
         except AttributeError:
             raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
         try:
-            norms[path] = kind.taper(original, shared, norm_eps(original, family), momentum, delta, family.gain_offset)
+            norms[path] = new_kind.taper(
+                original, shared, norm_eps(original, family), momentum, delta, family.gain_offset
+            )
         except ValueError as e:
             raise TaperfoldError(f"{where}: {path}: {e}") from None
-        _check_fold_targets(model, family, path, norms[path].dim, readers.get(path, []), producers.get(path), where)
+        width = len(norms[path].get_parameter("weight"))  # γ: one per feature
+        _check_fold_targets(model, family, path, width, readers.get(path, []), producers.get(path), where)
     for path, norm in norms.items():  # swapped in only once every norm and its layers were checked
         model.set_submodule(path, norm)
-    untapered = {}
+    untapered: dict[str, str] = {}
     for name, module in model.named_modules():
         if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
             continue
@@ -263,11 +330,11 @@ def taper_model(
     scale_loss = None
     if aux:
         scale_loss = ScaleAnchorLoss(
-            centered=kind.centered,
+            centered=new_kind.centered,
             weight=aux_weight,
             eps=norm_eps(model.get_submodule(family.final), family),
             momentum=momentum,
         )
-    tapering = Tapering(family, taper, kind.name, shared, norms, readers, producers, untapered, scale_loss)
+    tapering = Tapering(family, taper, new_kind.name, shared, norms, readers, producers, untapered, scale_loss)
     object.__setattr__(model, "tapering", tapering)
     return tapering

@@ -145,8 +145,8 @@ def train_through_taper(
     if len(val_tokens) <= seq + 1:
         raise TaperfoldError(f"training data too small for windows of {seq} tokens")
     model.train()
-    gated = model.tapering is not None and model.tapering.kind.gated  # DyT trains with no gate to drive
-    driver = GateDriver(model.tapering, gate_schedule(opts)) if gated else None
+    tapering = model.tapering  # DyT (no gate) and a plain model train with no gate to drive
+    driver = GateDriver(tapering, gate_schedule(opts)) if tapering is not None and tapering.kind.gated else None
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(opts.seed)
     history, t0 = [], time.perf_counter()
@@ -206,7 +206,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, data_files: list[Path] | None = 
         "val_loss": loop.val_loss,
         "train_seconds": round(loop.seconds, 1),
         "corpus": corpus_info,
-        "options": {k: v for k, v in vars(opts).items()},
+        "options": dict(vars(opts)),
         "history": loop.history,
         "schedule": {"taper_start": schedule.taper_start, "taper_end": schedule.taper_end} if schedule else None,
     }

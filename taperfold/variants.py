@@ -18,12 +18,29 @@ passes/fuse_projections.py does in the exported graphs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 from torch import nn
 
 from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
+from taperfold.families import Family
 from taperfold.norms import ConstantMap, plain_kind
-from taperfold.taper import TaperedLM, fold_target
+from taperfold.taper import TaperedLM, fold_target, layer_count
+
+if TYPE_CHECKING:
+    from taperfold.sources import ModelSource
+
+# The concatenations FusedProjection made, by the tensors they join: (those tensors, kept alive; weight; bias).
+JoinedProjections = dict[
+    tuple, tuple[list[tuple[torch.Tensor, torch.Tensor | None]], nn.Parameter, nn.Parameter | None]
+]
+
+
+def _bias(layer: nn.Module) -> torch.Tensor | None:
+    """A linear layer's bias; None when it has none (nn.Linear(bias=False) holds None)."""
+    bias = getattr(layer, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
 
 
 def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap) -> None:
@@ -38,38 +55,37 @@ def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap) -> N
         reader.copy_((w - w.mean(dim=-2, keepdim=True) if folded.centered else w).transpose(-1, -2))
         return
     conv = not isinstance(reader, nn.Linear)
-    w = reader.weight.double() if conv else reader.weight.double().T  # as [in, out]
+    weight = reader.get_parameter("weight")
+    w = weight.double() if conv else weight.double().T  # as [in, out]
     new_w = folded.scale[:, None] * w
     if folded.centered:
         new_w = new_w - new_w.mean(dim=0, keepdim=True)
     if folded.bias is not None:
         shift = folded.bias @ w
-        if reader.bias is None:
-            reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=reader.weight.dtype, device=w.device))
-        reader.bias.copy_((reader.bias.double() + shift).to(reader.bias.dtype))
-    reader.weight.copy_((new_w if conv else new_w.T).to(reader.weight.dtype))
+        bias = _bias(reader)
+        if bias is None:
+            bias = reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=weight.dtype, device=w.device))
+        bias.copy_((bias.double() + shift).to(bias.dtype))
+    weight.copy_((new_w if conv else new_w.T).to(weight.dtype))
 
 
 def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
     """z = h W + b, then (z − μ_z)·diag(s) + β  →  h W' + b'  with W' = W (I − 11ᵀ/d) diag(s),
     b' = (b − mean(b))·s + β: the post-norm's map moves into the producer's output columns (float64, cast once)."""
     conv = not isinstance(producer, nn.Linear)
-    w = producer.weight.double() if conv else producer.weight.double().T  # as [in, out]
-    b = (
-        producer.bias.double()
-        if producer.bias is not None
-        else torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
-    )
+    weight, bias = producer.get_parameter("weight"), _bias(producer)
+    w = weight.double() if conv else weight.double().T  # as [in, out]
+    b = bias.double() if bias is not None else torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
     if folded.centered:
         w, b = w - w.mean(dim=1, keepdim=True), b - b.mean()
     new_w, new_b = w * folded.scale[None, :], b * folded.scale
     if folded.bias is not None:
         new_b = new_b + folded.bias
-    producer.weight.copy_((new_w if conv else new_w.T).to(producer.weight.dtype))
-    if producer.bias is None and (folded.centered or folded.bias is not None):
-        producer.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=producer.weight.dtype, device=w.device))
-    if producer.bias is not None:
-        producer.bias.copy_(new_b.to(producer.bias.dtype))
+    weight.copy_((new_w if conv else new_w.T).to(weight.dtype))
+    if bias is None and (folded.centered or folded.bias is not None):
+        bias = producer.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=weight.dtype, device=w.device))
+    if bias is not None:
+        bias.copy_(new_b.to(bias.dtype))
 
 
 def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
@@ -98,13 +114,13 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
     """The 'folded' variant: every g = 0 tapered norm folded into its readers (or producer) and replaced by what
     its kind leaves in its place (nothing; DyT's tanh). The copy holds `model`'s parameters except those the fold
     rewrites (its own copies of those): `model` is left as it was."""
-    if model.tapering is None:
+    tapering = model.tapering  # the copy's has the same paths
+    if tapering is None:
         raise ValueError("nothing to fold: the model has no tapered norms")
-    if model.gate.value != 0.0:
-        raise ValueError(f"gate is {model.gate.value:g}, not 0: the tapered norms are not constant maps")
+    if tapering.gate.value != 0.0:
+        raise ValueError(f"gate is {tapering.gate.value:g}, not 0: the tapered norms are not constant maps")
     folded = model.copy(shared=True)
-    network, tapering = folded.network, folded.tapering
-    kind = tapering.kind
+    network, kind = folded.network, tapering.kind
     owned = set()  # targets given their own tensors already (a layer may read one norm and produce another)
     for path in tapering.norms:
         targets = tapering.folds_into(path)
@@ -119,8 +135,10 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
                 owned.add(target)
             if path in tapering.readers:
                 fold_into_reader(layer, constant)
-            else:
+            elif isinstance(layer, nn.Module):
                 fold_into_producer(layer, constant)
+            else:
+                raise ValueError(f"{target}: a post-norm folds into the module producing its input, not a bare weight")
         network.set_submodule(path, kind.residue(norm))
     folded.forget_tapering()
     return folded
@@ -162,7 +180,7 @@ class FusedProjection(nn.Module):
     between its readers.
     """
 
-    def __init__(self, layers: list[nn.Linear], joined: dict | None = None):
+    def __init__(self, layers: list[nn.Linear], joined: JoinedProjections | None = None):
         """`joined`: the concatenations made for other models, by the tensors they join; a group of layers holding
         the same tensors as one there (variants built from one checkpoint) takes its parameters instead of a copy."""
         super().__init__()
@@ -189,7 +207,8 @@ class FusedProjection(nn.Module):
             joined[key] = ([(layer.weight, layer.bias) for layer in layers], weight, bias)
         self.weight, self.bias = joined[key][1:]
         self.widths = [layer.out_features for layer in layers]
-        self._slices = None  # (input, its version, the output's slices, the sibling indices yet to take theirs)
+        # (input, its version, the output's slices, the sibling indices yet to take theirs)
+        self._slices: tuple[torch.Tensor, int | None, tuple[torch.Tensor, ...], set[int]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -220,25 +239,27 @@ class ProjectionPart(nn.Module):
         return self.fused.part(x, self.index)
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def _plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
     """An nn.Linear computing x·Wᵀ + b and nothing else (not a subclass with its own forward: quantized, LoRA)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 @torch.no_grad()
-def fuse_projections_in_torch(model: TaperedLM, family, joined: dict | None = None) -> list[list[str]]:
+def fuse_projections_in_torch(
+    model: TaperedLM, family: Family, joined: JoinedProjections | None = None
+) -> list[list[str]]:
     """In place: each group of linear layers the family names as reading one norm (`family.internal`) becomes one
     FusedProjection; the groups fused, as module paths. A layer that is not a plain nn.Linear, whose weight another
     module shares (a tied weight), or whose input width, dtype or device differs from the group's first is left
     as it is; a group needs two layers. `joined`: shared between the variants of one model (FusedProjection)."""
     network = model.network
-    n_layers = len(network.get_submodule(family.layers))
+    n_layers = layer_count(network, family)
     fused = []
     for readers in family.norm_readers(n_layers, "internal").values():
-        layers = [(path, network.get_submodule(path)) for path in readers]
+        candidates = [(path, network.get_submodule(path)) for path in readers]
         layers = [
             (path, layer)
-            for path, layer in layers
+            for path, layer in candidates
             if _plain_linear(layer) and not _shares_weight(network, path, layer.weight)
         ]
         if not layers:
@@ -274,7 +295,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 def _cast(models: list[nn.Module], dtype: torch.dtype) -> None:
     """Each model's floating-point tensors in `dtype` (as Module.to casts them), a tensor several models hold cast
     once and shared by them."""
-    cast = {}
+    cast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
@@ -289,7 +310,7 @@ def _cast(models: list[nn.Module], dtype: torch.dtype) -> None:
 
 
 def build_variants(
-    source, names: list[str], dtype: torch.dtype, fuse_projections: bool = False
+    source: ModelSource, names: list[str], dtype: torch.dtype, fuse_projections: bool = False
 ) -> dict[str, TaperedLM]:
     """The variants in `names` of a tapered model source (taperfold.sources), at g = 0, each running the forward the
     exported graphs run; all built from fp32 weights before any is cast (the fold runs in float64 and casts once).
@@ -313,7 +334,7 @@ def build_variants(
     }
     models = {name: build[name]() for name in names}
     if fuse_projections:  # once all are built: unfolded is the model the others were copied from
-        joined = {}
+        joined: JoinedProjections = {}
         for model in models.values():
             fuse_projections_in_torch(model, source.family, joined)
     _cast(list(models.values()), dtype)

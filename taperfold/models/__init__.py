@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from unittest import mock
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from taperfold.models.base import CausalLM, num_parameters
 from taperfold.models.config import TAPERS, ModelConfig, preset_config, validate_config
 from taperfold.models.gpt2 import GPT2LMHeadModel
 from taperfold.models.llama import LlamaForCausalLM
-from taperfold.nn import ScaledEmbedding
+from taperfold.nn import ScaledEmbedding, TaperedNorm
 from taperfold.presets import ARCHS, PRESETS
 from taperfold.taper import taper_model
 
@@ -53,7 +54,10 @@ def build_model(cfg: ModelConfig) -> CausalLM:
     model = MODEL_CLASSES[cfg.arch](cfg)
     if cfg.embed_scale:
         path = ARCHS[cfg.arch].embedding
-        model.set_submodule(path, ScaledEmbedding(model.get_submodule(path), EMBED_SCALE0))
+        embedding = model.get_submodule(path)
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"{cfg.arch}: {path} is a {type(embedding).__name__}, not the token embedding")
+        model.set_submodule(path, ScaledEmbedding(embedding, EMBED_SCALE0))
     if cfg.taper != "none":
         tapering = taper_model(
             model,
@@ -95,11 +99,8 @@ def parameters_on_meta():
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = on_meta
-    try:
+    with mock.patch.object(nn.Module, "register_parameter", on_meta):
         yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def assign_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -107,7 +108,7 @@ def assign_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[li
     another dtype than the model's is cast (a copy, as load_state_dict makes); a tied weight (lm_head = embedding)
     stays one parameter whichever of its keys `state` has. Returns (missing keys, unexpected keys) as
     load_state_dict does; a missing parameter is left on the meta device, so the caller must refuse the model."""
-    ties = {}  # a parameter several modules hold: id -> all its names
+    ties: dict[int, list[str]] = {}  # a parameter several modules hold: id -> all its names
     for name, param in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(param), []).append(name)
     expected = model.state_dict()
@@ -143,7 +144,7 @@ def random_gate0_model(preset: str, arch: str = "llama", seed: int = 0, **overri
     torch.manual_seed(seed)
     model = build_model(preset_config(preset, arch=arch, **overrides))
     for norm in model.tapered_norms().values():
-        if not model.tapering.kind.gated:  # DyT: random α, γ, β
+        if not isinstance(norm, TaperedNorm):  # a kind without a gate (DyT): random α, γ, β
             for p in norm.parameters():
                 p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if p.numel() == 1 else 1 + 0.1 * torch.randn_like(p))
             continue

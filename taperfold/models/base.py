@@ -23,6 +23,7 @@ cos/sin tables and the position index the masks are read from; a forward slices 
 
 from __future__ import annotations
 
+import abc
 import copy
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 
 from taperfold.models.config import ModelConfig
 from taperfold.norms import norm_kind
-from taperfold.taper import TaperedLM, shared_parameters
+from taperfold.taper import TaperedLM, Tapering, shared_parameters
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -76,10 +77,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class CausalLM(TaperedLM, nn.Module):
+class CausalLM(TaperedLM):
     """What both architectures share: logits, the losses, and the taper's state (`tapering`, set by build_model)."""
 
+    cfg: ModelConfig
+    tapering: Tapering | None = None  # the model is its own network: taper_model attaches the tapering here
     static_cache = True
+    lm_head: nn.Linear  # set by each architecture
+    positions: torch.Tensor  # buffer
+
+    @property
+    @abc.abstractmethod
+    def final_norm(self) -> nn.Module:
+        """The norm in front of the head."""
+
+    @abc.abstractmethod
+    def body(
+        self, input_ids: torch.Tensor, past_key_values, use_cache: bool, cache_position: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple | None]:
+        """(the final norm's input, the present key/value cache or None)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

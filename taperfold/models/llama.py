@@ -68,6 +68,9 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    rope_cos: torch.Tensor  # buffers
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.model = LlamaBody(cfg)

@@ -24,9 +24,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+
+from taperfold.nn import TaperedNorm
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,9 @@ class ConstantMap:
 class NormKind:
     name: str  # how reports, manifests and families spell it
     title: str
-    tapered: type  # the tapered torch module: (dim, gate, eps, momentum, delta[, gain_offset])
-    plain: type  # torch's fused norm: (dim, eps)
-    hand_written: type  # the plain norm as element-wise ops: (plain module)
+    tapered: type[nn.Module]  # the tapered torch module: (dim, gate, eps, momentum, delta[, gain_offset])
+    plain: type[nn.Module]  # torch's fused norm: (dim, eps)
+    hand_written: Callable[[Any], nn.Module]  # the plain norm as element-wise ops: (the `plain` module)
     class_names: Callable[[str], bool]  # whether a norm class of any model (by name) is of this kind
     centered: bool  # subtracts the mean first: a fold absorbs it as (I − 11ᵀ/d); s(h) of eq. 5 is σ_h, not r(h)
     shift: bool  # adds a bias β after the gain
@@ -87,17 +90,19 @@ class NormKind:
         new = self.new_tapered(weight.shape[0], gate, eps, momentum, delta, gain_offset)
         new = new.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
-            new.weight.copy_(weight)
-            new.weight_tilde.copy_(weight)
+            new.get_parameter("weight").copy_(weight)
+            new.get_parameter("weight_tilde").copy_(weight)
             bias = getattr(norm, "bias", None)
             if self.shift and isinstance(bias, torch.Tensor):
-                new.bias.copy_(bias)
+                new.get_parameter("bias").copy_(bias)
         return new
 
     def constant_map(self, norm: nn.Module) -> ConstantMap:
         """The map a tapered norm computes at g = 0, in float64: what a fold moves into its readers."""
+        if not isinstance(norm, TaperedNorm):
+            raise TypeError(f"{type(norm).__name__} is not a tapered norm with a gate (TaperNorm, TaperLN)")
         scale = norm.c.double() * norm.gain(norm.weight_tilde.double())
-        bias = norm.bias.double() if self.shift else None
+        bias = norm.get_parameter("bias").double() if self.shift else None
         return ConstantMap(scale, bias, self.centered)
 
 

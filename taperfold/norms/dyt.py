@@ -75,10 +75,10 @@ class DyTKind(NormKind):
 
     def constant_map(self, norm: nn.Module) -> ConstantMap:
         """The affine map after the tanh, in float64: γ and β, which a fold moves into the readers."""
-        return ConstantMap(norm.weight.double(), norm.bias.double(), centered=False)
+        return ConstantMap(norm.get_parameter("weight").double(), norm.get_parameter("bias").double(), centered=False)
 
     def residue(self, norm: nn.Module) -> nn.Module:
-        return ScaledTanh(norm.alpha)
+        return ScaledTanh(norm.get_parameter("alpha"))
 
 
 KIND = DyTKind(
