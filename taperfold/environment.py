@@ -8,7 +8,7 @@ import platform
 
 
 def package_versions() -> dict[str, str | None]:
-    out = {}
+    out: dict[str, str | None] = {}
     for name in ("taperfold", "torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
         try:
             out[name] = importlib.metadata.version(name)
@@ -31,7 +31,7 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     import torch
 
-    info = {
+    info: dict[str, object] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": cpu_model(),
@@ -41,7 +41,7 @@ def machine_info() -> dict:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info["gpu"] = {
+        gpu: dict[str, object] = {
             "name": props.name,
             "memory_gib": round(props.total_memory / 2**30, 1),
             "cuda": torch.version.cuda,
@@ -50,7 +50,7 @@ def machine_info() -> dict:
         try:
             import subprocess
 
-            info["gpu"]["driver"] = (
+            gpu["driver"] = (
                 subprocess.run(
                     ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                     capture_output=True,
@@ -62,4 +62,5 @@ def machine_info() -> dict:
             )
         except (OSError, IndexError, subprocess.SubprocessError):
             pass
+        info["gpu"] = gpu
     return info

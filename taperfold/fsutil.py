@@ -118,47 +118,48 @@ class OutputPlan:
 
 def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike | None] = ()) -> OutputPlan:
     """Raise one `TaperfoldError` for the first output that cannot or must not be written."""
-    outputs = [o for o in outputs if o.path is not None]
+    requested = [(o, o.path) for o in outputs if o.path is not None]
     sources = [(str(i), resolve(i)) for i in inputs if i is not None and str(i) != STDOUT]
-    if sum(str(o.path) == STDOUT for o in outputs) > 1:
-        names = " and ".join(o.option for o in outputs if str(o.path) == STDOUT)
+    if sum(str(path) == STDOUT for _, path in requested) > 1:
+        names = " and ".join(o.option for o, path in requested if str(path) == STDOUT)
         raise TaperfoldError(f"{names} are both '-' (stdout); give one of them a file name")
     targets: list[tuple[Path, str]] = []  # every file a regular-file output will replace, and who writes it
-    for o in outputs:
-        if str(o.path) == STDOUT:
+    for o, path in requested:
+        if str(path) == STDOUT:
             if not o.stream:
                 raise TaperfoldError(f"{o.option} -: stdout is only for text and JSON outputs; name a file")
             continue
         if o.directory:
-            _check_directory(o, sources)
+            _check_directory(o, path, sources)
             continue
-        real = _check_file(o)
+        real = _check_file(o, path)
         if real is None:  # a device or FIFO: written to, never replaced
             continue
         files = [
             (real, "", o.option),
             *((Path(str(real) + s), f"its {s} file ", f"{o.option}'s {s} file") for s in o.sidecars),
         ]
-        for path, subject, who in files:
+        for file, subject, who in files:
             for label, source in sources:
-                if _same(path, source):
+                if _same(file, source):
                     raise TaperfoldError(
-                        f"{o.option} {o.path}: {subject}would overwrite the input {label}; choose another output path"
+                        f"{o.option} {path}: {subject}would overwrite the input {label}; choose another output path"
                     )
             for other, other_who in targets:
-                if _same(path, other):
+                if _same(file, other):
                     raise TaperfoldError(
-                        f"{o.option} {o.path}: {subject}is the same file as {other_who} ({path}); "
+                        f"{o.option} {path}: {subject}is the same file as {other_who} ({file}); "
                         "give each output its own path"
                     )
-            targets.append((path, who))
-    return OutputPlan(outputs)
+            targets.append((file, who))
+    return OutputPlan([o for o, _ in requested])
 
 
-def _check_file(o: Output) -> Path | None:
-    """The regular file `o` will replace (its real path), or None for a device or FIFO written directly."""
-    name = f"{o.option} {o.path}"
-    link = Path(o.path)
+def _check_file(o: Output, path: str | os.PathLike) -> Path | None:
+    """The regular file `o` (at `path`) will replace (its real path), or None for a device or FIFO written
+    directly."""
+    name = f"{o.option} {path}"
+    link = Path(path)
     if o.sidecars and link.is_symlink():  # readers find the sidecar beside the link, writers beside the target
         raise TaperfoldError(
             f"{name}: is a symlink; this output and its {', '.join(o.sidecars)} file must be "
@@ -166,7 +167,7 @@ def _check_file(o: Output) -> Path | None:
         )
     real = resolve(link)
     kind = _kind(real)
-    if kind == "directory" or str(o.path).endswith(("/", os.sep)):  # "DIR/" names a directory, existing or not
+    if kind == "directory" or str(path).endswith(("/", os.sep)):  # "DIR/" names a directory, existing or not
         raise TaperfoldError(f"{name}: is a directory; name a file")
     if kind in SPECIAL.values():
         if not o.stream:
@@ -205,9 +206,9 @@ def _check_can_create_in(folder: Path, name: str) -> None:
         raise TaperfoldError(f"{name}: cannot create files in {folder} ({e.strerror})") from None
 
 
-def _check_directory(o: Output, sources: list[tuple[str, Path]]) -> None:
-    name = f"{o.option} {o.path}"
-    real = resolve(o.path)
+def _check_directory(o: Output, path: str | os.PathLike, sources: list[tuple[str, Path]]) -> None:
+    name = f"{o.option} {path}"
+    real = resolve(path)
     kind = _kind(real)
     if kind is None:
         ancestor = next(p for p in real.parents if _kind(p) is not None)
@@ -233,12 +234,12 @@ def _check_directory(o: Output, sources: list[tuple[str, Path]]) -> None:
 
 def onnx_external_files(path: str | os.PathLike) -> list[Path]:
     """The files an ONNX model keeps initializer data in: inputs that its outputs must not overwrite."""
-    try:
-        import onnx
+    import onnx
 
+    try:
         proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # unreadable: the loader says why, in one line
-        return []
+    except Exception:  # noqa: BLE001 - each format (.onnx, .json, .textproto, ...) has its parser and errors
+        return []  # unreadable: the loader says why, in one line
 
     def tensors(graph):
         yield from graph.initializer
@@ -300,7 +301,7 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
     if real is None or kind in SPECIAL.values():
         if sidecars:
             raise TaperfoldError(
-                f"{dest}: is {'stdout' if real is None else 'a ' + kind}; this output needs a regular file"
+                f"{dest}: is {'stdout' if real is None else f'a {kind}'}; this output needs a regular file"
             )
         with _scratch_file(dest) as tmp, write_errors(dest):
             yield tmp
@@ -315,11 +316,11 @@ def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iter
     except OSError as e:
         raise TaperfoldError(f"{dest}: cannot create output directory {real.parent} ({e.strerror})") from None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
     except OSError as e:
         raise TaperfoldError(f"{dest}: cannot write in {real.parent} ({e.strerror})") from None
     os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path = Path(tmp_name)
     try:
         with write_errors(dest):
             yield tmp_path

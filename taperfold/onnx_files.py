@@ -233,7 +233,7 @@ def check_graph(graph, path: str | Path, outer: tuple[AbstractSet[str], ...] = (
 
     deps: list[set[int]] = []
     free: set[str] = set()
-    for k, node in enumerate(nodes):
+    for node in nodes:
         reads = [name for name in node.input if name]
         for name in reads:
             if not any(name in scope for scope in scopes):
