@@ -23,7 +23,7 @@ import numpy as np
 
 from taperfold.exportdir import CACHE_POSITION, NEXT_TOKEN, OUTPUT, prompt_feeds, step_feeds
 from taperfold.runners.base import Runner
-from taperfold.sources.base import ModelShape
+from taperfold.taper import ModelShape
 
 
 @dataclass

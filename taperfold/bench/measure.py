@@ -36,7 +36,7 @@ from taperfold.exportdir import (
 )
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
-from taperfold.sources.base import ModelShape
+from taperfold.taper import ModelShape
 from taperfold.variants import build_variants, fused_group_count
 
 GENERATION = "generation"

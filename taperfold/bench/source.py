@@ -15,7 +15,7 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError
 from taperfold.manifest import Manifest, read_manifest
 from taperfold.sources import ModelSource, open_source
-from taperfold.sources.base import ModelShape
+from taperfold.taper import ModelShape
 
 
 @dataclass
