@@ -132,6 +132,23 @@ def test_missing_extra_and_misshaped_keys(tmp_path, ckpt):
     assert_one_line_error(inspect_cli(path), "config", "bert")
 
 
+HUGE = 10**400  # past the largest float: JSON and pickle read it as an int, math.isfinite overflows on it
+
+
+@pytest.mark.parametrize("layout", ["bad.pt", "baddir"])
+@pytest.mark.parametrize("key", ["gate", "rope_theta", "aux_weight"])
+def test_a_number_too_large_for_a_float_is_one_line(tmp_path, ckpt, layout, key):
+    """An OverflowError traceback before: each number is checked as one, not converted to a float to be asked."""
+    path = save_checkpoint(ckpt, tmp_path / layout)
+    header = torch.load(path, weights_only=True) if layout == "bad.pt" else json.loads((path / "config.json").read_text())
+    (header if key == "gate" else header["config"])[key] = HUGE
+    if layout == "bad.pt":
+        torch.save(header, path)
+    else:
+        (path / "config.json").write_text(json.dumps(header))
+    assert_one_line_error(inspect_cli(path), layout, key, "must be a number in")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_norm_parameter(tmp_path, ckpt, bad):
     key = "model.layers.0.post_attention_layernorm.weight_tilde"

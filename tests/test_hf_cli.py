@@ -103,11 +103,14 @@ def test_gate_not_zero_needs_force_gate0(cli, tmp_path, broken):
     ("not an object", "'taperfold'"),
     ({"gate": "zero"}, "'taperfold.gate'"),
     ({"gate": 1.5}, "'taperfold.gate'"),
+    ({"gate": 10**400}, "'taperfold.gate'"),  # past the largest float: an OverflowError traceback before
     ({"taper": "final"}, "'taperfold.taper'"),
     ({"format_version": 2}, "'taperfold.format_version'"),
     ({"step": -1}, "'taperfold.step'"),
     ({"schedule": {"taper_start": 9, "taper_end": 3}}, "'taperfold.schedule'"),
     ({"aux": {"weight": "big"}}, "'taperfold.aux'"),
+    ({"aux": {"weight": 10**400}}, "'taperfold.aux'"),
+    ({"calibration": {"momentum": 0.1, "delta": 10**400}}, "'taperfold.calibration.delta'"),
     ({"calibration": {"momentum": 2, "delta": 0}}, "'taperfold.calibration.momentum'"),
     ({"surprise": 1}, "'taperfold.surprise'"),
 ])

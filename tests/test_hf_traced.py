@@ -199,6 +199,7 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     ("post", {"input_layernorm": "mlp.c_proj"}, "which 'internal' names too"),
     ("final", "model.layers.0.self_attn.q_proj", "not a norm module"),
     ("norm_eps", -1, "(0, 1]"),
+    pytest.param("norm_eps", 10**400, "(0, 1]", id="norm_eps-10**400"),  # past the largest float
     ("surprise", 1, "not a known key"),
 ])
 def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):

@@ -4,11 +4,11 @@ found by tracing the model (taperfold.hf.trace), so export and verify read it ba
 
 from __future__ import annotations
 
-import math
 import re
 
 from taperfold.families import Family
 from taperfold.norms import norm_kind, norm_kinds
+from taperfold.numeric import is_finite_number
 
 _DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
 _PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
@@ -67,9 +67,7 @@ def family_from_data(raw, model_type: str, bad) -> Family:
     ):
         raise bad("family.untapered", "must map module names to the reasons they are left untapered")
     eps = raw["norm_eps"]
-    if eps is not None and not (
-        isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and 0 < eps <= 1
-    ):
+    if eps is not None and not (is_finite_number(eps) and 0 < eps <= 1):
         raise bad("family.norm_eps", f"must be null or a number in (0, 1], got {eps!r}")
     return Family(
         name=model_type,

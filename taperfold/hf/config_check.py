@@ -9,14 +9,15 @@ and the parameters they imply against the values the weights hold (`check_size`)
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
+from typing import TypeGuard
 
 from taperfold.errors import TaperfoldError
 from taperfold.families import Family
 from taperfold.hf.taper_block import BLOCK
 from taperfold.hf.trace import GUIDE, shipped_note
+from taperfold.numeric import is_finite_number
 from taperfold.sources.checks import MAX_PARAMETERS_RATIO, implied_parameters, printable, short
 
 # Types and ranges of the numeric keys taperfold and transformers' model construction read, as transformers
@@ -50,17 +51,8 @@ _ROPE_BLOCKS = ("rope_parameters", "rope_scaling")  # objects holding rope_theta
 _ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float
-        return False
 
 
 def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool) -> None:
@@ -74,7 +66,7 @@ def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool
 
 
 def _check_float(where: Path, key: str, value, low: float, high: float) -> None:
-    if not _is_number(value) or not low < value <= high:
+    if not is_finite_number(value) or not low < value <= high:
         raise TaperfoldError(f"{where}: key '{key}' must be a number in ({low:g}, {high:g}], got {short(value)}")
 
 
@@ -96,10 +88,10 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
         for key in _json_names(config_class, name):
             if key in config:
                 _check_int(where, key, config[key], low, high, nullable)
-    for name, (low, high) in _FLOAT_KEYS.items():
+    for name, (above, up_to) in _FLOAT_KEYS.items():
         for key in _json_names(config_class, name):
             if key in config:
-                _check_float(where, key, config[key], low, high)
+                _check_float(where, key, config[key], above, up_to)
     for block in _ROPE_BLOCKS:
         value = config.get(block)
         if value is None:

@@ -11,9 +11,9 @@ docs/checkpoint-format.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 from torch import nn
 
@@ -21,6 +21,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.families import Family
 from taperfold.families.serialize import family_from_data, family_to_data
 from taperfold.hf.taper import taper_model
+from taperfold.numeric import is_finite_number
 from taperfold.taper import TAPERS, Tapering
 
 BLOCK = "taperfold"
@@ -70,11 +71,7 @@ class TaperBlock:
         }
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int(value) -> bool:
+def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -95,7 +92,7 @@ def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
     if raw.get("format_version") != BLOCK_VERSION:
         raise bad("format_version", f"is {raw.get('format_version')!r}; this taperfold reads version {BLOCK_VERSION}")
     gate = raw.get("gate")
-    if not _number(gate) or not 0.0 <= gate <= 1.0:
+    if not is_finite_number(gate) or not 0.0 <= gate <= 1.0:
         raise bad("gate", f"must be a number in [0, 1], got {gate!r}")
     if raw.get("taper") not in TAPERS:
         raise bad("taper", f"must be one of {', '.join(TAPERS)}, got {raw.get('taper')!r}")
@@ -111,16 +108,16 @@ def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
             raise bad("schedule", f"needs integers 0 <= taper_start < taper_end, got {start!r}, {end!r}")
     aux = raw.get("aux")
     if aux is not None:
-        if not isinstance(aux, dict) or not _number(aux.get("weight")) or aux["weight"] < 0:
+        if not isinstance(aux, dict) or not is_finite_number(aux.get("weight")) or aux["weight"] < 0:
             raise bad("aux", "must be null or an object with a non-negative number 'weight'")
-        if aux.get("target") is not None and not _number(aux["target"]):
+        if aux.get("target") is not None and not is_finite_number(aux["target"]):
             raise bad("aux.target", f"must be a number or null, got {aux['target']!r}")
     calibration = raw.get("calibration", {"momentum": 0.1, "delta": 1e-8})
     if not isinstance(calibration, dict):
         raise bad("calibration", "must be an object with 'momentum' and 'delta'")
     for key in ("momentum", "delta"):
         value = calibration.get(key)
-        if not _number(value) or not (0 < value < 1 if key == "momentum" else value >= 0):
+        if not is_finite_number(value) or not (0 < value < 1 if key == "momentum" else value >= 0):
             raise bad(
                 f"calibration.{key}",
                 f"must be a number in {'(0, 1)' if key == 'momentum' else '[0, ∞)'}, got {value!r}",

@@ -3,12 +3,12 @@ with the model (scale-anchoring loss, calibration); its validation; a preset's c
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 
 from taperfold import taper
 from taperfold.families import family_for
 from taperfold.norms import norm_kind, norm_kinds
+from taperfold.numeric import is_finite_number
 from taperfold.presets import ARCHS, PRESETS
 
 TAPERS = ("none", *taper.TAPERS)  # none: the baseline, plain norms
@@ -117,17 +117,11 @@ def validate_config(cfg: ModelConfig) -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    for name, (low, high, closed) in _FLOAT_RANGES.items():
+    for name, (bottom, top, closed) in _FLOAT_RANGES.items():
         value = getattr(cfg, name)
-        ok = (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and (low <= value if closed else low < value)
-            and value <= high
-        )
+        ok = is_finite_number(value) and (bottom <= value if closed else bottom < value) and value <= top
         if not ok:
-            raise ValueError(f"{name} must be a number in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}")
+            raise ValueError(f"{name} must be a number in {'[' if closed else '('}{bottom:g}, {top:g}], got {value!r}")
     if cfg.d_model % cfg.n_heads:
         raise ValueError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}")
     if cfg.n_heads % cfg.kv_heads:

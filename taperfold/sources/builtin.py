@@ -11,7 +11,6 @@ Every problem with a file is a `TaperfoldError` naming the file and the key; not
 from __future__ import annotations
 
 import json
-import math
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for
 from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
 from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, build_with_weights
+from taperfold.numeric import is_finite_number
 from taperfold.sources.base import ModelSource, SourceKind, read_safetensors
 from taperfold.sources.checks import MAX_PARAMETERS_RATIO, check_state, implied_parameters
 
@@ -160,7 +160,7 @@ def _read_pt(path: Path) -> tuple[dict, dict]:
             ) from None
         detail = next((ln.split("error:", 1)[-1].strip() for ln in str(e).splitlines() if "Unpickler error" in ln), "")
         raise TaperfoldError(f"{path}: not a readable checkpoint ({detail or 'not a PyTorch file'})") from None
-    except Exception as e:  # weights_only=True ran nothing; whatever the parser raised, the file is corrupt
+    except Exception as e:  # noqa: BLE001 - weights_only=True ran nothing; whatever torch's parser raised: corrupt
         raise TaperfoldError(f"{path}: not a readable checkpoint: truncated or corrupt ({first_line(e)})") from None
     if not isinstance(obj, dict):
         raise TaperfoldError(f"{path}: not a taperfold checkpoint (top level is {type(obj).__name__}, not a dict)")
@@ -221,7 +221,7 @@ def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     except (TypeError, ValueError) as e:
         raise TaperfoldError(f"{path}: key 'config': {e}") from None
     gate = header["gate"]
-    if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not math.isfinite(gate) or not 0 <= gate <= 1:
+    if not is_finite_number(gate) or not 0 <= gate <= 1:
         raise TaperfoldError(f"{path}: key 'gate' must be a number in [0, 1], got {gate!r}")
     if isinstance(header["step"], bool) or not isinstance(header["step"], int) or header["step"] < 0:
         raise TaperfoldError(f"{path}: key 'step' must be a non-negative integer, got {header['step']!r}")
@@ -231,7 +231,7 @@ def _from_parts(path: Path, header: dict, tensors: dict) -> Checkpoint:
     return Checkpoint(config, tensors, float(gate), header["step"], header.get("meta") or {}, path)
 
 
-def _check_tensors(path: Path | None, ckpt: Checkpoint) -> None:
+def _check_tensors(path: Path, ckpt: Checkpoint) -> None:
     """The tensors against the model the config describes (taperfold.sources.checks)."""
     config = ckpt.config
     present = sum(t.numel() for t in ckpt.state_dict.values())
