@@ -720,7 +720,7 @@ def bench(
         ],
         inputs=[
             checkpoint,
-            source.manifest and source.manifest.checkpoint,
+            source.manifest.checkpoint if source.manifest is not None else None,
             *_export_files(export_dir, keep=dir_report),
         ],
     )

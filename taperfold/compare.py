@@ -35,8 +35,12 @@ class Tolerance:
     def override(
         self, rtol: float | None = None, min_top1: float | None = None, max_kl: float | None = None
     ) -> Tolerance:
-        given = {k: v for k, v in dict(rtol=rtol, min_top1=min_top1, max_kl=max_kl).items() if v is not None}
-        return replace(self, **given)
+        return replace(
+            self,
+            rtol=self.rtol if rtol is None else rtol,
+            min_top1=self.min_top1 if min_top1 is None else min_top1,
+            max_kl=self.max_kl if max_kl is None else max_kl,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

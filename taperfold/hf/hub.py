@@ -38,7 +38,7 @@ def resolve(name: str) -> Path | None:
         ) from None
     try:
         return Path(snapshot_download(name, allow_patterns=FETCHED))
-    except Exception as e:  # huggingface_hub raises many types (offline, not found, gated, HTTP): one line
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many types (offline, not found, gated, HTTP)
         raise TaperfoldError(
             f"{name}: no such file or directory, and not a model the Hugging Face Hub cache holds "
             f"or could fetch ({type(e).__name__}: {first_line(e)})"

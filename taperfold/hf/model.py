@@ -20,12 +20,16 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
 from taperfold.taper import TaperedLM, shared_parameters
+
+if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
+    from transformers import PreTrainedModel
 
 SOURCE = "transformers"
 # How transformers' MoE experts run here: `batched_mm` exports with both torch.onnx exporters (the default,
@@ -34,14 +38,14 @@ SOURCE = "transformers"
 EXPERTS = "batched_mm"
 
 
-def exportable(hf: nn.Module) -> nn.Module:
+def exportable(hf: PreTrainedModel) -> PreTrainedModel:
     """`hf` with its MoE experts (if any) run as `EXPERTS`, in place."""
     if hf._can_set_experts_implementation() and hf.config._experts_implementation != EXPERTS:
         hf.set_experts_implementation(EXPERTS)
     return hf
 
 
-def cached_heads(hf: nn.Module) -> tuple[int, int] | None:
+def cached_heads(hf: PreTrainedModel) -> tuple[int, int] | None:
     """(heads, head dim) of the keys `hf` caches, from one two-token forward of a model on the meta device (shapes
     only: no memory, no arithmetic). The modeling code decides what it caches and the config does not always say:
     Falcon-7B's multi-query attention caches one key/value head and its config names none, Falcon-40B caches every
@@ -88,6 +92,11 @@ class HFModelInfo:
             getattr(config, "num_key_value_heads", None) or heads,
             getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
+        context = getattr(config, "max_position_embeddings", None) or family.context
+        if context is None:  # taperfold.hf.config_check refuses such a config before any model is built
+            raise ValueError(
+                f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"
+            )
         return cls(
             arch=config.model_type,
             family=family.name,
@@ -97,7 +106,7 @@ class HFModelInfo:
             n_heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            max_seq_len=getattr(config, "max_position_embeddings", None) or family.context,
+            max_seq_len=context,
             taper=taper,
             norm_kind=family.norm,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -118,7 +127,9 @@ class HFCausalLM(TaperedLM, nn.Module):
 
     network_path = "hf"
 
-    def __init__(self, hf: nn.Module, cfg: HFModelInfo, family: Family):
+    cfg: HFModelInfo
+
+    def __init__(self, hf: PreTrainedModel, cfg: HFModelInfo, family: Family):
         super().__init__()
         self.hf, self.cfg, self.family = exportable(hf), cfg, family
         # transformers renamed `past_key_values` (argument and output) to `cache`: 5.24 warns the old name goes in 5.40
@@ -172,9 +183,11 @@ class HFCausalLM(TaperedLM, nn.Module):
         """transformers' StaticCache over the given buffers, which its layers update in place (index_copy_). A layer
         writes from its `cumulative_length` on: here the first position of this call."""
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         cache = StaticCache(config=self.hf.config, max_cache_len=past_key_values[0][0].shape[2])
-        for layer, (keys, values) in zip(cache.layers, past_key_values, strict=True):
+        # a caller passes cache_position only where `static_cache` holds: every layer is a StaticLayer
+        for layer, (keys, values) in zip(cast(list[StaticLayer], cache.layers), past_key_values, strict=True):
             layer.keys, layer.values, layer.device = keys, values, keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]

@@ -40,9 +40,10 @@ def save_hf_directory(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     with atomic_dir(out_dir) as tmp, _no_progress_bars():
         model.save_pretrained(tmp, **kwargs)
-        for name in TOKENIZER_FILES if tokenizer_from is not None else ():
-            if (Path(tokenizer_from) / name).is_file():
-                shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_from) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
     return out_dir
 
 

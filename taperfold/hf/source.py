@@ -176,7 +176,9 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         )
     model_type = config.get("model_type")
     shipped = family_for(model_type, str(config_file)) if is_registered(model_type) else None
-    block = parse_block(config[BLOCK], config_file, model_type) if BLOCK in config else None
+    # a model_type other than a string: transformers_config refuses it next, whatever a traced family is named
+    named = model_type if isinstance(model_type, str) else ""
+    block = parse_block(config[BLOCK], config_file, named) if BLOCK in config else None
     hf_config = transformers_config(config, config_file, shipped)
     if shipped is not None:
         why_not = shipped.check(hf_config)

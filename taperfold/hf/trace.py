@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -126,9 +127,11 @@ def measure_norm(module: nn.Module, config) -> NormBehaviour:
             for offset in (0.0, 1.0):
                 reference = kind.plain(dim, candidate)
                 with torch.no_grad():
-                    reference.weight.copy_(gain + offset)
+                    reference.get_parameter("weight").copy_(gain + offset)
                     if kind.shift:
-                        reference.bias.copy_(bias.detach() if isinstance(bias, torch.Tensor) else torch.zeros(dim))
+                        reference.get_parameter("bias").copy_(
+                            bias.detach() if isinstance(bias, torch.Tensor) else torch.zeros(dim)
+                        )
                     elif isinstance(bias, torch.Tensor):
                         continue  # a β the kind has no place for
                     if torch.allclose(got, reference(x), rtol=1e-4, atol=1e-5):
@@ -407,12 +410,23 @@ def _refuse(where: str, model_type: str, why: str) -> TaperfoldError:
     )
 
 
-def _layer_of(path: str, model: nn.Module) -> tuple[str, int, str] | None:
-    """(ModuleList path, index, path inside the layer) of a module path inside a ModuleList, else None."""
+class _InLayer(NamedTuple):
+    """Where a module path lies in a ModuleList of layers."""
+
+    layers: str  # the ModuleList's path
+    layer: int  # the layer's index in it
+    inner: str  # the path inside the layer
+    size: int  # the layers in the list
+
+
+def _layer_of(path: str, model: nn.Module) -> _InLayer | None:
+    """Where a module path inside a ModuleList lies in it, else None."""
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :])
+        if parts[i].isdigit():
+            layers = model.get_submodule(".".join(parts[:i]))
+            if isinstance(layers, nn.ModuleList):
+                return _InLayer(".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :]), len(layers))
     return None
 
 
@@ -436,7 +450,8 @@ def traced_family(config, where: str = "model") -> Family:
 
     candidates = [name for name, module in model.named_modules() if is_norm_module(module)]
     behaviour = {name: measure_norm(model.get_submodule(name), config) for name in candidates}
-    measured = [name for name in candidates if behaviour[name].kind is not None]
+    kinds = {name: b.kind for name, b in behaviour.items() if b.kind is not None}  # the norms measured, in order
+    measured = list(kinds)
     try:
         program = _trace(model, measured, config)
     except Exception as e:  # noqa: BLE001 - torch.export raises many types for code it cannot take
@@ -446,7 +461,7 @@ def traced_family(config, where: str = "model") -> Family:
     graph = _Graph(program, model)
     signatures = {entry.fqn: entry.signature for entry in program.module_call_graph if entry.signature}
 
-    why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if behaviour[name].kind is None}
+    why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if name not in kinds}
     readers: dict[str, list[str]] = {}
     producers: dict[str, str] = {}
     for name in measured:
@@ -473,7 +488,7 @@ def traced_family(config, where: str = "model") -> Family:
     final = next((name for name, rs in readers.items() if rs == [head_path]), None)
     if final is None:
         raise _refuse(where, model_type, f"no norm is read by the head ({head_path}) alone")
-    kind, offset = behaviour[final].kind, behaviour[final].gain_offset
+    kind, offset = kinds[final], behaviour[final].gain_offset
     if offset and not norm_kind(kind).gain_offset_allowed:
         raise _refuse(
             where,
@@ -483,9 +498,9 @@ def traced_family(config, where: str = "model") -> Family:
         )
     for name in [*readers, *producers]:
         b = behaviour[name]
-        if (b.kind, b.gain_offset) != (kind, offset):
+        if (kinds[name], b.gain_offset) != (kind, offset):
             why[name] = (
-                f"a {norm_kind(b.kind).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
+                f"a {norm_kind(kinds[name]).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
                 f"final norm is a {norm_kind(kind).title}{' with gain 1 + γ' if offset else ''}"
             )
     placed = [name for name in [*readers, *producers] if name not in why and name != final]
@@ -493,19 +508,19 @@ def traced_family(config, where: str = "model") -> Family:
     layers = _layer_of(placed[0], model) if placed else None
     if layers is None:
         raise _refuse(where, model_type, "no norm inside its decoder layers folds into a linear layer")
-    layers_path, n_layers = layers[0], len(model.get_submodule(layers[0]))
+    layers_path, n_layers = layers.layers, layers.size
     per_norm: dict[str, dict[int, tuple]] = defaultdict(dict)  # path in a layer -> layer -> how it folds
     for name in placed:
         where_in = _layer_of(name, model)
-        if where_in is None or where_in[0] != layers_path:
+        if where_in is None or where_in.layers != layers_path:
             why[name] = f"outside the decoder layers ({layers_path})"
             continue
-        prefix = f"{layers_path}.{where_in[1]}."
+        prefix = f"{layers_path}.{where_in.layer}."
         targets = readers.get(name) or [producers[name]]
         if not all(t.startswith(prefix) for t in targets):
             why[name] = f"it folds into {', '.join(targets)}, outside its own layer"
             continue
-        per_norm[where_in[2]][where_in[1]] = (name in readers, tuple(t[len(prefix) :] for t in targets))
+        per_norm[where_in.inner][where_in.layer] = (name in readers, tuple(t[len(prefix) :] for t in targets))
     internal, post = {}, {}
     for relative, by_layer in per_norm.items():
         folds = set(by_layer.values())
@@ -521,7 +536,7 @@ def traced_family(config, where: str = "model") -> Family:
             why[f"{layers_path}.{index}.{relative}"] = reason
     if not internal and not post:
         raise _refuse(where, model_type, "no norm folds alike in every decoder layer")
-    untapered = {}
+    untapered: dict[str, str] = {}
     for name, reason in why.items():
         key = next((part for part in reversed(name.split(".")) if not part.isdigit()), name)
         untapered.setdefault(key, reason)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import read_json_object
@@ -98,9 +99,9 @@ def trainer_callback(hook: TaperHook):
 
 @dataclass
 class HFTrainResult:
-    model: object  # the tapered transformers model, at the schedule's end (g = 0)
+    model: nn.Module  # the tapered transformers model, at the schedule's end (g = 0)
     tokenizer: object | None
-    schedule: GateSchedule
+    schedule: GateSchedule | None  # None only for a norm kind without a gate (transformers' norms all have one)
     val_loss: float
     source: Path  # the plain directory it was tapered from (its tokenizer files are copied along)
     steps: int
@@ -109,7 +110,7 @@ class HFTrainResult:
 
     @property
     def gate(self) -> float:
-        return self.model.tapering.gate.value
+        return tapering_of(self.model).gate.value
 
     @property
     def tokenizer_name(self) -> str:
@@ -145,7 +146,7 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
                 if (folder / "tokenizer.json").is_file()
                 else AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
             )
-        except Exception as e:  # tokenizer loaders raise many types; one line names the directory
+        except Exception as e:  # noqa: BLE001 - tokenizer loaders raise many types; one line names the directory
             raise TaperfoldError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
         text = bytes(raw.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
         tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)

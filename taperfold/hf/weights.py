@@ -61,7 +61,8 @@ def _read_sharded(folder: Path, index: Path) -> tuple[dict[str, torch.Tensor], d
                 f"{folder}, got {short(shard_name)}"
             )
         shards.setdefault(shard_name, key)
-    tensors, origin = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}  # tensor name -> the shard holding it
     for shard_name, key in sorted(shards.items()):
         shard = folder / shard_name
         if not shard.is_file():

@@ -105,13 +105,13 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def to_numpy(self, value: Any) -> np.ndarray: ...
 
-    def _synchronize(self) -> None:
+    def _synchronize(self) -> None:  # noqa: B027 - a default on purpose: a synchronous engine has nothing to wait for
         """Wait until every call issued so far has finished (nothing to wait for when calls are synchronous)."""
 
     def _clock(self) -> WallClock | CudaEventClock:
         return WallClock()
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - a default on purpose: an engine holding nothing to release keeps it
         """Release the model and its buffers."""
 
     # ---- the interface, guarded ----

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch

@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -26,10 +26,18 @@ class ModelSource(abc.ABC):
 
     path: Path | None
     config: ModelShape
-    family: Family
-    gate: float  # the gate the weights were saved at (1 for a plain model)
-    step: int
     meta: dict  # what training recorded: val_loss, schedule, ...
+
+    # Read-only to a source's readers: a kind keeps each as a dataclass field or computes it. Properties to the type
+    # checker only: at run time a dataclass field would take an inherited property for its default.
+    if TYPE_CHECKING:
+
+        @property
+        def family(self) -> Family: ...
+        @property
+        def gate(self) -> float: ...  # the gate the weights were saved at (1 for a plain model)
+        @property
+        def step(self) -> int: ...
 
     @property
     def tapered(self) -> bool:

@@ -58,12 +58,16 @@ def check_state(
             raise TaperfoldError(
                 f"{file}: key '{name}' has shape {list(value.shape)}, expected {list(expected[key].shape)}"
             )
-    tapered = norms is not None
     for key, value in tensors.items():
         file, name = origin.get(key, where), printable(stored.get(key, key))
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise TaperfoldError(f"{file}: key '{name}' contains NaN or Inf")
-        if tapered and key.endswith(".c") and key[:-2] in norms and not C_RANGE[0] < float(value) <= C_RANGE[1]:
+        if (
+            norms is not None
+            and key.endswith(".c")
+            and key[:-2] in norms
+            and not C_RANGE[0] < float(value) <= C_RANGE[1]
+        ):
             raise TaperfoldError(
                 f"{file}: key '{name}' is {float(value):g}; a tapered norm's scale c must lie in "
                 f"({C_RANGE[0]:g}, {C_RANGE[1]:g}]"
