@@ -121,8 +121,11 @@ def _setup(folder: Path) -> None:
 
 
 def test_readme_and_hf_guide_run_as_printed(tmp_path):
+    # One OpenMP thread per command: with other work on the cores, torch's two threads wait for each other at every
+    # barrier (a 30-step training under load: 90 s wall and 55 s of CPU with two, 52 s and 19 s with one; the
+    # 600-step one ran past an hour). Nothing the docs print depends on it: their thread counts are --threads 1.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+           "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     _setup(tmp_path)
     for document in ("README.md", "docs/hf.md"):
         for kind, text, printed in blocks((ROOT / document).read_text()):
