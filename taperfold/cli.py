@@ -753,14 +753,15 @@ def bench(
         report = run_bench(loaded, on_call)
     with plan.human_output():
         print_bench(report)
-    for path, write in (
-        (json_path, write_json_atomic),
-        (csv_path, write_csv),
-        (plot_path, write_plot),
-        (dir_report, write_json_atomic),
-    ):
+    outputs = [  # the report's files: JSON, CSV and the plot are views of one BenchReport
+        (json_path, lambda path: write_json_atomic(path, report.to_json())),
+        (csv_path, lambda path: write_csv(path, report)),
+        (plot_path, lambda path: write_plot(path, report)),
+        (dir_report, lambda path: write_json_atomic(path, report.to_json())),
+    ]
+    for path, write in outputs:
         if path:
-            write(path, report)
+            write(path)
 
 
 BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json"}  # in the export directory

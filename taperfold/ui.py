@@ -13,11 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from taperfold.bench.report import UNIT, report_phases, report_variants, row_label, speedup_labels
+from taperfold.bench.report import UNIT, speedup_labels
 from taperfold.exportdir import FOLDED
 
 if TYPE_CHECKING:
+    from taperfold.bench.report import BenchReport
     from taperfold.manifest import Manifest
+    from taperfold.passes.check_fold import FoldCheck
+    from taperfold.passes.report import FoldReport, ProjectionReport
     from taperfold.verify.report import VerifyReport
 
 
@@ -207,7 +210,7 @@ def print_verify(report: VerifyReport) -> None:
         out.print(report.note, highlight=False)
 
 
-def print_fold_report(src, dst, report, console: Console) -> None:
+def print_fold_report(src: str | os.PathLike, dst: str | os.PathLike, report: FoldReport, console: Console) -> None:
     """`taperfold fold`: one row per norm found, then the totals (or one line when there was nothing to fold)."""
     from taperfold.passes import NormStatus
 
@@ -257,7 +260,7 @@ def print_fold_report(src, dst, report, console: Console) -> None:
         console.print(f"note: onnx.checker {s['check_output']} (on the input it {s['check_input']})", highlight=False)
 
 
-def _print_projections(projections, console: Console) -> None:
+def _print_projections(projections: ProjectionReport | None, console: Console) -> None:
     """`fold --fuse-projections`: one line of totals, then each fused group's layers (module paths where known)."""
     if projections is None:
         return
@@ -274,7 +277,7 @@ def _print_projections(projections, console: Console) -> None:
         console.print(f"  {' + '.join(names)} -> {group.fused}", highlight=False, markup=False, soft_wrap=True)
 
 
-def print_fold_check(check, console: Console) -> None:
+def print_fold_check(check: FoldCheck, console: Console) -> None:
     """`taperfold fold --verify`: the metrics of each output, unfolded against folded."""
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in check.inputs.items())
     table = Table(title=f"input -> folded in ONNX Runtime (CPU), inputs {shapes}")
@@ -288,7 +291,7 @@ def print_fold_check(check, console: Console) -> None:
             else [
                 f"{m.max_abs:.3g}",
                 f"{m.max_rel:.3g}",
-                f"{o.tolerance.rtol:g}",
+                f"{o.tolerance.rtol:g}" if o.tolerance else "",  # (a float output has both)
                 f"{m.mean_abs:.3g}",
                 f"{m.cosine:.6f}",
                 f"{m.top1:.4f}",
@@ -319,101 +322,101 @@ def bench_progress(total: int):
         yield lambda: progress.advance(task)
 
 
-def throughput_table(report: dict, phase: str) -> Table:
+def throughput_table(report: BenchReport, phase: str) -> Table:
     """Tokens per second of every variant: the median of the timing each row names in `throughput_from`."""
     scale, unit = UNIT[phase]
-    timing = "/".join(
-        dict.fromkeys(THROUGHPUT_FROM[r["throughput_from"]] for r in report["results"] if r["phase"] == phase)
-    )
+    rows = report.rows(phase)
+    timing = "/".join(dict.fromkeys(THROUGHPUT_FROM[r.throughput_from] for r in rows))
     title = (
-        f"{phase} throughput ({unit}, median, {timing}) — {report['engine']} {report['device']} "
-        f"{report['dtype']}, {report['threads']} threads"
+        f"{phase} throughput ({unit}, median, {timing}) — {report.engine} {report.device} "
+        f"{report.dtype}, {report.threads} threads"
     )
     table = Table(title=title)
     table.add_column("batch", justify="right")
     table.add_column("prompt" if phase == "decode" else "seq", justify="right")
-    variants = report_variants(report)
+    variants = report.labels()
     for v in variants:
         table.add_column(v, justify="right")
     speedup_of = speedup_labels(variants)
     for v in speedup_of:
         table.add_column(f"{v} ×", justify="right")
-    rows = {(r["batch"], r["seq"], row_label(r)): r for r in report["results"] if r["phase"] == phase}
-    for batch, seq in dict.fromkeys((b, s) for b, s, _ in rows):
-        cells = [f"{rows[batch, seq, v]['tokens_per_s'] / scale:.1f}" for v in variants]
-        cells += [f"{rows[batch, seq, v]['speedup_vs_baseline']:.3f}" for v in speedup_of]
+    by_key = {(r.batch, r.seq, r.label): r for r in rows}
+    for batch, seq in dict.fromkeys((b, s) for b, s, _ in by_key):
+        cells = [f"{by_key[batch, seq, v].tokens_per_s / scale:.1f}" for v in variants]
+        cells += [f"{by_key[batch, seq, v].speedup_vs_baseline:.3f}" for v in speedup_of]
         table.add_row(str(batch), str(seq), *cells)
     return table
 
 
-def detail_table(report: dict) -> Table:
+def detail_table(report: BenchReport) -> Table:
     """Latency: the synced calls (each timed alone, waited for) of every row."""
     table = Table(
         title="latency per call (ms, synced calls)"
-        if report["mode"] == "prefill"
+        if report.mode == "prefill"
         else "latency (ms, synced calls): prefill per prompt, decode per token"
     )
     for col in ("phase", "variant", "B", "T", "n", "median", "mean", "p90", "p99", "min", "std", "CV %", "first run"):
         table.add_column(col, justify="left" if col in ("phase", "variant") else "right")
-    threshold = report["settings"]["cv_warn_pct"]
-    for r in report["results"]:
-        s = r["synced"]["stats_ms"]
-        cv = f"{s['cv_pct']:.1f}"
+    threshold = report.settings.cv_warn_pct
+    for r in report.results:
+        s = r.synced.stats_ms
+        cv = f"{s.cv_pct:.1f}"
         table.add_row(
-            r["phase"],
-            row_label(r),
-            str(r["batch"]),
-            str(r["seq"]),
-            str(s["n"]),
-            *(f"{s[k]:.3f}" for k in ("median", "mean", "p90", "p99", "min", "std")),
-            f"[yellow]{cv}[/]" if s["cv_pct"] > threshold else cv,
-            f"{r['first_run_ms']:.3f}",
+            r.phase,
+            r.label,
+            str(r.batch),
+            str(r.seq),
+            str(s.n),
+            *(f"{value:.3f}" for value in (s.median, s.mean, s.p90, s.p99, s.min, s.std)),
+            f"[yellow]{cv}[/]" if s.cv_pct > threshold else cv,
+            f"{r.first_run_ms:.3f}",
         )
     return table
 
 
-def print_bench(report: dict) -> None:
-    for phase in report_phases(report):
+def print_bench(report: BenchReport) -> None:
+    for phase in report.phases():
         out.print(throughput_table(report, phase))
     out.print(detail_table(report))
-    env = report["environment"]
-    device = env.get("gpu", {}).get("name") if report["device"].startswith("cuda") else env["cpu"]
-    s = report["settings"]
+    env = report.environment
+    device = env.get("gpu", {}).get("name") if report.device.startswith("cuda") else env["cpu"]
+    s = report.settings
     out.print(
-        f"{device}; warm-up {s['warmup']}, iters {s['iters']} in {s['rounds']} alternating rounds; "
-        f"first run reported apart; {report['seconds']:.0f} s"
+        f"{device}; warm-up {s.warmup}, iters {s.iters} in {s.rounds} alternating rounds; "
+        f"first run reported apart; {report.seconds:.0f} s"
     )
-    for mode, meaning in report["timing"].items():
+    for mode, meaning in report.timing.items():
         out.print(f"{mode}: {meaning}", highlight=False)
-    if report.get("fused_projections"):
-        groups = ", ".join(f"{variant} {n}" for variant, n in report["projection_groups"].items())
+    if report.fused_projections:
+        groups = ", ".join(f"{variant} {n}" for variant, n in report.projection_groups.items())
         out.print(
             f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: {groups}",
             highlight=False,
         )
-    elif "fused_projections" in report:
+    elif report.fused_projections is not None:  # (a report from before it was recorded says nothing)
         out.print("projections unfused: each linear layer runs on its own", highlight=False)
-    if report.get("kv_cache"):
-        length = f" of {report['cache_length']} positions" if report.get("cache_length") else ""
-        out.print(f"decoders: {report['kv_cache']} KV cache{length}", highlight=False)
-    if report.get("cuda_graph"):
+    if report.kv_cache:
+        length = f" of {report.cache_length} positions" if report.cache_length else ""
+        out.print(f"decoders: {report.kv_cache} KV cache{length}", highlight=False)
+    if report.cuda_graph:
         out.print(
             "rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run plainly",
             highlight=False,
         )
-    if report.get("compile"):
+    if report.compile:
         out.print(
-            f"every model torch.compile'd on its own (mode {report['compile_mode']}, no fallback to eager)",
+            f"every model torch.compile'd on its own (mode {report.compile_mode}, no fallback to eager)",
             highlight=False,
         )
-    for label, kinds in report.get("setup_s", {}).items():
+    for label, kinds in report.setup_s.items():
         spent = ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in kinds.items())
         out.print(f"{label}: {spent} (one-off, not in the timings)", highlight=False)
-    for warning in report["warnings"]:
+    warnings = report.warnings
+    for warning in warnings:
         err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
-    if report["warnings"]:
+    if warnings:
         err.print(
-            f"CV above {s['cv_warn_pct']:g} % means the timings spread widely (a busy or throttling "
+            f"CV above {s.cv_warn_pct:g} % means the timings spread widely (a busy or throttling "
             "machine?): compare medians with care, or rerun with more --iters and --rounds",
             soft_wrap=True,
         )

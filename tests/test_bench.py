@@ -17,7 +17,7 @@ from conftest import one_line
 from taperfold.exportdir import GROWING
 from taperfold.bench.decode import generate
 from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
-from taperfold.bench.report import CSV_COLUMNS, check_report, csv_rows, throughput_stats
+from taperfold.bench.report import CSV_COLUMNS, BenchReport, check_report, csv_rows, throughput_stats, write_csv
 from taperfold.bench.stats import summarize
 from taperfold.checkpoint import load_checkpoint
 from taperfold.engines import ENGINES, MODELS, Engine
@@ -220,17 +220,18 @@ def launch_bound_report(monkeypatch):
 
 def test_report_carries_both_timings_and_takes_throughput_from_pipelined(launch_bound_report):
     report = launch_bound_report
-    assert report["format_version"] == 2 and list(report["timing"]) == ["synced", "pipelined"]
-    rows = {r["variant"]: r for r in report["results"]}
+    assert report.to_json()["format_version"] == 2 and list(report.timing) == ["synced", "pipelined"]
+    rows = {r.variant: r for r in report.results}
     for variant, call_ms in (("baseline", 2.0), ("folded", 1.0)):
         row = rows[variant]
-        assert row["throughput_from"] == "pipelined" and row["pipelined"]["calls"] == [2, 2]
-        assert len(row["synced"]["times_ms"]) == 4 and len(row["pipelined"]["times_ms"]) == 2
-        assert row["synced"]["stats_ms"]["median"] == pytest.approx(call_ms + 1.0)  # each call waited for
-        assert row["pipelined"]["stats_ms"]["median"] == pytest.approx(call_ms + 0.5)  # one wait per 2 calls
-        assert row["tokens_per_s"] == pytest.approx(16 / ((call_ms + 0.5) / 1e3))
-        assert throughput_stats(row) == row["pipelined"]["stats_ms"]
-    assert rows["folded"]["speedup_vs_baseline"] == pytest.approx(2.5 / 1.5)  # pipelined; synced would give 3 / 2
+        assert row.throughput_from == "pipelined" and row.pipelined.calls == [2, 2]
+        assert len(row.synced.times_ms) == 4 and len(row.pipelined.times_ms) == 2
+        assert row.synced.stats_ms.median == pytest.approx(call_ms + 1.0)  # each call waited for
+        assert row.pipelined.stats_ms.median == pytest.approx(call_ms + 0.5)  # one wait per 2 calls
+        assert row.tokens_per_s == pytest.approx(16 / ((call_ms + 0.5) / 1e3))
+        assert row.throughput_stats == row.pipelined.stats_ms
+        assert throughput_stats(row.to_json()) == row.pipelined.stats_ms.to_dict()  # the JSON's own reader agrees
+    assert rows["folded"].speedup_vs_baseline == pytest.approx(2.5 / 1.5)  # pipelined; synced would give 3 / 2
     csv_row = {r["variant"]: r for r in csv_rows(report)}["folded"]
     assert (csv_row["synced_median_ms"], csv_row["pipelined_median_ms"]) == pytest.approx((2.0, 1.5))
     assert (csv_row["synced_n"], csv_row["pipelined_n"], csv_row["pipelined_calls"]) == (4, 2, 4)
@@ -251,7 +252,7 @@ def test_throughput_table_shows_pipelined_and_latency_table_synced(launch_bound_
 
     table = throughput_table(launch_bound_report, "prefill")
     assert table.title == ("prefill throughput (k tokens/s, median, pipelined calls) — torch cpu fp32, "
-                           f"{launch_bound_report['threads']} threads")
+                           f"{launch_bound_report.threads} threads")
     # k tokens/s = 16 tokens / ms per call: baseline 2.5 ms, folded 1.5 ms pipelined (3 and 2 ms synced)
     assert _rows(table) == [["2", "8", f"{16 / 2.5:.1f}", f"{16 / 1.5:.1f}", f"{2.5 / 1.5:.3f}"]]
     table = detail_table(launch_bound_report)
@@ -269,15 +270,96 @@ def test_a_failure_in_either_timing_is_one_line(fail_at, what, monkeypatch, cli)
                                           f"(during {what})\n")
 
 
+def as_version_1(data: dict) -> dict:
+    """A version-2 report as version 1 wrote it: one set of synced timings per row (decode: and `generation_ms`)."""
+    rows = []
+    for row in data["results"]:
+        old = {k: v for k, v in row.items() if k not in ("synced", "pipelined", "generation", "throughput_from")}
+        old.update(times_ms=row["synced"]["times_ms"], stats_ms=row["synced"]["stats_ms"])
+        if "generation" in row:
+            old["generation_ms"] = row["generation"]["times_ms"]
+        rows.append(old)
+    return {**{k: v for k, v in data.items() if k != "timing"}, "format_version": 1, "results": rows}
+
+
 def test_reports_of_both_versions_are_read_and_others_refused(launch_bound_report):
+    data = launch_bound_report.to_json()
     v1_row = {"stats_ms": {"cv_pct": 3.0}, "tokens_per_s": 1.0}  # version 1: one set of synced timings
     assert throughput_stats(v1_row) == {"cv_pct": 3.0}
-    assert check_report({**launch_bound_report, "format_version": 1}, "old.json")["format_version"] == 1
+    assert check_report({**data, "format_version": 1}, "old.json")["format_version"] == 1
     with pytest.raises(TaperfoldError, match=r"^new\.json: key 'format_version' is 3; this taperfold reads "
                                              r"taperfold-bench versions 1, 2$"):
-        check_report({**launch_bound_report, "format_version": 3}, "new.json")
+        check_report({**data, "format_version": 3}, "new.json")
     with pytest.raises(TaperfoldError, match=r"^x\.json: not a taperfold-bench report \(key 'format'\)$"):
         check_report({"format": "taperfold-export"}, "x.json")
+    # typed: version 1 is upgraded (throughput from the synced calls, the only timing it had), then written as 2
+    old = BenchReport.from_json(as_version_1(data), "old.json")
+    assert [(r.throughput_from, r.pipelined) for r in old.results] == [("synced", None)] * 2
+    assert [r.synced for r in old.results] == [r.synced for r in launch_bound_report.results]
+    assert old.to_json()["format_version"] == 2 and list(old.timing) == ["synced"]
+    assert BenchReport.from_json(old.to_json(), "old.json").to_json() == old.to_json()
+
+
+# ---- the report read back: its JSON, CSV and tables are views of one BenchReport ----------------------------
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_real_run_reads_back_to_the_same_json_csv_and_tables(mode, tmp_path, cli):
+    import contextlib
+
+    from taperfold.ui import print_bench
+
+    report_path, csv_path = tmp_path / "b.json", tmp_path / "b.csv"
+    lengths = ("--seq", "8,16") if mode == "prefill" else ("--prompt", "4", "--new-tokens", "2")
+    r = cli("bench", "--preset", "tiny", "--engine", "torch", "--mode", mode, "--batch", "1,2", *lengths,
+            "--warmup", "0", "--iters", "2", "--threads", "1", "--variants", "baseline,folded",
+            "--report", report_path, "--csv", csv_path)
+    assert r.exit_code == 0, r.stderr
+    report = BenchReport.read(report_path)
+    assert json.dumps(report.to_json(), indent=2) + "\n" == report_path.read_text()  # the bytes bench wrote
+    assert BenchReport.from_json(report.to_json()).to_json() == report.to_json()
+    assert len(report.results) == 8 and report.phases() == (  # 2 batches x 2 variants x 2 lengths or phases
+        ["prefill"] if mode == "prefill" else ["prefill", "decode"])
+    write_csv(tmp_path / "again.csv", report)
+    assert (tmp_path / "again.csv").read_text() == csv_path.read_text()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        print_bench(report)
+    assert (out.getvalue(), err.getvalue()) == (r.stdout, r.stderr)  # the tables, notes and CV warnings
+
+
+def test_a_bad_or_newer_report_is_refused_in_one_line(launch_bound_report, tmp_path):
+    import copy
+
+    data = launch_bound_report.to_json()
+
+    def changed(edit) -> dict:
+        bad = copy.deepcopy(data)
+        edit(bad)
+        return bad
+
+    cases = [
+        ({**data, "format_version": 3}, "key 'format_version' is 3; this taperfold reads taperfold-bench versions 1, 2"),
+        ({**data, "format": "taperfold-verify"}, "not a taperfold-bench report (key 'format')"),
+        (changed(lambda d: d["results"][1]["synced"]["stats_ms"].update(median="fast")),
+         "key 'results[1].synced.stats_ms.median' must be a number, got 'fast'"),
+        (changed(lambda d: d["results"][0].pop("tokens_per_s")), "missing key 'results[0].tokens_per_s'"),
+        (changed(lambda d: d["results"][0].update(throughput_from="generation")),
+         "key 'results[0].throughput_from' names 'generation', which the row has no timing of"),
+        (changed(lambda d: d["results"][0].update(phase="warmup")),
+         "key 'results[0].phase' must be one of prefill, decode, got 'warmup'"),
+        (changed(lambda d: d["settings"].update(iters=None)), "key 'settings.iters' must be an integer, got None"),
+        (changed(lambda d: d.update(results={})), "key 'results' must be a list of objects, got an object"),
+    ]
+    path = tmp_path / "b.json"
+    for bad, message in cases:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(TaperfoldError) as refused:
+            BenchReport.read(path)
+        assert str(refused.value) == f"{path}: {message}"
+    path.write_text("{")
+    with pytest.raises(TaperfoldError, match=r"^[^\n]*b\.json: not valid JSON [^\n]*$"):
+        BenchReport.read(path)
 
 
 # ---- CLI: reports and errors ---------------------------------------------------------------------

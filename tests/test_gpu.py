@@ -211,19 +211,20 @@ def test_cuda_graph_rows_sit_next_to_eager_rows_and_say_so(fake_engine, tmp_path
     with load_bench(resolve_source(None, None, "tiny"), opts) as loaded:
         assert list(loaded.runners) == ["baseline", "baseline (cuda graph)", "folded", "folded (cuda graph)"]
         report = run_bench(loaded)
-    rows = {(r["label"], r["seq"]): r for r in report["results"]}
-    assert len(rows) == 8 and report["cuda_graph"] and report["executions"] == ["eager", "cuda-graph"]
+    rows = {(r.label, r.seq): r for r in report.results}
+    assert len(rows) == 8 and report.cuda_graph and report.executions == ["eager", "cuda-graph"]
     for (label, seq), r in rows.items():
         graph = label.endswith("(cuda graph)")
-        assert r["execution"] == ("cuda-graph" if graph else "eager")
-        assert r["variant"] == label.split(" ")[0]
+        assert r.execution == ("cuda-graph" if graph else "eager")
+        assert r.variant == label.split(" ")[0]
         # captured once per shape, before the timed calls, and reported apart from them
-        assert r["setup_s"] == ({"capture": 0.5} if graph else {})
+        assert r.setup_s == ({"capture": 0.5} if graph else {})
     # speedups against the baseline run the same way: eager 2.0 / 1.0 ms, graphs 1.0 / 0.8 ms
-    assert rows["folded", 8]["speedup_vs_baseline"] == pytest.approx(2.0)
-    assert rows["folded (cuda graph)", 8]["speedup_vs_baseline"] == pytest.approx(1.25)
-    assert rows["baseline (cuda graph)", 16]["speedup_vs_baseline"] == pytest.approx(1.0)
-    assert report["setup_s"] == {"baseline (cuda graph)": {"capture": 1.0}, "folded (cuda graph)": {"capture": 1.0}}
+    assert rows["folded", 8].speedup_vs_baseline == pytest.approx(2.0)
+    assert rows["folded (cuda graph)", 8].speedup_vs_baseline == pytest.approx(1.25)
+    assert rows["baseline (cuda graph)", 16].speedup_vs_baseline == pytest.approx(1.0)
+    assert report.setup_s == {"baseline (cuda graph)": {"capture": 1.0}, "folded (cuda graph)": {"capture": 1.0}}
+    assert report.to_json()["setup_s"] == report.setup_s and report.to_json()["executions"] == report.executions
 
     write_csv(tmp_path / "b.csv", report)
     csv_rows = list(csv.DictReader((tmp_path / "b.csv").open()))

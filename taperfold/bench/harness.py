@@ -101,7 +101,7 @@ def run_rounds(jobs: dict[str, Job], schedule: Schedule, on_call: Callable[[], N
             for _ in range(n_iter):
                 synced[name].append(job.synced())
                 on_call()
-            if schedule.pipelined:
+            if schedule.pipelined and job.pipelined is not None:  # (every job has one: checked above)
                 pipelined[name].append(job.pipelined(n_iter))
                 for _ in range(n_iter):
                     on_call()

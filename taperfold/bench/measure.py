@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -12,8 +13,8 @@ import numpy as np
 import torch
 
 from taperfold.bench.decode import generate
-from taperfold.bench.harness import Job, Schedule, run_rounds
-from taperfold.bench.report import FORMAT, FORMAT_VERSION
+from taperfold.bench.harness import CellSamples, Job, Schedule, run_rounds
+from taperfold.bench.report import GENERATION, BenchReport, BenchRow, BenchSettings, Timing
 from taperfold.bench.source import Source
 from taperfold.bench.stats import summarize
 from taperfold.engines import ENGINES, Engine, check_options, engine, open_runners
@@ -38,17 +39,6 @@ from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
 from taperfold.taper import ModelShape
 from taperfold.variants import build_variants, fused_group_count
-
-GENERATION = "generation"
-# What each timing mode of a report is: the report's `timing` lists those it used, and each row says in
-# `throughput_from` which of them its tokens_per_s (and speedup) comes from.
-TIMING = {
-    SYNCED: "latency: each call timed alone, its outputs synchronized before the clock stops",
-    PIPELINED: "throughput: the calls of a sample issued back to back between two timestamps, one synchronize at "
-    "the end; time / calls",
-    GENERATION: "a whole KV-cached generation: the summed times of its steps, each synced (its logits come back to "
-    "the host for the next token)",
-}
 
 
 def cv_threshold_pct(device: str) -> float:
@@ -347,12 +337,12 @@ def _exported_groups(manifest, variant: str, graph: Graph) -> int:
     return groups
 
 
-def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
+def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) -> BenchReport:
     """Measure every variant in every cell; return the report (docs/benchmarks.md lists its keys)."""
     opts, cfg, runners = bench.opts, bench.cfg, bench.runners
     schedule = opts.schedule
     rng = np.random.default_rng(opts.seed)
-    results = []
+    results: list[BenchRow] = []
     started = time.time()
     for batch, seq in cells(opts):
         ids = rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int64)
@@ -360,17 +350,17 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
         if opts.mode == "decode":
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if not engine(opts.engine).runs_models else "fp32"
-            jobs = {
-                name: Job(lambda r=r: generate(r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
+            generations = {
+                name: Job(functools.partial(generate, r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
                 for name, r in runners.items()
             }
-            rows = _decode_rows(run_rounds(jobs, schedule, on_call), batch, seq, opts.new_tokens)
+            rows = _decode_rows(run_rounds(generations, schedule, on_call), batch, seq, opts.new_tokens)
         else:
             prepared = {name: r.prepare({INPUT: ids}) for name, r in runners.items()}
             jobs = {
                 name: Job(
-                    synced=lambda r=r, p=prepared[name]: r.timed_run(p)[1],
-                    pipelined=lambda calls, r=r, p=prepared[name]: r.pipelined_run(p, calls)[1],
+                    synced=functools.partial(_synced_call, r, prepared[name]),
+                    pipelined=functools.partial(_pipelined_calls, r, prepared[name]),
                 )
                 for name, r in runners.items()
             }
@@ -387,60 +377,57 @@ def run_bench(bench: LoadedBench, on_call=lambda: None) -> dict:
                 )
                 for name in runners
             ]
-        for row in rows:
-            name = row.pop("runner")
-            row["execution"] = execution_of(runners[name])
-            row["setup_s"] = _setup_since(runners[name], marks[name])
+        for row in rows:  # a row's label is its runner's name
+            row.execution = execution_of(runners[row.label])
+            row.setup_s = _setup_since(runners[row.label], marks[row.label])
         results += rows
     _add_speedups(results)
-    threshold = cv_threshold_pct(opts.device)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "seconds": round(time.time() - started, 1),
-        "mode": opts.mode,
-        "kv_cache": bench.cache,  # decode: the decoders' cache; null in prefill
-        "cache_length": bench.cache_len,  # a static cache's positions
-        "fused_projections": bench.fused_projections,  # the models ran q/k/v and gate/up as one layer each
-        "projection_groups": bench.projection_groups,  # per variant: the groups that ran as one layer
-        "engine": opts.engine,
-        "device": opts.device,
-        "dtype": bench.dtype,
-        "threads": bench.threads,
-        "compile": bool(opts.engine_options.get("compile")),
-        "compile_mode": opts.engine_options.get("compile_mode", "default")
-        if opts.engine_options.get("compile")
-        else None,
-        "cuda_graph": bool(opts.engine_options.get("cuda_graph")),
-        "executions": list(dict.fromkeys(r["execution"] for r in results)),
-        "timing": {mode: meaning for mode, meaning in TIMING.items() if any(mode in r for r in results)},
-        "setup_s": _setup_totals(results),
-        "engine_options": opts.engine_options,
-        "source": bench.source.to_dict(),
-        "config": cfg.to_dict(),
-        "settings": {
+    seconds = round(time.time() - started, 1)
+    compiled = bool(opts.engine_options.get("compile"))
+    return BenchReport(
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        seconds=seconds,
+        mode=opts.mode,
+        kv_cache=bench.cache,
+        cache_length=bench.cache_len,
+        fused_projections=bench.fused_projections,
+        projection_groups=bench.projection_groups,
+        engine=opts.engine,
+        device=opts.device,
+        dtype=bench.dtype,
+        threads=bench.threads,
+        compile=compiled,
+        compile_mode=opts.engine_options.get("compile_mode", "default") if compiled else None,
+        cuda_graph=bool(opts.engine_options.get("cuda_graph")),
+        engine_options=opts.engine_options,
+        source=bench.source.to_dict(),
+        config=cfg.to_dict(),
+        settings=BenchSettings(
             **{k: v for k, v in asdict(opts).items() if k not in ("dtype", "threads")},
-            "warmup_slices": schedule.warmup_slices,
-            "iter_slices": schedule.iter_slices,
-            "cv_warn_pct": threshold,
-        },
-        "environment": machine_info(),
-        "results": results,
-        "warnings": [
-            _cv_warning(r, mode, threshold)
-            for r in results
-            for mode in (SYNCED, PIPELINED)
-            if mode in r and r[mode]["stats_ms"]["cv_pct"] > threshold
-        ],
-    }
+            warmup_slices=schedule.warmup_slices,
+            iter_slices=schedule.iter_slices,
+            cv_warn_pct=cv_threshold_pct(opts.device),
+        ),
+        environment=machine_info(),
+        results=results,
+    )
 
 
-def _ms(seconds) -> list:
+def _synced_call(runner: Runner, prepared: Any) -> float:
+    """One call, timed alone and waited for: its seconds."""
+    return runner.timed_run(prepared)[1]
+
+
+def _pipelined_calls(runner: Runner, prepared: Any, calls: int) -> float:
+    """`calls` calls issued back to back, one wait at the end: seconds per call."""
+    return runner.pipelined_run(prepared, calls)[1]
+
+
+def _ms(seconds: list[float]) -> list[float]:
     return [round(s * 1e3, 6) for s in seconds]
 
 
-def _setup_since(runner: Runner, mark: int) -> dict:
+def _setup_since(runner: Runner, mark: int) -> dict[str, float]:
     """One-off work of `runner` (compiles, graph captures) logged since `mark`, seconds per kind: never timed."""
     totals: dict[str, float] = {}
     for kind, _, seconds in getattr(runner, "setup_log", [])[mark:]:
@@ -448,91 +435,66 @@ def _setup_since(runner: Runner, mark: int) -> dict:
     return totals
 
 
-def _setup_totals(rows: list[dict]) -> dict:
-    """Seconds of one-off work per runner label and kind, over every cell (a decode cell's work counted once)."""
-    totals: dict[str, dict] = {}
-    seen = set()
-    for r in rows:
-        key = (r["label"], r["batch"], r["seq"])
-        if key in seen:
-            continue
-        seen.add(key)
-        for kind, seconds in r["setup_s"].items():
-            per = totals.setdefault(r["label"], {})
-            per[kind] = round(per.get(kind, 0.0) + seconds, 6)
-    return totals
+def _timing(seconds: list[float], calls: list[int] | None = None) -> Timing:
+    return Timing(_ms(seconds), summarize(seconds).scaled(1e3), calls)
 
 
-def _timings(seconds) -> dict:
-    return {"times_ms": _ms(seconds), "stats_ms": summarize(seconds).scaled(1e3).to_dict()}
-
-
-def _head(phase: str, label: str, batch: int, seq: int, tokens: int, first_s: float) -> dict:
-    return {
-        "phase": phase,
-        "variant": label.removesuffix(GRAPH_LABEL),
-        "label": label,
-        "runner": label,
-        "batch": batch,
-        "seq": seq,
-        "tokens": tokens,
-        "first_run_ms": round(first_s * 1e3, 6),
-    }
+def _row(phase: str, label: str, batch: int, seq: int, first_s: float, synced: Timing) -> BenchRow:
+    """A row with its latency (synced calls); its throughput is set by the caller."""
+    return BenchRow(
+        phase=phase,
+        variant=label.removesuffix(GRAPH_LABEL),
+        label=label,
+        batch=batch,
+        seq=seq,
+        tokens=batch * seq,
+        first_run_ms=round(first_s * 1e3, 6),
+        synced=synced,
+        throughput_from=SYNCED,
+        tokens_per_s=0.0,
+    )
 
 
 def _prefill_row(
     label: str, batch: int, seq: int, first_s: float, synced_s: list[float], pipelined_s: list[float], calls: list[int]
-) -> dict:
+) -> BenchRow:
     """Latency from the synced calls, throughput from the pipelined samples (`calls[i]` calls each)."""
-    row = _head("prefill", label, batch, seq, batch * seq, first_s)
-    row[SYNCED] = _timings(synced_s)
-    row[PIPELINED] = {"calls": list(calls), **_timings(pipelined_s)}
-    row["throughput_from"] = PIPELINED
-    row["tokens_per_s"] = batch * seq / float(np.median(pipelined_s))
+    row = _row("prefill", label, batch, seq, first_s, _timing(synced_s))
+    row.pipelined = _timing(pipelined_s, list(calls))
+    row.throughput_from = PIPELINED
+    row.tokens_per_s = batch * seq / float(np.median(pipelined_s))
     return row
 
 
-def _decode_rows(samples, batch: int, prompt: int, steps: int) -> list[dict]:
+def _decode_rows(samples: CellSamples, batch: int, prompt: int, steps: int) -> list[BenchRow]:
     """The prompt call of every generation (synced, a prefill row) and its steps (a decode row: per-token latency,
     throughput from whole generations)."""
     rows = []
     for name, gens in samples.synced.items():
         first = samples.first[name]
         prompt_s = [g.prefill_s for g in gens]
-        row = _head("prefill", name, batch, prompt, batch * prompt, first.prefill_s)
-        row[SYNCED] = _timings(prompt_s)
-        row["throughput_from"] = SYNCED
-        row["tokens_per_s"] = batch * prompt / float(np.median(prompt_s))
+        row = _row("prefill", name, batch, prompt, first.prefill_s, _timing(prompt_s))
+        row.tokens_per_s = batch * prompt / float(np.median(prompt_s))
         rows.append(row)
         totals = [sum(g.step_s) for g in gens]
-        row = _head("decode", name, batch, prompt, batch * steps, sum(first.step_s))
-        row["new_tokens"] = steps
-        row[SYNCED] = {
-            "times_ms": [_ms(g.step_s) for g in gens],
-            "stats_ms": summarize([s for g in gens for s in g.step_s]).scaled(1e3).to_dict(),
-        }
-        row[GENERATION] = _timings(totals)
-        row["throughput_from"] = GENERATION
-        row["tokens_per_s"] = batch * steps / float(np.median(totals))
+        per_token = Timing([_ms(g.step_s) for g in gens], summarize([s for g in gens for s in g.step_s]).scaled(1e3))
+        row = _row("decode", name, batch, prompt, sum(first.step_s), per_token)
+        row.tokens, row.new_tokens = batch * steps, steps
+        row.generation = _timing(totals)
+        row.throughput_from = GENERATION
+        row.tokens_per_s = batch * steps / float(np.median(totals))
         rows.append(row)
     return rows
 
 
-def _add_speedups(rows: list[dict]) -> None:
+def _add_speedups(rows: list[BenchRow]) -> None:
     """speedup = variant throughput / baseline throughput in the same cell, phase and execution (graph replays
     against the baseline's graph replays), None without a baseline."""
 
-    def key(r):
-        return r["phase"], r["batch"], r["seq"], r["execution"]
+    def key(r: BenchRow) -> tuple[str, int, int, str]:
+        return r.phase, r.batch, r.seq, r.execution
 
-    base = {key(r): r["tokens_per_s"] for r in rows if r["variant"] == BASELINE}
+    base = {key(r): r.tokens_per_s for r in rows if r.variant == BASELINE}
     for r in rows:
         ref = base.get(key(r))
-        r["speedup_vs_baseline"] = r["tokens_per_s"] / ref if ref else None
-
-
-def _cv_warning(row: dict, mode: str, threshold: float) -> str:
-    return (
-        f"{row['label']} B{row['batch']} T{row['seq']} {row['phase']} ({mode}): "
-        f"CV {row[mode]['stats_ms']['cv_pct']:.1f} % > {threshold:g} %"
-    )
+        r.speedup_vs_baseline = r.tokens_per_s / ref if ref else None
