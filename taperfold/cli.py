@@ -110,7 +110,7 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
     )
     check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
     if as_json:
-        _print_json({**report.to_dict(), **({"verify": check.to_dict()} if check else {})})
+        _print_json({**report.to_json(), **({"verify": check.to_dict()} if check else {})})
     else:
         console = err if plan.uses_stdout else out  # stdout holds the JSON report
         print_fold_report(src, dst, report, console)

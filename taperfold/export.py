@@ -451,7 +451,7 @@ class GraphPasses:
             return None
         for group in self.projections.groups:
             group.modules = [module.removeprefix(prefix) for module in group.modules]
-        return self.projections.to_dict()
+        return self.projections.to_json()
 
 
 def graph_details(model_ir: ir.Model, choice: OpsetChoice, norms_fused: int, projections: dict | None) -> dict:
@@ -523,7 +523,7 @@ def export_graphs(
             folding = graph_passes(opts, fold=True, model_ir=model_ir)
             folding.run(model_ir, clock)
             assert folding.fold is not None
-            report = _network_names(folding.fold.to_dict(), prefix)
+            report = _network_names(folding.fold.to_json(), prefix)
             details = graph_details(model_ir, choice, folding.norms_fused, folding.projections_report(prefix))
             with clock("write_s"):
                 folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)

@@ -104,5 +104,5 @@ def fold_onnx_file(
     save_model(model, dst)
     report.source, report.output = str(src), str(dst)
     if report_path is not None:
-        write_json_atomic(report_path, report.to_dict())
+        write_json_atomic(report_path, report.to_json())
     return report

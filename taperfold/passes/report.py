@@ -1,4 +1,6 @@
-"""What the passes found and did, per norm; JSON-serializable through `to_dict()`.
+"""What the passes found and did, per norm; written as JSON by `FoldReport.to_json()` (format
+"taperfold-fold-report": `fold --report`, `fold --json`, and each folded graph's `reports.fold` in manifest.json),
+read back by `FoldReport.from_json()`.
 
 The report only observes: passes record into it, and no pass reads it to decide what to do.
 """
@@ -9,6 +11,12 @@ import dataclasses
 import enum
 
 import onnx_ir as ir
+
+from taperfold.errors import TaperfoldError
+from taperfold.jsonfields import Fields, is_count
+
+FORMAT = "taperfold-fold-report"
+FORMAT_VERSION = 1  # reports before it had no `format` key: read as version 1 (the same keys)
 
 
 class NormStatus(str, enum.Enum):
@@ -37,8 +45,22 @@ class NormEntry:
         """One line a user can act on, e.g. "kept: read by Add '/layers.0/Add' (residual)"."""
         return f"{self.status.value}: {self.reason}" if self.reason else self.status.value
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "status": self.status.value}
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> NormEntry:
+        statuses = [status.value for status in NormStatus]
+        return cls(
+            name=entry.text("name"),
+            kind=entry.text("kind"),
+            status=NormStatus(entry.value("status", lambda v: v in statuses, f"one of {', '.join(statuses)}")),
+            reason=entry.text("reason", ""),
+            into=entry.text("into", ""),
+            consumers=entry.texts("consumers", []),
+            copied=entry.texts("copied", []),
+            bytes_rewritten=entry.count("bytes_rewritten", 0),
+        )
 
 
 @dataclasses.dataclass
@@ -82,12 +104,36 @@ class ProjectionReport:
             "bytes_written": sum(g.bytes_written for g in self.groups),
         }
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {
             "summary": self.summary(),
             "groups": [dataclasses.asdict(g) for g in self.groups],
             "left": [dataclasses.asdict(r) for r in self.left],
         }
+
+    @classmethod
+    def from_json(cls, report: Fields) -> ProjectionReport:
+        """What `to_json` wrote (the fold report's `projections`, a graph's in manifest.json); the summary's counts of
+        groups and readers are recomputed from the lists."""
+
+        def group(g: Fields) -> FusedGroup:
+            return FusedGroup(
+                input=g.text("input"),
+                nodes=g.texts("nodes"),
+                modules=g.texts("modules"),
+                fused=g.text("fused"),
+                widths=g.counts("widths"),
+                bias=g.flag("bias"),
+                bytes_written=g.count("bytes_written", 0),
+            )
+
+        summary = report.child("summary")
+        return cls(
+            groups=report.each("groups", group),
+            left=report.each("left", lambda r: LeftReader(r.text("input"), r.text("node"), r.text("reason"))),
+            linear_before=summary.count("linear_before"),
+            linear_after=summary.count("linear_after"),
+        )
 
 
 @dataclasses.dataclass
@@ -138,16 +184,47 @@ class FoldReport:
             "check_output": self.check_output,
         }
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         files = {key: value for key, value in (("source", self.source), ("output", self.output)) if value}
-        projections = {"projections": self.projections.to_dict()} if self.projections is not None else {}
+        projections = {"projections": self.projections.to_json()} if self.projections is not None else {}
         return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
             **files,
             "summary": self.summary(),
             "constants_left": self.constants_left,
-            "norms": [entry.to_dict() for entry in self.norms],
+            "norms": [entry.to_json() for entry in self.norms],
             **projections,
         }
+
+    @classmethod
+    def from_json(cls, data: object, origin: str = "fold report") -> FoldReport:
+        """A report `to_json` wrote (one without `format`, from before it, read as version 1), or one line naming
+        `origin` (its file, or manifest.json and the artifact) and the key. The summary's counts are recomputed from
+        the norms; what only the summary holds (node counts, the checker's verdicts) is read from it."""
+        report = Fields(data, origin)
+        if report.data.get("format", FORMAT) != FORMAT:
+            raise TaperfoldError(f"{origin}: not a {FORMAT} report (key 'format' is {report.data['format']!r})")
+        version = report.data.get("format_version", FORMAT_VERSION)
+        if not is_count(version) or version != FORMAT_VERSION:
+            raise TaperfoldError(
+                f"{origin}: key 'format_version' is {version!r}; this taperfold reads {FORMAT} version {FORMAT_VERSION}"
+            )
+        summary = report.child("summary")
+        projections = report.optional_child("projections")
+        return cls(
+            norms=report.each("norms", NormEntry.from_json),
+            nodes_before=summary.count("nodes_before"),
+            nodes_after=summary.count("nodes_after"),
+            initializers_removed=summary.count("initializers_removed", 0),
+            constants_folded=summary.count("constants_folded", 0),
+            constants_left=report.texts("constants_left", []),
+            check_input=summary.text("check_input", ""),
+            check_output=summary.text("check_output", ""),
+            source=report.text("source", ""),
+            output=report.text("output", ""),
+            projections=ProjectionReport.from_json(projections) if projections is not None else None,
+        )
 
 
 class ObserveNormsPass(ir.passes.InPlacePass):
