@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import HANG_S, run_cli
+
+from taperfold.exportdir import onnx_file
 
 PY = sys.executable
 IS_ROOT = os.geteuid() == 0
@@ -89,7 +90,7 @@ def quick_exporter(monkeypatch, tiny_export):
 
     def export_to_ir(model, opts, graph="prefill", **options):
         name = "baseline" if model.cfg.taper == "none" else "unfolded"
-        return onnx_ir.load(tiny_export / f"{name}{'.decoder' if decoder else ''}.onnx")
+        return onnx_ir.load(tiny_export / onnx_file(name, graph))
 
     monkeypatch.setattr(taperfold.export, "export_to_ir", export_to_ir)
 
