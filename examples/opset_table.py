@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taperfold.bench.decode import generate
 from taperfold.bench.harness import Job, Schedule, run_rounds
 from taperfold.bench.stats import summarize
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
@@ -162,7 +161,7 @@ decode_schedule = Schedule(max(1, args.warmup // 5), max(args.rounds, args.iters
 for batch in args.batch:
     ids = rng.integers(0, cfg.vocab_size, (batch, args.prompt), dtype=np.int64)
     jobs = {
-        name: Job(lambda r=r, ids=ids: generate(r, ids, args.new_tokens, cfg, kv_dtype)) for name, r in decoders.items()
+        name: Job(lambda r=r, ids=ids: r.generate(ids, args.new_tokens, cfg, kv_dtype)) for name, r in decoders.items()
     }
     timed = run_rounds(jobs, decode_schedule).synced
     for name, gens in timed.items():

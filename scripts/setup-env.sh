@@ -15,8 +15,13 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     "$venv/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
     "$venv/bin/python" -c "import torch" 2>/dev/null || { echo "torch install failed" >&2; exit 1; }
   fi
+  # The CPU build of ONNX Runtime: a .venv made before taperfold took it from an extra has onnxruntime-gpu, which
+  # writes the same module, so that goes first.
+  if "$venv/bin/python" -m pip show -q onnxruntime-gpu >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip uninstall -q -y onnxruntime-gpu onnxruntime >&2  # both: they share files
+  fi
   # PYTHONWARNINGS quiets setuptools' notices about editable installs; errors still show.
-  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e "$root[dev,hf]" 2>&1 | grep -v "is ignored" >&2 || true
-  "$venv/bin/python" -c "import taperfold, onnx, onnxruntime, onnx_ir" || { echo "install failed" >&2; exit 1; }
+  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -e "$root[onnxruntime,genai,dev,hf]" 2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -c "import taperfold, onnx, onnxruntime, onnx_ir, onnxruntime_genai" || { echo "install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -277,6 +277,12 @@ def inspect(checkpoint, as_json):
     "--trt", "to_trt", is_flag=True, help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU)."
 )
 @click.option(
+    "--genai",
+    is_flag=True,
+    help="Also write an onnxruntime-genai folder (genai/VARIANT/: genai_config.json beside the growing-cache decoder) "
+    "per variant; adds --kv-cache growing.",
+)
+@click.option(
     "-o",
     "--output",
     "--out",
@@ -345,6 +351,7 @@ def export(
     checkpoint,
     to_onnx,
     to_trt,
+    genai,
     out_dir,
     overwrite,
     logits,
@@ -374,6 +381,8 @@ def export(
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
         artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
+    if genai:
+        artifacts["genai"] = {}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,

@@ -1,15 +1,16 @@
 """The engines taperfold runs models on: one table, a row per engine, each naming its runner module.
 
-A row says what the engine runs, where by default, whether it decodes with a KV cache and which options
-its runner takes; the CLI's `--engine` choices and option flags come from this table. The runner module
-(taperfold.runners.NAME) does the rest, imported only when the engine is used (so `taperfold --help` loads
-no torch, onnxruntime or tensorrt). It defines:
+A row says what the engine runs, where by default, whether it runs single prefill calls and which KV caches it
+decodes with, and which options its runner takes; the CLI's `--engine` choices and option flags come from this
+table. The runner module (taperfold.runners.NAME) does the rest, imported only when the engine is used (so
+`taperfold --help` loads no torch, onnxruntime or tensorrt). It defines:
 
     open_runner(target, *, device, threads, graph, logits, name, shapes, **options) -> Runner
     unavailable(device) -> why the engine cannot run here, or None
 
 An engine runs either MODELS, the PyTorch models taperfold builds itself (from a checkpoint or a preset), or the
-artifacts of one kind in an export directory (taperfold.artifacts: `onnx` graphs, `tensorrt-plan` engines); the
+artifacts of one kind in an export directory (taperfold.artifacts: `onnx` graphs, `tensorrt-plan` engines, `genai`
+folders); the
 kind finds (and, for engines built on demand, builds) the files, so runners only load and run.
 
 Adding an engine is its runner module plus one row here (docs/extending.md). `open_runners` loads the
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import PREFILL, Graph
+from taperfold.exportdir import GROWING, KV_CACHES, PREFILL, Graph
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -60,6 +61,10 @@ class Engine:
     decodes: bool  # runs KV-cached decoders (bench --mode decode)
     options: tuple[Option, ...]
     module: Any  # its runner module's dotted name (imported on first use), or the module itself
+    caches: tuple[Graph, ...] = KV_CACHES  # the KV caches it decodes with, when it decodes
+    prefills: bool = True  # runs single prefill calls (False: whole generations only, bench --mode decode)
+    # its generations count the last chosen token (never run) in the context too: onnxruntime-genai's max_length
+    keeps_last_token: bool = False
 
     def _runner_module(self):
         return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
@@ -228,6 +233,19 @@ ENGINES: dict[str, Engine] = {
             decodes=False,
             options=(CUDA_GRAPH,),
             module="taperfold.runners.trt",
+        ),
+        Engine(
+            "genai",
+            "onnxruntime-genai",
+            "genai",
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=True,
+            options=(),
+            module="taperfold.runners.genai",
+            caches=(GROWING,),
+            prefills=False,
+            keeps_last_token=True,
         ),
     )
 }

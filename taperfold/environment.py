@@ -6,10 +6,24 @@ import importlib.metadata
 import os
 import platform
 
+# What a result depends on: the exporter, the runtimes (both ONNX Runtime builds: whichever is installed shows)
+PACKAGES = (
+    "taperfold",
+    "torch",
+    "onnx",
+    "onnx-ir",
+    "onnxscript",
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-genai",
+    "openvino",
+    "tensorrt",
+)
+
 
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for name in ("taperfold", "torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
+    for name in PACKAGES:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

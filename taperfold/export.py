@@ -40,7 +40,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -345,7 +345,14 @@ def check_options(opts: ExportOptions) -> None:
         kind = artifact_kind(name)
         if kind.built_from == TORCH:
             raise TaperfoldError(f"artifact kind {name!r} is written by export itself: it takes no request")
-        kind.check_request(options)
+        kind.check_request(options, opts)
+
+
+def _with_needed_graphs(opts: ExportOptions) -> tuple[Graph, ...]:
+    """The decoders asked for, and those the artifacts asked for are built from (--genai: a growing cache), in
+    KV_CACHES order."""
+    needed = {graph for name in opts.artifacts for graph in artifact_kind(name).needs_graphs}
+    return tuple(graph for graph in KV_CACHES if graph in needed or graph in opts.decoders)
 
 
 def static_cache_length(cfg, opts: ExportOptions) -> int:
@@ -371,6 +378,7 @@ def export_checkpoint(
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`, then build the
     artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing."""
     check_options(opts)
+    opts = replace(opts, decoders=_with_needed_graphs(opts))
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
     _check_gate(source, opts)

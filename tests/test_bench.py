@@ -15,7 +15,6 @@ import torch
 from conftest import one_line
 
 from taperfold.exportdir import GROWING
-from taperfold.bench.decode import generate
 from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
 from taperfold.bench.report import CSV_COLUMNS, BenchReport, check_report, csv_rows, throughput_stats, write_csv
 from taperfold.bench.stats import summarize
@@ -129,7 +128,7 @@ def test_torch_kv_decoding_matches_the_full_forward_pass(tiny_model, variant):
     model = tiny_model if variant == "unfolded" else baseline_of(tiny_model)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 7), dtype=np.int64)
     with TorchRunner(model, graph=GROWING) as runner:
-        gen = generate(runner, prompt, steps=5, cfg=model.cfg, dtype="fp32")
+        gen = runner.generate(prompt, steps=5, cfg=model.cfg, dtype="fp32")
     assert gen.tokens.shape == (2, 6) and len(gen.step_s) == 5
     np.testing.assert_allclose(gen.last_logits, _full_forward_logits(model, prompt, gen), rtol=1e-5, atol=1e-6)
 
@@ -141,7 +140,7 @@ def test_ort_decoder_graph_matches_the_torch_full_forward(bench_export, tiny_mod
 
     prompt = np.random.default_rng(1).integers(0, tiny_model.cfg.vocab_size, (2, 9), dtype=np.int64)
     with OrtRunner(bench_export / graph, threads=1) as runner:
-        gen = generate(runner, prompt, steps=4, cfg=tiny_model.cfg, dtype="fp32")
+        gen = runner.generate(prompt, steps=4, cfg=tiny_model.cfg, dtype="fp32")
     np.testing.assert_allclose(gen.last_logits, _full_forward_logits(tiny_model, prompt, gen), rtol=1e-4, atol=1e-5)
 
 

@@ -47,8 +47,9 @@ def test_hf_family_table_lists_every_shipped_family():
 
 def test_design_engine_table_is_the_engine_table():
     rows = _table_after((DOCS / "design.md").read_text(), "The engine table")
-    expected = [[e.name, e.title, e.runs, ", ".join(e.devices), "yes" if e.decodes else "no",
-                 ", ".join(f"`{o.flag}`" for o in e.options), f"`{e.module}`"] for e in ENGINES.values()]
+    expected = [[e.name, e.title, e.runs, ", ".join(e.devices), "yes" if e.prefills else "no",
+                 ", ".join(e.caches) if e.decodes else "no", ", ".join(f"`{o.flag}`" for o in e.options),
+                 f"`{e.module}`"] for e in ENGINES.values()]
     assert rows == expected, "docs/design.md's engine table should read:\n" + "\n".join(
         "| " + " | ".join(row) + " |" for row in expected)
 

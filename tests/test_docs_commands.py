@@ -1,7 +1,8 @@
-"""Every command block of the README and docs/hf.md runs as printed, in order, in one fresh folder: the shell
-commands (`$ taperfold ...`, `$ python -c ...`, and the bare `taperfold ...` lines of the overview) and the
-Python blocks. What a block names but does not make is made first: `your_model.onnx` / `my_model.onnx` (any
-ONNX model: the export's unfolded graph), `plain-dir` (a plain tiny Llama) and `corpus.txt` (text).
+"""Every command block of the README, docs/hf.md and docs/deployment.md runs as printed, in order, in one fresh
+folder: the shell commands (`$ taperfold ...`, `$ python -c ...`, and the bare `taperfold ...` lines of the overview)
+and the Python blocks. What a block names but does not make is made first: `your_model.onnx` / `my_model.onnx` (any
+ONNX model: the export's unfolded graph), `plain-dir` (a plain tiny Llama), `corpus.txt` (text) and, for the
+deployment guide, `tiny.safetensors`.
 `./scripts/demo` and `./scripts/test` are left out: tests/test_demo.py runs the demo, and this is the suite.
 Training runs the steps the docs print; this module is the slowest of the suite (about three minutes on a quiet
 2-core machine). A command is limited only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not
@@ -121,23 +122,38 @@ def _setup(folder: Path) -> None:
 
 
 def test_readme_and_hf_guide_run_as_printed(tmp_path):
+    _setup(tmp_path)
+    for document in ("README.md", "docs/hf.md"):
+        _run_as_printed(document, tmp_path)
+
+
+def test_deployment_guide_runs_as_printed(tmp_path):
+    """docs/deployment.md on a tiny tapered checkpoint (random weights at g = 0: what the guide exports)."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.models import random_gate0_model
+
+    save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.safetensors")
+    _run_as_printed("docs/deployment.md", tmp_path)
+
+
+def _run_as_printed(document: str, tmp_path: Path) -> None:
+    """Every block of `document`, in order, in `tmp_path`: each exits 0 and prints what the document shows."""
     # One OpenMP thread per command: with other work on the cores, torch's two threads wait for each other at every
     # barrier (a 30-step training under load: 90 s wall and 55 s of CPU with two, 52 s and 19 s with one; the
     # 600-step one ran past an hour). Nothing the docs print depends on it: their thread counts are --threads 1.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    _setup(tmp_path)
-    for document in ("README.md", "docs/hf.md"):
-        for kind, text, printed in blocks((ROOT / document).read_text()):
-            for name in re.findall(r"\b(?:your|my)_model\.onnx\b", text):
-                if not (tmp_path / name).exists():  # any ONNX model: the export's unfolded graph, weights inside
-                    onnx.save(onnx.load(tmp_path / "out" / "unfolded.onnx"), tmp_path / name)
-            argv = ["bash", "-c", text] if kind == "shell" else [sys.executable, "-c", text]
-            try:
-                r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
-            except subprocess.TimeoutExpired as e:
-                pytest.fail(f"{document}: {text}\ntimed out: still running after {HANG_S} s (a hang guard, not a speed "
-                            f"check)\n{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}")
-            assert r.returncode == 0, f"{document}: {text}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-            missing = claims_hold(printed, r.stdout + r.stderr)
-            assert not missing, f"{document}: {text} no longer prints:\n" + "\n".join(missing) + "\n" + r.stdout
+    for kind, text, printed in blocks((ROOT / document).read_text()):
+        for name in re.findall(r"\b(?:your|my)_model\.onnx\b", text):
+            if not (tmp_path / name).exists():  # any ONNX model: the export's unfolded graph, weights inside
+                onnx.save(onnx.load(tmp_path / "out" / "unfolded.onnx"), tmp_path / name)
+        argv = ["bash", "-c", text] if kind == "shell" else [sys.executable, "-c", text]
+        try:
+            r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{document}: {text}\ntimed out: still running after {HANG_S} s (a hang guard, not a speed "
+                        f"check)\n{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}")
+        assert r.returncode == 0, f"{document}: {text}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+        missing = claims_hold(printed, r.stdout + r.stderr)
+        assert not missing, f"{document}: {text} no longer prints:\n" + "\n".join(missing) + "\n" + r.stdout

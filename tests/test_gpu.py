@@ -21,7 +21,6 @@ import torch
 from conftest import HANG_S
 
 from taperfold.exportdir import GROWING
-from taperfold.bench.decode import generate
 from taperfold.checkpoint import load_checkpoint
 from taperfold.engines import CUDA_GRAPH, ENGINES, MODELS, Engine
 from taperfold.errors import TaperfoldError
@@ -282,11 +281,11 @@ def test_torch_cuda_graph_decoding_matches_eager(tiny_source):
     model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
     with TorchRunner(model, device="cuda", graph=GROWING) as eager:
-        expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+        expected = eager.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
     with TorchRunner(model, device="cuda", graph=GROWING, cuda_graph=True) as runner:
-        first = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+        first = runner.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
         captures = len(runner.setup_log)
-        again = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+        again = runner.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
         assert captures == 7 and len(runner.setup_log) == captures  # prompt + 6 steps, then replays only
     for gen in (first, again):
         np.testing.assert_array_equal(gen.tokens, expected.tokens)
@@ -319,11 +318,11 @@ def test_compile_reduce_overhead_decoding_matches_eager(tiny_source):
     model = build_variants(tiny_source, ["folded"], torch.float32)["folded"]
     prompt = _ids(model.cfg.vocab_size, (2, 9))
     with TorchRunner(model, device="cuda", graph=GROWING) as eager:
-        expected = generate(eager, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+        expected = eager.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
     with TorchRunner(model, device="cuda", graph=GROWING, compile=True, compile_mode="reduce-overhead",
                      shapes=7) as runner:
         for _ in range(2):
-            gen = generate(runner, prompt, steps=6, cfg=model.cfg, dtype="fp32")
+            gen = runner.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
             np.testing.assert_array_equal(gen.tokens, expected.tokens)
             np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-3, atol=1e-3)
 
@@ -444,10 +443,10 @@ def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_source):
     model = build_variants(tiny_source, ["baseline"], torch.float32)["baseline"]
     prompt = _ids(model.cfg.vocab_size, (2, 7))
     with TorchRunner(model, graph=GROWING) as eager:
-        expected = generate(eager, prompt, steps=4, cfg=model.cfg, dtype="fp32")
+        expected = eager.generate(prompt, steps=4, cfg=model.cfg, dtype="fp32")
     with _graph_runner_on_cpu(model, graph=GROWING) as runner:
         for _ in range(2):
-            gen = generate(runner, prompt, steps=4, cfg=model.cfg, dtype="fp32")
+            gen = runner.generate(prompt, steps=4, cfg=model.cfg, dtype="fp32")
             np.testing.assert_array_equal(gen.tokens, expected.tokens)
             np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
         assert len(runner.setup_log) == 5  # prompt + 4 step shapes, captured in the first generation only
@@ -497,10 +496,10 @@ def test_ort_slot_bookkeeping_decode_chains_steps(tiny_export):
     prompt = _ids(cfg.vocab_size, (2, 7))
     path = tiny_export / "model.decoder.onnx"
     with OrtRunner(path, threads=1) as plain:
-        expected = generate(plain, prompt, steps=4, cfg=cfg, dtype="fp32")
+        expected = plain.generate(prompt, steps=4, cfg=cfg, dtype="fp32")
     with _ort_slots_on_cpu(path) as runner:
         for _ in range(2):
-            gen = generate(runner, prompt, steps=4, cfg=cfg, dtype="fp32")
+            gen = runner.generate(prompt, steps=4, cfg=cfg, dtype="fp32")
             np.testing.assert_array_equal(gen.tokens, expected.tokens)
             np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
         assert len(runner.setup_log) == 5  # the prompt and 4 step shapes, each with its own graph id

@@ -12,7 +12,6 @@ import onnx
 import pytest
 import torch
 
-from taperfold.bench.decode import generate
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, STATIC, decoder_io_names, graph_key,
                                  prompt_feeds, step_feeds)
@@ -22,7 +21,6 @@ from taperfold.models import random_gate0_model
 from taperfold.runners.ort import OrtRunner
 from taperfold.runners.torch_runner import TorchRunner
 from taperfold.verify import DECODE_STEPS, decode_cases, verify_export
-from taperfold.verify.run import decode_logits
 
 MAX_CACHE = 48  # shorter than the tiny preset's context (128): the cache length is --max-cache's
 HAS_CUDA = torch.cuda.is_available()
@@ -102,10 +100,10 @@ def test_static_logits_match_the_growing_decoder_and_the_checkpoint_at_every_ste
             OrtRunner(manifest.artifact("folded", GROWING), threads=1) as growing, \
             TorchRunner(model, graph=GROWING) as checkpoint:
         for case in decode_cases(cfg.vocab_size, MAX_CACHE):
-            got = decode_logits(static, case.ids, cfg, "fp32", MAX_CACHE)
+            got = static.decode_logits(case.ids, DECODE_STEPS, cfg, "fp32", MAX_CACHE)
             assert len(got) == DECODE_STEPS + 1
             for reference in (growing, checkpoint):
-                want = decode_logits(reference, case.ids, cfg, "fp32")
+                want = reference.decode_logits(case.ids, DECODE_STEPS, cfg, "fp32")
                 for step, (a, b) in enumerate(zip(got, want)):
                     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), f"{case.label} step {step}"
 
@@ -128,10 +126,10 @@ def test_torch_static_runner_takes_the_argmax_on_the_device_and_matches_the_grow
     _, model = static_export
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
     with TorchRunner(model, graph=GROWING) as growing:
-        expected = generate(growing, prompt, 6, cfg, "fp32")
+        expected = growing.generate(prompt, 6, cfg, "fp32")
     with TorchRunner(model, graph=STATIC) as runner:
         assert runner.output_names[-1] == NEXT_TOKEN and CACHE_POSITION in runner.input_names
-        got = generate(runner, prompt, 6, cfg, "fp32", cache_len=MAX_CACHE)
+        got = runner.generate(prompt, 6, cfg, "fp32", cache_len=MAX_CACHE)
         out = runner.run(runner.prepare(prompt_feeds(cfg, prompt, "fp32", MAX_CACHE)))
         assert isinstance(out[NEXT_TOKEN], torch.Tensor) and out[NEXT_TOKEN].shape == (2, 1)
         fed = runner.prepare(step_feeds(cfg, out[NEXT_TOKEN], out, 7, static=True))
@@ -172,7 +170,7 @@ def test_torch_graph_bookkeeping_one_graph_serves_every_static_step(static_expor
     _, model = static_export
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
     with TorchRunner(model, graph=STATIC) as eager:
-        expected = generate(eager, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+        expected = eager.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
     runner = TorchRunner(model, graph=STATIC)
     runner.cuda_graph = True  # the constructor refuses it off CUDA; the capture below needs no CUDA
 
@@ -183,7 +181,7 @@ def test_torch_graph_bookkeeping_one_graph_serves_every_static_step(static_expor
     runner._capture = capture
     with runner:
         for _ in range(2):
-            got = generate(runner, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+            got = runner.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
             np.testing.assert_array_equal(got.tokens, expected.tokens)
             np.testing.assert_allclose(got.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
         assert len(runner.setup_log) == 2  # the prompt's graph and one for every step, in the first generation only
@@ -197,7 +195,7 @@ def test_ort_slot_bookkeeping_one_slot_serves_every_static_step(static_export):
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
     path = read_manifest(out).artifact("folded", STATIC)
     with OrtRunner(path, threads=1) as plain:
-        expected = generate(plain, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+        expected = plain.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
     runner = OrtRunner(path, device="cpu", threads=1)
     load = runner._load
 
@@ -208,7 +206,7 @@ def test_ort_slot_bookkeeping_one_slot_serves_every_static_step(static_export):
     runner._load = load_on_cpu
     with runner:
         for _ in range(2):
-            got = generate(runner, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+            got = runner.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
             np.testing.assert_array_equal(got.tokens, expected.tokens)
             np.testing.assert_allclose(got.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
         assert len(runner.setup_log) == 2  # a slot for the prompt, one for all the steps
@@ -228,13 +226,13 @@ def test_static_decoding_on_cuda_matches_the_cpu(static_export):
     out, model = static_export
     cfg, prompt = model.cfg, _ids(model.cfg.vocab_size, (2, 7))
     with TorchRunner(model.copy(), decoder=STATIC) as cpu:
-        expected = generate(cpu, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+        expected = cpu.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
     with TorchRunner(model.copy(), decoder=STATIC, device="cuda", cuda_graph=True) as graphs:
-        got = generate(graphs, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+        got = graphs.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     if unavailable("cuda") is None:
         with OrtRunner(read_manifest(out).artifact("folded", STATIC), device="cuda", cuda_graph=True) as ort_graphs:
-            got = generate(ort_graphs, prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
+            got = ort_graphs.generate(prompt, 5, cfg, "fp32", cache_len=MAX_CACHE)
         np.testing.assert_array_equal(got.tokens, expected.tokens)
 
 

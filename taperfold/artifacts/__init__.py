@@ -7,6 +7,7 @@ Shipped kinds (each module imported on first use, so that `taperfold --help` loa
 
     onnx            ONNX graphs of the variants (prefill and decoders), written by `taperfold export`   onnx_graph.py
     tensorrt-plan   TensorRT engines built from the ONNX graphs (`export --trt`, `bench --engine trt`)  tensorrt_plan.py
+    genai           onnxruntime-genai folders of the growing-cache decoders (`export --genai`)        genai_folder.py
 
 A kind from outside the package: `register_kind(MyKind())` (examples/plugin_artifact.py).
 """
@@ -18,8 +19,12 @@ import importlib
 from taperfold.artifacts.base import ArtifactKind
 from taperfold.errors import TaperfoldError
 
-ONNX, TENSORRT_PLAN = "onnx", "tensorrt-plan"
-_SHIPPED = {ONNX: "taperfold.artifacts.onnx_graph", TENSORRT_PLAN: "taperfold.artifacts.tensorrt_plan"}
+ONNX, TENSORRT_PLAN, GENAI = "onnx", "tensorrt-plan", "genai"
+_SHIPPED = {
+    ONNX: "taperfold.artifacts.onnx_graph",
+    TENSORRT_PLAN: "taperfold.artifacts.tensorrt_plan",
+    GENAI: "taperfold.artifacts.genai_folder",
+}
 _KINDS: dict[str, ArtifactKind] = {}
 
 

@@ -125,7 +125,11 @@ class Export(Protocol):
     @property
     def gate(self) -> float: ...
     @property
+    def logits(self) -> str: ...
+    @property
     def config_data(self) -> dict: ...
+    def config(self) -> Any: ...  # the exported model's shape (taperfold.taper.ModelShape)
+    def get(self, key: str, default: Any = None) -> Any: ...  # a top-level key of manifest.json (`source`, ...)
     def records(self, kind: str | None = None) -> list[ArtifactRecord]: ...
     def find(
         self, variant: str, graph: Graph = PREFILL, kind: str = ..., precision: str | None = None
@@ -134,6 +138,15 @@ class Export(Protocol):
     def file(self, record: ArtifactRecord) -> Path: ...
     def report(self, key: str, name: str) -> dict | None: ...
     def build(self, kind: str, **options: Any) -> list[ArtifactRecord]: ...
+
+
+class ExportRequest(Protocol):
+    """What a kind may check of the export a build request comes with (taperfold.export.ExportOptions)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def logits(self) -> str: ...
 
 
 class ArtifactKind:
@@ -146,6 +159,7 @@ class ArtifactKind:
     verified: ClassVar[str] = CHECKED  # LOGITS | CHECKED
     suffix: ClassVar[str] = ""  # what its keys add to the graph's key: `folded.plan`; "" only for the ONNX graphs
     fields: ClassVar[Mapping[str, Field]] = MappingProxyType({})  # its own keys in a manifest entry
+    needs_graphs: ClassVar[tuple[Graph, ...]] = ()  # decoders an export asked for this kind also writes (--genai)
 
     # ---- naming ----
 
@@ -164,9 +178,9 @@ class ArtifactKind:
         the caller adds them to the manifest. Kinds built from the torch variants are written by export instead."""
         raise TaperfoldError(f"artifact kind {self.name!r} is written by `taperfold export`, not built afterwards")
 
-    def check_request(self, options: dict[str, Any]) -> None:
-        """Refuse, in one line, options of a build request (export's `artifacts`) that `build` would refuse after the
-        export's work; nothing by default."""
+    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+        """Refuse, in one line, options of a build request (export's `artifacts`), or an export, that `build` would
+        refuse after the export's work; nothing by default."""
 
     # ---- running ----
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from taperfold import trt_support
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, register_kind
-from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, Field
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path
@@ -255,7 +255,7 @@ class TensorrtPlan(ArtifactKind):
             )
         return records
 
-    def check_request(self, options: dict[str, Any]) -> None:
+    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
         """`export --trt-batch/--trt-seq`: three integers each, checked before the export starts."""
         for what in ("batch", "sequence"):
             if options.get(what) is not None:

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from taperfold.bench.decode import generate
 from taperfold.bench.harness import CellSamples, Job, Schedule, run_rounds
 from taperfold.bench.report import GENERATION, BenchReport, BenchRow, BenchSettings, Timing
 from taperfold.bench.source import Source
@@ -93,8 +92,10 @@ def fit_to_context(
     """Default lengths capped to what the model's context holds (in decode mode with a static cache: what the cache
     holds), with a note saying so; lengths the user gave are kept as given (and refused by `_check` or
     `decode_cache` if they do not fit)."""
+    chosen = engine(opts.engine)
+    _check_mode(chosen, opts)
     context, notes = source.config.max_seq_len, []
-    static = _static_cache_length(engine(opts.engine), source, opts) if opts.mode == "decode" else None
+    static = _static_cache_length(chosen, source, opts) if opts.mode == "decode" else None
     if opts.mode == "prefill" and not seqs_given:
         fit = [s for s in opts.seqs if s <= context]
         if len(fit) < len(opts.seqs):
@@ -105,6 +106,7 @@ def fit_to_context(
             )
             opts = replace(opts, seqs=fit)
     room, what = (static, "static cache (export --max-cache)") if static else (context, "model's context")
+    room -= _kept_token(chosen, opts)
     if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > room:
         prompt = room - opts.new_tokens
         if prompt >= 1:
@@ -116,9 +118,22 @@ def fit_to_context(
     return opts, notes
 
 
+def _check_mode(chosen: Engine, opts: BenchOptions) -> None:
+    if opts.mode != "decode" and not chosen.prefills:
+        raise TaperfoldError(f"--engine {chosen.name}: {chosen.title} runs whole generations only; use --mode decode")
+
+
+def _kept_token(chosen: Engine, opts: BenchOptions) -> int:
+    """1 where a generation holds its last chosen token in the context too (Engine.keeps_last_token), else 0."""
+    return int(opts.mode == "decode" and chosen.keeps_last_token)
+
+
 def _check(opts: BenchOptions, cfg, dtype: str) -> None:
-    longest = opts.prompt + opts.new_tokens if opts.mode == "decode" else max(opts.seqs)
+    kept = _kept_token(engine(opts.engine), opts)
+    longest = opts.prompt + opts.new_tokens + kept if opts.mode == "decode" else max(opts.seqs)
     what = f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens}" if opts.mode == "decode" else f"--seq {longest}"
+    if kept:
+        what += f" + the last chosen token ({engine(opts.engine).title} keeps it in the context)"
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
     if opts.mode == "decode" and not engine(opts.engine).runs_models and dtype == "bf16":
@@ -149,8 +164,14 @@ def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> 
     if opts.kv_cache != AUTO and opts.kv_cache not in KV_CACHES:
         raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
     exported_static = manifest is not None and all(manifest.has_artifact(v, STATIC) for v in opts.variants)
-    has_static = exported_static or (chosen.runs_models and isinstance(source.config, ModelConfig))
+    has_static = STATIC in chosen.caches and (
+        exported_static or (chosen.runs_models and isinstance(source.config, ModelConfig))
+    )
     cache = (STATIC if has_static else GROWING) if opts.kv_cache == AUTO else opts.kv_cache
+    if cache not in chosen.caches:
+        raise TaperfoldError(
+            f"--kv-cache {cache}: {chosen.title} decodes with a {' or '.join(chosen.caches)} cache only"
+        )
     if cache == GROWING:
         return None
     return manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
@@ -193,6 +214,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     _check(opts, source.config, dtype)
     if opts.kv_cache != AUTO and opts.mode != "decode":
         raise TaperfoldError("--kv-cache chooses the decoders' cache: it needs --mode decode")
+    _check_mode(chosen, opts)
     cache, cache_len = decode_cache(chosen, source, opts) if opts.mode == "decode" else (None, None)
     graph = cache or PREFILL
     if not chosen.runs_models and source.manifest:
@@ -351,7 +373,7 @@ def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) ->
             # torch runners cast fed caches to the model's dtype; graphs take theirs as exported
             kv_dtype = bench.dtype if not engine(opts.engine).runs_models else "fp32"
             generations = {
-                name: Job(functools.partial(generate, r, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
+                name: Job(functools.partial(r.generate, ids, opts.new_tokens, cfg, kv_dtype, bench.cache_len))
                 for name, r in runners.items()
             }
             rows = _decode_rows(run_rounds(generations, schedule, on_call), batch, seq, opts.new_tokens)

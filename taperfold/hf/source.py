@@ -46,6 +46,7 @@ from taperfold.sources.base import ModelSource
 from taperfold.sources.checks import check_state
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -155,8 +156,25 @@ class HFCheckpoint(ModelSource):
                 "model_type": self.config.arch,
                 "taper": self.config.taper,
                 "untapered": self.untapered,
+                # what a runtime folder written from the export carries (onnxruntime-genai's config, tokenizer)
+                "special_tokens": special_tokens(self.path, self.hf_config_dict, self.config.vocab_size),
+                "tokenizer_files": [name for name in TOKENIZER_FILES if (self.path / name).is_file()],
             }
         }
+
+
+def special_tokens(path: Path, config: dict, vocab_size: int) -> dict:
+    """bos_token_id, eos_token_id (one id or several) and pad_token_id as generation_config.json, else config.json,
+    gives them; ids that are no token of the vocabulary are left out."""
+    generation = path / GENERATION_CONFIG
+    sources = [read_json_object(generation)] if generation.is_file() else []
+    tokens = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = next((s[key] for s in [*sources, config] if s.get(key) is not None), None)
+        ids = value if isinstance(value, list) else [value]
+        if ids and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+            tokens[key] = value
+    return tokens
 
 
 def load_hf_directory(path: str | Path) -> HFCheckpoint:

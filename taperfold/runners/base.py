@@ -11,6 +11,15 @@ feeds with the same one-line `RunnerError` naming the model, and times calls the
 - pipelined (`pipelined_run`, throughput): N calls issued back to back between two timestamps and one wait at
   the end; the time divided by N. On an engine whose calls are synchronous (the CPU) both are the same
   measurement; on a GPU pipelined lets the host queue the next call while the device runs this one.
+
+KV-cached decoders run through the export's decoder IO (`input_ids`, [`cache_position`,]
+`past_key_values.{i}.key|value` → `logits`, `present.{i}.key|value`; taperfold.exportdir) call by call: `generate`
+(bench's greedy generations) and `decode_logits` (verify's decode cases). The prompt is one call; then every step
+feeds a token and the presents the runner returned, which stay in its native form (device tensors, OrtValues)
+between steps. With a growing cache the prompt runs with an empty past and each present is one longer than its past;
+with a static one the cache is `cache_len` zeros, `cache_position` says where the new tokens go and the presents are
+the cache buffers, written in place. An engine that runs whole generations itself (onnxruntime-genai) overrides the
+two methods instead.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import CACHE_POSITION, NEXT_TOKEN, OUTPUT, prompt_feeds, step_feeds
 
 SYNCED, PIPELINED = "synced", "pipelined"  # the two timing modes, as reports name them
 
@@ -36,6 +46,16 @@ class RunnerError(TaperfoldError):
 class InputSpec:
     rank: int
     floating: bool  # False: integer ids
+
+
+@dataclass
+class Generation:
+    """A greedy generation (`Runner.generate`)."""
+
+    prefill_s: float
+    step_s: list[float]  # one per decode step (one new token per sequence of the batch)
+    tokens: np.ndarray  # [batch, 1 + steps]: the greedy tokens, the first from the prefill's logits
+    last_logits: np.ndarray  # [batch, vocab] of the final step
 
 
 class WallClock:
@@ -170,6 +190,53 @@ class Runner(abc.ABC):
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Host in, host out: what `taperfold verify` needs."""
         return {k: self.to_numpy(v) for k, v in self.run(self.prepare(feeds)).items()}
+
+    # ---- KV-cached decoding ----
+
+    def generate(
+        self, prompt_ids: np.ndarray, steps: int, cfg: Any, dtype: str, cache_len: int | None = None
+    ) -> Generation:
+        """A prompt and `steps` greedy steps, each call timed synced; `cfg` is the model's shape (n_layers, kv_heads,
+        head_dim), `dtype` the cache's, `cache_len` the static cache's length for a static decoder. The greedy token
+        is the `next_token` output where the runner has one (the torch runner's static decoder takes the argmax on
+        the device and is fed that device tensor); otherwise the logits come back to the host for the argmax."""
+        static = CACHE_POSITION in self.input_names
+        if static != (cache_len is not None):
+            raise ValueError("a static decoder needs cache_len (and a growing one takes none)")
+        on_device = NEXT_TOKEN in self.output_names
+
+        def greedy(out) -> tuple:
+            """(what the next step is fed, the tokens on the host)."""
+            if on_device:
+                return out[NEXT_TOKEN], self.to_numpy(out[NEXT_TOKEN])[:, 0]  # fed as it is: it stays on the device
+            token = self.to_numpy(out[OUTPUT]).argmax(-1)
+            return token[:, None].astype(np.int64), token
+
+        prompt = prompt_ids.shape[1]
+        out, prefill_s = self.timed_run(self.prepare(prompt_feeds(cfg, prompt_ids, dtype, cache_len)))
+        feed, token = greedy(out)
+        tokens, step_s = [token], []
+        for k in range(steps):
+            out, seconds = self.timed_run(self.prepare(step_feeds(cfg, feed, out, prompt + k, static)))
+            step_s.append(seconds)
+            feed, token = greedy(out)
+            tokens.append(token)
+        return Generation(prefill_s, step_s, np.stack(tokens, axis=1), self.to_numpy(out[OUTPUT]))
+
+    def decode_logits(
+        self, ids: np.ndarray, steps: int, cfg: Any, kv_dtype: str, cache_len: int | None = None
+    ) -> list[np.ndarray]:
+        """Logits (host, float32) of the prompt (ids minus the last `steps` columns; a static cache of `cache_len`,
+        else a growing one) and of each KV-cached step fed the next column of ids."""
+        prompt = ids.shape[1] - steps
+        feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
+        logits = []
+        for k in range(steps + 1):
+            out = self.infer(feeds)
+            logits.append(out[OUTPUT].astype(np.float32))
+            if k < steps:
+                feeds = step_feeds(cfg, ids[:, prompt + k : prompt + k + 1], out, prompt + k, cache_len is not None)
+        return logits
 
     def __enter__(self):
         self.load()

@@ -40,6 +40,19 @@ from taperfold.runners.base import InputSpec, Runner, RunnerError
 DEVICES = ("cpu", "cuda")
 
 
+INSTALL_HINT = "pip install 'taperfold[onnxruntime]' (CPU), or 'taperfold[onnxruntime-gpu]' (CUDA)"
+
+
+def onnxruntime():
+    """The onnxruntime module, or one line saying how to install it: taperfold leaves the choice of build (CPU or
+    CUDA, two packages that write one module) to its extras."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise TaperfoldError(f"onnxruntime is not installed: {INSTALL_HINT}") from None
+    return onnxruntime
+
+
 def _ort_errors() -> tuple[type[BaseException], ...]:
     # ORT's pybind11 exceptions (Fail, InvalidArgument, NoSuchFile, ...) derive from Exception, not RuntimeError.
     from onnxruntime.capi import onnxruntime_pybind11_state as state
@@ -62,7 +75,7 @@ def _ort_errors() -> tuple[type[BaseException], ...]:
 
 def session_options(optimization: str = "all", threads: int | None = None):
     """SessionOptions for one of OPTIMIZATION_LEVELS and an intra-op thread count (None: ORT's default)."""
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     levels = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -81,7 +94,7 @@ def session_options(optimization: str = "all", threads: int | None = None):
 
 
 def providers_for(device: str, cuda_graph: bool = False) -> list:
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     if device == "cpu":
         if cuda_graph:
@@ -112,7 +125,7 @@ def open_session(
     path: Path, device: str = "cpu", optimization: str = "all", threads: int | None = None, cuda_graph: bool = False
 ):
     """An InferenceSession for the model at `path` on `device`, or a one-line TaperfoldError naming the file."""
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     ort.set_default_logger_severity(4)  # ONNX Runtime's own lines (a provider library it cannot load) stay quiet
 
@@ -161,7 +174,7 @@ def device_copy(array: np.ndarray, device: str):
     """An OrtValue on `device` holding a copy of `array`, in memory ONNX Runtime owns: outputs bound to it (a static
     cache's present) stay valid after the binding is gone, and the graph never writes into the caller's array (an
     OrtValue made from a numpy array on the CPU would share that array's memory, freed with it)."""
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     array = np.ascontiguousarray(array)
     value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, device, 0)
@@ -176,7 +189,7 @@ def bind_io(
     timing sees no copies. OrtValues the session returned (a KV cache fed back while decoding) are already there:
     bound as is. `shared` (output name -> input name): outputs bound to their input's buffer, a static cache's
     present to its past, which the graph then updates in place."""
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     binding = session.io_binding()
     device_inputs = {
@@ -196,7 +209,7 @@ def queued_run_options():
     """RunOptions whose run returns once its work is queued on the device: ONNX Runtime synchronizes the execution
     providers at the end of every run unless told not to (a run config key of onnxruntime_run_options_config_keys.h);
     the caller synchronizes instead (IOBinding.synchronize_outputs)."""
-    import onnxruntime as ort
+    ort = onnxruntime()
 
     options = ort.RunOptions()
     options.add_run_config_entry("disable_synchronize_execution_providers", "1")
@@ -257,7 +270,7 @@ class OrtRunner(Runner):
             self._sync_binding = self.session.io_binding()
 
     def _prepare(self, feeds: dict[str, np.ndarray]) -> Any:
-        import onnxruntime as ort
+        ort = onnxruntime()
 
         if self.cuda_graph:
             return self._prepare_slot(feeds)
@@ -318,7 +331,7 @@ class OrtRunner(Runner):
 
     def _prepare_slot(self, feeds: dict[str, Any]):
         """The captured slot of this shape with `feeds` written into its inputs, or a NewShape to capture."""
-        import onnxruntime as ort
+        ort = onnxruntime()
 
         signature = tuple((name, _shape_of(value), _type_of(value)) for name, value in feeds.items())
         slot = self._slots.get(signature)
@@ -346,7 +359,7 @@ class OrtRunner(Runner):
         return slot
 
     def _capture(self, device_inputs: dict) -> GraphSlot:
-        import onnxruntime as ort
+        ort = onnxruntime()
 
         def bound(outputs: dict):
             binding = self.session.io_binding()
@@ -378,7 +391,7 @@ class OrtRunner(Runner):
         return GraphSlot(binding, run_options, dict(device_inputs), outputs)
 
     def to_numpy(self, value: Any) -> np.ndarray:
-        import onnxruntime as ort
+        ort = onnxruntime()
 
         return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
@@ -426,15 +439,21 @@ def open_runner(
 
 
 def unavailable(device: str) -> str | None:
-    """On CUDA: the CUDA execution provider and a GPU. (ONNX Runtime itself would only find out when a session
-    opens, after printing its own lines about the libraries it could not load.)"""
+    """onnxruntime itself; on CUDA, its CUDA execution provider and a GPU. (ONNX Runtime would only find out when a
+    session opens, after printing its own lines about the libraries it could not load.)"""
+    try:
+        ort = onnxruntime()
+    except TaperfoldError as e:
+        return str(e)
     if device != "cuda":
         return None
-    import onnxruntime as ort
     import torch
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "--device cuda: this onnxruntime build has no CUDA execution provider (install onnxruntime-gpu)"
+        return (
+            "--device cuda: this onnxruntime build has no CUDA execution provider "
+            "(pip install 'taperfold[onnxruntime-gpu]' in an environment without the CPU onnxruntime)"
+        )
     if not torch.cuda.is_available():
         return "--device cuda: no CUDA device on this machine (torch sees none)"
     return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from taperfold.exportdir import INPUT, OUTPUT, prompt_feeds, step_feeds
+from taperfold.exportdir import INPUT, OUTPUT
 from taperfold.runners.base import Runner
 from taperfold.verify.inputs import DECODE_STEPS
 
@@ -62,7 +62,7 @@ def run_models(models: list[ModelRun], progress: Callable[[int, int, str], None]
             for case in model.cases:
                 progress(done, total, f"{model.name} {'decoding' if case.decode else 'on'} {case.label}")
                 logits[case.label] = (
-                    decode_logits(runner, case.ids, model.cfg, model.kv_dtype, case.cache_len)
+                    runner.decode_logits(case.ids, DECODE_STEPS, model.cfg, model.kv_dtype, case.cache_len)
                     if case.decode
                     else _prefill(runner, case)
                 )
@@ -75,23 +75,6 @@ def run_models(models: list[ModelRun], progress: Callable[[int, int, str], None]
 
 def _prefill(runner: Runner, case: Case) -> list[np.ndarray]:
     return [runner.infer({INPUT: case.ids})[OUTPUT].astype(np.float32)]
-
-
-def decode_logits(
-    runner: Runner, ids: np.ndarray, cfg: object, kv_dtype: str, cache_len: int | None = None
-) -> list[np.ndarray]:
-    """Logits of the prompt (ids minus the last DECODE_STEPS columns; a static cache of `cache_len`, else a growing
-    one) and of each KV-cached step fed the next column of ids; the presents stay in the runner's own form between
-    steps."""
-    prompt = ids.shape[1] - DECODE_STEPS
-    feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
-    logits = []
-    for k in range(DECODE_STEPS + 1):
-        out = runner.infer(feeds)
-        logits.append(out[OUTPUT].astype(np.float32))  # infer() returns host arrays
-        if k < DECODE_STEPS:
-            feeds = step_feeds(cfg, ids[:, prompt + k : prompt + k + 1], out, prompt + k, cache_len is not None)
-    return logits
 
 
 def return_freed_memory() -> None:

@@ -1,0 +1,246 @@
+"""onnxruntime-genai folders: what `onnxruntime_genai.Model(folder)` loads, built from a variant's growing-cache
+decoder (`export --genai`: the folded model and the baseline; `read_manifest(dir).build("genai", variants=...)`).
+
+    genai/folded/genai_config.json     the decoder's shape, IO names and search defaults (type "decoder")
+    genai/folded/model.decoder.onnx    the export's decoder, its logits given the sequence axis genai reads
+    genai/folded/model.decoder.onnx.data   a copy of the export's weights file
+    genai/folded/tokenizer.json ...    the source's tokenizer files, when it has them
+
+genai runs a custom decoder from its config (its names are genai's defaults, which the export already uses:
+input_ids, past_key_values.%d.key|value -> logits, present.%d.key|value); it feeds attention_mask and position_ids
+only to a graph that has them, and taperfold's decoders take neither (positions follow the past's length). It reads
+logits of rank 3, so the export's last-position logits [batch, vocab] get an Unsqueeze to [batch, 1, vocab]: the
+only change to the graph. The weights are copied file to file, never loaded: a hard link would save the disk but
+make the export's own file unreadable to onnx-ir, which refuses external data that has several links.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from taperfold.artifacts import GENAI, ONNX, register_kind
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
+from taperfold.errors import TaperfoldError
+from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
+from taperfold.fsutil import atomic_dir
+
+FOLDER = "genai"  # the folders' parent in the export directory
+CONFIG = "genai_config.json"
+GENAI_DTYPES = ("fp32", "fp16")  # the logits genai reads (it has no bfloat16)
+DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
+
+
+class GenaiFolder(ArtifactKind):
+    name = GENAI
+    title = "onnxruntime-genai folder"
+    built_from = ONNX
+    verified = LOGITS
+    suffix = "genai"
+    needs_graphs = (GROWING,)
+    fields = MappingProxyType(
+        {
+            "decoder": Field(
+                (str,), required=True, help="the decoder's file in the folder, as genai_config.json names it"
+            ),
+            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+        }
+    )
+
+    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+        _check_export(export.dtype, export.logits, "--genai")
+
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
+        """A folder per variant in `variants` (default: the folded model and the baseline, those exported)."""
+        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+        _check_export(manifest.dtype, manifest.logits, str(manifest.path))
+        decoders = [r for r in manifest.records(ONNX) if r.graph == GROWING and r.precision == manifest.dtype]
+        wanted = options.get("variants")
+        if wanted is not None:
+            wanted = [canonical_variant(v) for v in wanted]
+            missing = [v for v in wanted if v not in {r.variant for r in decoders}]
+            if missing:
+                raise TaperfoldError(
+                    f"{manifest.path}: no growing-cache decoder of {', '.join(missing)} for an onnxruntime-genai "
+                    "folder (re-export with --kv-cache growing)"
+                )
+            decoders = [r for r in decoders if r.variant in wanted]
+        else:
+            decoders = [r for r in decoders if r.variant in DEFAULT_VARIANTS]
+        if not decoders:
+            raise TaperfoldError(
+                f"{manifest.path}: no growing-cache decoder to build an onnxruntime-genai folder from "
+                "(re-export with --kv-cache growing, or --genai)"
+            )
+        records = []
+        for decoder in decoders:
+            on_stage(f"writing the onnxruntime-genai folder of {decoder.variant}")
+            records.append(self._write_folder(manifest, decoder))
+        return records
+
+    def _write_folder(self, manifest: Export, decoder: ArtifactRecord) -> ArtifactRecord:
+        folder = f"{FOLDER}/{decoder.variant}"
+        tokenizer = _tokenizer_files(manifest)
+        with atomic_dir(manifest.directory / folder) as tmp:
+            _write_decoder(manifest.file(decoder), tmp / decoder.path)
+            if decoder.external_data:
+                shutil.copyfile(manifest.directory / decoder.external_data, tmp / decoder.external_data)
+            for path in tokenizer:
+                shutil.copyfile(path, tmp / path.name)
+            config = genai_config(manifest, decoder.path)
+            (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        config_path = manifest.directory / folder / CONFIG
+        return ArtifactRecord(
+            key=self.key(decoder.variant, GROWING),
+            kind=self.name,
+            path=f"{folder}/{CONFIG}",
+            variant=decoder.variant,
+            graph=GROWING,
+            precision=decoder.precision,
+            bytes=config_path.stat().st_size,
+            built_from=decoder.key,
+            details={"decoder": decoder.path, "tokenizer": [p.name for p in tokenizer]},
+        )
+
+    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
+        """The folders' configs of `variants`, each built from its growing decoder where the export has none yet."""
+        if graph != GROWING:
+            raise TaperfoldError(
+                f"an onnxruntime-genai folder holds a growing-cache decoder, not a {graph} graph (--kv-cache growing)"
+            )
+        missing = [v for v in variants if manifest.find(v, GROWING, GENAI) is None]
+        if missing:  # built on demand, as TensorRT engines are: bench --engine genai times the unfolded model too
+            manifest.build(GENAI, variants=missing)
+        return super().files(manifest, variants, graph)
+
+    def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
+        """The config and the decoder are in the folder (genai names a missing weights file itself)."""
+        problems = super().check(manifest, record)
+        decoder = Path(record.path).parent / record.details["decoder"]
+        if not (manifest.directory / decoder).is_file():
+            problems.append(f"{decoder}: missing")
+        return problems
+
+
+def _check_export(dtype: str, logits: str, origin: str) -> None:
+    if dtype not in GENAI_DTYPES:
+        raise TaperfoldError(
+            f"{origin}: an onnxruntime-genai folder needs an fp32 or fp16 export (genai reads no bfloat16 logits), "
+            f"not {dtype}"
+        )
+    if logits != "last":
+        raise TaperfoldError(
+            f"{origin}: an onnxruntime-genai folder needs --logits last (genai keeps the last position's logits), "
+            f"not --logits {logits}"
+        )
+
+
+def genai_config(manifest: Export, decoder_file: str) -> dict:
+    """genai_config.json of a growing-cache decoder: genai's generic decoder-only type, the export's IO names, the
+    source's special tokens where it has them (taperfold's byte-level models have none)."""
+    shape = manifest_shape(manifest)
+    inputs, outputs = decoder_io_names(shape["num_hidden_layers"], GROWING)
+    special = dict((manifest.get("source") or {}).get("special_tokens") or {})
+    return {
+        "model": {
+            **special,
+            "context_length": shape["context_length"],
+            "type": "decoder",
+            "vocab_size": shape["vocab_size"],
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": decoder_file,
+                "head_size": shape["head_size"],
+                "hidden_size": shape["hidden_size"],
+                "num_attention_heads": shape["num_attention_heads"],
+                "num_hidden_layers": shape["num_hidden_layers"],
+                "num_key_value_heads": shape["num_key_value_heads"],
+                "inputs": {
+                    "input_ids": inputs[0],
+                    "past_key_names": f"{PAST}%d.key",
+                    "past_value_names": f"{PAST}%d.value",
+                },
+                "outputs": {
+                    "logits": outputs[0],
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "max_length": shape["context_length"],
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,  # a growing cache: each step's present is one longer than its past
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def manifest_shape(manifest: Export) -> dict[str, int]:
+    """The decoder's shape as genai_config.json names it, from the exported model's config."""
+    shape = manifest.config()
+    return {
+        "context_length": shape.max_seq_len,
+        "vocab_size": shape.vocab_size,
+        "head_size": shape.head_dim,
+        "hidden_size": shape.d_model,
+        "num_attention_heads": shape.n_heads,
+        "num_hidden_layers": shape.n_layers,
+        "num_key_value_heads": shape.kv_heads,
+    }
+
+
+def _tokenizer_files(manifest: Export) -> list[Path]:
+    """The source's tokenizer files the export recorded (manifest `source.tokenizer_files`), read from the source
+    directory; one line naming a file that is gone."""
+    names = (manifest.get("source") or {}).get("tokenizer_files") or []
+    files = [manifest.checkpoint / name for name in names]
+    for path in files:
+        if not path.is_file():
+            raise TaperfoldError(
+                f"{path}: missing ({manifest.path} records it as a tokenizer file of the source the export came from)"
+            )
+    return files
+
+
+def _write_decoder(source: Path, dest: Path) -> None:
+    """The decoder's graph (its weights stay where they are: external data by file name, beside it) with the logits
+    given their sequence axis when the export dropped it."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(source), load_external_data=False)
+    graph = model.graph
+    logits = next((o for o in graph.output if o.name == OUTPUT), None)
+    if logits is None:
+        raise TaperfoldError(f"{source}: the decoder has no output {OUTPUT!r}")
+    dims = logits.type.tensor_type.shape.dim
+    if len(dims) == 2:
+        flat = f"{OUTPUT}.last"
+        for node in graph.node:
+            node.output[:] = [flat if name == OUTPUT else name for name in node.output]
+        axis = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), f"{OUTPUT}.axis")
+        graph.initializer.append(axis)
+        graph.node.append(onnx.helper.make_node("Unsqueeze", [flat, axis.name], [OUTPUT], name="genai_logits_axis"))
+        batch, vocab = (onnx.TensorShapeProto.Dimension(), onnx.TensorShapeProto.Dimension())
+        batch.CopyFrom(dims[0])
+        vocab.CopyFrom(dims[1])
+        del dims[:]
+        dims.add().CopyFrom(batch)
+        dims.add().dim_value = 1
+        dims.add().CopyFrom(vocab)
+    dest.write_bytes(model.SerializeToString())
+
+
+GENAI_FOLDER = GenaiFolder()
+register_kind(GENAI_FOLDER)

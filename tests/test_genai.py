@@ -1,0 +1,206 @@
+"""onnxruntime-genai output: `export --genai` writes a folder per variant that `onnxruntime_genai.Model` loads, whose
+greedy generations are the checkpoint's, which verify judges and `bench --engine genai` times; and the requests genai
+cannot serve are refused in one line before the export's work. Skipped where onnxruntime-genai is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import one_line, run_cli
+from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+from taperfold.exportdir import GROWING
+from taperfold.manifest import read_manifest
+from taperfold.models import baseline_of, random_gate0_model
+from taperfold.runners.torch_runner import TorchRunner
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def genai_export(tmp_path_factory):
+    """A tiny llama at g = 0 with random weights (its greedy tokens vary, so they can disagree) exported with
+    --genai: folders for the folded and the baseline decoders."""
+    root = tmp_path_factory.mktemp("genai")
+    model = random_gate0_model("tiny", arch="llama")
+    ckpt = save_checkpoint(checkpoint_from_model(model, step=0), root / "tiny.pt")
+    result = run_cli("export", ckpt, "-o", root / "out", "--genai")
+    assert result.exit_code == 0, result.stderr
+    return root / "out", model, ckpt
+
+
+def _genai_greedy(folder, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """genai's own loop, as a user runs it: the prompt, then generate_next_token until `steps` + 1 tokens; the tokens
+    and the last logits."""
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, batch_size=prompt.shape[0], max_length=prompt.shape[1] + steps + 1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt.astype(np.int32))
+    tokens = []
+    for _ in range(steps + 1):
+        generator.generate_next_token()
+        tokens.append(generator.get_next_tokens().copy())
+    return np.stack(tokens, axis=1), np.asarray(generator.get_output("logits"))[:, -1, :]
+
+
+def test_export_writes_genai_folders_of_the_folded_model_and_the_baseline(genai_export):
+    out, model, _ = genai_export
+    manifest = read_manifest(out)
+    records = {r.variant: r for r in manifest.records("genai")}
+    assert set(records) == {"folded", "baseline"}  # of the four decoders exported, what a user deploys
+    cfg = model.cfg
+    for variant, record in records.items():
+        folder = manifest.file(record).parent
+        decoder = manifest.find(variant, GROWING)
+        assert record.graph == GROWING and record.built_from == decoder.key and folder == out / "genai" / variant
+        config = json.loads((folder / "genai_config.json").read_text())
+        section = config["model"]["decoder"]
+        assert config["model"]["type"] == "decoder" and section["filename"] == decoder.path
+        assert (section["num_hidden_layers"], section["num_key_value_heads"], section["head_size"]) == (
+            cfg.n_layers,
+            cfg.kv_heads,
+            cfg.head_dim,
+        )
+        assert config["search"]["past_present_share_buffer"] is False
+        # the weights are the export's, in a file of the folder's own (a link would make onnx-ir refuse both)
+        copy, own = folder / decoder.external_data, out / decoder.external_data
+        assert copy.read_bytes() == own.read_bytes() and not os.path.samefile(copy, own)
+
+
+@pytest.mark.parametrize("variant", ["folded", "baseline"])
+def test_genai_generates_the_checkpoints_greedy_tokens(genai_export, variant):
+    out, model, _ = genai_export
+    reference = model if variant == "folded" else baseline_of(model)
+    prompt = np.random.default_rng(3).integers(0, model.cfg.vocab_size, (2, 11), dtype=np.int64)
+    with TorchRunner(reference, graph=GROWING) as runner:
+        expected = runner.generate(prompt, 12, model.cfg, "fp32")
+    tokens, last_logits = _genai_greedy(out / "genai" / variant, prompt, 12)
+    np.testing.assert_array_equal(tokens, expected.tokens)
+    # random weights repeat a token: the logits of the last step (position 23) are what a wrong position would change
+    np.testing.assert_allclose(last_logits, expected.last_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_genai_runner_logits_match_the_torch_decoder(genai_export):
+    from taperfold.runners.genai import GenaiRunner
+
+    out, model, _ = genai_export
+    ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, (3, 9), dtype=np.int64)
+    with TorchRunner(model, graph=GROWING) as runner:
+        expected = runner.decode_logits(ids, 4, model.cfg, "fp32")
+    with GenaiRunner(out / "genai" / "folded" / "genai_config.json", threads=1) as runner:
+        got = runner.decode_logits(ids, 4, model.cfg, "fp32")
+    assert len(got) == 5
+    for want, have in zip(expected, got):
+        np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_judges_every_genai_folder(genai_export):
+    from taperfold.verify import verify_export
+
+    out, _, _ = genai_export
+    report = verify_export(out, threads=1)
+    genai = {p.candidate: p for p in report.pairs if p.candidate.endswith(".genai")}
+    assert set(genai) == {r.key for r in read_manifest(out).records("genai")} and "folded.decoder.genai" in genai
+    assert all(p.status == "pass" for p in genai.values()), [(p.candidate, p.status, p.reason) for p in genai.values()]
+    assert report.passed
+
+
+def test_verify_fails_a_genai_folder_whose_decoder_is_wrong(genai_export, tmp_path):
+    """The baseline's folder made to run the folded decoder (a copy, named in its genai_config.json) fails its pair."""
+    import shutil
+
+    from taperfold.verify import verify_export
+
+    out, _, _ = genai_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    folded, baseline = copy / "genai" / "folded", copy / "genai" / "baseline"
+    for name in ("model.decoder.onnx", "model.decoder.onnx.data"):
+        shutil.copyfile(folded / name, baseline / name)
+    config = json.loads((baseline / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "model.decoder.onnx"
+    (baseline / "genai_config.json").write_text(json.dumps(config))
+    report = verify_export(copy, threads=1)
+    pair = next(p for p in report.pairs if p.candidate == "baseline.decoder.genai")
+    assert pair.status == "fail" and not report.passed
+
+
+def test_bench_builds_a_missing_folder_and_times_genai_generations(genai_export, tmp_path):
+    import shutil
+
+    out, _, _ = genai_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    result = run_cli(
+        "bench", copy, "--engine", "genai", "--mode", "decode", "--batch", "1,2", "--prompt", "8",
+        "--new-tokens", "4", "--warmup", "1", "--iters", "2", "--rounds", "1", "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["engine"] == "genai" and report["kv_cache"] == GROWING
+    rows = {(r["variant"], r["batch"]) for r in report["results"]}
+    assert rows == {(v, b) for v in ("baseline", "unfolded", "folded") for b in (1, 2)}
+    # the unfolded model's folder was built for the run and recorded
+    assert read_manifest(copy).find("unfolded", GROWING, "genai") is not None
+
+
+def test_bench_genai_refuses_what_it_cannot_time(genai_export):
+    out, _, _ = genai_export
+    one_line(run_cli("bench", out, "--engine", "genai"), "whole generations", "--mode decode")
+    one_line(
+        run_cli("bench", out, "--engine", "genai", "--mode", "decode", "--kv-cache", "static"),
+        "onnxruntime-genai",
+        "growing",
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [(("--dtype", "bf16"), ("bfloat16", "bf16")), (("--logits", "all"), ("--logits last",))],
+)
+def test_export_refuses_a_genai_folder_genai_cannot_read(genai_export, tmp_path, flags, needles):
+    _, _, ckpt = genai_export
+    result = run_cli("export", ckpt, "-o", tmp_path / "out", "--genai", *flags)
+    one_line(result, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_transformers_source_gives_its_folder_its_tokens_and_tokenizer(tmp_path):
+    """A plain Hugging Face Llama (its export: the baseline): the folder carries the directory's bos/eos/pad ids and
+    tokenizer files, and genai's greedy tokens are transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    source = tmp_path / "plain"
+    model.save_pretrained(source)
+    tokenizer = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "a"}}
+    (source / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = run_cli("export", source, "-o", tmp_path / "out", "--genai")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "out" / "genai" / "baseline"
+    written = json.loads((folder / "genai_config.json").read_text())["model"]
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, [2, 3], 0)
+    assert written["decoder"]["num_key_value_heads"] == 2 and written["context_length"] == 64
+    assert (folder / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()
+    prompt = np.random.default_rng(5).integers(4, 256, (1, 9), dtype=np.int64)
+    ids = torch.from_numpy(prompt)
+    with torch.inference_mode():
+        for _ in range(8):  # transformers' greedy loop, never stopping at eos (as the runner's generations)
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    from taperfold.runners.genai import GenaiRunner
+
+    with GenaiRunner(folder, threads=1) as runner:
+        generation = runner.generate(prompt, 7, None, "fp32")
+    np.testing.assert_array_equal(generation.tokens, ids[:, 9:].numpy())
