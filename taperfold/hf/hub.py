@@ -11,11 +11,7 @@ from pathlib import Path
 from taperfold.errors import TaperfoldError, first_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-FETCHED = [
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -23,7 +19,8 @@ FETCHED = [
     "merges.txt",
     "special_tokens_map.json",
     "added_tokens.json",
-]
+)
+FETCHED = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES]
 
 
 def resolve(name: str) -> Path | None:

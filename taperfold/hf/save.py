@@ -12,7 +12,8 @@ import torch
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_dir
-from taperfold.hf.source import CONFIG, TOKENIZER_FILES
+from taperfold.hf.hub import TOKENIZER_FILES
+from taperfold.hf.source import CONFIG
 from taperfold.hf.taper import tapering_of
 from taperfold.hf.taper_block import TaperBlock, parse_block
 

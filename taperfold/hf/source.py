@@ -37,6 +37,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import read_json_object
 from taperfold.hf.config_check import check_size, transformers_config
+from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_recorded
 from taperfold.hf.trace import check_family_paths, traced_family
@@ -47,15 +48,6 @@ from taperfold.sources.checks import check_state
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
 TAPER_KEYS = ("weight_tilde", "c", "ema_num", "ema_den", "ema_count", "calibrated")  # what tapering adds
 INSTALL_HINT = "pip install 'taperfold[hf]'"
 

@@ -18,9 +18,10 @@ from torch import nn
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import read_json_object
+from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo
 from taperfold.hf.save import save_hf_directory
-from taperfold.hf.source import CONFIG, TOKENIZER_FILES, HFCheckpoint, load_hf_directory
+from taperfold.hf.source import CONFIG, HFCheckpoint, load_hf_directory
 from taperfold.hf.taper import taper_model, tapering_of
 from taperfold.nn import GateSchedule
 from taperfold.taper import GateDriver
