@@ -283,6 +283,15 @@ def inspect(checkpoint, as_json):
     "per variant; adds --kv-cache growing.",
 )
 @click.option(
+    "--genai-route",
+    type=click.Choice(["auto", "builder", "traced"]),
+    default="auto",
+    show_default=True,
+    help="How --genai makes each folder: builder (onnxruntime-genai's own builder, its fastest graph form, tapered "
+    "norms replaced after it; Hugging Face Llama-like sources), traced (the decoder taperfold exports), or auto: "
+    "the builder where it applies (docs/deployment.md).",
+)
+@click.option(
     "-o",
     "--output",
     "--out",
@@ -352,6 +361,7 @@ def export(
     to_onnx,
     to_trt,
     genai,
+    genai_route,
     out_dir,
     overwrite,
     logits,
@@ -382,7 +392,7 @@ def export(
         require_tensorrt()  # fail before the ONNX export, and write nothing
         artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
     if genai:
-        artifacts["genai"] = {}
+        artifacts["genai"] = {"route": genai_route}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,

@@ -204,3 +204,120 @@ def test_a_transformers_source_gives_its_folder_its_tokens_and_tokenizer(tmp_pat
     with GenaiRunner(folder, threads=1) as runner:
         generation = runner.generate(prompt, 7, None, "fp32")
     np.testing.assert_array_equal(generation.tokens, ids[:, 9:].numpy())
+
+
+# ---- the builder route: onnxruntime-genai's own builder, the tapered norms replaced after it -------------------------
+
+
+@pytest.fixture(scope="module")
+def builder_export(tmp_path_factory):
+    """A tiny tapered Hugging Face Llama at g = 0 (its norm parameters away from their defaults), with a tokenizer (the
+    builder saves one), exported with --genai: the builder route, chosen by default for such a source."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from taperfold.hf import taper_model
+    from taperfold.hf.save import save_hf_directory
+
+    root = tmp_path_factory.mktemp("genai-builder")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=48, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip  (head size 16: ONNX Runtime's GroupQueryAttention on the CPU takes multiples of 16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tapering = taper_model(model, "internal")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.5, 2.0)
+            norm.calibrated.fill_(True)
+    tapering.set_gate(0.0)
+    vocab = {f"<{i}>": i for i in range(model.config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<0>")))
+    tokenizer.save_pretrained(root / "tokenizer")
+    save_hf_directory(model, root / "tapered", tokenizer_from=root / "tokenizer")
+    result = run_cli("export", root / "tapered", "-o", root / "out", "--genai", "--no-fuse-projections")
+    assert result.exit_code == 0, result.stderr
+    return root / "out", model
+
+
+def _op_types(path) -> list[str]:
+    import onnx
+
+    return [node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_builder_route_folders_are_the_builders_graph_minus_the_tapered_norms(builder_export):
+    out, model = builder_export
+    manifest = read_manifest(out)
+    records = {r.variant: r for r in manifest.records("genai")}
+    assert set(records) == {"folded", "baseline"} and {r.details["route"] for r in records.values()} == {"builder"}
+    layers = model.config.num_hidden_layers
+    norms = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+    baseline, folded = (_op_types(out / "genai" / v / "model.onnx") for v in ("baseline", "folded"))
+    assert "GroupQueryAttention" in folded and "GroupQueryAttention" in baseline
+    assert sum(op in norms for op in baseline) == 2 * layers + 1  # two per layer and the final norm
+    assert sum(op in norms for op in folded) == 1  # the final norm, which Internal-Taper keeps
+    assert "Mul" not in set(folded) - set(baseline)  # no constant scale left in front of the MatMuls
+
+
+def test_verify_holds_every_builder_folder_to_its_torch_model(builder_export):
+    from taperfold.verify import verify_export
+
+    out, _ = builder_export
+    report = verify_export(out, threads=1)
+    genai = [p for p in report.pairs if p.candidate.endswith(".genai")]
+    assert {p.candidate for p in genai} == {"folded.decoder.genai", "baseline.decoder.genai"}
+    assert all(p.status == "pass" for p in genai), [(p.candidate, p.status, p.reason) for p in genai]
+
+
+def test_verify_fails_a_builder_folder_whose_norms_went_without_the_fold(builder_export, tmp_path):
+    """The baseline's graph (plain weights) with the tapered norms dropped, as the folded folder: the fold is missing
+    from its weights, and verify says so."""
+    import shutil
+
+    from taperfold.artifacts.genai_builder import BuilderRoute, replace_tapered_norms
+    from taperfold.sources import open_source
+    from taperfold.verify import verify_export
+
+    out, _ = builder_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copyfile(copy / "genai" / "baseline" / name, copy / "genai" / "folded" / name)
+    scales = BuilderRoute(open_source(read_manifest(copy).checkpoint), "test").scales
+    replace_tapered_norms(copy / "genai" / "folded" / "model.onnx", scales, keep_scale=False)
+    report = verify_export(copy, threads=1)
+    pair = next(p for p in report.pairs if p.candidate == "folded.decoder.genai")
+    assert pair.status == "fail" and not report.passed
+
+
+def test_bench_builds_the_unfolded_folder_by_the_builder_too(builder_export, tmp_path):
+    """One graph form for every variant timed: the unfolded model's folder, built on demand, is the builder's graph
+    with each tapered norm a Mul by c·γ̃."""
+    import shutil
+
+    out, model = builder_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    result = run_cli(
+        "bench", copy, "--engine", "genai", "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "4",
+        "--warmup", "1", "--iters", "2", "--rounds", "1", "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    record = read_manifest(copy).find("unfolded", GROWING, "genai")
+    assert record is not None and record.details["route"] == "builder"
+    unfolded = _op_types(copy / "genai" / "unfolded" / "model.onnx")
+    assert unfolded.count("Mul") - _op_types(copy / "genai" / "folded" / "model.onnx").count("Mul") == 2 * (
+        model.config.num_hidden_layers
+    )
+
+
+def test_builder_route_refuses_a_source_the_builder_does_not_read(genai_export, tmp_path):
+    _, _, ckpt = genai_export
+    result = run_cli("export", ckpt, "-o", tmp_path / "out", "--genai", "--genai-route", "builder")
+    one_line(result, "builder reads a Hugging Face directory", "--genai-route traced")
+    assert not (tmp_path / "out").exists()

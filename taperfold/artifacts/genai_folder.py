@@ -16,12 +16,13 @@ make the export's own file unreadable to onnx-ir, which refuses external data th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
@@ -29,9 +30,26 @@ from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
 from taperfold.fsutil import atomic_dir
 
+if TYPE_CHECKING:
+    from taperfold.artifacts.genai_builder import BuilderRoute
+
 FOLDER = "genai"  # the folders' parent in the export directory
 CONFIG = "genai_config.json"
 GENAI_DTYPES = ("fp32", "fp16")  # the logits genai reads (it has no bfloat16)
+AUTO, BUILDER, TRACED = "auto", "builder", "traced"
+ROUTES = (AUTO, BUILDER, TRACED)
+# what the builder copies beside its graph, as the source has it (hf/hub.py's TOKENIZER_FILES, and genai's own)
+TOKENIZER_NAMES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "special_tokens_map.json",
+        "added_tokens.json",
+    }
+)
 DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
 
 
@@ -48,16 +66,25 @@ class GenaiFolder(ArtifactKind):
                 (str,), required=True, help="the decoder's file in the folder, as genai_config.json names it"
             ),
             "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "route": Field((str,), help="traced (the export's decoder) or builder (onnxruntime-genai's builder)"),
         }
     )
 
     def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
         _check_export(export.dtype, export.logits, "--genai")
+        if options.get("route", AUTO) not in ROUTES:
+            raise TaperfoldError(f"--genai-route must be one of {', '.join(ROUTES)}, got {options['route']!r}")
 
     def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """A folder per variant in `variants` (default: the folded model and the baseline, those exported)."""
+        """A folder per variant in `variants` (default: the folded model and the baseline, those exported), by
+        `route`: builder (onnxruntime-genai's builder, taperfold.artifacts.genai_builder), traced (the export's
+        growing decoder), or auto: the builder where the export's source and its norms allow it."""
         on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
         _check_export(manifest.dtype, manifest.logits, str(manifest.path))
+        variants = [canonical_variant(v) for v in options.get("variants") or DEFAULT_VARIANTS]
+        builder = _builder_route(manifest, options.get("route", AUTO))
+        if builder is not None:  # built from the source itself, whichever graphs the export holds
+            return self._build_with_builder(manifest, builder, variants, on_stage)
         decoders = [r for r in manifest.records(ONNX) if r.graph == GROWING and r.precision == manifest.dtype]
         wanted = options.get("variants")
         if wanted is not None:
@@ -82,6 +109,34 @@ class GenaiFolder(ArtifactKind):
             records.append(self._write_folder(manifest, decoder))
         return records
 
+    def _build_with_builder(
+        self, manifest: Export, builder: BuilderRoute, variants: list[str], on_stage: Callable[[str], None]
+    ) -> list[ArtifactRecord]:
+        with contextlib.ExitStack() as stack:  # every folder, or none
+            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / v)) for v in variants}
+            builder.build(folders, manifest.dtype, manifest.directory / FOLDER, on_stage)
+        records = []
+        for variant in variants:
+            folder = manifest.directory / FOLDER / variant
+            config = json.loads((folder / CONFIG).read_text())
+            records.append(
+                ArtifactRecord(
+                    key=self.key(variant, GROWING),
+                    kind=self.name,
+                    path=f"{FOLDER}/{variant}/{CONFIG}",
+                    variant=variant,
+                    graph=GROWING,
+                    precision=manifest.dtype,
+                    bytes=(folder / CONFIG).stat().st_size,
+                    details={
+                        "decoder": config["model"]["decoder"]["filename"],
+                        "tokenizer": sorted(p.name for p in folder.iterdir() if p.name in TOKENIZER_NAMES),
+                        "route": BUILDER,
+                    },
+                )
+            )
+        return records
+
     def _write_folder(self, manifest: Export, decoder: ArtifactRecord) -> ArtifactRecord:
         folder = f"{FOLDER}/{decoder.variant}"
         tokenizer = _tokenizer_files(manifest)
@@ -103,7 +158,7 @@ class GenaiFolder(ArtifactKind):
             precision=decoder.precision,
             bytes=config_path.stat().st_size,
             built_from=decoder.key,
-            details={"decoder": decoder.path, "tokenizer": [p.name for p in tokenizer]},
+            details={"decoder": decoder.path, "tokenizer": [p.name for p in tokenizer], "route": TRACED},
         )
 
     def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
@@ -113,8 +168,10 @@ class GenaiFolder(ArtifactKind):
                 f"an onnxruntime-genai folder holds a growing-cache decoder, not a {graph} graph (--kv-cache growing)"
             )
         missing = [v for v in variants if manifest.find(v, GROWING, GENAI) is None]
-        if missing:  # built on demand, as TensorRT engines are: bench --engine genai times the unfolded model too
-            manifest.build(GENAI, variants=missing)
+        if missing:  # built on demand, as TensorRT engines are (bench --engine genai times the unfolded model too), the
+            # way the export's folders were: one graph form for every variant timed
+            routes = {r.details.get("route", TRACED) for r in manifest.records(GENAI)}
+            manifest.build(GENAI, variants=missing, route=routes.pop() if len(routes) == 1 else AUTO)
         return super().files(manifest, variants, graph)
 
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
@@ -124,6 +181,38 @@ class GenaiFolder(ArtifactKind):
         if not (manifest.directory / decoder).is_file():
             problems.append(f"{decoder}: missing")
         return problems
+
+
+def _builder_route(manifest: Export, route: str) -> BuilderRoute | None:
+    """The builder route for `manifest`'s source when `route` asks for it (or, auto, when the source is a Hugging
+    Face directory of a tapered fp32 model whose norms the builder names), else None (traced)."""
+    if route not in ROUTES:
+        raise TaperfoldError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    if route == TRACED:
+        return None
+    from taperfold.artifacts.genai_builder import BuilderRoute, NotBuildable, builder_missing
+    from taperfold.sources import open_source
+
+    if route == AUTO and (
+        (manifest.get("source") or {}).get("format") != "huggingface"
+        or manifest.dtype != "fp32"
+        or manifest.find(FOLDED) is None
+        or builder_missing()
+    ):
+        return None
+    if manifest.dtype != "fp32":
+        raise TaperfoldError(f"{manifest.path}: the builder route builds fp32 exports, not {manifest.dtype}")
+    if (manifest.get("source") or {}).get("format") != "huggingface":
+        raise TaperfoldError(
+            f"{manifest.checkpoint}: onnxruntime-genai's builder reads a Hugging Face directory, and this source is "
+            "none; --genai-route traced exports the decoder taperfold traces"
+        )
+    try:
+        return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path))
+    except NotBuildable:
+        if route == AUTO:
+            return None
+        raise
 
 
 def _check_export(dtype: str, logits: str, origin: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,24 @@ class HFCheckpoint(ModelSource):
         """The same directory with its original norms (γ, β kept): the benchmark's baseline."""
         info = HFModelInfo(**{**self.config.to_dict(), "taper": "none", "aux": False})
         return HFCausalLM(self.hf_model(tapered=False), info, self.family).eval()
+
+    def write_plain_directory(self, out: Path, replace: dict[str, torch.Tensor] | None = None) -> None:
+        """save_pretrained of the directory's plain model (its own norms, no taperfold block), with `replace`'s
+        tensors in place of the parameters they name, and the directory's generation config and tokenizer files."""
+        model = self.hf_model(tapered=False)
+        state = model.state_dict()
+        for name, tensor in (replace or {}).items():
+            if name not in state or state[name].shape != tensor.shape:
+                raise TaperfoldError(f"{self.path}: the model has no parameter {name} of shape {list(tensor.shape)}")
+            tied = [k for k, v in state.items() if k != name and v.data_ptr() == state[name].data_ptr()]
+            if tied:
+                raise TaperfoldError(f"{self.path}: {name} is tied to {tied[0]}: a changed copy cannot be saved tied")
+            state[name] = tensor.to(state[name].dtype)  # the model's own tensors stay as they are
+        model.config.__dict__.pop(BLOCK, None)
+        model.save_pretrained(out, state_dict=state)
+        for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
+            if (self.path / name).is_file():
+                shutil.copyfile(self.path / name, out / name)
 
     def manifest_block(self) -> dict:
         return {

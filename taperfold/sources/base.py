@@ -66,6 +66,14 @@ class ModelSource(abc.ABC):
         """Top-level keys a source adds to an export's manifest.json."""
         return {}
 
+    def write_plain_directory(self, out: Path, replace: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the model untapered, in its own format's layout for other tools (onnxruntime-genai's builder reads a
+        Hugging Face directory), with the tensors named in `replace` (by the model's own parameter names) swapped
+        in. Only a kind whose format another tool reads implements it."""
+        raise TaperfoldError(
+            f"{self.path}: {self.arch} is no format another tool builds from (a Hugging Face directory)"
+        )
+
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, or one line naming the file."""

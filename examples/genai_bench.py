@@ -1,0 +1,85 @@
+"""onnxruntime-genai decode speed of the builder route on SmolLM2-135M's shape (docs/benchmarks.md).
+
+    python examples/genai_bench.py [--workdir runs/genai-bench] [--threads 2]
+
+Builds a random-weight Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, SwiGLU 1536, vocab
+49152, tied embeddings; nothing downloaded), tapers it (Internal-Taper) with random c and γ̃ at g = 0, writes it as a
+tapered save_pretrained directory with a word-level tokenizer (the builder saves one), then runs, each in a fresh
+process and printed as it runs:
+
+    taperfold export DIR -o OUT --genai --no-baseline   the builder route: baseline and folded folders
+    taperfold bench OUT --engine genai --mode decode    baseline, unfolded, folded in alternating rounds
+
+The export's stage timings and the bench report (OUT/bench-decode.json) are what docs/benchmarks.md records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_directory(folder: Path) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from taperfold.hf import save_hf_directory, taper_model
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SHAPE)).eval()
+    tapering = taper_model(model, "internal")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.5, 2.0)
+            norm.calibrated.fill_(True)
+    tapering.set_gate(0.0)
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(SHAPE["vocab_size"])}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<1>", eos_token="<2>", unk_token="<0>")
+    tokenizer.save_pretrained(folder.parent / "tokenizer")
+    save_hf_directory(model, folder, tokenizer_from=folder.parent / "tokenizer")
+
+
+def run(*args: str) -> None:
+    print("$", " ".join(args), flush=True)
+    subprocess.run(args, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("runs/genai-bench"))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    source, out = args.workdir / "smollm2-135m-shape", args.workdir / "out"
+    if not source.is_dir():
+        make_directory(source)
+    taperfold = [sys.executable, "-m", "taperfold.cli"]
+    run(*taperfold, "export", str(source), "-o", str(out), "--genai", "--no-baseline", "--overwrite")
+    run(
+        *taperfold, "bench", str(out), "--engine", "genai", "--mode", "decode", "--batch", "1,4", "--prompt", "128",
+        "--new-tokens", "64", "--warmup", "1", "--iters", "5", "--rounds", "5", "--threads", str(args.threads),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

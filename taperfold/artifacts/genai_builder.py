@@ -1,0 +1,178 @@
+"""onnxruntime-genai folders made by onnxruntime-genai's own model builder, the graph form ONNX Runtime runs fastest
+(GroupQueryAttention with rotary fused, packed QKV, SkipSimplifiedLayerNormalization), for every variant alike:
+
+- baseline: the builder on the source's own weights, its norms real;
+- unfolded: the same graph with each tapered norm as what it is at g = 0, a constant diagonal map: the norm op
+  becomes its residual Add (SkipSimplifiedLayerNormalization) or nothing (SimplifiedLayerNormalization), then a Mul
+  by c·γ̃, the constant a graph tool leaves in front of the next MatMul;
+- folded: the builder on the folded weights (c·γ̃ in the readers, taperfold's torch fold in float64), each tapered
+  norm op replaced by its Add alone.
+
+The builder reads a Hugging Face directory, so the route takes one (a source whose `write_plain_directory` writes
+it) and a family whose tapered norms are each layer's `input_layernorm` / `post_attention_layernorm` of an RMS kind
+with no bias, the names the builder gives its norm nodes (`/model/layers.{i}/input_layernorm/...`). It runs as a
+subprocess (`python -m onnxruntime_genai.models.builder`), offline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from taperfold.errors import TaperfoldError
+from taperfold.exportdir import BASELINE, FOLDED, UNFOLDED
+
+BUILDER = "onnxruntime_genai.models.builder"
+NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+_LAYER_NORM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\Z")
+VARIANTS = (BASELINE, UNFOLDED, FOLDED)
+
+
+class NotBuildable(TaperfoldError):
+    """The model is not one the builder route covers (the traced route still is)."""
+
+
+def builder_missing() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(BUILDER) is None
+    except ModuleNotFoundError:  # onnxruntime_genai itself is not installed
+        return True
+
+
+def node_prefix(norm_path: str) -> str | None:
+    """The builder's node-name prefix of a tapered norm (`model.layers.3.input_layernorm` ->
+    `/model/layers.3/input_layernorm`), or None when the builder names no norm so."""
+    match = _LAYER_NORM.search(norm_path)
+    return f"/model/layers.{match[1]}/{match[2]}" if match else None
+
+
+class BuilderRoute:
+    """The builder route for one export's source: the tapered model's constant maps, the folded weights, and the
+    two builds (plain and folded weights) the three variants come from."""
+
+    def __init__(self, source, origin: str):
+        from taperfold.variants import fold_in_torch
+
+        self.source, self.origin = source, origin
+        tapered = source.build(gate=0.0)
+        tapering = tapered.tapering
+        if tapering is None:
+            raise TaperfoldError(
+                f"{origin}: the builder route needs a tapered model (its baseline alone: --genai-route traced)"
+            )
+        if tapered.cfg.head_dim % 16:  # ONNX Runtime's GroupQueryAttention on the CPU
+            raise NotBuildable(
+                f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
+                "needs on the CPU; use --genai-route traced"
+            )
+        kind = tapering.kind
+        self.scales: dict[str, torch.Tensor] = {}  # node prefix -> c·γ̃ (float64)
+        for path, norm in tapering.norms.items():
+            prefix = node_prefix(path)
+            constant = kind.constant_map(norm)
+            if prefix is None or constant.centered or constant.bias is not None:
+                raise NotBuildable(
+                    f"{origin}: {path} is no pre-norm RMS norm the builder names (input_layernorm, "
+                    "post_attention_layernorm); use --genai-route traced"
+                )
+            self.scales[prefix] = constant.scale.detach()
+        folded = fold_in_torch(tapered)
+        self.folded_weights: dict[str, torch.Tensor] = {}
+        for path in tapering.norms:
+            for target in tapering.folds_into(path):
+                self.folded_weights[f"{target}.weight"] = folded.network.get_parameter(f"{target}.weight").detach()
+            self.folded_weights[f"{path}.weight"] = torch.ones(tapered.cfg.d_model)  # the node goes: any value
+
+    def build(
+        self, folders: dict[str, Path], precision: str, scratch_in: Path, on_stage: Callable[[str], None]
+    ) -> None:
+        """Write into `folders` (empty directories) the folder of each of their variants (VARIANTS); the builder's
+        inputs and outputs go to a scratch directory in `scratch_in`, removed afterwards."""
+        unknown = sorted(set(folders) - set(VARIANTS))
+        if unknown:
+            raise TaperfoldError(f"{self.origin}: the builder route builds {', '.join(VARIANTS)}, not {unknown[0]}")
+        with tempfile.TemporaryDirectory(prefix=".builder-", dir=scratch_in) as scratch:
+            work = Path(scratch)
+            for weights in ("plain", "folded"):
+                wanted = [v for v in folders if (v == FOLDED) == (weights == "folded")]
+                if not wanted:
+                    continue
+                on_stage(f"onnxruntime-genai builder: {weights} weights")
+                source_dir, built = work / f"{weights}-hf", work / f"{weights}-built"
+                self.source.write_plain_directory(source_dir, self.folded_weights if weights == "folded" else None)
+                _run_builder(source_dir, built, precision, work / "cache", self.origin)
+                for variant in wanted:
+                    shutil.copytree(built, folders[variant], dirs_exist_ok=True)
+                    if variant != BASELINE:
+                        replace_tapered_norms(
+                            folders[variant] / "model.onnx", self.scales, keep_scale=variant == UNFOLDED
+                        )
+
+
+def _run_builder(source_dir: Path, out: Path, precision: str, cache: Path, origin: str) -> None:
+    command = [sys.executable, "-m", BUILDER, "-i", str(source_dir), "-o", str(out), "-p", precision, "-e", "cpu",
+               "-c", str(cache)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if run.returncode != 0:
+        lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit code {run.returncode}"
+        raise TaperfoldError(
+            f"{origin}: onnxruntime-genai's builder failed ({why}); --genai-route traced exports the decoder "
+            "taperfold traces instead"
+        )
+
+
+def replace_tapered_norms(model_path: Path, scales: dict[str, torch.Tensor], keep_scale: bool) -> None:
+    """In a builder graph, each tapered norm op (named by its prefix in `scales`) becomes its residual Add
+    (SkipSimplifiedLayerNormalization; the graph input itself for SimplifiedLayerNormalization), followed by a Mul by
+    its c·γ̃ when `keep_scale` (the unfolded form). One line naming the norm the graph lacks."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
+    found, nodes, rename, dropped = set(), [], {}, set()
+    for node in graph.node:
+        prefix = node.name.rsplit("/", 1)[0]
+        if node.op_type not in NORM_OPS or prefix not in scales:
+            nodes.append(node)
+            continue
+        found.add(prefix)
+        dropped.add(node.input[-1])  # its gain
+        total = node.input[0]
+        if node.op_type == "SkipSimplifiedLayerNormalization":
+            total = f"{prefix}/residual_sum"
+            nodes.append(helper.make_node("Add", list(node.input[:2]), [total], name=f"{prefix}/Add"))
+            if len(node.output) > 3 and node.output[3]:
+                rename[node.output[3]] = total
+        if keep_scale:
+            scale = numpy_helper.from_array(scales[prefix].numpy().astype(np.float32), f"{prefix}/c_gamma")
+            graph.initializer.append(scale)
+            nodes.append(helper.make_node("Mul", [total, scale.name], [node.output[0]], name=f"{prefix}/Mul"))
+        else:
+            rename[node.output[0]] = total
+    missing = sorted(set(scales) - found)
+    if missing:
+        raise TaperfoldError(f"{model_path}: the builder's graph has no norm node {missing[0]}/... to replace")
+    for node in nodes:
+        node.input[:] = [rename.get(name, name) for name in node.input]
+    for output in graph.output:
+        if output.name in rename:  # a graph output is never a norm's here; kept exact if it were
+            raise TaperfoldError(f"{model_path}: graph output {output.name} is a tapered norm's")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [t for t in graph.initializer if t.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    model_path.write_bytes(model.SerializeToString())
