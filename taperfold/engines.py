@@ -110,6 +110,14 @@ class Engine:
 
         return artifact_kind(self.runs).files(manifest, variants, graph)
 
+    def projection_groups(self, manifest: Manifest, variant: str, graph: Graph) -> int | None:
+        """The sibling-projection groups `variant`'s artifact of the kind this engine runs fuses (None: the kind
+        cannot tell)."""
+        from taperfold.artifacts import artifact_kind
+
+        record = manifest.find(variant, graph, self.runs)
+        return None if record is None else artifact_kind(self.runs).projection_groups(manifest, record)
+
     def require(self, device: str) -> None:
         why = self.unavailable(device)
         if why:

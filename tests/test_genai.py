@@ -146,6 +146,8 @@ def test_bench_builds_a_missing_folder_and_times_genai_generations(genai_export,
     assert report["engine"] == "genai" and report["kv_cache"] == GROWING
     rows = {(r["variant"], r["batch"]) for r in report["results"]}
     assert rows == {(v, b) for v in ("baseline", "unfolded", "folded") for b in (1, 2)}
+    # a genai folder does not say how its projections run: the report claims nothing about fusion
+    assert report["fused_projections"] is None and report["projection_groups"] == {}
     # the unfolded model's folder was built for the run and recorded
     assert read_manifest(copy).find("unfolded", GROWING, "genai") is not None
 

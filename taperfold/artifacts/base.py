@@ -131,6 +131,7 @@ class Export(Protocol):
     def config(self) -> Any: ...  # the exported model's shape (taperfold.taper.ModelShape)
     def get(self, key: str, default: Any = None) -> Any: ...  # a top-level key of manifest.json (`source`, ...)
     def records(self, kind: str | None = None) -> list[ArtifactRecord]: ...
+    def record(self, key: str) -> ArtifactRecord: ...
     def find(
         self, variant: str, graph: Graph = PREFILL, kind: str = ..., precision: str | None = None
     ) -> ArtifactRecord | None: ...
@@ -188,6 +189,11 @@ class ArtifactKind:
         """{variant: file} of this kind's artifacts of `graph`, for an engine that runs them (one line naming
         manifest.json's key when one is missing)."""
         return {variant: manifest.artifact(variant, graph, self.name) for variant in variants}
+
+    def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int | None:
+        """How many groups of sibling projections (q/k/v, gate/up) `record`'s artifact runs as one layer each, or None
+        where this kind cannot tell (bench then says nothing about projection fusion)."""
+        return None
 
     # ---- verification ----
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from taperfold.artifacts import ONNX, register_kind
-from taperfold.artifacts.base import LOGITS, TORCH, ArtifactKind, ArtifactRecord, Field, describe_file
+from taperfold.artifacts.base import LOGITS, TORCH, ArtifactKind, ArtifactRecord, Export, Field, describe_file
+from taperfold.errors import TaperfoldError
 from taperfold.exportdir import Graph, graph_key, onnx_file
 
 
@@ -49,6 +50,20 @@ class OnnxGraph(ArtifactKind):
             external_data_bytes=data_size,
             details=details,
         )
+
+    def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int:
+        """The groups export fused (`projections.summary.groups`; 0 where it fused none)."""
+        projections = record.details.get("projections")
+        if not projections:
+            return 0
+        summary = projections.get("summary") if isinstance(projections, dict) else None
+        groups = summary.get("groups") if isinstance(summary, dict) else None
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
+            raise TaperfoldError(
+                f"{manifest.path}: key 'artifacts.{record.key}.projections.summary.groups' must be a count, "
+                f"got {groups!r}"
+            )
+        return groups
 
 
 ONNX_GRAPH = OnnxGraph()

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from taperfold import trt_support
-from taperfold.artifacts import ONNX, TENSORRT_PLAN, register_kind
+from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, register_kind
 from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
@@ -271,6 +271,13 @@ class TensorrtPlan(ArtifactKind):
         for variant in variants:  # the engines are built from these: name a missing one
             manifest.artifact(variant)
         return ensure_engines(manifest, variants)
+
+    def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int | None:
+        """Those of the ONNX graph it was built from."""
+        if record.built_from is None:
+            return None
+        graph = manifest.record(record.built_from)
+        return artifact_kind(graph.kind).projection_groups(manifest, graph)
 
     def is_fresh(self, manifest: Export, record: ArtifactRecord, profile: Profile, version: str) -> bool:
         """Whether `record`'s engine can be run as it is: its file is there, built by this TensorRT for `profile`."""

@@ -31,7 +31,6 @@ from taperfold.exportdir import (
     STATIC,
     VARIANTS,
     Graph,
-    graph_key,
     torch_dtype,
 )
 from taperfold.models import ModelConfig
@@ -200,7 +199,8 @@ class LoadedBench:
     runners: dict[str, Runner]
     cache: Graph | None = None  # decode: the decoders' KV cache (GROWING | STATIC)
     cache_len: int | None = None  # a static cache's length
-    fused_projections: bool = False  # the variants run sibling projections (q/k/v, gate/up) as one
+    fused_projections: bool | None = False  # the variants run sibling projections (q/k/v, gate/up) as one; None:
+    # the artifacts' kind cannot tell (onnxruntime-genai's builder packs q/k/v itself)
     projection_groups: dict[str, int] = field(default_factory=dict)  # per variant: the sibling groups fused
 
 
@@ -234,8 +234,12 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         shapes=shape_count(opts, cache),
         fuse_projections=fused,
     )
+    known = {name: n for name, n in groups.items() if n is not None}
+    reported: bool | None = fused
+    if len(known) < len(groups):  # the artifacts' kind cannot tell: the report says nothing of fusion
+        reported, known = None, {}
     with open_runners(runners):
-        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len, fused, groups)
+        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len, reported, known)
 
 
 def shape_count(opts: BenchOptions, cache: str | None = GROWING) -> int:
@@ -294,7 +298,7 @@ def make_runners(
     options: dict,
     shapes: int | None = None,
     fuse_projections: bool = False,
-) -> tuple[dict[str, Runner], dict[str, int]]:
+) -> tuple[dict[str, Runner], dict[str, int | None]]:
     """One runner per variant (not loaded yet) of `graph` (prefill, or a decoder). With
     `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
     `runner_label(variant, "cuda-graph")`), measured side by side. Also each variant's fused projection groups:
@@ -317,7 +321,7 @@ def make_runners(
                 f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}"
             )
         targets = engine.files(source.manifest, variants, graph)
-        groups = {name: _exported_groups(source.manifest, name, graph) for name in targets}
+        groups = {name: engine.projection_groups(source.manifest, name, graph) for name in targets}
     else:
         models = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
         groups = {name: fused_group_count(model) for name, model in models.items()}
@@ -341,22 +345,6 @@ def make_runners(
             )
             runners[runner_label(name, "cuda-graph" if replay else "eager")] = runner
     return runners, groups
-
-
-def _exported_groups(manifest, variant: str, graph: Graph) -> int:
-    """The projection groups export fused in `variant`'s graph (artifacts.<key>.projections; 0 where none)."""
-    key = graph_key(variant, graph)
-    record = manifest.find(variant, graph)
-    projections = record.details.get("projections") if record is not None else None
-    if not projections:
-        return 0
-    summary = projections.get("summary") if isinstance(projections, dict) else None
-    groups = summary.get("groups") if isinstance(summary, dict) else None
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
-        raise TaperfoldError(
-            f"{manifest.path}: key 'artifacts.{key}.projections.summary.groups' must be a count, got {groups!r}"
-        )
-    return groups
 
 
 def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) -> BenchReport:
