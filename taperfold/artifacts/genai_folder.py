@@ -38,18 +38,6 @@ CONFIG = "genai_config.json"
 GENAI_DTYPES = ("fp32", "fp16")  # the logits genai reads (it has no bfloat16)
 AUTO, BUILDER, TRACED = "auto", "builder", "traced"
 ROUTES = (AUTO, BUILDER, TRACED)
-# what the builder copies beside its graph, as the source has it (hf/hub.py's TOKENIZER_FILES, and genai's own)
-TOKENIZER_NAMES = frozenset(
-    {
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "tokenizer.model",
-        "vocab.json",
-        "merges.txt",
-        "special_tokens_map.json",
-        "added_tokens.json",
-    }
-)
 DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
 
 
@@ -130,7 +118,10 @@ class GenaiFolder(ArtifactKind):
                     bytes=(folder / CONFIG).stat().st_size,
                     details={
                         "decoder": config["model"]["decoder"]["filename"],
-                        "tokenizer": sorted(p.name for p in folder.iterdir() if p.name in TOKENIZER_NAMES),
+                        # what the builder saved beside its graph and config: the tokenizer and its processing files
+                        "tokenizer": sorted(
+                            p.name for p in folder.iterdir() if p.name != CONFIG and not p.name.startswith("model.")
+                        ),
                         "route": BUILDER,
                     },
                 )
