@@ -292,6 +292,19 @@ def inspect(checkpoint, as_json):
     "the builder where it applies (docs/deployment.md).",
 )
 @click.option(
+    "--quantize",
+    metavar="int4|int8",
+    help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
+    "...) and, with --genai, of each folder; int4, int8 or int4,int8 (docs/deployment.md).",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=32,
+    show_default=True,
+    help="--quantize: weights per scale, along the input axis (16, 32, 64, 128 or 256).",
+)
+@click.option(
     "-o",
     "--output",
     "--out",
@@ -362,6 +375,8 @@ def export(
     to_trt,
     genai,
     genai_route,
+    quantize,
+    block_size,
     out_dir,
     overwrite,
     logits,
@@ -383,16 +398,22 @@ def export(
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
     from taperfold.manifest import is_export_dir
+    from taperfold.quantize import parse_precisions
     from taperfold.ui import print_export, stage_status
 
-    artifacts = {}
+    artifacts: dict[str, dict] = {}
+    precisions = parse_precisions(quantize) if quantize is not None else ()
+    if precisions:  # first: the genai folders' traced route is built from the quantized decoders
+        artifacts["onnx"] = {"precisions": precisions, "block_size": block_size}
+    elif block_size != 32:
+        raise TaperfoldError("--block-size sets --quantize's blocks: add --quantize int4 or int8")
     if to_trt:
         from taperfold.trt_support import require_tensorrt
 
         require_tensorrt()  # fail before the ONNX export, and write nothing
         artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
     if genai:
-        artifacts["genai"] = {"route": genai_route}
+        artifacts["genai"] = {"route": genai_route, "precisions": (dtype, *precisions), "block_size": block_size}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,
@@ -619,6 +640,11 @@ def _engine_options(command):
     help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.",
 )
 @click.option(
+    "--precision",
+    type=click.Choice(["int4", "int8"]),
+    help="Time the export's weight-quantized graphs of this precision (export --quantize) instead of its dtype's.",
+)
+@click.option(
     "--device",
     type=click.Choice(sorted({d for e in ENGINES.values() for d in e.devices})),
     help="Default: " + ", ".join(f"{e.default_device} for {e.name}" for e in ENGINES.values()) + ".",
@@ -675,6 +701,7 @@ def bench(
     new_tokens,
     kv_cache,
     dtype,
+    precision,
     device,
     threads,
     fuse_projections,
@@ -694,6 +721,7 @@ def bench(
       taperfold bench out/ --engine ort --batch 1,4 --seq 128,256,512
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
       taperfold bench out/ --engine ort --mode decode --kv-cache growing
+      taperfold bench out/ --engine ort --mode decode --precision int4
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
@@ -762,6 +790,7 @@ def bench(
         engine_options=changed_options(engine_options),
         seed=seed,
         fuse_projections=AUTO if fuse_projections is None else FUSED if fuse_projections else UNFUSED,
+        precision=precision,
     )
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:

@@ -103,19 +103,23 @@ class Engine:
     def runs_models(self) -> bool:
         return self.runs == MODELS
 
-    def files(self, manifest: Manifest, variants: list[str], graph: Graph) -> dict[str, Path]:
-        """{variant: the file its runner opens}: the artifacts of the kind this engine runs, which that kind finds
-        in `manifest` (or builds first, where it builds on demand)."""
+    def files(
+        self, manifest: Manifest, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
+        """{variant: the file its runner opens}: the artifacts of the kind this engine runs in `precision` (default:
+        the export's dtype), which that kind finds in `manifest` (or builds first, where it builds on demand)."""
         from taperfold.artifacts import artifact_kind
 
-        return artifact_kind(self.runs).files(manifest, variants, graph)
+        return artifact_kind(self.runs).files(manifest, variants, graph, precision)
 
-    def projection_groups(self, manifest: Manifest, variant: str, graph: Graph) -> int | None:
+    def projection_groups(
+        self, manifest: Manifest, variant: str, graph: Graph, precision: str | None = None
+    ) -> int | None:
         """The sibling-projection groups `variant`'s artifact of the kind this engine runs fuses (None: the kind
         cannot tell)."""
         from taperfold.artifacts import artifact_kind
 
-        record = manifest.find(variant, graph, self.runs)
+        record = manifest.find(variant, graph, self.runs, precision)
         return None if record is None else artifact_kind(self.runs).projection_groups(manifest, record)
 
     def require(self, device: str) -> None:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from taperfold.artifacts import artifact_kind
-from taperfold.artifacts.base import TORCH, ArtifactRecord
+from taperfold.artifacts.base import ArtifactKind, ArtifactRecord
 from taperfold.artifacts.onnx_graph import ONNX_GRAPH
 from taperfold.environment import package_versions
 from taperfold.errors import TaperfoldError, first_line
@@ -343,7 +343,7 @@ def check_options(opts: ExportOptions) -> None:
             )
     for name, options in opts.artifacts.items():
         kind = artifact_kind(name)
-        if kind.built_from == TORCH:
+        if type(kind).build is ArtifactKind.build:
             raise TaperfoldError(f"artifact kind {name!r} is written by export itself: it takes no request")
         kind.check_request(options, opts)
 

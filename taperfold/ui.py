@@ -329,7 +329,8 @@ def throughput_table(report: BenchReport, phase: str) -> Table:
     timing = "/".join(dict.fromkeys(THROUGHPUT_FROM[r.throughput_from] for r in rows))
     title = (
         f"{phase} throughput ({unit}, median, {timing}) — {report.engine} {report.device} "
-        f"{report.dtype}, {report.threads} threads"
+        f"{report.dtype}{f' ({report.settings.precision} weights)' if report.settings.precision else ''}, "
+        f"{report.threads} threads"
     )
     table = Table(title=title)
     table.add_column("batch", justify="right")
@@ -398,6 +399,8 @@ def print_bench(report: BenchReport) -> None:
     if report.kv_cache:
         length = f" of {report.cache_length} positions" if report.cache_length else ""
         out.print(f"decoders: {report.kv_cache} KV cache{length}", highlight=False)
+    if s.precision:
+        out.print(f"weights: {s.precision} (the export's weight-quantized graphs, MatMulNBits)", highlight=False)
     if report.cuda_graph:
         out.print(
             "rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run plainly",

@@ -318,6 +318,34 @@ def test_bench_builds_the_unfolded_folder_by_the_builder_too(builder_export, tmp
     )
 
 
+def test_builder_route_quantizes_with_the_builders_own_int4(builder_export, tmp_path):
+    """`--quantize int4` on the builder route: the builder's `-p int4` on the plain and the folded weights (MatMulNBits,
+    blocks of 32, GroupQueryAttention kept), the tapered norms replaced as in fp32; verify holds each folder to its
+    torch model within int4's bounds."""
+    import shutil
+
+    from taperfold.compare import QUANTIZED_TOLERANCES
+    from taperfold.verify import verify_export
+
+    out, model = builder_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    records = read_manifest(copy).build("genai", precisions=["int4"])
+    assert {(r.key, r.path) for r in records} == {
+        (f"{v}.decoder.int4.genai", f"genai/{v}-int4/genai_config.json") for v in ("folded", "baseline")
+    }
+    assert all(r.details["route"] == "builder" and r.reports["quantize"]["block_size"] == 32 for r in records)
+    folded = _op_types(copy / "genai" / "folded-int4" / "model.onnx")
+    assert "MatMulNBits" in folded and "GroupQueryAttention" in folded
+    norms = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+    assert sum(op in norms for op in folded) == 1  # the final norm only
+    report = verify_export(copy, threads=1)
+    pairs = {p.candidate: p for p in report.pairs if p.candidate.endswith(".int4.genai")}
+    assert set(pairs) == {"folded.decoder.int4.genai", "baseline.decoder.int4.genai"}
+    for pair in pairs.values():
+        assert pair.tolerance == QUANTIZED_TOLERANCES["int4"] and pair.status == "pass", pair.violations
+
+
 def test_builder_route_refuses_a_source_the_builder_does_not_read(genai_export, tmp_path):
     _, _, ckpt = genai_export
     result = run_cli("export", ckpt, "-o", tmp_path / "out", "--genai", "--genai-route", "builder")

@@ -185,10 +185,12 @@ class ArtifactKind:
 
     # ---- running ----
 
-    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
-        """{variant: file} of this kind's artifacts of `graph`, for an engine that runs them (one line naming
-        manifest.json's key when one is missing)."""
-        return {variant: manifest.artifact(variant, graph, self.name) for variant in variants}
+    def files(
+        self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
+        """{variant: file} of this kind's artifacts of `graph` in `precision` (default: the export's dtype), for an
+        engine that runs them (one line naming manifest.json's key when one is missing)."""
+        return {variant: manifest.artifact(variant, graph, self.name, precision) for variant in variants}
 
     def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int | None:
         """How many groups of sibling projections (q/k/v, gate/up) `record`'s artifact runs as one layer each, or None

@@ -94,10 +94,16 @@ class BuilderRoute:
             self.folded_weights[f"{path}.weight"] = torch.ones(tapered.cfg.d_model)  # the node goes: any value
 
     def build(
-        self, folders: dict[str, Path], precision: str, scratch_in: Path, on_stage: Callable[[str], None]
+        self,
+        folders: dict[str, Path],
+        precision: str,
+        scratch_in: Path,
+        on_stage: Callable[[str], None],
+        extra_options: list[str] | tuple[str, ...] = (),
     ) -> None:
-        """Write into `folders` (empty directories) the folder of each of their variants (VARIANTS); the builder's
-        inputs and outputs go to a scratch directory in `scratch_in`, removed afterwards."""
+        """Write into `folders` (empty directories) the folder of each of their variants (VARIANTS) in `precision`
+        (fp32, or int4 / int8 with the builder's `extra_options`: taperfold.quantize.Quantization.builder_options);
+        the builder's inputs and outputs go to a scratch directory in `scratch_in`, removed afterwards."""
         unknown = sorted(set(folders) - set(VARIANTS))
         if unknown:
             raise TaperfoldError(f"{self.origin}: the builder route builds {', '.join(VARIANTS)}, not {unknown[0]}")
@@ -107,10 +113,10 @@ class BuilderRoute:
                 wanted = [v for v in folders if (v == FOLDED) == (weights == "folded")]
                 if not wanted:
                     continue
-                on_stage(f"onnxruntime-genai builder: {weights} weights")
+                on_stage(f"onnxruntime-genai builder: {weights} weights, {precision}")
                 source_dir, built = work / f"{weights}-hf", work / f"{weights}-built"
                 self.source.write_plain_directory(source_dir, self.folded_weights if weights == "folded" else None)
-                _run_builder(source_dir, built, precision, work / "cache", self.origin)
+                _run_builder(source_dir, built, precision, work / "cache", self.origin, extra_options)
                 for variant in wanted:
                     shutil.copytree(built, folders[variant], dirs_exist_ok=True)
                     if variant != BASELINE:
@@ -119,9 +125,15 @@ class BuilderRoute:
                         )
 
 
-def _run_builder(source_dir: Path, out: Path, precision: str, cache: Path, origin: str) -> None:
+def builder_command(source_dir: Path, out: Path, precision: str, cache: Path, extra_options=()) -> list[str]:
+    """The builder's command line for the CPU (what `bench --against genai-builder` reports too)."""
     command = [sys.executable, "-m", BUILDER, "-i", str(source_dir), "-o", str(out), "-p", precision, "-e", "cpu",
                "-c", str(cache)]  # fmt: skip
+    return command + (["--extra_options", *extra_options] if extra_options else [])
+
+
+def _run_builder(source_dir: Path, out: Path, precision: str, cache: Path, origin: str, extra_options=()) -> None:
+    command = builder_command(source_dir, out, precision, cache, extra_options)
     run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if run.returncode != 0:
         lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]

@@ -5,6 +5,7 @@ decoder (`export --genai`: the folded model and the baseline; `read_manifest(dir
     genai/folded/model.decoder.onnx    the export's decoder, its logits given the sequence axis genai reads
     genai/folded/model.decoder.onnx.data   a copy of the export's weights file
     genai/folded/tokenizer.json ...    the source's tokenizer files, when it has them
+    genai/folded-int4/ ...             the same, weights quantized (`export --genai --quantize int4`)
 
 genai runs a custom decoder from its config (its names are genai's defaults, which the export already uses:
 input_ids, past_key_values.%d.key|value -> logits, present.%d.key|value); it feeds attention_mask and position_ids
@@ -26,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
+from taperfold.artifacts.onnx_graph import QUANTIZED_FROM
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
 from taperfold.fsutil import atomic_dir
+from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
 
 if TYPE_CHECKING:
     from taperfold.artifacts.genai_builder import BuilderRoute
@@ -62,59 +65,97 @@ class GenaiFolder(ArtifactKind):
         _check_export(export.dtype, export.logits, "--genai")
         if options.get("route", AUTO) not in ROUTES:
             raise TaperfoldError(f"--genai-route must be one of {', '.join(ROUTES)}, got {options['route']!r}")
+        for quantization in _quantizations(options, export.dtype):
+            if export.dtype != QUANTIZED_FROM:
+                raise TaperfoldError(
+                    f"--genai --quantize {quantization.precision}: quantized folders are made from an "
+                    f"{QUANTIZED_FROM} export, not {export.dtype}"
+                )
 
     def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """A folder per variant in `variants` (default: the folded model and the baseline, those exported), by
-        `route`: builder (onnxruntime-genai's builder, taperfold.artifacts.genai_builder), traced (the export's
-        growing decoder), or auto: the builder where the export's source and its norms allow it."""
+        """A folder per variant in `variants` (default: the folded model and the baseline, those exported) and per
+        precision in `precisions` (default: the export's dtype alone; int4 / int8: quantized with `block_size`,
+        taperfold.quantize), by `route`: builder (onnxruntime-genai's builder, taperfold.artifacts.genai_builder),
+        traced (the export's growing decoder, or its quantized form), or auto: the builder where the export's source
+        and its norms allow it."""
         on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
         _check_export(manifest.dtype, manifest.logits, str(manifest.path))
         variants = [canonical_variant(v) for v in options.get("variants") or DEFAULT_VARIANTS]
+        quantizations = _quantizations(options, manifest.dtype)
         builder = _builder_route(manifest, options.get("route", AUTO))
-        if builder is not None:  # built from the source itself, whichever graphs the export holds
-            return self._build_with_builder(manifest, builder, variants, on_stage)
-        decoders = [r for r in manifest.records(ONNX) if r.graph == GROWING and r.precision == manifest.dtype]
-        wanted = options.get("variants")
+        records = []
+        for precision in dict.fromkeys(options.get("precisions") or [manifest.dtype]):
+            quantization = next((q for q in quantizations if q.precision == precision), None)
+            if builder is not None:  # built from the source itself, whichever graphs the export holds
+                records += self._build_with_builder(manifest, builder, variants, quantization, on_stage)
+            else:
+                records += self._build_traced(manifest, options.get("variants"), quantization, on_stage)
+        return records
+
+    def _build_traced(
+        self,
+        manifest: Export,
+        wanted: list[str] | None,
+        quantization: Quantization | None,
+        on_stage: Callable[[str], None],
+    ) -> list[ArtifactRecord]:
+        precision = quantization.precision if quantization else manifest.dtype
+        variants = [canonical_variant(v) for v in wanted] if wanted is not None else list(DEFAULT_VARIANTS)
+        growing = [r for r in manifest.records(ONNX) if r.graph == GROWING and r.precision == manifest.dtype]
         if wanted is not None:
-            wanted = [canonical_variant(v) for v in wanted]
-            missing = [v for v in wanted if v not in {r.variant for r in decoders}]
+            missing = [v for v in variants if v not in {r.variant for r in growing}]
             if missing:
                 raise TaperfoldError(
                     f"{manifest.path}: no growing-cache decoder of {', '.join(missing)} for an onnxruntime-genai "
                     "folder (re-export with --kv-cache growing)"
                 )
-            decoders = [r for r in decoders if r.variant in wanted]
-        else:
-            decoders = [r for r in decoders if r.variant in DEFAULT_VARIANTS]
-        if not decoders:
+        sources = [r.variant for r in growing if r.variant in variants]
+        if not sources:
             raise TaperfoldError(
                 f"{manifest.path}: no growing-cache decoder to build an onnxruntime-genai folder from "
                 "(re-export with --kv-cache growing, or --genai)"
             )
+        if quantization is not None:  # the quantized decoders, made first where the export has none yet
+            unmade = [v for v in sources if manifest.find(v, GROWING, ONNX, precision) is None]
+            if unmade:
+                manifest.build(
+                    ONNX, precisions=[precision], block_size=quantization.block_size, variants=unmade,
+                    on_stage=on_stage, graphs=[GROWING],
+                )  # fmt: skip
         records = []
-        for decoder in decoders:
-            on_stage(f"writing the onnxruntime-genai folder of {decoder.variant}")
+        for variant in sources:
+            decoder = manifest.find(variant, GROWING, ONNX, precision)
+            assert decoder is not None  # made above
+            on_stage(f"writing the onnxruntime-genai folder of {decoder.key}")
             records.append(self._write_folder(manifest, decoder))
         return records
 
     def _build_with_builder(
-        self, manifest: Export, builder: BuilderRoute, variants: list[str], on_stage: Callable[[str], None]
+        self,
+        manifest: Export,
+        builder: BuilderRoute,
+        variants: list[str],
+        quantization: Quantization | None,
+        on_stage: Callable[[str], None],
     ) -> list[ArtifactRecord]:
+        precision = quantization.precision if quantization else manifest.dtype
+        extra = quantization.builder_options() if quantization else []
+        names = {v: folder_name(v, precision, manifest.dtype) for v in variants}
         with contextlib.ExitStack() as stack:  # every folder, or none
-            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / v)) for v in variants}
-            builder.build(folders, manifest.dtype, manifest.directory / FOLDER, on_stage)
+            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / names[v])) for v in variants}
+            builder.build(folders, precision, manifest.directory / FOLDER, on_stage, extra)
         records = []
         for variant in variants:
-            folder = manifest.directory / FOLDER / variant
+            folder = manifest.directory / FOLDER / names[variant]
             config = json.loads((folder / CONFIG).read_text())
             records.append(
                 ArtifactRecord(
-                    key=self.key(variant, GROWING),
+                    key=self.key(variant, GROWING, None if precision == manifest.dtype else precision),
                     kind=self.name,
-                    path=f"{FOLDER}/{variant}/{CONFIG}",
+                    path=f"{FOLDER}/{names[variant]}/{CONFIG}",
                     variant=variant,
                     graph=GROWING,
-                    precision=manifest.dtype,
+                    precision=precision,
                     bytes=(folder / CONFIG).stat().st_size,
                     details={
                         "decoder": config["model"]["decoder"]["filename"],
@@ -124,12 +165,16 @@ class GenaiFolder(ArtifactKind):
                         ),
                         "route": BUILDER,
                     },
+                    reports={"quantize": {**quantization.to_json(), "tool": "onnxruntime-genai builder"}}
+                    if quantization
+                    else {},
                 )
             )
         return records
 
     def _write_folder(self, manifest: Export, decoder: ArtifactRecord) -> ArtifactRecord:
-        folder = f"{FOLDER}/{decoder.variant}"
+        assert decoder.variant is not None  # a decoder is a variant's
+        folder = f"{FOLDER}/{folder_name(decoder.variant, decoder.precision, manifest.dtype)}"
         tokenizer = _tokenizer_files(manifest)
         with atomic_dir(manifest.directory / folder) as tmp:
             _write_decoder(manifest.file(decoder), tmp / decoder.path)
@@ -141,7 +186,7 @@ class GenaiFolder(ArtifactKind):
             (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         config_path = manifest.directory / folder / CONFIG
         return ArtifactRecord(
-            key=self.key(decoder.variant, GROWING),
+            key=self.key(decoder.variant, GROWING, None if decoder.precision == manifest.dtype else decoder.precision),
             kind=self.name,
             path=f"{folder}/{CONFIG}",
             variant=decoder.variant,
@@ -150,20 +195,31 @@ class GenaiFolder(ArtifactKind):
             bytes=config_path.stat().st_size,
             built_from=decoder.key,
             details={"decoder": decoder.path, "tokenizer": [p.name for p in tokenizer], "route": TRACED},
+            reports={"quantize": decoder.reports["quantize"]} if "quantize" in decoder.reports else {},
         )
 
-    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
-        """The folders' configs of `variants`, each built from its growing decoder where the export has none yet."""
+    def files(
+        self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
+        """The folders' configs of `variants` in `precision` (default: the export's dtype), each built from its
+        growing decoder where the export has none yet."""
         if graph != GROWING:
             raise TaperfoldError(
                 f"an onnxruntime-genai folder holds a growing-cache decoder, not a {graph} graph (--kv-cache growing)"
             )
-        missing = [v for v in variants if manifest.find(v, GROWING, GENAI) is None]
+        precision = precision or manifest.dtype
+        missing = [v for v in variants if manifest.find(v, GROWING, GENAI, precision) is None]
         if missing:  # built on demand, as TensorRT engines are (bench --engine genai times the unfolded model too), the
             # way the export's folders were: one graph form for every variant timed
             routes = {r.details.get("route", TRACED) for r in manifest.records(GENAI)}
-            manifest.build(GENAI, variants=missing, route=routes.pop() if len(routes) == 1 else AUTO)
-        return super().files(manifest, variants, graph)
+            manifest.build(
+                GENAI,
+                variants=missing,
+                route=routes.pop() if len(routes) == 1 else AUTO,
+                precisions=[precision],
+                block_size=_recorded_block_size(manifest, precision),
+            )
+        return super().files(manifest, variants, graph, precision)
 
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The config and the decoder are in the folder (genai names a missing weights file itself)."""
@@ -172,6 +228,28 @@ class GenaiFolder(ArtifactKind):
         if not (manifest.directory / decoder).is_file():
             problems.append(f"{decoder}: missing")
         return problems
+
+
+def folder_name(variant: str, precision: str, dtype: str) -> str:
+    """genai/folded for the export's dtype, genai/folded-int4 for a quantized form."""
+    return variant if precision == dtype else f"{variant}-{precision}"
+
+
+def _quantizations(options: dict[str, Any], dtype: str) -> list[Quantization]:
+    """The quantized precisions a build request names (`precisions`; the export's dtype among them is no
+    quantization), with its `block_size`."""
+    block = options.get("block_size") or DEFAULT_BLOCK_SIZE
+    return [Quantization(p, block) for p in options.get("precisions") or () if p != dtype]
+
+
+def _recorded_block_size(manifest: Export, precision: str) -> int:
+    """The block size the export's `precision` artifacts were quantized with (a folder built on demand matches
+    them), else the default."""
+    for record in manifest.records():
+        report = record.reports.get("quantize") if record.precision == precision else None
+        if isinstance(report, dict) and report.get("block_size") in BLOCK_SIZES:
+            return report["block_size"]
+    return DEFAULT_BLOCK_SIZE
 
 
 def _builder_route(manifest: Export, route: str) -> BuilderRoute | None:

@@ -1,15 +1,33 @@
 """The ONNX graphs of an export: one per variant and graph (prefill, growing and static decoders), written by
-`taperfold export` (taperfold.export) and run by ONNX Runtime; TensorRT engines are built from them."""
+`taperfold export` (taperfold.export) and run by ONNX Runtime; TensorRT engines are built from them.
+
+Their weight-quantized forms (int4, int8: taperfold.quantize) are graphs of this kind too, built from the export's
+own (`export --quantize`, or `read_manifest(dir).build("onnx", precisions=["int4"])`): `model.int4.onnx`, keyed
+`folded.int4`, `built_from` the graph they quantize. Engines run them as they run the others, by precision."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from taperfold.artifacts import ONNX, register_kind
-from taperfold.artifacts.base import LOGITS, TORCH, ArtifactKind, ArtifactRecord, Export, Field, describe_file
+from taperfold.artifacts.base import (
+    LOGITS,
+    TORCH,
+    ArtifactKind,
+    ArtifactRecord,
+    Export,
+    ExportRequest,
+    Field,
+    describe_file,
+)
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import Graph, graph_key, onnx_file
+from taperfold.exportdir import VARIANTS, Graph, canonical_variant, graph_key, onnx_file
+from taperfold.quantize import DEFAULT_BLOCK_SIZE, Quantization
+
+QUANTIZED_FROM = "fp32"  # the dtype quantized graphs are made from (MatMulNBits takes fp32 activations on the CPU)
 
 
 class OnnxGraph(ArtifactKind):
@@ -51,6 +69,56 @@ class OnnxGraph(ArtifactKind):
             details=details,
         )
 
+    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+        for precision in options.get("precisions") or ():
+            Quantization(precision, options.get("block_size") or DEFAULT_BLOCK_SIZE)
+        _check_quantizable(export.dtype, "--quantize")
+
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
+        """The graphs of `variants` (default: baseline, unfolded, folded) and `graphs` (default: every one each has)
+        weight-quantized to each of `precisions` with `block_size` (taperfold.quantize), each file written
+        atomically."""
+        from taperfold.quantize import quantize_graph
+
+        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+        _check_quantizable(manifest.dtype, str(manifest.path))
+        quantizations = [
+            Quantization(p, options.get("block_size") or DEFAULT_BLOCK_SIZE) for p in options["precisions"]
+        ]
+        variants = [canonical_variant(v) for v in options.get("variants") or VARIANTS]
+        graphs = options.get("graphs")
+        sources = [
+            r
+            for r in manifest.records(self.name)
+            if r.precision == manifest.dtype and r.variant in variants and (graphs is None or r.graph in graphs)
+        ]
+        if not sources:
+            raise TaperfoldError(f"{manifest.path}: no {manifest.dtype} graph of {', '.join(variants)} to quantize")
+        records = []
+        for quantization in quantizations:
+            for source in sources:
+                on_stage(f"quantizing {source.key} to {quantization.precision}")
+                name = source.path.removesuffix(".onnx") + f".{quantization.precision}.onnx"
+                report = quantize_graph(manifest.file(source), manifest.directory / name, quantization)
+                size, data, data_size = describe_file(manifest.directory, name)
+                records.append(
+                    ArtifactRecord(
+                        key=self.key(source.variant, source.graph, quantization.precision),
+                        kind=self.name,
+                        path=name,
+                        variant=source.variant,
+                        graph=source.graph,
+                        precision=quantization.precision,
+                        bytes=size,
+                        external_data=data,
+                        external_data_bytes=data_size,
+                        built_from=source.key,
+                        details=dict(source.details),  # the same graph, its MatMuls quantized
+                        reports={"quantize": report},
+                    )
+                )
+        return records
+
     def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int:
         """The groups export fused (`projections.summary.groups`; 0 where it fused none)."""
         projections = record.details.get("projections")
@@ -64,6 +132,14 @@ class OnnxGraph(ArtifactKind):
                 f"got {groups!r}"
             )
         return groups
+
+
+def _check_quantizable(dtype: str, origin: str) -> None:
+    if dtype != QUANTIZED_FROM:
+        raise TaperfoldError(
+            f"{origin}: quantized graphs are made from an {QUANTIZED_FROM} export (MatMulNBits takes {QUANTIZED_FROM} "
+            f"activations on the CPU), not {dtype}"
+        )
 
 
 ONNX_GRAPH = OnnxGraph()

@@ -261,8 +261,15 @@ class TensorrtPlan(ArtifactKind):
             if options.get(what) is not None:
                 _triple(options[what], what)
 
-    def files(self, manifest: Export, variants: list[str], graph: Graph) -> dict[str, Path]:
+    def files(
+        self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
         """The engines of `variants`, built from their ONNX graphs when missing or stale."""
+        if precision not in (None, manifest.dtype):
+            raise TaperfoldError(
+                f"TensorRT engines are built from the {manifest.dtype} graphs (the ONNX dtype decides their "
+                f"precision), not {precision} ones"
+            )
         if graph != PREFILL:
             raise TaperfoldError(f"TensorRT engines are built for prefill graphs only, not {graph} decoders")
         for variant in variants:

@@ -72,6 +72,7 @@ class BenchOptions:
     engine_options: dict = field(default_factory=dict)  # runner keyword options the user set (engines.Option)
     seed: int = 0
     fuse_projections: str = AUTO  # torch: sibling projections as one layer: FUSED | UNFUSED | AUTO
+    precision: str | None = None  # the exported artifacts' precision (int4, int8: export --quantize); None: the dtype
 
     @property
     def schedule(self) -> Schedule:
@@ -93,6 +94,7 @@ def fit_to_context(
     `decode_cache` if they do not fit)."""
     chosen = engine(opts.engine)
     _check_mode(chosen, opts)
+    _check_precision(chosen, source, opts)
     context, notes = source.config.max_seq_len, []
     static = _static_cache_length(chosen, source, opts) if opts.mode == "decode" else None
     if opts.mode == "prefill" and not seqs_given:
@@ -120,6 +122,14 @@ def fit_to_context(
 def _check_mode(chosen: Engine, opts: BenchOptions) -> None:
     if opts.mode != "decode" and not chosen.prefills:
         raise TaperfoldError(f"--engine {chosen.name}: {chosen.title} runs whole generations only; use --mode decode")
+
+
+def _check_precision(chosen: Engine, source: Source, opts: BenchOptions) -> None:
+    if opts.precision is not None and (chosen.runs_models or source.manifest is None):
+        raise TaperfoldError(
+            f"--precision {opts.precision} times an export's quantized graphs (export --quantize): give an export "
+            "directory and an engine that runs them (--engine ort or genai)"
+        )
 
 
 def _kept_token(chosen: Engine, opts: BenchOptions) -> int:
@@ -215,6 +225,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     if opts.kv_cache != AUTO and opts.mode != "decode":
         raise TaperfoldError("--kv-cache chooses the decoders' cache: it needs --mode decode")
     _check_mode(chosen, opts)
+    _check_precision(chosen, source, opts)
     cache, cache_len = decode_cache(chosen, source, opts) if opts.mode == "decode" else (None, None)
     graph = cache or PREFILL
     if not chosen.runs_models and source.manifest:
@@ -233,6 +244,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         options=opts.engine_options,
         shapes=shape_count(opts, cache),
         fuse_projections=fused,
+        precision=opts.precision,
     )
     known = {name: n for name, n in groups.items() if n is not None}
     reported: bool | None = fused
@@ -298,11 +310,13 @@ def make_runners(
     options: dict,
     shapes: int | None = None,
     fuse_projections: bool = False,
+    precision: str | None = None,
 ) -> tuple[dict[str, Runner], dict[str, int | None]]:
     """One runner per variant (not loaded yet) of `graph` (prefill, or a decoder). With
     `cuda_graph`, two per variant: the plain one and one that replays CUDA graphs (keyed
     `runner_label(variant, "cuda-graph")`), measured side by side. Also each variant's fused projection groups:
-    counted in the torch models (built with `fuse_projections`), read from the manifest for exported graphs."""
+    counted in the torch models (built with `fuse_projections`), read from the manifest for exported graphs (those of
+    `precision`, default the export's dtype)."""
     check_options(engine, options, device)
     engine.require(device)
     if graph != PREFILL and not engine.decodes:
@@ -320,8 +334,8 @@ def make_runners(
                 f"{source.manifest.path}: the graphs were exported in {source.manifest.dtype} "
                 f"(key 'export.dtype'); re-export with --dtype {dtype} to benchmark {dtype}"
             )
-        targets = engine.files(source.manifest, variants, graph)
-        groups = {name: engine.projection_groups(source.manifest, name, graph) for name in targets}
+        targets = engine.files(source.manifest, variants, graph, precision)
+        groups = {name: engine.projection_groups(source.manifest, name, graph, precision) for name in targets}
     else:
         models = build_variants(source.model_source(), variants, torch_dtype(dtype), fuse_projections=fuse_projections)
         groups = {name: fused_group_count(model) for name, model in models.items()}

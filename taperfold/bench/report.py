@@ -218,6 +218,7 @@ class BenchSettings:
     warmup_slices: list[int]  # the warm-up calls of each round
     iter_slices: list[int]  # the timed calls of each round
     cv_warn_pct: float  # a timing whose CV is above this is warned about
+    precision: str | None = None  # --precision: the quantized artifacts timed (None: the export's dtype)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -245,6 +246,7 @@ class BenchSettings:
             warmup_slices=s.counts("warmup_slices"),
             iter_slices=s.counts("iter_slices"),
             cv_warn_pct=s.number("cv_warn_pct"),
+            precision=s.optional_text("precision"),
         )
 
 

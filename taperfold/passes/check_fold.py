@@ -266,6 +266,6 @@ def check_fold(
         else:
             dtype = _DTYPE_NAMES.get(ir.DataType.from_numpy(ref.dtype), "fp32")
             tolerance = default_tolerance(dtype, "fold")
-            metrics = compare_logits(ref, got, tolerance.rtol)
+            metrics = compare_logits(ref, got, tolerance.tie_margin)
             checks.append(OutputCheck(name, metrics, tolerance, violations(metrics, tolerance)))
     return FoldCheck({k: list(v.shape) for k, v in feeds.items()}, checks)

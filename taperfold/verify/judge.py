@@ -83,7 +83,7 @@ class Judge:
 def _compare_one(
     pair: PairResult, label: str, reference: np.ndarray, candidate: np.ndarray, collected: list[Metrics]
 ) -> None:
-    rtol = pair.tolerance.rtol if pair.tolerance else 0.0
+    rtol = pair.tolerance.tie_margin if pair.tolerance else 0.0
     try:
         metrics = compare_logits(reference, candidate, rtol)
     except ValueError as e:  # shapes differ: the export is broken for this input

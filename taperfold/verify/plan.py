@@ -28,7 +28,7 @@ import numpy as np
 
 from taperfold.artifacts import artifact_kind, is_registered
 from taperfold.artifacts.base import CHECKED, ArtifactRecord
-from taperfold.compare import Tolerance, default_tolerance
+from taperfold.compare import QUANTIZED_TOLERANCES, Tolerance, default_tolerance
 from taperfold.engines import ENGINES, engines_running
 from taperfold.exportdir import (
     BASELINE,
@@ -82,8 +82,9 @@ class PlanContext:
         """An export of a plain (untapered) checkpoint: baseline graphs and nothing tapered or folded."""
         return not any(self.manifest.has_artifact(v) for v in (UNFOLDED, FOLDED))
 
-    def tolerance(self, kind: str) -> Tolerance:
-        return default_tolerance(self.manifest.dtype, kind).override(**self.tolerances)
+    def tolerance(self, kind: str, precision: str | None = None) -> Tolerance:
+        """The bound of a pair of `kind` whose candidate is in `precision` (default: the export's dtype)."""
+        return default_tolerance(precision or self.manifest.dtype, kind).override(**self.tolerances)
 
     def reference_of(self, variant: str | None) -> str:
         """The torch model a variant's artifacts are held to."""
@@ -152,7 +153,8 @@ def make_plan(ctx: PlanContext) -> Plan:
             continue
         graph = record.graph or PREFILL
         reference = ctx.reference_of(record.variant)
-        tolerance = ctx.tolerance(EXPORT) if record.precision in DTYPES else None
+        judged = record.precision in DTYPES or record.precision in QUANTIZED_TOLERANCES
+        tolerance = ctx.tolerance(EXPORT, record.precision) if judged else None
         result = PairResult(reference, record.key, EXPORT, tolerance)
         cases = prefill_cases if graph == PREFILL else _decode_cases(ctx, record)
         why_not = _why_not(ctx, kind.name, graph, cases)

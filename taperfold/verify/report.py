@@ -116,6 +116,8 @@ class VerifyReport:
         def excess(p: PairResult) -> float:
             if p.metrics is None or p.tolerance is None or not math.isfinite(p.metrics.max_rel):
                 return math.inf
+            if p.tolerance.rtol is None:  # a quantized pair: how far past its KL bound
+                return p.metrics.kl / p.tolerance.max_kl if p.tolerance.max_kl > 0 else math.inf
             return p.metrics.max_rel / p.tolerance.rtol if p.tolerance.rtol > 0 else math.inf
 
         worst = max(failed, key=excess)

@@ -1,0 +1,192 @@
+"""Weight quantization after the fold (`export --quantize`): int4 and int8 MatMulNBits graphs of every variant and
+graph, made by ONNX Runtime's quantizer with onnxruntime-genai's builder's settings; verify holds each to the fp32
+checkpoint by top-1 agreement and KL with bounds per precision; bench times them (--precision); --genai writes
+quantized folders. Refusals come before the export's work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import one_line, run_cli
+from taperfold.compare import QUANTIZED_TOLERANCES, Metrics, default_tolerance, tolerance_help, violations
+from taperfold.errors import TaperfoldError
+from taperfold.exportdir import GROWING, PREFILL
+from taperfold.manifest import read_manifest
+from taperfold.quantize import Quantization, parse_precisions
+
+pytestmark = pytest.mark.slow
+
+PRECISIONS = {"int4": 4, "int8": 8}
+
+
+@pytest.fixture(scope="module")
+def quantized_export(tmp_path_factory, tiny_checkpoint):
+    """tiny_checkpoint exported as a user does it: `--genai --quantize int4,int8` (the growing decoders come with
+    --genai). Read-only: copy it before changing a file."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
+    out = tmp_path_factory.mktemp("quantized") / "out"
+    result = run_cli("export", tiny_checkpoint, "-o", out, "--genai", "--quantize", "int4,int8")
+    assert result.exit_code == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_verify(quantized_export):
+    from taperfold.verify import verify_export
+
+    return verify_export(quantized_export, threads=1)
+
+
+def _nodes(path) -> list:
+    return list(onnx.load(str(path), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_export_quantizes_every_graph_of_baseline_unfolded_and_folded(quantized_export, precision):
+    manifest = read_manifest(quantized_export)
+    for variant in ("baseline", "unfolded", "folded"):
+        for graph in (PREFILL, GROWING):
+            source = manifest.find(variant, graph)
+            record = manifest.find(variant, graph, precision=precision)
+            assert record is not None and record.built_from == source.key and record.kind == "onnx"
+            report = record.reports["quantize"]
+            nodes = _nodes(manifest.file(record))
+            quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
+            attrs = [{a.name: a.i for a in n.attribute} for n in quantized]
+            assert len(quantized) == report["matmuls_quantized"] > 0
+            assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attrs} == {(PRECISIONS[precision], 32, 4)}
+            # every MatMul of the fp32 graph with a constant weight became one; the head reads the tied embedding
+            # through a Transpose, so it stays float
+            source_proto = onnx.load(str(manifest.file(source)), load_external_data=False)
+            weights = {t.name for t in source_proto.graph.initializer}
+            constant = [n for n in source_proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+            assert len(constant) == len(quantized)
+            assert report["matmuls_kept"] == sum(n.op_type == "MatMul" for n in nodes)
+            # int4 packs two weights a byte; both are far smaller than the float32 weights they replace
+            assert record.external_data_bytes < source.external_data_bytes * (0.5 if precision == "int4" else 0.6)
+
+
+def test_verify_judges_every_quantized_artifact_against_the_checkpoint(quantized_verify):
+    report = quantized_verify
+    quantized = [p for p in report.pairs if any(f".{precision}" in p.candidate for precision in PRECISIONS)]
+    # 3 variants x 2 graphs x 2 precisions of ONNX graphs, and the genai folders of folded and baseline
+    assert len(quantized) == 3 * 2 * 2 + 2 * 2
+    for pair in quantized:
+        precision = "int4" if "int4" in pair.candidate else "int8"
+        assert pair.tolerance == QUANTIZED_TOLERANCES[precision] and pair.tolerance.rtol is None
+        assert pair.status == "pass", (pair.candidate, pair.violations)
+        assert pair.metrics is not None and pair.metrics.kl > 0  # quantization did move the logits
+    assert report.passed
+
+
+def test_fewer_bits_cost_more_and_the_fold_costs_nothing_measurable(quantized_verify):
+    """int8 sits closer to the checkpoint than int4 for every variant; quantizing the folded weights (c·γ̃ in their
+    rows) stays within a factor of 2 in KL of quantizing the unfolded ones, on this model."""
+    kl = {p.candidate: p.metrics.kl for p in quantized_verify.pairs if p.metrics is not None}
+    for variant in ("baseline", "unfolded", "folded"):
+        for graph in ("", ".decoder"):
+            assert kl[f"{variant}{graph}.int8"] < kl[f"{variant}{graph}.int4"]
+    for graph in ("", ".decoder"):
+        ratio = kl[f"folded{graph}.int4"] / kl[f"unfolded{graph}.int4"]
+        assert 0.5 < ratio < 2, ratio
+
+
+def test_verify_fails_a_quantized_graph_whose_scales_are_off(quantized_export, tmp_path):
+    """The folded int4 graph with every block's scale 40 % too large: the bounds catch it."""
+    from taperfold.verify import verify_export
+
+    copy = tmp_path / "out"
+    shutil.copytree(quantized_export, copy)
+    path = copy / "model.int4.onnx"
+    model = onnx.load(str(path))
+    for tensor in model.graph.initializer:
+        if tensor.name.endswith("_scales"):
+            tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * 1.4, tensor.name))
+    onnx.save(model, str(path), save_as_external_data=True, location="model.int4.onnx.data")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = manifest["artifacts"]["folded.int4"]
+    entry["bytes"], entry["external_data_bytes"] = path.stat().st_size, (copy / "model.int4.onnx.data").stat().st_size
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_export(copy, threads=1)
+    pair = next(p for p in report.pairs if p.candidate == "folded.int4")
+    assert pair.status == "fail" and pair.violations and not report.passed
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_genai_quantized_folders_generate_from_the_quantized_decoders(quantized_export, precision):
+    import onnxruntime_genai as og
+
+    manifest = read_manifest(quantized_export)
+    for variant in ("folded", "baseline"):
+        record = manifest.find(variant, GROWING, "genai", precision)
+        assert record is not None and record.path == f"genai/{variant}-{precision}/genai_config.json"
+        assert record.built_from == manifest.find(variant, GROWING, precision=precision).key
+        folder = manifest.file(record).parent
+        assert "MatMulNBits" in {n.op_type for n in _nodes(folder / record.details["decoder"])}
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, batch_size=1, max_length=12)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.arange(1, 9, dtype=np.int32)[None])
+        while not generator.is_done():
+            generator.generate_next_token()
+        assert len(generator.get_sequence(0)) == 12
+
+
+def test_bench_times_the_quantized_graphs_with_precision(quantized_export, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(quantized_export, copy)
+    result = run_cli(
+        "bench", copy, "--mode", "decode", "--precision", "int4", "--batch", "1", "--prompt", "8", "--new-tokens",
+        "3", "--warmup", "1", "--iters", "2", "--rounds", "1", "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["settings"]["precision"] == "int4"
+    assert {row["variant"] for row in report["results"]} == {"baseline", "unfolded", "folded"}
+
+
+def test_bench_precision_refuses_the_torch_engine(quantized_export):
+    result = run_cli("bench", quantized_export, "--engine", "torch", "--precision", "int4", "--iters", "1")
+    one_line(result, "--precision int4", "--engine ort or genai")
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--quantize", "int3"], ["--quantize takes int4 or int8", "int3"]),
+        (["--quantize", "int4", "--block-size", "48"], ["--block-size must be one of", "48"]),
+        (["--block-size", "64"], ["--block-size", "add --quantize"]),
+        (["--quantize", "int4", "--dtype", "fp16"], ["fp32 export", "fp16"]),
+        (["--quantize", "int8", "--genai", "--dtype", "bf16"], ["bf16"]),
+    ],
+)
+def test_export_refuses_a_bad_quantize_request_before_any_work(tiny_checkpoint, tmp_path, args, needles):
+    result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "out", *args)
+    one_line(result, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantization_settings_are_the_builders():
+    q = Quantization("int4")
+    assert (q.bits, q.block_size, q.symmetric, q.accuracy_level) == (4, 32, True, 4)
+    assert q.builder_options() == ["block_size=32", "accuracy_level=4", "is_symmetric=true"]
+    assert parse_precisions("int8, int4,int8") == ("int8", "int4")
+    with pytest.raises(TaperfoldError, match="--quantize takes"):
+        parse_precisions(",")
+
+
+def test_a_quantized_pair_is_judged_by_top1_and_kl_not_by_max_rel():
+    tolerance = default_tolerance("int4", "export")
+    metrics = Metrics(rows=8, max_abs=3.0, max_rel=0.4, mean_abs=0.1, cosine=0.99, top1=0.95, decisive_rows=6,
+                      top1_decisive=1.0, top5=0.9, kl=0.01)  # fmt: skip
+    assert violations(metrics, tolerance) == []
+    assert violations(Metrics(**{**metrics.to_dict(), "kl": 0.5}), tolerance) == [f"kl 0.5 > {tolerance.max_kl:.3g}"]
+    worse = Metrics(**{**metrics.to_dict(), "top1_decisive": 0.5})
+    assert violations(worse, tolerance) == [f"top1 0.5 < {tolerance.min_top1:g}"]
+    assert all(p in tolerance_help() for p in PRECISIONS)
