@@ -484,6 +484,13 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
     help="Where ONNX Runtime runs (the PyTorch reference always runs in fp32 on the CPU).",
 )
 @click.option(
+    "--engine",
+    type=click.Choice([e.name for e in ENGINES.values() if e.runs == "onnx"]),
+    default="ort",
+    show_default=True,
+    help="What runs the ONNX graphs: ONNX Runtime or OpenVINO (other artifacts run on their own engine).",
+)
+@click.option(
     "--tokens",
     "tokens_file",
     type=click.Path(dir_okay=False),
@@ -505,7 +512,7 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 @click.option("--min-top1", type=FiniteFloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
 @click.option("--max-kl", type=FiniteFloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
+def verify(export_dir, device, engine, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
     from taperfold.manifest import read_manifest
     from taperfold.ui import print_verify, step_progress
@@ -530,6 +537,7 @@ def verify(export_dir, device, tokens_file, text_file, seed, threads, rtol, min_
             seed=seed,
             threads=threads,
             on_progress=on_step,
+            engine=engine,
         )
     result = report.to_json()
     write_json_atomic(report_path, result)
@@ -640,6 +648,12 @@ def _engine_options(command):
     help="Default: fp32 for torch, the export's dtype for engines that run exported graphs.",
 )
 @click.option(
+    "--against",
+    metavar="TOOL",
+    help="Also time the untapered model as another tool builds it, in the same rounds: genai-builder "
+    "(onnxruntime-genai's model builder, in the precision timed; --mode decode). Comma-separated for several.",
+)
+@click.option(
     "--precision",
     type=click.Choice(["int4", "int8"]),
     help="Time the export's weight-quantized graphs of this precision (export --quantize) instead of its dtype's.",
@@ -701,6 +715,7 @@ def bench(
     new_tokens,
     kv_cache,
     dtype,
+    against,
     precision,
     device,
     threads,
@@ -722,6 +737,7 @@ def bench(
       taperfold bench out/ --engine ort --mode decode --prompt 128 --new-tokens 32
       taperfold bench out/ --engine ort --mode decode --kv-cache growing
       taperfold bench out/ --engine ort --mode decode --precision int4
+      taperfold bench out/ --engine genai --mode decode --against genai-builder
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
@@ -791,6 +807,7 @@ def bench(
         seed=seed,
         fuse_projections=AUTO if fuse_projections is None else FUSED if fuse_projections else UNFUSED,
         precision=precision,
+        against=[name.strip() for name in (against or "").split(",") if name.strip()],
     )
     opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
     for note in notes:

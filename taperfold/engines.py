@@ -9,9 +9,9 @@ table. The runner module (taperfold.runners.NAME) does the rest, imported only w
     unavailable(device) -> why the engine cannot run here, or None
 
 An engine runs either MODELS, the PyTorch models taperfold builds itself (from a checkpoint or a preset), or the
-artifacts of one kind in an export directory (taperfold.artifacts: `onnx` graphs, `tensorrt-plan` engines, `genai`
-folders); the
-kind finds (and, for engines built on demand, builds) the files, so runners only load and run.
+artifacts of one kind in an export directory (taperfold.artifacts: `onnx` graphs, run by ONNX Runtime or OpenVINO;
+`tensorrt-plan` engines; `genai` folders); the kind finds (and, for engines built on demand, builds) the files, so
+runners only load and run.
 
 Adding an engine is its runner module plus one row here (docs/extending.md). `open_runners` loads the
 runners of a run up front and closes them all: bench (whose variants are timed in alternating rounds) and fold
@@ -258,6 +258,16 @@ ENGINES: dict[str, Engine] = {
             caches=(GROWING,),
             prefills=False,
             keeps_last_token=True,
+        ),
+        Engine(
+            "openvino",
+            "OpenVINO",
+            "onnx",
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=True,
+            options=(),
+            module="taperfold.runners.openvino",
         ),
     )
 }

@@ -401,6 +401,13 @@ def print_bench(report: BenchReport) -> None:
         out.print(f"decoders: {report.kv_cache} KV cache{length}", highlight=False)
     if s.precision:
         out.print(f"weights: {s.precision} (the export's weight-quantized graphs, MatMulNBits)", highlight=False)
+    for made in report.against:
+        out.print(
+            f"{made['name']}: the untapered model by {made['tool']} {made['version']}, {made['precision']} "
+            f"({made['command']}; built in {made['build_s']} s, {made['folder']})",
+            highlight=False,
+            soft_wrap=True,
+        )
     if report.cuda_graph:
         out.print(
             "rows marked (cuda graph) time replays of one captured CUDA graph per shape; the others run plainly",

@@ -346,6 +346,52 @@ def test_builder_route_quantizes_with_the_builders_own_int4(builder_export, tmp_
         assert pair.tolerance == QUANTIZED_TOLERANCES["int4"] and pair.status == "pass", pair.violations
 
 
+def test_bench_against_genai_builder_times_the_builders_own_untapered_model(builder_export, tmp_path):
+    """`--against genai-builder`: the builder on the source's plain model (its norms real), built once into
+    DIR/against/, timed in the same rounds; the report names tool, version, precision and command. On the builder
+    route it is the very graph of the baseline folder."""
+    import shutil
+
+    import onnxruntime_genai
+
+    out, _ = builder_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    args = (
+        "bench", copy, "--engine", "genai", "--mode", "decode", "--against", "genai-builder", "--variants",
+        "baseline,folded", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1", "--iters", "2",
+        "--rounds", "1", "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {row["variant"] for row in report["results"]} == {"baseline", "folded", "genai-builder"}
+    (made,) = report["against"]
+    assert made["version"] == onnxruntime_genai.__version__ and made["precision"] == "fp32"
+    assert made["tool"] == "onnxruntime-genai model builder" and "-p fp32 -e cpu" in made["command"]
+    folder = copy / "against" / "genai-builder-fp32"
+    assert made["folder"] == str(folder)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (folder / name).read_bytes() == (copy / "genai" / "baseline" / name).read_bytes()
+    stamp = (folder / "model.onnx").stat().st_mtime_ns
+    assert run_cli(*args).exit_code == 0 and (folder / "model.onnx").stat().st_mtime_ns == stamp  # built once
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--mode", "decode", "--against", "genai-builder"], ["reads a Hugging Face directory"]),
+        (["--against", "genai-builder"], ["--against genai-builder runs whole generations", "--mode decode"]),
+        (["--mode", "decode", "--against", "llama.cpp"], ["--against must be one of", "genai-builder"]),
+    ],
+)
+def test_bench_against_refusals_are_one_line(genai_export, tmp_path, args, needles):
+    out, _, _ = genai_export
+    result = run_cli("bench", out, "--engine", "ort", "--iters", "1", *args)
+    one_line(result, *needles)
+    assert not (out / "against").exists()
+
+
 def test_builder_route_refuses_a_source_the_builder_does_not_read(genai_export, tmp_path):
     _, _, ckpt = genai_export
     result = run_cli("export", ckpt, "-o", tmp_path / "out", "--genai", "--genai-route", "builder")

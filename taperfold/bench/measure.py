@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from taperfold.bench.against import check_contenders, contender, prepare_contender
 from taperfold.bench.harness import CellSamples, Job, Schedule, run_rounds
 from taperfold.bench.report import GENERATION, BenchReport, BenchRow, BenchSettings, Timing
 from taperfold.bench.source import Source
@@ -73,6 +74,7 @@ class BenchOptions:
     seed: int = 0
     fuse_projections: str = AUTO  # torch: sibling projections as one layer: FUSED | UNFUSED | AUTO
     precision: str | None = None  # the exported artifacts' precision (int4, int8: export --quantize); None: the dtype
+    against: list[str] = field(default_factory=list)  # contenders built by other tools (bench.against)
 
     @property
     def schedule(self) -> Schedule:
@@ -93,8 +95,7 @@ def fit_to_context(
     holds), with a note saying so; lengths the user gave are kept as given (and refused by `_check` or
     `decode_cache` if they do not fit)."""
     chosen = engine(opts.engine)
-    _check_mode(chosen, opts)
-    _check_precision(chosen, source, opts)
+    _check_request(chosen, source, opts)
     context, notes = source.config.max_seq_len, []
     static = _static_cache_length(chosen, source, opts) if opts.mode == "decode" else None
     if opts.mode == "prefill" and not seqs_given:
@@ -124,6 +125,14 @@ def _check_mode(chosen: Engine, opts: BenchOptions) -> None:
         raise TaperfoldError(f"--engine {chosen.name}: {chosen.title} runs whole generations only; use --mode decode")
 
 
+def _check_request(chosen: Engine, source: Source, opts: BenchOptions) -> None:
+    """What the engine, the source and the options cannot do together, in one line, before any note or work."""
+    _check_mode(chosen, opts)
+    _check_precision(chosen, source, opts)
+    dtype = source.manifest.dtype if source.manifest is not None else "fp32"
+    check_contenders(opts.against, source.manifest, opts.mode, opts.precision or dtype)
+
+
 def _check_precision(chosen: Engine, source: Source, opts: BenchOptions) -> None:
     if opts.precision is not None and (chosen.runs_models or source.manifest is None):
         raise TaperfoldError(
@@ -133,8 +142,10 @@ def _check_precision(chosen: Engine, source: Source, opts: BenchOptions) -> None
 
 
 def _kept_token(chosen: Engine, opts: BenchOptions) -> int:
-    """1 where a generation holds its last chosen token in the context too (Engine.keeps_last_token), else 0."""
-    return int(opts.mode == "decode" and chosen.keeps_last_token)
+    """1 where a generation holds its last chosen token in the context too (Engine.keeps_last_token, or a
+    contender's runtime), else 0."""
+    keeps = chosen.keeps_last_token or any(contender(name).keeps_last_token for name in opts.against)
+    return int(opts.mode == "decode" and keeps)
 
 
 def _check(opts: BenchOptions, cfg, dtype: str) -> None:
@@ -142,7 +153,7 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
     longest = opts.prompt + opts.new_tokens + kept if opts.mode == "decode" else max(opts.seqs)
     what = f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens}" if opts.mode == "decode" else f"--seq {longest}"
     if kept:
-        what += f" + the last chosen token ({engine(opts.engine).title} keeps it in the context)"
+        what += " + the last chosen token (onnxruntime-genai keeps it in the context)"
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
     if opts.mode == "decode" and not engine(opts.engine).runs_models and dtype == "bf16":
@@ -212,6 +223,7 @@ class LoadedBench:
     fused_projections: bool | None = False  # the variants run sibling projections (q/k/v, gate/up) as one; None:
     # the artifacts' kind cannot tell (onnxruntime-genai's builder packs q/k/v itself)
     projection_groups: dict[str, int] = field(default_factory=dict)  # per variant: the sibling groups fused
+    against: list[dict] = field(default_factory=list)  # the contenders timed beside the variants (bench.against)
 
 
 @contextlib.contextmanager
@@ -224,8 +236,7 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     _check(opts, source.config, dtype)
     if opts.kv_cache != AUTO and opts.mode != "decode":
         raise TaperfoldError("--kv-cache chooses the decoders' cache: it needs --mode decode")
-    _check_mode(chosen, opts)
-    _check_precision(chosen, source, opts)
+    _check_request(chosen, source, opts)
     cache, cache_len = decode_cache(chosen, source, opts) if opts.mode == "decode" else (None, None)
     graph = cache or PREFILL
     if not chosen.runs_models and source.manifest:
@@ -246,12 +257,22 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         fuse_projections=fused,
         precision=opts.precision,
     )
+    against = []
+    for name in opts.against:
+        if cache != GROWING:
+            raise TaperfoldError(f"--against {name} decodes with a growing cache: add --kv-cache growing")
+        assert source.manifest is not None  # check_contenders said so otherwise
+        made = prepare_contender(name, source.manifest, opts.precision or dtype)
+        runners[made.name] = contender(name).runner(made.folder, threads, f"{made.name} ({made.folder})")
+        against.append({"name": made.name, "folder": str(made.folder), **made.info})
     known = {name: n for name, n in groups.items() if n is not None}
     reported: bool | None = fused
     if len(known) < len(groups):  # the artifacts' kind cannot tell: the report says nothing of fusion
         reported, known = None, {}
     with open_runners(runners):
-        yield LoadedBench(source, opts, source.config, dtype, threads, runners, cache, cache_len, reported, known)
+        yield LoadedBench(
+            source, opts, source.config, dtype, threads, runners, cache, cache_len, reported, known, against
+        )
 
 
 def shape_count(opts: BenchOptions, cache: str | None = GROWING) -> int:
@@ -416,6 +437,7 @@ def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) ->
         cache_length=bench.cache_len,
         fused_projections=bench.fused_projections,
         projection_groups=bench.projection_groups,
+        against=bench.against,
         engine=opts.engine,
         device=opts.device,
         dtype=bench.dtype,

@@ -219,6 +219,7 @@ class BenchSettings:
     iter_slices: list[int]  # the timed calls of each round
     cv_warn_pct: float  # a timing whose CV is above this is warned about
     precision: str | None = None  # --precision: the quantized artifacts timed (None: the export's dtype)
+    against: list[str] = field(default_factory=list)  # --against: contenders built by other tools
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,6 +248,7 @@ class BenchSettings:
             iter_slices=s.counts("iter_slices"),
             cv_warn_pct=s.number("cv_warn_pct"),
             precision=s.optional_text("precision"),
+            against=s.texts("against", []),
         )
 
 
@@ -274,6 +276,9 @@ class BenchReport:
     compile_mode: str | None = None  # with compile
     cuda_graph: bool = False
     engine_options: dict[str, Any] = field(default_factory=dict)  # the runner options set on the command line
+    # contenders other tools built, timed beside the variants (bench --against): name, tool, version, precision,
+    # command, folder, build_s
+    against: list[dict[str, Any]] = field(default_factory=list)
 
     # ---- what the rows say together ----------------------------------------------------------------------------
 
@@ -352,6 +357,7 @@ class BenchReport:
             "environment": self.environment,
             "results": [r.to_json() for r in self.results],
             "warnings": self.warnings,
+            "against": self.against,
         }
 
     @classmethod
@@ -381,6 +387,7 @@ class BenchReport:
             compile_mode=top.optional_text("compile_mode"),
             cuda_graph=top.flag("cuda_graph", False),
             engine_options=top.mapping("engine_options", {}),
+            against=top.items("against", lambda v: isinstance(v, dict), "objects", []),
         )
 
     @classmethod

@@ -57,7 +57,7 @@ from taperfold.verify.plan import TORCH_BASELINE, PlanContext, make_plan
 from taperfold.verify.report import REPORT, PairResult, VerifyReport
 from taperfold.verify.run import run_models
 
-GRAPH_ENGINE = "ort"  # the engine of --device: ONNX Runtime, which runs the ONNX graphs
+GRAPH_ENGINE = "ort"  # the engine of the ONNX graphs unless told (--engine openvino), and of --device
 NOTHING_FOLDED = (
     "nothing folded to verify: {checkpoint} is a plain model (no tapered norms); checked its "
     "baseline graph against its own forward"
@@ -123,16 +123,22 @@ def verify_export(
     seed: int = 0,
     threads: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    engine: str = GRAPH_ENGINE,
 ) -> VerifyReport:
     """Compare every artifact in `export_dir` with the checkpoint it came from (see the module docstring).
 
     `inputs`: token batches (default: seeded random ones over several shapes); `tolerances`: overrides
     {"rtol", "min_top1", "max_kl"} applied to every judged pair; `threads`: CPU threads for the torch
-    reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run.
+    reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run; `engine`:
+    the engine that runs the ONNX graphs (ort, or openvino); other kinds run on theirs.
     """
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
-    ENGINES[GRAPH_ENGINE].require(device)
+    graph_engine = ENGINES.get(engine)
+    if graph_engine is None or graph_engine.runs != "onnx":
+        others = [e.name for e in ENGINES.values() if e.runs == "onnx"]
+        raise TaperfoldError(f"--engine {engine}: verify runs the ONNX graphs on {' or '.join(others)}")
+    graph_engine.require(device)
     ckpt = _load_reference_checkpoint(manifest)
     cfg, forced = ckpt.config, manifest.forced_gate0
     checkpoint_path, stored_gate = ckpt.path, ckpt.gate
@@ -163,6 +169,7 @@ def verify_export(
         seed=seed,
         reference=reference,
         at_gate=at_gate,
+        engine=engine,
     )
     plan = make_plan(ctx)
     judge = Judge(plan.pairs, given=set(overrides))
@@ -179,6 +186,7 @@ def verify_export(
         dtype=manifest.dtype,
         logits=manifest.logits,
         device=device,
+        engine=engine,
         forced_gate0=forced,
         note=NOTHING_FOLDED.format(checkpoint=checkpoint_path) if ctx.baseline_only else None,
         checkpoint={

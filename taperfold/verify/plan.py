@@ -29,7 +29,7 @@ import numpy as np
 from taperfold.artifacts import artifact_kind, is_registered
 from taperfold.artifacts.base import CHECKED, ArtifactRecord
 from taperfold.compare import QUANTIZED_TOLERANCES, Tolerance, default_tolerance
-from taperfold.engines import ENGINES, engines_running
+from taperfold.engines import ENGINES, Engine, engines_running
 from taperfold.exportdir import (
     BASELINE,
     DECOMPOSED_BASELINE,
@@ -76,6 +76,12 @@ class PlanContext:
     seed: int
     reference: str  # the checkpoint's torch model: "checkpoint", or "checkpoint@g=0" for a forced export
     at_gate: str | None  # the checkpoint at its stored gate (a forced export), or None
+    engine: str = "ort"  # the engine of the kind it runs (the ONNX graphs); other kinds run on their first engine
+
+    def engine_of(self, kind: str) -> Engine | None:
+        """The engine that runs artifacts of `kind` here, or None where none does."""
+        engines = engines_running(kind)
+        return next((e for e in engines if e.name == self.engine), engines[0] if engines else None)
 
     @property
     def baseline_only(self) -> bool:
@@ -162,7 +168,8 @@ def make_plan(ctx: PlanContext) -> Plan:
             result.status, result.reason = "skipped", why_not
             pairs.append(PlannedPair(result, [], graph=graph))
             continue
-        engine = engines_running(kind.name)[0]
+        engine = ctx.engine_of(kind.name)
+        assert engine is not None  # _why_not said so otherwise
         graph_run(record, engine.name, cases)
         torch_cases(reference, graph if graph == PREFILL else GROWING, cases)
         pairs.append(PlannedPair(result, [c.label for c in cases], graph=graph))
@@ -187,10 +194,9 @@ def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
 
 def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str | None:
     """Why an artifact of `kind` and `graph` cannot be run here, or None."""
-    engines = engines_running(kind)
-    if not engines:
+    engine = ctx.engine_of(kind)
+    if engine is None:
         return f"no engine runs {artifact_kind(kind).title}s"
-    engine = engines[0]
     device = ctx.device if ctx.device in engine.devices else engine.default_device
     why = engine.unavailable(device)
     if why:

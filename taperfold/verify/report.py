@@ -102,6 +102,7 @@ class VerifyReport:
     inputs: list[dict]
     pairs: list[PairResult]
     note: str | None = None  # e.g. verify.NOTHING_FOLDED
+    engine: str = "ort"  # what ran the ONNX graphs (other artifacts ran on their own engine)
 
     @property
     def passed(self) -> bool:
@@ -153,6 +154,7 @@ class VerifyReport:
                 "dtype": self.dtype,
                 "logits": self.logits,
                 "device": self.device,
+                "engine": self.engine,
                 "forced_gate0": self.forced_gate0,
                 "note": self.note,
                 "inputs": self.inputs,
@@ -178,6 +180,7 @@ class VerifyReport:
                 inputs=data["inputs"],
                 pairs=[PairResult.from_json(p) for p in data["pairs"]],
                 note=data.get("note"),
+                engine=data.get("engine", "ort"),
             )
         except (KeyError, TypeError) as e:
             raise TaperfoldError(f"{origin}: not a readable {FORMAT} report (key {e})") from None

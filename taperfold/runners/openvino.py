@@ -1,0 +1,97 @@
+"""OpenVINO reading the exported ONNX graphs (prefill, growing and static decoders) on the CPU: `--engine openvino`.
+
+OpenVINO's ONNX frontend reads the graphs as they are, standard ops and ONNX Runtime's MatMulNBits alike, and
+compiles them for the CPU with the latency hint and `threads` inference threads. The inference precision is pinned
+to f32: on a CPU with bf16 units OpenVINO would otherwise run an fp32 graph in bf16, which is another model than
+the one exported (and than the one ONNX Runtime runs). Outputs are copied out of the request (a KV cache's presents
+are fed back as the next step's pasts, and the request reuses its buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.runners.base import InputSpec, Runner
+
+INSTALL = "pip install 'taperfold[openvino]'"
+
+
+def openvino():
+    try:
+        import openvino as ov
+    except ImportError:
+        raise TaperfoldError(f"--engine openvino: openvino is not installed ({INSTALL})") from None
+    return ov
+
+
+class OpenVinoRunner(Runner):
+    name = "openvino"
+
+    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None):
+        if device != "cpu":
+            raise TaperfoldError(f"--engine openvino runs on the CPU here, not {device!r}")
+        super().__init__(str(path), device)
+        self.path = Path(path)
+        self.threads = threads
+        self._compiled: Any = None
+        self._request: Any = None
+
+    def _load(self) -> None:
+        ov = openvino()
+        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+        if self.threads:
+            config["INFERENCE_NUM_THREADS"] = str(self.threads)
+        try:
+            core = ov.Core()
+            self._compiled = core.compile_model(core.read_model(str(self.path)), "CPU", config)
+        except RuntimeError as e:
+            raise self.error(f"OpenVINO cannot compile it ({first_line(e)})") from None
+        self._request = self._compiled.create_infer_request()
+        inputs = self._compiled.inputs
+        self._inputs = [i.any_name for i in inputs]
+        self._outputs = [o.any_name for o in self._compiled.outputs]
+        self._specs = {
+            i.any_name: InputSpec(rank=i.partial_shape.rank.get_length(), floating=i.element_type.is_real())
+            for i in inputs
+        }
+
+    def _prepare(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        return {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+
+    def _launcher(self, prepared: dict[str, np.ndarray]) -> Callable[[], dict[str, Any]]:
+        request, outputs = self._request, self._compiled.outputs
+
+        def run() -> dict[str, Any]:
+            try:
+                results = request.infer(prepared, share_inputs=True, share_outputs=False)
+            except RuntimeError as e:
+                raise self.error(f"OpenVINO run failed ({first_line(e)})") from None
+            return {o.any_name: results[o] for o in outputs}
+
+        return run
+
+    def to_numpy(self, value: Any) -> np.ndarray:
+        return np.asarray(value)
+
+    def _close(self) -> None:
+        self._request = self._compiled = None
+
+
+# ---- the engine (taperfold.engines' "openvino" row) ----------------------------------------------------------
+
+
+def open_runner(path, *, device, threads, graph, logits, name, shapes=None) -> OpenVinoRunner:
+    return OpenVinoRunner(path, device=device, threads=threads)
+
+
+def unavailable(device: str) -> str | None:
+    try:
+        openvino()
+    except TaperfoldError as e:
+        return str(e)
+    return None if device == "cpu" else f"--engine openvino runs on the CPU here, not {device}"
