@@ -348,10 +348,14 @@ def check_options(opts: ExportOptions) -> None:
         kind.check_request(options, opts)
 
 
-def _with_needed_graphs(opts: ExportOptions) -> tuple[Graph, ...]:
-    """The decoders asked for, and those the artifacts asked for are built from (--genai: a growing cache), in
-    KV_CACHES order."""
-    needed = {graph for name in opts.artifacts for graph in artifact_kind(name).needs_graphs}
+def _with_needed_graphs(opts: ExportOptions, source: ModelSource, tapered: TaperedLM | None) -> tuple[Graph, ...]:
+    """The decoders asked for, and those the artifacts asked for are built from (--genai's traced route: a growing
+    cache; its builder route needs none), in KV_CACHES order."""
+    needed = {
+        graph
+        for name, options in opts.artifacts.items()
+        for graph in artifact_kind(name).needed_graphs(options, source, tapered, opts.dtype)
+    }
     return tuple(graph for graph in KV_CACHES if graph in needed or graph in opts.decoders)
 
 
@@ -378,7 +382,6 @@ def export_checkpoint(
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`, then build the
     artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing."""
     check_options(opts)
-    opts = replace(opts, decoders=_with_needed_graphs(opts))
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
     _check_gate(source, opts)
@@ -396,6 +399,7 @@ def export_checkpoint(
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
+    opts = replace(opts, decoders=_with_needed_graphs(opts, source, dict(sources).get(UNFOLDED)))
     _check_static_cache(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:

@@ -183,6 +183,12 @@ class ArtifactKind:
         """Refuse, in one line, options of a build request (export's `artifacts`), or an export, that `build` would
         refuse after the export's work; nothing by default."""
 
+    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
+        """The decoders a request with `options` needs the export to write for `source` (a taperfold.sources model
+        source) exported in `dtype`, `tapered` its tapered torch model at g = 0 (None for a plain source):
+        `needs_graphs` unless the kind knows better. One line here refuses the request before the export's work."""
+        return self.needs_graphs
+
     # ---- running ----
 
     def files(

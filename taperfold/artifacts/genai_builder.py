@@ -56,6 +56,32 @@ def node_prefix(norm_path: str) -> str | None:
     return f"/model/layers.{match[1]}/{match[2]}" if match else None
 
 
+def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
+    """{the builder's node prefix: c·γ̃} of each tapered norm of `tapered` (a tapered torch model at g = 0), or one
+    line (NotBuildable) saying why the builder's graph has no place for one."""
+    tapering = tapered.tapering
+    if tapering is None:
+        raise TaperfoldError(
+            f"{origin}: the builder route needs a tapered model (its baseline alone: --genai-route traced)"
+        )
+    if tapered.cfg.head_dim % 16:  # ONNX Runtime's GroupQueryAttention on the CPU
+        raise NotBuildable(
+            f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
+            "needs on the CPU; use --genai-route traced"
+        )
+    scales = {}
+    for path, norm in tapering.norms.items():
+        prefix = node_prefix(path)
+        constant = tapering.kind.constant_map(norm)
+        if prefix is None or constant.centered or constant.bias is not None:
+            raise NotBuildable(
+                f"{origin}: {path} is no pre-norm RMS norm the builder names (input_layernorm, "
+                "post_attention_layernorm); use --genai-route traced"
+            )
+        scales[prefix] = constant.scale.detach()
+    return scales
+
+
 class BuilderRoute:
     """The builder route for one export's source: the tapered model's constant maps, the folded weights, and the
     two builds (plain and folded weights) the three variants come from."""
@@ -66,26 +92,7 @@ class BuilderRoute:
         self.source, self.origin = source, origin
         tapered = source.build(gate=0.0)
         tapering = tapered.tapering
-        if tapering is None:
-            raise TaperfoldError(
-                f"{origin}: the builder route needs a tapered model (its baseline alone: --genai-route traced)"
-            )
-        if tapered.cfg.head_dim % 16:  # ONNX Runtime's GroupQueryAttention on the CPU
-            raise NotBuildable(
-                f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
-                "needs on the CPU; use --genai-route traced"
-            )
-        kind = tapering.kind
-        self.scales: dict[str, torch.Tensor] = {}  # node prefix -> c·γ̃ (float64)
-        for path, norm in tapering.norms.items():
-            prefix = node_prefix(path)
-            constant = kind.constant_map(norm)
-            if prefix is None or constant.centered or constant.bias is not None:
-                raise NotBuildable(
-                    f"{origin}: {path} is no pre-norm RMS norm the builder names (input_layernorm, "
-                    "post_attention_layernorm); use --genai-route traced"
-                )
-            self.scales[prefix] = constant.scale.detach()
+        self.scales = builder_scales(tapered, origin)
         folded = fold_in_torch(tapered)
         self.folded_weights: dict[str, torch.Tensor] = {}
         for path in tapering.norms:

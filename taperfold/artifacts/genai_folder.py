@@ -72,6 +72,23 @@ class GenaiFolder(ArtifactKind):
                     f"{QUANTIZED_FROM} export, not {export.dtype}"
                 )
 
+    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
+        """The traced route is built from the growing decoders; the builder route (chosen here as `build` will choose
+        it, refused here in one line where it cannot be) from the source itself, so it needs none."""
+        from taperfold.artifacts.genai_builder import NotBuildable, builder_scales
+
+        route = options.get("route", AUTO)
+        hf = source.manifest_block().get("source", {}).get("format") == "huggingface"
+        if not _takes_builder(route, hf, dtype, tapered is not None, source.path):
+            return (GROWING,)
+        try:
+            builder_scales(tapered, str(source.path))
+        except NotBuildable:
+            if route == BUILDER:
+                raise
+            return (GROWING,)
+        return ()
+
     def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
         """A folder per variant in `variants` (default: the folded model and the baseline, those exported) and per
         precision in `precisions` (default: the export's dtype alone; int4 / int8: quantized with `block_size`,
@@ -255,33 +272,45 @@ def _recorded_block_size(manifest: Export, precision: str) -> int:
 def _builder_route(manifest: Export, route: str) -> BuilderRoute | None:
     """The builder route for `manifest`'s source when `route` asks for it (or, auto, when the source is a Hugging
     Face directory of a tapered fp32 model whose norms the builder names), else None (traced)."""
-    if route not in ROUTES:
-        raise TaperfoldError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
-    if route == TRACED:
-        return None
-    from taperfold.artifacts.genai_builder import BuilderRoute, NotBuildable, builder_missing
+    from taperfold.artifacts.genai_builder import BuilderRoute, NotBuildable
     from taperfold.sources import open_source
 
-    if route == AUTO and (
-        (manifest.get("source") or {}).get("format") != "huggingface"
-        or manifest.dtype != "fp32"
-        or manifest.find(FOLDED) is None
-        or builder_missing()
-    ):
+    hf = (manifest.get("source") or {}).get("format") == "huggingface"
+    if not _takes_builder(route, hf, manifest.dtype, manifest.find(FOLDED) is not None, manifest.checkpoint):
         return None
-    if manifest.dtype != "fp32":
-        raise TaperfoldError(f"{manifest.path}: the builder route builds fp32 exports, not {manifest.dtype}")
-    if (manifest.get("source") or {}).get("format") != "huggingface":
-        raise TaperfoldError(
-            f"{manifest.checkpoint}: onnxruntime-genai's builder reads a Hugging Face directory, and this source is "
-            "none; --genai-route traced exports the decoder taperfold traces"
-        )
     try:
         return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path))
     except NotBuildable:
         if route == AUTO:
             return None
         raise
+
+
+def _takes_builder(route: str, hf: bool, dtype: str, tapered: bool, checkpoint: Path) -> bool:
+    """Whether `route` makes the folders of an export (of a Hugging Face source or not, in `dtype`, of a tapered
+    model or a plain one) with the builder, as far as the export says without reading the model: never for traced,
+    always for builder (one line when it cannot), for auto where nothing stands against it."""
+    from taperfold.artifacts.genai_builder import builder_missing
+
+    if route not in ROUTES:
+        raise TaperfoldError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    if route == TRACED:
+        return False
+    refusal = None
+    if builder_missing():
+        refusal = "--genai-route builder: onnxruntime-genai's builder is not installed (pip install 'taperfold[genai]')"
+    elif dtype != "fp32":
+        refusal = f"{checkpoint}: the builder route builds fp32 exports, not {dtype}"
+    elif not hf:
+        refusal = (
+            f"{checkpoint}: onnxruntime-genai's builder reads a Hugging Face directory, and this source is none; "
+            "--genai-route traced exports the decoder taperfold traces"
+        )
+    elif not tapered:
+        refusal = f"{checkpoint}: the builder route needs a tapered model (its baseline alone: --genai-route traced)"
+    if refusal is not None and route == BUILDER:
+        raise TaperfoldError(refusal)
+    return refusal is None
 
 
 def _check_export(dtype: str, logits: str, origin: str) -> None:
