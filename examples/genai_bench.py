@@ -1,21 +1,26 @@
 """onnxruntime-genai decode speed of the builder route on SmolLM2-135M's shape (docs/benchmarks.md).
 
-    python examples/genai_bench.py [--workdir runs/genai-bench] [--threads 2]
+    python examples/genai_bench.py [--workdir runs/genai-bench] [--threads 2] [--quantize int4]
 
 Builds a random-weight Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, SwiGLU 1536, vocab
 49152, tied embeddings; nothing downloaded), tapers it (Internal-Taper) with random c and γ̃ at g = 0, writes it as a
 tapered save_pretrained directory with a word-level tokenizer (the builder saves one), then runs, each in a fresh
 process and printed as it runs:
 
-    taperfold export DIR -o OUT --genai --no-baseline   the builder route: baseline and folded folders
-    taperfold bench OUT --engine genai --mode decode    baseline, unfolded, folded in alternating rounds
+    taperfold export DIR -o OUT --genai --no-baseline [--quantize int4]   the builder route: baseline and folded
+    taperfold bench OUT --engine genai --mode decode --against genai-builder
+                                       baseline, unfolded, folded and the builder's own folder, in alternating rounds
+    with --quantize, the same bench with --precision int4, and verify on 4 random 64-token prompts
 
-The export's stage timings and the bench report (OUT/bench-decode.json) are what docs/benchmarks.md records.
+The export's stage timings, the bench reports (copied to OUT/bench-decode-PRECISION.json) and verify.json are what
+docs/benchmarks.md records.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,16 +74,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("runs/genai-bench"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize", choices=["int4", "int8"], help="also quantize, and time and verify that form")
     args = parser.parse_args()
     source, out = args.workdir / "smollm2-135m-shape", args.workdir / "out"
     if not source.is_dir():
         make_directory(source)
     taperfold = [sys.executable, "-m", "taperfold.cli"]
-    run(*taperfold, "export", str(source), "-o", str(out), "--genai", "--no-baseline", "--overwrite")
-    run(
-        *taperfold, "bench", str(out), "--engine", "genai", "--mode", "decode", "--batch", "1,4", "--prompt", "128",
-        "--new-tokens", "64", "--warmup", "1", "--iters", "5", "--rounds", "5", "--threads", str(args.threads),
-    )  # fmt: skip
+    quantize = ["--quantize", args.quantize] if args.quantize else []
+    run(*taperfold, "export", str(source), "-o", str(out), "--genai", "--no-baseline", "--overwrite", *quantize)
+    for precision in ["fp32"] + ([args.quantize] if args.quantize else []):
+        quantized = ["--precision", precision] if precision != "fp32" else []
+        run(
+            *taperfold, "bench", str(out), "--engine", "genai", "--mode", "decode", "--batch", "1,4", "--prompt",
+            "128", "--new-tokens", "64", "--warmup", "3", "--iters", "15", "--rounds", "15", "--threads",
+            str(args.threads), "--against", "genai-builder", *quantized,
+        )  # fmt: skip
+        shutil.copyfile(out / "bench-decode.json", out / f"bench-decode-{precision}.json")
+    if args.quantize:
+        tokens = out.parent / "tokens.txt"
+        rng = random.Random(0)
+        tokens.write_text(
+            "\n".join(" ".join(str(rng.randrange(3, SHAPE["vocab_size"])) for _ in range(64)) for _ in range(4))
+        )
+        run(*taperfold, "verify", str(out), "--tokens", str(tokens), "--threads", str(args.threads))
 
 
 if __name__ == "__main__":

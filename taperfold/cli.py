@@ -640,7 +640,8 @@ def _engine_options(command):
     "--kv-cache",
     type=click.Choice(KV_CACHES),
     help="The decoders' KV cache (decode): static (fixed-size buffers written at a position) or growing.  "
-    "[default: static where the export has static decoders (torch: where the model takes one)]",
+    "[default: on the CPU growing (measured as fast or faster), on CUDA static where the export has static "
+    "decoders (torch: where the model takes one)]",
 )
 @click.option(
     "--dtype",

@@ -173,11 +173,15 @@ class Manifest:
         self._records[record.key] = ArtifactRecord.from_json(record.key, entry)
 
     def build(self, kind: str, **options: Any) -> list[ArtifactRecord]:
-        """Build the artifacts of `kind` (from what this export holds, as the kind does it), record them and rewrite
-        manifest.json; `options` are the kind's (e.g. the TensorRT profile)."""
+        """Build the artifacts of `kind` (from what this export holds, as the kind does it), record them, add the
+        seconds it took to `timings.build_s.KIND` and rewrite manifest.json; `options` are the kind's (e.g. the
+        TensorRT profile)."""
+        started = time.perf_counter()
         records = artifact_kind(kind).build(self, **options)
         for record in records:
             self.add_artifact(record)
+        spent = self._data.setdefault("timings", {}).setdefault("build_s", {})
+        spent[kind] = round(spent.get(kind, 0.0) + time.perf_counter() - started, 3)
         self.write()
         return records
 

@@ -139,7 +139,10 @@ def print_export(manifest: Manifest, out_dir) -> None:
     if summary:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     t = manifest.get("timings")
-    out.print(f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s")
+    built = "".join(f", building {kind} {seconds:.1f} s" for kind, seconds in (t.get("build_s") or {}).items())
+    out.print(
+        f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s{built}"
+    )
 
 
 @contextlib.contextmanager
@@ -398,7 +401,8 @@ def print_bench(report: BenchReport) -> None:
         out.print("projections unfused: each linear layer runs on its own", highlight=False)
     if report.kv_cache:
         length = f" of {report.cache_length} positions" if report.cache_length else ""
-        out.print(f"decoders: {report.kv_cache} KV cache{length}", highlight=False)
+        basis = f" ({report.kv_cache_basis})" if report.kv_cache_basis and report.kv_cache_basis != "--kv-cache" else ""
+        out.print(f"decoders: {report.kv_cache} KV cache{length}{basis}", highlight=False)
     if s.precision:
         out.print(f"weights: {s.precision} (the export's weight-quantized graphs, MatMulNBits)", highlight=False)
     for made in report.against:

@@ -239,18 +239,23 @@ def test_static_decoding_on_cuda_matches_the_cpu(static_export):
 # ---- bench and the command line ------------------------------------------------------------------------------
 
 
-def test_bench_decodes_with_the_static_cache_when_the_export_has_it(static_export, tmp_path, cli):
+def test_bench_decodes_with_the_growing_cache_on_the_cpu_unless_told(static_export, tmp_path, cli):
+    """On the CPU the growing cache is the default where the export has both (it was as fast or faster there); the
+    report says why; --kv-cache static decodes with the static one."""
     out, model = static_export
     args = ("bench", out, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1",
             "--iters", "2", "--rounds", "1", "--threads", "1", "--variants", "folded")
-    r = cli(*args, "--report", tmp_path / "static.json")
+    r = cli(*args, "--report", tmp_path / "growing.json")
+    assert r.exit_code == 0, r.stderr
+    report = json.loads((tmp_path / "growing.json").read_text())
+    assert report["kv_cache"] == GROWING and "CPU default" in report["kv_cache_basis"]
+    assert "decoders: growing KV cache (the CPU default" in r.stdout
+    r = cli(*args, "--kv-cache", "static", "--report", tmp_path / "static.json")
     assert r.exit_code == 0, r.stderr
     assert f"decoders: static KV cache of {MAX_CACHE} positions" in r.stdout
     report = json.loads((tmp_path / "static.json").read_text())
-    assert report["kv_cache"] == STATIC and report["cache_length"] == MAX_CACHE
-    assert cli(*args, "--kv-cache", "growing", "--report", tmp_path / "growing.json").exit_code == 0
-    assert json.loads((tmp_path / "growing.json").read_text())["kv_cache"] == GROWING
-    r = cli(*args, "--engine", "torch", "--report", tmp_path / "torch.json")
+    assert (report["kv_cache"], report["cache_length"], report["kv_cache_basis"]) == (STATIC, MAX_CACHE, "--kv-cache")
+    r = cli(*args, "--engine", "torch", "--kv-cache", "static", "--report", tmp_path / "torch.json")
     assert r.exit_code == 0, r.stderr
     torch_report = json.loads((tmp_path / "torch.json").read_text())
     assert (torch_report["kv_cache"], torch_report["cache_length"]) == (STATIC, MAX_CACHE)
@@ -284,7 +289,7 @@ def test_bench_refuses_a_static_cache_the_export_lacks_in_one_line(tiny_export, 
 
 def test_bench_refuses_a_generation_longer_than_the_static_cache(static_export, cli):
     out, _ = static_export
-    r = cli("bench", out, "--mode", "decode", "--prompt", "40", "--new-tokens", "9")
+    r = cli("bench", out, "--mode", "decode", "--kv-cache", "static", "--prompt", "40", "--new-tokens", "9")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert f"--prompt 40 + --new-tokens 9 exceeds the static cache ({MAX_CACHE} positions" in r.stderr
 
@@ -295,7 +300,7 @@ def test_bench_fits_the_default_prompt_to_the_static_cache(static_export, tmp_pa
     out, _ = static_export
     args = ("bench", out, "--mode", "decode", "--batch", "1", "--new-tokens", "3", "--warmup", "1", "--iters", "1",
             "--rounds", "1", "--threads", "1", "--variants", "folded")
-    r = cli(*args, "--report", tmp_path / "static.json")
+    r = cli(*args, "--kv-cache", "static", "--report", tmp_path / "static.json")
     assert r.exit_code == 0, r.stderr
     assert (f"note: --prompt: the default 128 + --new-tokens 3 would pass the static cache (export --max-cache) "
             f"({MAX_CACHE}): prompt {MAX_CACHE - 3}") in r.stderr

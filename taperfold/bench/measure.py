@@ -164,9 +164,9 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
 
 
 def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[Graph, int | None]:
-    """The decoders' KV cache (--kv-cache; else static where the export has static decoders of every variant, or,
-    for torch, where the source is taperfold's own model) and the static cache's length (the export's --max-cache,
-    else the context; None for a growing cache). A torch model that takes no static cache is refused by its runner."""
+    """The decoders' KV cache (--kv-cache; else `default_cache`) and the static cache's length (the export's
+    --max-cache, else the context; None for a growing cache). A torch model that takes no static cache is refused by
+    its runner."""
     length = _static_cache_length(chosen, source, opts)
     if length is None:
         return GROWING, None
@@ -178,16 +178,39 @@ def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[Gr
     return STATIC, length
 
 
+# The cache bench decodes with when not told, per device, and why: on the CPU the growing cache was as fast or faster
+# (ONNX Runtime, SmolLM2-135M's shape: static 0.95x at B1, 0.81x at B4; docs/benchmarks.md); on CUDA the static one,
+# whose fixed shapes CUDA graphs replay.
+PREFERRED_CACHE = {"cpu": GROWING, "cuda": STATIC}
+CACHE_BASIS = {
+    GROWING: "the CPU default: growing was as fast or faster than static here (docs/benchmarks.md)",
+    STATIC: "the CUDA default: fixed shapes, which CUDA graphs replay",
+}
+
+
+def default_cache(chosen: Engine, source: Source, opts: BenchOptions) -> Graph:
+    """The device's preferred cache (PREFERRED_CACHE) where the engine and the export have it for every variant
+    timed (torch: where the model takes one), else the other."""
+    manifest = source.manifest
+    preferred = PREFERRED_CACHE.get(opts.device.split(":")[0], GROWING)
+
+    def available(cache: Graph) -> bool:
+        if cache not in chosen.caches:
+            return False
+        if manifest is not None and not chosen.runs_models:
+            return all(manifest.has_artifact(v, cache) for v in opts.variants)
+        return cache == GROWING or (chosen.runs_models and isinstance(source.config, ModelConfig))
+
+    others = [c for c in KV_CACHES if c != preferred]
+    return next((c for c in [preferred, *others] if available(c)), GROWING)
+
+
 def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> int | None:
     """The static cache's length when decode runs one (see decode_cache), else None (a growing cache)."""
     manifest = source.manifest
     if opts.kv_cache != AUTO and opts.kv_cache not in KV_CACHES:
         raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
-    exported_static = manifest is not None and all(manifest.has_artifact(v, STATIC) for v in opts.variants)
-    has_static = STATIC in chosen.caches and (
-        exported_static or (chosen.runs_models and isinstance(source.config, ModelConfig))
-    )
-    cache = (STATIC if has_static else GROWING) if opts.kv_cache == AUTO else opts.kv_cache
+    cache = default_cache(chosen, source, opts) if opts.kv_cache == AUTO else opts.kv_cache
     if cache not in chosen.caches:
         raise TaperfoldError(
             f"--kv-cache {cache}: {chosen.title} decodes with a {' or '.join(chosen.caches)} cache only"
@@ -435,6 +458,11 @@ def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) ->
         mode=opts.mode,
         kv_cache=bench.cache,
         cache_length=bench.cache_len,
+        kv_cache_basis=None
+        if bench.cache is None
+        else "--kv-cache"
+        if opts.kv_cache != AUTO
+        else CACHE_BASIS[bench.cache],
         fused_projections=bench.fused_projections,
         projection_groups=bench.projection_groups,
         against=bench.against,

@@ -270,6 +270,7 @@ class BenchReport:
     results: list[BenchRow]
     kv_cache: str | None = None  # decode: the decoders' cache (growing | static); None in prefill
     cache_length: int | None = None  # a static cache's positions
+    kv_cache_basis: str | None = None  # why that cache: "--kv-cache", or the device's default and its measurement
     fused_projections: bool | None = None  # the models ran q/k/v and gate/up as one layer each; None: not recorded
     projection_groups: dict[str, int] = field(default_factory=dict)  # per variant: the groups run as one layer
     compile: bool = False
@@ -338,6 +339,7 @@ class BenchReport:
             "mode": self.mode,
             "kv_cache": self.kv_cache,
             "cache_length": self.cache_length,
+            "kv_cache_basis": self.kv_cache_basis,
             "fused_projections": self.fused_projections,
             "projection_groups": self.projection_groups,
             "engine": self.engine,
@@ -381,6 +383,7 @@ class BenchReport:
             results=top.each("results", lambda row: BenchRow.from_json(row, version)),
             kv_cache=top.optional_text("kv_cache"),
             cache_length=top.optional_count("cache_length"),
+            kv_cache_basis=top.optional_text("kv_cache_basis"),
             fused_projections=top.optional_flag("fused_projections"),
             projection_groups=top.counts_by_name("projection_groups", {}),
             compile=top.flag("compile", False),

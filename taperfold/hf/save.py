@@ -4,7 +4,6 @@ Nothing is written that loading (taperfold.hf.source) would refuse."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_dir
 from taperfold.hf.hub import TOKENIZER_FILES
+from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.source import CONFIG
 from taperfold.hf.taper import tapering_of
 from taperfold.hf.taper_block import TaperBlock, parse_block
@@ -39,7 +39,7 @@ def save_hf_directory(
     # or target included)
     model.config.taperfold = block.to_dict()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-    with atomic_dir(out_dir) as tmp, _no_progress_bars():
+    with atomic_dir(out_dir) as tmp, no_progress_bars():
         model.save_pretrained(tmp, **kwargs)
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
@@ -55,17 +55,3 @@ def _check_finite(model, out_dir: Path) -> None:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor.detach()).all()):
             kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"
             raise TaperfoldError(f"{out_dir}: not written: the model's {kind} '{name}' contains NaN or Inf")
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    """transformers draws a progress bar per save; taperfold's own output stays one line per stage."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()

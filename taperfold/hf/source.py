@@ -40,6 +40,7 @@ from taperfold.fsutil import read_json_object
 from taperfold.hf.config_check import check_size, transformers_config
 from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
+from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_recorded
 from taperfold.hf.trace import check_family_paths, traced_family
 from taperfold.hf.weights import read_weights, to_model_names, weights_file
@@ -153,7 +154,8 @@ class HFCheckpoint(ModelSource):
                 raise TaperfoldError(f"{self.path}: {name} is tied to {tied[0]}: a changed copy cannot be saved tied")
             state[name] = tensor.to(state[name].dtype)  # the model's own tensors stay as they are
         model.config.__dict__.pop(BLOCK, None)
-        model.save_pretrained(out, state_dict=state)
+        with no_progress_bars():
+            model.save_pretrained(out, state_dict=state)
         for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
             if (self.path / name).is_file():
                 shutil.copyfile(self.path / name, out / name)
