@@ -38,9 +38,6 @@ class Contender:
     folder: Path
     info: dict[str, Any]  # tool, version, precision, command, build_s: what the report records
 
-    def label(self) -> str:
-        return self.name
-
 
 class GenaiBuilder:
     name: ClassVar[str] = "genai-builder"
