@@ -540,3 +540,18 @@ def test_bench_refuses_a_batch_no_graph_takes(tiny_export, cli):
     one_line(cli("bench", tiny_export, "--batch", str(10**12)), "--batch", "largest allowed, 4096")
     r = cli("bench", tiny_export, "--threads", str(10**12))
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "'--threads'" in r.stderr
+
+
+def test_bench_names_a_variant_the_export_left_out_in_one_line(tmp_path, cli):
+    """An export --no-baseline has no baseline of any graph: bench's default variants say so in one line, naming what
+    it can time, rather than asking for a re-export with a KV cache."""
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.models import random_gate0_model
+
+    ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.pt")
+    out = export_checkpoint(ckpt, tmp_path / "out", ExportOptions(baseline=False)).out_dir
+    for args in ([], ["--mode", "decode", "--kv-cache", "static"]):
+        result = cli("bench", out, "--seq", "8", "--prompt", "4", "--new-tokens", "2", "--iters", "1", *args)
+        one_line(result, "baseline was not exported", "--no-baseline", "--variants unfolded,folded")
+    assert not (out / "bench.json").exists() and not (out / "bench-decode.json").exists()

@@ -25,6 +25,7 @@ from taperfold.exportdir import (
     ALL_VARIANTS,
     BASELINE,
     DECOMPOSED_BASELINE,
+    GRAPHS,
     GROWING,
     INPUT,
     KV_CACHES,
@@ -221,8 +222,9 @@ def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> 
 
 
 def _check_exported(manifest, variants: list[str], graph: Graph) -> None:
-    """A plain model's export has its baseline only: asking for anything else is one line saying what it can time.
-    (Other missing graphs are named by `Manifest.artifact` when the runners open.)"""
+    """A plain model's export has its baseline only, and an export --no-baseline no baseline: asking for what was
+    not exported is one line saying what it can time. (Other missing graphs are named by `Manifest.artifact` when the
+    runners open.)"""
     present = [v for v in ALL_VARIANTS if manifest.has_artifact(v, graph)]
     missing = [v for v in variants if v not in present]
     if missing and present and set(present) <= {BASELINE, DECOMPOSED_BASELINE}:
@@ -230,6 +232,14 @@ def _check_exported(manifest, variants: list[str], graph: Graph) -> None:
             f"{manifest.directory}: only the baseline was exported (a plain model: nothing tapered "
             f"or folded), so {', '.join(missing)} cannot be timed; it can time --variants "
             f"{','.join(present)}"
+        )
+    exported = [v for v in ALL_VARIANTS if any(manifest.has_artifact(v, g) for g in GRAPHS)]
+    absent = [v for v in variants if v not in exported]
+    if absent and exported:  # e.g. the baseline of an export --no-baseline: no re-export of a cache brings it
+        why = " (export --no-baseline leaves the baseline out)" if BASELINE in absent else ""
+        raise TaperfoldError(
+            f"{manifest.directory}: {', '.join(absent)} {'was' if len(absent) == 1 else 'were'} not exported{why}, "
+            f"so it cannot be timed; this export can time --variants {','.join(exported)}"
         )
 
 
