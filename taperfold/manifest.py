@@ -156,6 +156,8 @@ class Manifest:
         if record is None:
             key = artifact_kind(kind).key(canonical_variant(variant), graph, precision)
             hint = _MISSING_HINT.get((kind, graph), "")
+            if precision not in (None, self.dtype) and self.find(variant, graph, kind) is not None:
+                hint = f"re-export with --quantize {precision}"  # the graph is there, its quantized form is not
             raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}'" + (f": {hint}" if hint else ""))
         return self.file(record)
 

@@ -151,6 +151,11 @@ def test_bench_times_the_quantized_graphs_with_precision(quantized_export, tmp_p
     assert {row["variant"] for row in report["results"]} == {"baseline", "unfolded", "folded"}
 
 
+def test_bench_precision_names_the_missing_quantized_graph(tiny_export):
+    result = run_cli("bench", tiny_export, "--precision", "int8", "--seq", "8", "--iters", "1")
+    one_line(result, "missing key 'artifacts.baseline.int8'", "re-export with --quantize int8")
+
+
 def test_bench_precision_refuses_the_torch_engine(quantized_export):
     result = run_cli("bench", quantized_export, "--engine", "torch", "--precision", "int4", "--iters", "1")
     one_line(result, "--precision int4", "--engine ort or genai")
