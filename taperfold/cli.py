@@ -19,6 +19,7 @@ from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIAN
 from taperfold.interrupts import interrupted_line
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
+from taperfold.quantize import BITS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE, parse_precisions
 
 MAX_THREADS = 1024
 # Shorter schedules diverged: 10-24 steps from scratch in 5 of 12 runs (tiny llama and gpt2, seeds 0-2), 30 in none
@@ -300,9 +301,9 @@ def inspect(checkpoint, as_json):
 @click.option(
     "--block-size",
     type=int,
-    default=32,
+    default=DEFAULT_BLOCK_SIZE,
     show_default=True,
-    help="--quantize: weights per scale, along the input axis (16, 32, 64, 128 or 256).",
+    help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}).",
 )
 @click.option(
     "-o",
@@ -398,14 +399,13 @@ def export(
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
     from taperfold.manifest import is_export_dir
-    from taperfold.quantize import parse_precisions
     from taperfold.ui import print_export, stage_status
 
     artifacts: dict[str, dict] = {}
     precisions = parse_precisions(quantize) if quantize is not None else ()
     if precisions:  # first: the genai folders' traced route is built from the quantized decoders
         artifacts["onnx"] = {"precisions": precisions, "block_size": block_size}
-    elif block_size != 32:
+    elif block_size != DEFAULT_BLOCK_SIZE:
         raise TaperfoldError("--block-size sets --quantize's blocks: add --quantize int4 or int8")
     if to_trt:
         from taperfold.trt_support import require_tensorrt
@@ -656,7 +656,7 @@ def _engine_options(command):
 )
 @click.option(
     "--precision",
-    type=click.Choice(["int4", "int8"]),
+    type=click.Choice(list(BITS)),
     help="Time the export's weight-quantized graphs of this precision (export --quantize) instead of its dtype's.",
 )
 @click.option(
