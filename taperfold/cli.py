@@ -632,9 +632,8 @@ def _engine_options(command):
 @click.option(
     "--new-tokens",
     type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Decode steps after the prompt (decode).",
+    help="Decode steps after the prompt (decode).  [default: 32, or half a context or static cache too short for "
+    "32 and a prompt]",
 )
 @click.option(
     "--kv-cache",
@@ -754,6 +753,7 @@ def bench(
         UNFUSED,
         BenchOptions,
         cells,
+        DEFAULT_NEW_TOKENS,
         fit_to_context,
         load_bench,
         run_bench,
@@ -799,7 +799,7 @@ def bench(
         rounds=rounds or min(5, iters),
         mode=mode,
         prompt=prompt or DEFAULT_PROMPT,
-        new_tokens=new_tokens,
+        new_tokens=new_tokens or DEFAULT_NEW_TOKENS,
         kv_cache=kv_cache or AUTO,
         dtype=dtype,
         device=device or ENGINES[engine].default_device,
@@ -810,13 +810,16 @@ def bench(
         precision=precision,
         against=[name.strip() for name in (against or "").split(",") if name.strip()],
     )
-    opts, notes = fit_to_context(opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None)
-    for note in notes:
-        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    opts, notes = fit_to_context(
+        opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None, new_tokens_given=new_tokens is not None
+    )
     runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
     total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
-    with load_bench(source, opts) as loaded, bench_progress(total) as on_call:
-        report = run_bench(loaded, on_call)
+    with load_bench(source, opts) as loaded:
+        for note in notes:  # once every runner has opened: a refusal stays one line
+            err.print(f"note: {note}", highlight=False, soft_wrap=True)
+        with bench_progress(total) as on_call:
+            report = run_bench(loaded, on_call)
     with plan.human_output():
         print_bench(report)
     outputs = [  # the report's files: JSON, CSV and the plot are views of one BenchReport

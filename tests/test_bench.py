@@ -436,6 +436,19 @@ def test_decode_without_decoder_graphs_says_re_export(bench_export, tmp_path, cl
     assert r.stderr.startswith("taperfold: error: ") and "re-export with --kv-cache" in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "decode", "--kv-cache", "static"], "missing key 'artifacts.baseline.static': re-export with --kv-cache"),
+    (["--cuda-graph"], "--cuda-graph needs --device cuda"),
+    (["--engine", "trt"], "tensorrt is not installed"),
+    pytest.param(["--device", "cuda"], "--device cuda: this onnxruntime build has no CUDA execution provider",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")),
+])
+def test_refusals_after_a_default_length_note_are_one_line(tiny_export, cli, args, message):
+    # the default lengths pass the tiny model's context, which is a note: a refusal still prints only its own line
+    r = cli("bench", tiny_export, "--iters", "1", "--warmup", "0", *args)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_missing_tensorrt_is_one_line_and_exit_2(bench_export, monkeypatch, cli):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` now raises ImportError

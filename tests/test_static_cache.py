@@ -310,6 +310,60 @@ def test_bench_fits_the_default_prompt_to_the_static_cache(static_export, tmp_pa
     assert json.loads((tmp_path / "growing.json").read_text())["settings"]["prompt"] == 125
 
 
+# ---- the shortest static cache (--max-cache 4, the documented minimum) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shortest_cache_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static-4")
+    ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), root / "tiny.pt")
+    return export_checkpoint(ckpt, root / "out", ExportOptions(decoders=(STATIC,), max_cache=4)).out_dir
+
+
+def test_verify_decodes_a_4_position_static_cache_with_2_prompt_tokens_and_2_steps(shortest_cache_export):
+    report = verify_export(shortest_cache_export, threads=1)
+    static = [p for p in report.pairs if p.candidate.endswith(".static")]
+    assert static and all(p.status == "pass" for p in static) and report.passed
+    assert {r["input"] for r in static[0].per_input} == {"decode 1x2+2 prompt", "decode 1x2+2 step 1",
+                                                         "decode 1x2+2 step 2"}
+
+
+@pytest.mark.parametrize("args, note, prompt, new_tokens", [
+    ((), "--prompt: the default 128 + --new-tokens 32 would pass the static cache (export --max-cache) (4): "
+         "prompt 2, --new-tokens 2", 2, 2),
+    (("--prompt", "3"), "--new-tokens: the default 32 after --prompt 3 would pass the static cache "
+                        "(export --max-cache) (4): 1 step", 3, 1),
+    (("--new-tokens", "2"), "--prompt: the default 128 + --new-tokens 2 would pass the static cache "
+                            "(export --max-cache) (4): prompt 2", 2, 2),
+])
+def test_bench_decodes_a_4_position_static_cache_with_default_lengths(shortest_cache_export, tmp_path, cli, args,
+                                                                       note, prompt, new_tokens):
+    r = cli("bench", shortest_cache_export, "--mode", "decode", "--kv-cache", "static", "--batch", "1", "--warmup",
+            "0", "--iters", "1", "--threads", "1", "--variants", "folded", *args, "--report", tmp_path / "r.json")
+    assert r.exit_code == 0, r.stderr
+    assert f"note: {note}\n" in r.stderr
+    settings = json.loads((tmp_path / "r.json").read_text())["settings"]
+    assert (settings["prompt"], settings["new_tokens"]) == (prompt, new_tokens)
+
+
+def test_a_static_decoder_file_that_is_a_growing_one_is_one_line(static_export, tmp_path, cli):
+    import shutil
+
+    out = shutil.copytree(static_export[0], tmp_path / "out")
+    manifest = read_manifest(out)
+    growing, static = (manifest.record(graph_key("folded", g)) for g in (GROWING, STATIC))
+    for name in ("path", "external_data"):
+        if getattr(growing, name):
+            shutil.copyfile(out / getattr(growing, name), out / getattr(static, name))
+    for command in (("bench", out, "--mode", "decode", "--kv-cache", "static", "--prompt", "4", "--new-tokens", "2",
+                     "--variants", "folded", "--warmup", "0", "--iters", "1", "--report", tmp_path / "r.json"),
+                    ("verify", out)):
+        r = cli(*command)
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert (f"{out / static.path}: is a growing KV-cache decoder (its inputs lack cache_position) where a static "
+                "one was asked for") in r.stderr
+
+
 # ---- transformers models -------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ def cv_threshold_pct(device: str) -> float:
 
 DEFAULT_SEQS = (128, 256, 512)  # prefill lengths, and the decode prompt, when none is given: capped to the context
 DEFAULT_PROMPT = 128
+DEFAULT_NEW_TOKENS = 32
 MAX_BATCH = MAX_EXPORT_BATCH
 # The choice an option leaves to bench when the user makes none: --kv-cache (static where the export, or for torch the
 # model, has static decoders) and --fuse-projections (as the export in DIR did; unfused for a checkpoint or preset)
@@ -66,7 +67,7 @@ class BenchOptions:
     rounds: int = 5
     mode: str = "prefill"  # prefill | decode
     prompt: int = DEFAULT_PROMPT  # decode: prompt length
-    new_tokens: int = 32  # decode: decode steps after the prompt
+    new_tokens: int = DEFAULT_NEW_TOKENS  # decode: decode steps after the prompt
     kv_cache: str = AUTO  # decode: "static" | "growing" | AUTO
     dtype: str | None = None  # None: fp32 for torch, the export's dtype for ort / trt
     device: str = "cpu"
@@ -90,11 +91,13 @@ def cells(opts: BenchOptions) -> list[tuple[int, int]]:
 
 
 def fit_to_context(
-    opts: BenchOptions, source: Source, seqs_given: bool, prompt_given: bool
+    opts: BenchOptions, source: Source, seqs_given: bool, prompt_given: bool, new_tokens_given: bool = True
 ) -> tuple[BenchOptions, list[str]]:
     """Default lengths capped to what the model's context holds (in decode mode with a static cache: what the cache
-    holds), with a note saying so; lengths the user gave are kept as given (and refused by `_check` or
-    `decode_cache` if they do not fit)."""
+    holds), with a note saying so: the default prompt shortened first, then, where even a 1-token prompt leaves no
+    room for the default --new-tokens, the room split between the two; a default --new-tokens shortened to fit after
+    a given prompt; lengths the user gave are kept as given (and
+    refused by `_check` or `decode_cache` if they do not fit)."""
     chosen = engine(opts.engine)
     _check_request(chosen, source, opts)
     context, notes = source.config.max_seq_len, []
@@ -111,13 +114,24 @@ def fit_to_context(
     room, what = (static, "static cache (export --max-cache)") if static else (context, "model's context")
     room -= _kept_token(chosen, opts)
     if opts.mode == "decode" and not prompt_given and opts.prompt + opts.new_tokens > room:
-        prompt = room - opts.new_tokens
+        prompt, new_tokens = room - opts.new_tokens, opts.new_tokens
+        if prompt < 1 and not new_tokens_given and room >= 2:
+            new_tokens = room // 2
+            prompt = room - new_tokens
         if prompt >= 1:
+            said = "" if new_tokens == opts.new_tokens else f", --new-tokens {new_tokens}"
             notes.append(
                 f"--prompt: the default {opts.prompt} + --new-tokens {opts.new_tokens} would pass the {what} "
-                f"({room}): prompt {prompt}"
+                f"({room}): prompt {prompt}{said}"
             )
-            opts = replace(opts, prompt=prompt)
+            opts = replace(opts, prompt=prompt, new_tokens=new_tokens)
+    elif opts.mode == "decode" and not new_tokens_given and opts.prompt + opts.new_tokens > room > opts.prompt:
+        new_tokens = room - opts.prompt
+        notes.append(
+            f"--new-tokens: the default {opts.new_tokens} after --prompt {opts.prompt} would pass the {what} "
+            f"({room}): {new_tokens} step{'s' if new_tokens > 1 else ''}"
+        )
+        opts = replace(opts, new_tokens=new_tokens)
     return opts, notes
 
 

@@ -200,9 +200,7 @@ class Runner(abc.ABC):
         head_dim), `dtype` the cache's, `cache_len` the static cache's length for a static decoder. The greedy token
         is the `next_token` output where the runner has one (the torch runner's static decoder takes the argmax on
         the device and is fed that device tensor); otherwise the logits come back to the host for the argmax."""
-        static = CACHE_POSITION in self.input_names
-        if static != (cache_len is not None):
-            raise ValueError("a static decoder needs cache_len (and a growing one takes none)")
+        static = self._check_cache(cache_len)
         on_device = NEXT_TOKEN in self.output_names
 
         def greedy(out) -> tuple:
@@ -228,6 +226,7 @@ class Runner(abc.ABC):
     ) -> list[np.ndarray]:
         """Logits (host, float32) of the prompt (ids minus the last `steps` columns; a static cache of `cache_len`,
         else a growing one) and of each KV-cached step fed the next column of ids."""
+        self._check_cache(cache_len)
         prompt = ids.shape[1] - steps
         feeds = prompt_feeds(cfg, ids[:, :prompt], kv_dtype, cache_len)
         logits = []
@@ -237,6 +236,18 @@ class Runner(abc.ABC):
             if k < steps:
                 feeds = step_feeds(cfg, ids[:, prompt + k : prompt + k + 1], out, prompt + k, cache_len is not None)
         return logits
+
+    def _check_cache(self, cache_len: int | None) -> bool:
+        """Whether this decoder takes a static cache (a cache_position input), refused in one line where that is
+        not the cache it was opened as (a manifest whose static decoder file is a growing one, or the reverse)."""
+        static = CACHE_POSITION in self.input_names
+        if static != (cache_len is not None):
+            has, asked = ("a static", "a growing") if static else ("a growing", "a static")
+            raise self.error(
+                f"is {has} KV-cache decoder (its inputs {'hold' if static else 'lack'} {CACHE_POSITION}) where "
+                f"{asked} one was asked for: the file does not match the manifest's graph"
+            )
+        return static
 
     def __enter__(self):
         self.load()

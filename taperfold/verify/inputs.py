@@ -13,7 +13,7 @@ from taperfold.errors import TaperfoldError
 
 BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
-DECODE_STEPS = 4  # KV-cached steps after each prompt
+DECODE_STEPS = 4  # KV-cached steps after each prompt, fewer where the cache holds fewer (decode_steps)
 
 
 @dataclass
@@ -111,16 +111,22 @@ def checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer:
     return ids.astype(np.int64)
 
 
+def decode_steps(max_seq_len: int) -> int:
+    """The KV-cached steps a decode case takes in a context (or static cache) of `max_seq_len` positions:
+    DECODE_STEPS, or half a cache too short for them and a prompt (export --max-cache 4: a 2-token prompt, 2 steps)."""
+    return min(DECODE_STEPS, max_seq_len // 2)
+
+
 def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
-    """Prompts for the decoders (past 0 at the prompt, then DECODE_STEPS steps), far from the tracing shape
+    """Prompts for the decoders (past 0 at the prompt, then `decode_steps` steps), far from the tracing shape
     (batch 2, 8 tokens, past 5): one short prompt at batch 1, and batch 4 up to the model's longest context.
     The ids hold the prompt and then the token fed at each step (the same for reference and candidate)."""
     rng = np.random.default_rng(seed + 1)
-    prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - DECODE_STEPS), max_seq_len - DECODE_STEPS})
+    steps = decode_steps(max_seq_len)
+    if steps < 1:
+        return []
+    prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - steps), max_seq_len - steps})
     return [
-        InputBatch(
-            f"decode {b}x{p}+{DECODE_STEPS}", rng.integers(0, vocab_size, size=(b, p + DECODE_STEPS), dtype=np.int64)
-        )
+        InputBatch(f"decode {b}x{p}+{steps}", rng.integers(0, vocab_size, size=(b, p + steps), dtype=np.int64))
         for b, p in zip(BATCH_SIZES, prompts)
-        if p >= 1
     ]

@@ -42,7 +42,7 @@ from taperfold.exportdir import (
     Graph,
 )
 from taperfold.manifest import Manifest
-from taperfold.verify.inputs import DECODE_STEPS, InputBatch, decode_cases
+from taperfold.verify.inputs import InputBatch, decode_cases, decode_steps
 from taperfold.verify.judge import PlannedPair
 from taperfold.verify.report import CHECK, COST, EXPORT, FOLD, FUSE, PairResult
 from taperfold.verify.run import Case, ModelRun
@@ -135,8 +135,8 @@ def make_plan(ctx: PlanContext) -> Plan:
                 [],
                 ctx.cfg,
             )
-        known = {c.label for c in run.cases}
-        run.cases += [Case(c.label, c.ids, c.decode) for c in cases if c.label not in known]  # torch: growing cache
+        known = {c.label for c in run.cases}  # torch decodes every case with a growing cache
+        run.cases += [Case(c.label, c.ids, c.decode, c.steps) for c in cases if c.label not in known]
 
     for record in sorted(manifest.records(), key=_report_order):
         if not is_registered(record.kind):
@@ -188,8 +188,12 @@ def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
     """The decode cases of a decoder graph: for a static one, those that fit its cache."""
     cfg = ctx.cfg
     cache_len = None if record.graph == GROWING else (ctx.manifest.max_cache or cfg.max_seq_len)
-    cases = decode_cases(cfg.vocab_size, cache_len or cfg.max_seq_len, ctx.seed)
-    return [Case(c.label, c.ids, decode=True, cache_len=cache_len) for c in cases]
+    length = cache_len or cfg.max_seq_len
+    steps = decode_steps(length)
+    return [
+        Case(c.label, c.ids, decode=True, steps=steps, cache_len=cache_len)
+        for c in decode_cases(cfg.vocab_size, length, ctx.seed)
+    ]
 
 
 def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str | None:
@@ -209,7 +213,7 @@ def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str 
         if not cases:
             holder = "the static cache" if graph != GROWING else "the context"
             length = ctx.manifest.max_cache if graph != GROWING else None
-            return f"{holder} ({length or ctx.cfg.max_seq_len}) holds no prompt and {DECODE_STEPS} steps"
+            return f"{holder} ({length or ctx.cfg.max_seq_len}) holds no prompt and a step"
     return None
 
 

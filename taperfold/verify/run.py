@@ -4,7 +4,7 @@ outputs come back as typed results (`ModelOutputs`) for the judge (taperfold.ver
 pair still waits for.
 
 A case is a prefill (the logits of a batch of ids) or a decode: a prompt with an empty (or zeroed static) cache, then
-DECODE_STEPS KV-cached steps, each fed the next column of ids (the same for reference and candidate); the logits of
+its KV-cached steps (verify.inputs.decode_steps), each fed the next column of ids (the same for reference and candidate); the logits of
 the prompt and of every step come back.
 """
 
@@ -19,16 +19,16 @@ import numpy as np
 
 from taperfold.exportdir import INPUT, OUTPUT
 from taperfold.runners.base import Runner
-from taperfold.verify.inputs import DECODE_STEPS
 
 
 @dataclass(frozen=True)
 class Case:
-    """One input a model runs: `ids` [batch, sequence]; a decode case's last DECODE_STEPS columns are its steps."""
+    """One input a model runs: `ids` [batch, sequence]; a decode case's last `steps` columns are its steps."""
 
     label: str
     ids: np.ndarray
     decode: bool = False
+    steps: int = 0  # a decode case's KV-cached steps
     cache_len: int | None = None  # a static decoder's cache length; None: a growing cache (or a prefill)
 
 
@@ -62,7 +62,7 @@ def run_models(models: list[ModelRun], progress: Callable[[int, int, str], None]
             for case in model.cases:
                 progress(done, total, f"{model.name} {'decoding' if case.decode else 'on'} {case.label}")
                 logits[case.label] = (
-                    runner.decode_logits(case.ids, DECODE_STEPS, model.cfg, model.kv_dtype, case.cache_len)
+                    runner.decode_logits(case.ids, case.steps, model.cfg, model.kv_dtype, case.cache_len)
                     if case.decode
                     else _prefill(runner, case)
                 )
