@@ -399,6 +399,8 @@ def export_checkpoint(
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
+    for _, model in sources:
+        _check_fits(model, opts.dtype, ckpt_path)
     opts = replace(opts, decoders=_with_needed_graphs(opts, source, dict(sources).get(UNFOLDED)))
     _check_static_cache(source, sources[0][1], opts)
     out_dir = Path(out_dir)
@@ -411,6 +413,18 @@ def export_checkpoint(
             on_stage(f"building {artifact_kind(kind).title}")
             manifest.build(kind, **options, on_stage=on_stage)
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
+
+
+def _check_fits(model: nn.Module, dtype: str, ckpt_path: Path) -> None:
+    """Every weight still finite once cast to the export's dtype: a value past fp16's range (a DyT alpha of 1e5)
+    would be written as Inf, which the checkpoint (checked finite when read) did not hold."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            limit = torch.finfo(tensor.dtype).max
+            raise TaperfoldError(
+                f"{ckpt_path}: '{name}' holds values beyond {dtype}'s range (±{limit:.6g}): export with "
+                f"--dtype {'bf16 or fp32' if dtype == 'fp16' else 'fp32'}"
+            )
 
 
 class StageClock:

@@ -4,6 +4,7 @@ The handler records the signal before it raises, so an interrupt that some libra
 KeyboardInterrupt raised inside a finalizer or a callback would be printed as "Exception ignored" and
 dropped; `install` keeps that quiet) still stops the command at its next `check()`: every commit of an
 output calls it with the signals blocked, so a command either commits whole before the signal or not at all.
+A second signal while the first one's cleanup runs is not raised again (the command is already stopping).
 Once the command is done (`finishing`), a signal ends the process at once with the same one line: nothing is
 left to clean up, and an interpreter shutting down can neither drop it nor die of it without a word.
 Exit codes: 130 for SIGINT, 143 for SIGTERM (128 + the signal number, as a shell reports them).
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
+_swallowed = False  # the last Interrupted raised was dropped by a finalizer or callback (see _unraisable)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -32,8 +34,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _handle(signum, frame) -> None:
-    global _received
-    _received = signum
+    """The first signal stops the command; a second (a double Ctrl-C) while the first one's cleanup runs is
+    recorded, not raised: raised inside a `finally`, it would cut the cleanup short, leave temporaries behind and
+    could escape the one-line handler (the process then dies by the signal). Where a library swallowed the first,
+    nothing is stopping yet, and the next one is raised again."""
+    global _received, _swallowed
+    if _received is not None and not _swallowed:
+        return
+    _received, _swallowed = signum, False
     raise Interrupted(signum)
 
 
@@ -41,7 +49,10 @@ def _unraisable(hook):
     """sys.unraisablehook that drops a swallowed `Interrupted` (the next `check()` raises it again)."""
 
     def quiet(unraisable) -> None:
-        if not isinstance(unraisable.exc_value, Interrupted):
+        global _swallowed
+        if isinstance(unraisable.exc_value, Interrupted):
+            _swallowed = True
+        else:
             hook(unraisable)
 
     return quiet
@@ -62,8 +73,8 @@ def _end_now(signum, frame) -> None:
 def install() -> None:
     """Handle SIGINT and SIGTERM alike; ignore SIGXFSZ so that a file-size limit is an EFBIG write error
     (one line, exit 2) rather than a core dump."""
-    global _received
-    _received = None
+    global _received, _swallowed
+    _received, _swallowed = None, False
     if threading.current_thread() is not threading.main_thread():
         return
     for s in HANDLED:

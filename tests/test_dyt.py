@@ -92,6 +92,23 @@ def test_the_torch_fold_moves_gain_and_shift_and_keeps_the_tanh(arch):
     assert not torch.allclose(bare, ref, atol=1e-3)  # nonorm is a timing reference, not the same function
 
 
+@pytest.mark.parametrize("dtype, refused", [("fp16", True), ("bf16", False)])
+def test_an_alpha_past_the_export_dtypes_range_is_refused_before_any_graph(tmp_path, cli, dtype, refused):
+    # 1e5 is finite in the fp32 checkpoint, Inf in fp16 (max 65504) and fine in bf16 (fp32's range)
+    model = random_gate0_model("tiny", norm="dyt", taper="all", n_layers=1)
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.alpha.fill_(1e5)
+    path = save_checkpoint(checkpoint_from_model(model, 7), tmp_path / "dyt.safetensors")
+    r = cli("export", path, "-o", tmp_path / "out", "--dtype", dtype)
+    if refused:
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert ("'model.layers.0.input_layernorm.alpha' holds values beyond fp16's range (±65504): "
+                "export with --dtype bf16 or fp32") in r.stderr
+        assert not (tmp_path / "out").exists()
+    else:
+        assert r.exit_code == 0, r.stderr
+
+
 def test_a_dyt_checkpoint_round_trips(tmp_path):
     model = random_gate0_model("tiny", norm="dyt", taper="all", n_layers=2)
     path = save_checkpoint(checkpoint_from_model(model, 7), tmp_path / "dyt.safetensors")

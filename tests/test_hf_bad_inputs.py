@@ -95,7 +95,7 @@ def _poison(shard, key, value):
 def originals(tmp_path_factory):
     """Tiny directories, built once; tests break copies (`copy_of`)."""
     root = tmp_path_factory.mktemp("hostile")
-    for family in ("llama", "gpt2", "opt", "gpt_neox"):
+    for family in ("llama", "gpt2", "opt", "gpt_neox", "mixtral"):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_config(family)).save_pretrained(root / f"{family}-plain")
     save_hf_directory(tapered_tiny_model("llama"), root / "llama-tapered", step=3)
@@ -224,6 +224,21 @@ class TestHuggingFaceDirectories:
         _write_config(folder, {**_config(folder), **change})
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
 
+    @pytest.mark.parametrize("family, change, key, needle", [
+        ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok",
+         "is 5, more than the 4 experts 'num_local_experts' gives"),
+        ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok", "must be an integer"),
+        ("mixtral", {"num_local_experts": "4"}, "num_local_experts", "must be an integer"),
+        ("llama", {"intermediate_size": [64]}, "intermediate_size", "a per-layer list needs one per layer (2)"),
+        ("llama", {"intermediate_size": [64, 0]}, "intermediate_size[1]", "must be an integer"),
+        ("llama", {"intermediate_size": [64, "64"]}, "intermediate_size[1]", "must be an integer"),
+        ("llama", {"intermediate_size": []}, "intermediate_size", "a per-layer list needs one per layer"),
+    ])
+    def test_moe_and_per_layer_keys(self, cli, tmp_path, copy_of, monkeypatch, family, change, key, needle):
+        folder = copy_of(f"{family}-plain")
+        _write_config(folder, {**_config(folder), **change})
+        _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
+
     @pytest.mark.parametrize("key", ["n_embd", "n_head"])
     def test_gpt2_heads_must_divide_the_width(self, cli, tmp_path, copy_of, monkeypatch, key):
         folder = copy_of("gpt2-plain")
@@ -285,6 +300,21 @@ class TestHuggingFaceDirectories:
         folder = copy_of(name)
         _poison(folder / "model.safetensors", key, value)
         _refused(cli, tmp_path, folder, folder / "model.safetensors", key, "NaN or Inf")
+
+    @pytest.mark.parametrize("stacked, one_by_one", [
+        ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.block_sparse_moe.experts.0.w1.weight"),
+        ("model.layers.1.mlp.experts.down_proj", "model.layers.1.block_sparse_moe.experts.0.w2.weight"),
+    ])
+    def test_experts_stored_stacked_and_one_by_one_are_refused(self, cli, tmp_path, copy_of, stacked, one_by_one):
+        # save_pretrained writes the experts one by one; the model's own stacked tensor beside them is a second,
+        # different copy of the same weights: which one would be used cannot be told
+        folder = copy_of("mixtral-plain")
+        shard = folder / "model.safetensors"
+        tensors = load_file(str(shard))
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+        tensors[stacked] = model.state_dict()[stacked].contiguous()
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        _refused(cli, tmp_path, folder, shard, stacked, one_by_one, "both hold the model's")
 
     def test_nan_in_a_shard_names_the_shard(self, cli, tmp_path, copy_of):
         folder = copy_of("llama-sharded")

@@ -201,6 +201,10 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     ("norm_eps", -1, "(0, 1]"),
     pytest.param("norm_eps", 10**400, "(0, 1]", id="norm_eps-10**400"),  # past the largest float
     ("surprise", 1, "not a known key"),
+    ("internal", {"input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.q_proj"],
+                  "post_attention_layernorm": ["mlp.c_fc"]}, "lists 'self_attn.q_proj' twice"),
+    ("final", "model.layers.1.input_layernorm", "is a norm inside a layer, not the norm after the last layer"),
+    ("head", "model.embed_tokens", "is the input embedding, not the output head"),
 ])
 def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):
     folder = shutil.copytree(tapered_unlisted, tmp_path / "in")
@@ -213,4 +217,17 @@ def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_u
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and str(folder / "config.json") in lines[0], result.stderr
         assert f"'taperfold.family.{key}'" in lines[0] and needle in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recorded_family_that_tapers_fewer_norms_than_the_weights_is_one_line(cli, tmp_path, tapered_unlisted):
+    # the weights hold post_attention_layernorm's taper (its c and γ̃); the block no longer tapers it
+    folder = shutil.copytree(tapered_unlisted, tmp_path / "in")
+    config = json.loads((folder / "config.json").read_text())
+    del config["taperfold"]["family"]["internal"]["post_attention_layernorm"]
+    (folder / "config.json").write_text(json.dumps(config))
+    for args in (["inspect", folder], ["export", folder, "-o", tmp_path / "out"]):
+        result = cli(*args)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "unexpected key 'model.layers.0.post_attention_layernorm.c'" in result.stderr
     assert not (tmp_path / "out").exists()

@@ -55,3 +55,28 @@ def test_a_swallowed_interrupt_leaves_no_exception_ignored_noise(tiny_checkpoint
     r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 130 and r.stderr == "taperfold: interrupted (SIGINT)\n", r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_second_signal_while_the_first_ones_cleanup_runs_lets_it_finish(tiny_checkpoint, tmp_path):
+    """A double Ctrl-C: the second arrives inside the `finally` that cleans up after the first. It must neither cut
+    that cleanup short nor end the process by the signal; the command still ends in one line and 130."""
+    script = textwrap.dedent(f"""
+        import signal, sys
+        import taperfold.export
+        from pathlib import Path
+
+        def export_checkpoint(*args, **kwargs):
+            try:
+                signal.raise_signal(signal.SIGINT)  # the first: stops the export
+            finally:
+                signal.raise_signal(signal.SIGINT)  # the second, at once, while the cleanup runs
+                Path({str(tmp_path / "cleaned")!r}).write_text("yes")
+
+        taperfold.export.export_checkpoint = export_checkpoint
+        sys.argv = ["taperfold", "export", {str(tiny_checkpoint)!r}, "-o", {str(tmp_path / "out")!r}]
+        from taperfold.cli import main
+        main()
+    """)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
+    assert r.returncode == 130 and r.stderr == "taperfold: interrupted (SIGINT)\n", (r.returncode, r.stderr)
+    assert (tmp_path / "cleaned").read_text() == "yes"

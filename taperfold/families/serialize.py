@@ -56,6 +56,9 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         _is_path(k) and isinstance(v, list) and v and all(map(_is_path, v)) for k, v in internal.items()
     ):
         raise bad("family.internal", "must map each norm's path in a layer to a non-empty list of reader paths")
+    for norm, readers in internal.items():
+        if twice := next((r for i, r in enumerate(readers) if r in readers[:i]), None):
+            raise bad("family.internal", f"lists {twice!r} twice among the readers of {norm!r}")
     if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
         raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
     if not internal and not post:

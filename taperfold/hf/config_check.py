@@ -38,6 +38,8 @@ _INT_KEYS = {  # name -> (low, high, null allowed)
     "max_position_embeddings": (1, 1 << 20, False),
     "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
 }
+_PER_LAYER_KEYS = ("intermediate_size",)  # may be a list, one value per layer (Gemma 3n)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # routed experts, as families name them
 _FLOAT_KEYS = {  # name -> (low, excluded; high, included)
     "rms_norm_eps": (0.0, 1.0),
     "layer_norm_eps": (0.0, 1.0),
@@ -55,8 +57,19 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool) -> None:
+def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool, layers=None) -> None:
+    """An integer key in [low, high]; for a per-layer key (_PER_LAYER_KEYS) a list of them, one per layer
+    (`layers`: num_hidden_layers where known), is checked element by element."""
     if value is None and nullable:
+        return
+    if isinstance(value, list) and key in _PER_LAYER_KEYS:
+        if not value or (_is_int(layers) and len(value) != layers):
+            raise TaperfoldError(
+                f"{where}: key '{key}' is a list of {len(value)} values; a per-layer list needs one per layer "
+                f"({layers if _is_int(layers) else 'num_hidden_layers'})"
+            )
+        for i, element in enumerate(value):
+            _check_int(where, f"{key}[{i}]", element, low, high, nullable=False)
         return
     if not _is_int(value) or not low <= value <= high:
         raise TaperfoldError(
@@ -84,10 +97,12 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
     """The numeric keys of config.json, as written, before transformers reads them. With a `head_dim`, the hidden
     size need not be a multiple of the heads (Gemma, Qwen3) unless `head_dim_frees_hidden` is false: after
     transformers refused the config (its Llama requires it anyway), to name the key."""
+    layers = next((config[k] for k in _json_names(config_class, "num_hidden_layers") if k in config), None)
     for name, (low, high, nullable) in _INT_KEYS.items():
         for key in _json_names(config_class, name):
             if key in config:
-                _check_int(where, key, config[key], low, high, nullable)
+                _check_int(where, key, config[key], low, high, nullable, layers)
+    _check_experts(where, config)
     for name, (above, up_to) in _FLOAT_KEYS.items():
         for key in _json_names(config_class, name):
             if key in config:
@@ -157,7 +172,11 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
             )
     for name, (low, high, nullable) in _INT_KEYS.items():
         if hasattr(hf_config, name):
-            _check_int(where, _json_name(cls, name), getattr(hf_config, name), low, high, nullable)
+            value = getattr(hf_config, name)
+            _check_int(where, _json_name(cls, name), value, low, high, nullable, hf_config.num_hidden_layers)
+    _check_experts(
+        where, {k: getattr(hf_config, k) for k in (*_EXPERT_KEYS, "num_experts_per_tok") if hasattr(hf_config, k)}
+    )
     heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % kv_heads:
@@ -172,10 +191,29 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
         )
 
 
+def _check_experts(where: Path, config: dict) -> None:
+    """A MoE config's routed experts and the number each token picks: integers, the second no more than the first
+    (a router's top-k of more experts than there are fails deep inside the model's forward)."""
+    experts = next(((k, config[k]) for k in _EXPERT_KEYS if config.get(k) is not None), None)
+    per_token = config.get("num_experts_per_tok")
+    if experts is not None:
+        _check_int(where, experts[0], experts[1], 0, 1 << 16, nullable=False)  # 0: a dense model (some families)
+    if per_token is None:
+        return
+    _check_int(where, "num_experts_per_tok", per_token, 1, 1 << 16, nullable=False)
+    if experts is not None and 0 < experts[1] < per_token:
+        raise TaperfoldError(
+            f"{where}: key 'num_experts_per_tok' is {per_token}, more than the {experts[1]} experts "
+            f"'{experts[0]}' gives: each token picks that many of them"
+        )
+
+
 def _intermediate(hf_config) -> tuple[str, int]:
+    """The MLP's intermediate size (per-layer list: the smallest, for a lower bound on the parameters)."""
     for name in ("intermediate_size", "ffn_dim", "n_inner"):
-        if getattr(hf_config, name, None):
-            return _json_name(type(hf_config), name), getattr(hf_config, name)
+        value = getattr(hf_config, name, None)
+        if value:
+            return _json_name(type(hf_config), name), min(value) if isinstance(value, list) else value
     return "n_inner", 4 * hf_config.hidden_size  # GPT-2's default
 
 

@@ -582,10 +582,15 @@ def check_family_paths(model: nn.Module, family: Family, bad) -> None:
                         ) from None
     if not _has_norm(model, family.final):
         raise bad("family.final", f"{family.final!r} is not a norm module of this {family.name} model")
+    if family.final.startswith(f"{family.layers}."):
+        raise bad("family.final", f"{family.final!r} is a norm inside a layer, not the norm after the last layer")
     try:
-        model.get_submodule(family.head)
+        head = model.get_submodule(family.head)
     except AttributeError:
         raise bad("family.head", f"{family.head!r} is not a module of this {family.name} model") from None
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is embedding:
+        raise bad("family.head", f"{family.head!r} is the input embedding, not the output head")
 
 
 def _has_norm(model: nn.Module, path: str) -> bool:

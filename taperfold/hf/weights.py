@@ -100,11 +100,15 @@ def to_model_names(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict
     if not renamings and not converters:
         return tensors, origin, same
     meta = model.state_dict()
-    renamed, new_origin, stored = {}, {}, {}
+    renamed: dict = {}
+    new_origin: dict = {}
+    stored: dict[str, str] = {}
     stacks: dict[str, tuple] = {}  # model name -> (its converter, {source pattern: [checkpoint keys]})
     for key in sorted(tensors, key=dot_natural_key):  # experts in index order, as from_pretrained stacks them
         new_key, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if pattern is None:
+            if new_key in renamed:  # a legacy name and the model's own, both stored
+                _both(new_key, stored[new_key], key, origin)
             renamed[new_key], new_origin[new_key], stored[new_key] = tensors[key], origin[key], key
             continue
         if new_key not in stacks:
@@ -124,9 +128,18 @@ def to_model_names(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict
                 f"not stack into '{new_key}' ({first_line(e)})"
             ) from None
         for name, value in converted.items():
+            if name in renamed:  # the stacked tensor stored as well as the experts one by one
+                _both(name, stored[name], keys[0], origin)
             renamed[name] = value[0] if isinstance(value, list) else value
             new_origin[name], stored[name] = origin[keys[0]], f"{keys[0]} ... {keys[-1]}"
     return renamed, new_origin, stored
+
+
+def _both(name: str, one: str, other: str, origin: dict) -> None:
+    raise TaperfoldError(
+        f"{origin[other]}: keys '{printable(one)}' and '{printable(other)}' both hold the model's '{name}' "
+        "(keep one form of each weight)"
+    )
 
 
 def _check_expert_indices(sources: dict[str, list[str]], origin: dict) -> None:

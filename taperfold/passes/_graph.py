@@ -160,6 +160,21 @@ def derived_tensor(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape:
     return ir.LazyTensor(lambda: ir.tensor(compute().astype(dtype.numpy())), dtype=dtype, shape=ir.Shape(shape))
 
 
+def past_range(compute: Callable[[], np.ndarray], dtype: ir.DataType) -> str | None:
+    """Why a folded weight cannot be cast to `dtype`: the values `compute` gives (float64) reach past its range, so the
+    cast would write an Inf the input did not hold; None when they fit. Only float16 is checked (its range ends at
+    65504, where c·γ̃·W can go); bfloat16 and wider share float32's range, which a checked model's weights times
+    their norm's scale do not reach in practice.
+    The check computes the weight once more, in float64, and lets it go."""
+    if dtype != ir.DataType.FLOAT16:
+        return None
+    largest = float(np.abs(compute()).max(initial=0.0))
+    limit = float(np.finfo(np.float16).max)
+    if largest <= limit:
+        return None
+    return f"the folded weight would reach {largest:.4g}, past float16's range (±{limit:g})"
+
+
 def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol, suffix: str = ".folded") -> ir.Value:
     """Register `tensor` as a new initializer named `base + suffix`, numbered if that name is taken."""
     name, i = f"{base}{suffix}", 1

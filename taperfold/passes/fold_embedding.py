@@ -21,6 +21,7 @@ from taperfold.passes._graph import (
     fixed_tensor,
     folded_source,
     node_label,
+    past_range,
     remove_if_dead,
     write_const,
 )
@@ -93,6 +94,13 @@ class FoldIntoEmbeddingPass(AfterConstantsPass):
                     rows += match.bias
                 return rows
 
+            too_large = past_range(compute, original.dtype)
+            if too_large:
+                entry.status = NormStatus.KEPT
+                entry.reason = (
+                    f"{readers_blocked}; not into the embedding: {too_large}" if readers_blocked else too_large
+                )
+                continue
             tensor = derived_tensor(compute, original.dtype, original.shape.numpy())
             # a table the head reads too (tied) is copied for the lookup: the head keeps the original
             others = [u.node for u in table.uses() if u.node is not gather]

@@ -26,6 +26,7 @@ from taperfold.passes._graph import (
     describe,
     folded_source,
     node_label,
+    past_range,
     remove_if_dead,
     sole_use,
     write_const,
@@ -119,7 +120,19 @@ def producer_of(match: NormMatch) -> Producer | None:
             or (bias[0] is not node and b.ndim > 1 and (match.input.shape is None or b.ndim > len(match.input.shape)))
         ):
             raise Blocked(f"{describe(bias[0])} adds a bias of shape {list(b.shape)}, not one per channel")
+    why = past_range(lambda: folded_producer_weight(producer, match), producer.tensor.dtype)
+    if why:
+        raise Blocked(f"{describe(node)}: {why}")
     return producer
+
+
+def folded_producer_weight(producer: Producer, match: NormMatch) -> np.ndarray:
+    """W·diag(scale) (centered: W·(I - 11ᵀ/n) first) as a new float64 [inputs, outputs] array."""
+    w = producer.weight()
+    if match.centered:  # (I - 11ᵀ/n) on the right: subtract each row's mean over the n output channels
+        w -= w.mean(axis=1, keepdims=True)
+    w *= match.scale
+    return w
 
 
 def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) -> tuple[Effects, ir.Value]:
@@ -130,10 +143,7 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
     output = match.input
 
     def compute() -> np.ndarray:
-        w = producer.weight()
-        if centered:  # (I - 11ᵀ/n) on the right: subtract each row's mean over the n output channels
-            w -= w.mean(axis=1, keepdims=True)
-        w *= scale
+        w = folded_producer_weight(producer, match)
         return w.T if producer.reads_nd else w
 
     d_in, n = producer.shape

@@ -21,6 +21,7 @@ takes the fold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ from taperfold.passes._graph import (
     is_const,
     last_dim,
     node_producing,
+    past_range,
     write_const,
 )
 
@@ -138,8 +140,19 @@ class LinearReader(WeightView, Reader):
         if match.bias is not None:
             self._fold_bias(graph, match, effects)
 
+    def folded_weight(self, match: NormMatch) -> np.ndarray:
+        """diag(scale)·W (centered: (I - 11ᵀ/d) first) as a new float64 [..., inputs, outputs] array."""
+        w = self.weight()
+        w *= match.scale[:, None]  # in place: a large weight's float64 copy is the one temporary
+        if match.centered:  # (I - 11ᵀ/d) on the left: subtract each column's mean over the d rows
+            w -= w.mean(axis=-2, keepdims=True)
+        return w
+
+    def folded_bias(self, match: NormMatch) -> np.ndarray:
+        """β·W: what the shift adds to the layer's bias (float64)."""
+        return match.bias @ self.weight()
+
     def _fold_weight(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
-        scale, centered = match.scale[:, None], match.centered
         # Written where the node reads its weight, or, for a selection, where the Gather reads the whole stack.
         at, index, as_nd = (
             (self.gather, 0, self.gathered_nd)
@@ -148,10 +161,7 @@ class LinearReader(WeightView, Reader):
         )
 
         def compute() -> np.ndarray:
-            w = self.weight()
-            w *= scale  # in place: a large weight's float64 copy is the one temporary
-            if centered:  # (I - 11ᵀ/d) on the left: subtract each column's mean over the d rows
-                w -= w.mean(axis=-2, keepdims=True)
+            w = self.folded_weight(match)
             return w.swapaxes(-1, -2) if as_nd else w
 
         d, n = self.shape
@@ -168,7 +178,7 @@ class LinearReader(WeightView, Reader):
         """b' = b + beta·W with the original W (Gemm: C' = C + alpha/beta_gemm·beta·W); create b if absent."""
         node = self.node
         at, index = self.bias or new_bias_slot(graph, node)
-        shift = match.bias @ self.weight()
+        shift = self.folded_bias(match)
         if node.op_type == "Gemm":
             shift *= node.attributes.get_float("alpha", 1.0) / node.attributes.get_float("beta", 1.0)
         bias = at.inputs[index]
@@ -334,6 +344,13 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
                 f"read by {describe(node)}, whose weight is a stack of matrices: a shift (β) needs a bias per matrix"
             )
         reader.bias = _bias_of(node, n)
+    folds: list[Callable[[NormMatch], np.ndarray]] = [reader.folded_weight]
+    if match.bias is not None:
+        folds.append(reader.folded_bias)
+    for folded in folds:
+        why = past_range(functools.partial(folded, match), reader.tensor.dtype)
+        if why:
+            raise Blocked(f"read by {describe(node)}: {why}")
     return reader
 
 
