@@ -746,6 +746,7 @@ def bench(
     """
     from taperfold.bench.measure import (
         AUTO,
+        DEFAULT_NEW_TOKENS,
         DEFAULT_PROMPT,
         DEFAULT_SEQS,
         FUSED,
@@ -753,7 +754,6 @@ def bench(
         UNFUSED,
         BenchOptions,
         cells,
-        DEFAULT_NEW_TOKENS,
         fit_to_context,
         load_bench,
         run_bench,

@@ -4,8 +4,8 @@ outputs come back as typed results (`ModelOutputs`) for the judge (taperfold.ver
 pair still waits for.
 
 A case is a prefill (the logits of a batch of ids) or a decode: a prompt with an empty (or zeroed static) cache, then
-its KV-cached steps (verify.inputs.decode_steps), each fed the next column of ids (the same for reference and candidate); the logits of
-the prompt and of every step come back.
+its KV-cached steps (verify.inputs.decode_steps), each fed the next column of ids (the same for reference and
+candidate); the logits of the prompt and of every step come back.
 """
 
 from __future__ import annotations
