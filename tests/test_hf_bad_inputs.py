@@ -239,6 +239,16 @@ class TestHuggingFaceDirectories:
         _write_config(folder, {**_config(folder), **change})
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
 
+    def test_a_model_type_without_a_causal_lm_class_is_one_line(self, cli, tmp_path):
+        # a vision encoder whose config.json passes every key check: there is no causal LM to build from it
+        config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, image_size=32, patch_size=8)
+        folder = tmp_path / "vit"
+        transformers.ViTModel(config).save_pretrained(folder)
+        _write_config(folder, {**_config(folder), "vocab_size": 64, "max_position_embeddings": 64})
+        _refused(cli, tmp_path, folder, folder / "config.json", "model_type",
+                 "'vit', for which transformers has no causal language model")
+
     @pytest.mark.parametrize("key", ["n_embd", "n_head"])
     def test_gpt2_heads_must_divide_the_width(self, cli, tmp_path, copy_of, monkeypatch, key):
         folder = copy_of("gpt2-plain")

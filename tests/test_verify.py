@@ -438,8 +438,12 @@ def test_verify_on_cuda_without_a_gpu_is_one_line(tiny_export, cli):
     one_line(cli("verify", tiny_export, "--device", "cuda"), "--device cuda")
 
 
-@pytest.mark.parametrize("command, report", [(("verify",), "verify.json"),
-                                             (("bench", "--seq", "8", "--iters", "1", "--warmup", "0"), "bench.json")])
+@pytest.mark.parametrize("command, report", [
+    (("verify",), "verify.json"),
+    (("bench", "--seq", "8", "--iters", "1", "--warmup", "0"), "bench.json"),
+    (("bench", "--mode", "decode", "--prompt", "4", "--new-tokens", "2", "--iters", "1", "--warmup", "0"),
+     "bench-decode.json"),
+])
 @pytest.mark.parametrize("target", ["model.onnx.data", "checkpoint"])
 def test_a_report_planted_as_a_symlink_onto_an_input_is_refused(cli, tiny_export, tiny_checkpoint, tmp_path, command,
                                                                 report, target):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import read_json_object
 from taperfold.hf.config_check import check_size, transformers_config
@@ -73,11 +73,25 @@ def is_hf_directory(path: str | Path) -> bool:
     return isinstance(header, dict) and "format" not in header
 
 
-def _new_model(hf_config, device=None):
+def _new_model(hf_config, where: Path, device=None):
+    """transformers' causal LM for `hf_config` (on `device`); a model type with no causal-LM class, or a config its
+    constructor refuses, is one line naming config.json (`where`)."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    with torch.device(device) if device else contextlib.nullcontext():
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model_type = hf_config.model_type
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise TaperfoldError(
+            f"{where}: key 'model_type' is {model_type!r}, for which transformers has no causal language model "
+            "(AutoModelForCausalLM); taperfold exports causal LMs"
+        )
+    try:
+        with torch.device(device) if device else contextlib.nullcontext():
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for a config they refuse
+        raise TaperfoldError(
+            f"{where}: transformers cannot build a {model_type} model from this config alone ({first_line(e)})"
+        ) from None
 
 
 @dataclass
@@ -121,7 +135,9 @@ class HFCheckpoint(ModelSource):
         initialisation) and the models built from one directory share them; none changes them in place, except a
         model trained from the directory (train_hf_directory, the one model it builds)."""
         with parameters_on_meta():
-            model = _new_model(transformers_config(self.hf_config_dict, self.path / CONFIG, self.family))
+            model = _new_model(
+                transformers_config(self.hf_config_dict, self.path / CONFIG, self.family), self.path / CONFIG
+            )
         # outside: a norm without a weight (OLMo's) is tapered from ones made on the CPU
         tapering = taper_as_recorded(model, self.block, self.family, str(self.path)) if tapered else None
         state = self.state_dict if tapered else {k: v for k, v in self.state_dict.items() if k in model.state_dict()}
@@ -223,7 +239,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         weights_file(path),
     )
     with torch.device("meta"):  # shapes only: no memory, no init
-        expected_model = _new_model(hf_config)
+        expected_model = _new_model(hf_config, config_file)
     if shipped is not None:
         family = shipped.for_config(hf_config)
     elif block is not None and block.family is not None:  # as the directory was tapered: read, not traced again

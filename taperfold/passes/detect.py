@@ -545,3 +545,29 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
         gate_not_zero=[i for i in items if isinstance(i, GateNotZero)],
         order=[i.name for i in items],
     )
+
+
+def subgraph_candidates(model: ir.Model) -> list[tuple[Candidate, str]]:
+    """The constant-scale norms inside subgraphs (If branches, Loop and Scan bodies, at any depth), each named by its
+    path (`if/then_branch/mul`, never a main-graph norm's name) with where it sits. The fold rewrites the main graph
+    only (a subgraph may read an outer weight under its own conditions), so these stay in place, with that said."""
+    found: list[tuple[Candidate, str]] = []
+
+    def visit(graph: ir.Graph, prefix: str = "") -> None:
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    bodies = [attr.as_graph()]
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    bodies = list(attr.as_graphs())
+                else:
+                    continue
+                for i, body in enumerate(bodies):
+                    path = f"{prefix}{node.name or node.op_type}/{attr.name}{f'[{i}]' if len(bodies) > 1 else ''}/"
+                    where = f"inside the {attr.name} of {node.op_type} '{node.name}'"
+                    for candidate in detect_norms(ir.Model(body, ir_version=model.ir_version)).candidates:
+                        found.append((dataclasses.replace(candidate, name=path + candidate.name), where))
+                    visit(body, path)
+
+    visit(model.graph)
+    return found

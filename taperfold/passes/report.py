@@ -237,7 +237,7 @@ class ObserveNormsPass(ir.passes.InPlacePass):
         self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from taperfold.passes.detect import GATE_NOT_ZERO, detect_norms
+        from taperfold.passes.detect import GATE_NOT_ZERO, detect_norms, subgraph_candidates
 
         analysis = detect_norms(model)
         for norm in analysis.real_norms:
@@ -250,4 +250,8 @@ class ObserveNormsPass(ir.passes.InPlacePass):
             self.report.entry(candidate.name, candidate.kind, NormStatus.KEPT)
         position = {name: i for i, name in enumerate(analysis.order)}
         self.report.norms.sort(key=lambda entry: position.get(entry.name, len(position)))
+        for candidate, where in subgraph_candidates(model):  # after the main graph's, in the order found
+            self.report.entry(
+                candidate.name, candidate.kind, NormStatus.KEPT
+            ).reason = f"{where}: the fold rewrites the main graph only"
         return ir.passes.PassResult(model, modified=False)
