@@ -197,11 +197,12 @@ def norm_eps(module: nn.Module, family: Family) -> float:
     )
 
 
-def linear_widths(module: nn.Module | nn.Parameter) -> tuple[int, int]:
+def linear_widths(module: nn.Module | nn.Parameter, in_out: bool = False) -> tuple[int, int]:
     """(input, output) features of a linear layer: nn.Linear stores its weight [out, in], GPT-2's Conv1D [in, out];
-    a weight named by itself is F.linear's, [..., out, in] (a stack: MoE experts, one matrix each)."""
+    a weight named by itself is F.linear's, [..., out, in] (a stack: MoE experts, one matrix each), or [..., in, out]
+    where `in_out` (see `stored_in_out`)."""
     if isinstance(module, nn.Parameter):
-        return module.shape[-1], module.shape[-2]
+        return (module.shape[-2], module.shape[-1]) if in_out else (module.shape[-1], module.shape[-2])
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     rows, cols = module.get_parameter("weight").shape
@@ -226,6 +227,18 @@ def fold_target(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
         return model.get_parameter(path)
 
 
+def stored_in_out(model: nn.Module, path: str) -> bool:
+    """Whether the bare weight at `path` is a stack of [in, out] matrices: MoE experts whose module says so with
+    transformers' own flag (`@use_experts_implementation(is_transposed=True)`: gpt-oss), where the others store
+    F.linear's [out, in]."""
+    owner, _, _ = path.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return getattr(module, "is_transposed", False) is True
+
+
 def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Module | nn.Parameter:
     try:
         module = fold_target(model, path)
@@ -248,7 +261,7 @@ def _check_fold_targets(
 ) -> None:
     """The family's readers (or producer) of the norm at `path` exist, are linear layers, and take (give) its width."""
     for reader in readers:
-        width = linear_widths(_linear(model, reader, family, where))[0]
+        width = linear_widths(_linear(model, reader, family, where), stored_in_out(model, reader))[0]
         if width != dim:
             raise TaperfoldError(
                 f"{where}: {reader} takes {width} features, but {path} gives {dim} "

@@ -26,7 +26,7 @@ from torch import nn
 from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
 from taperfold.families import Family
 from taperfold.norms import ConstantMap, plain_kind
-from taperfold.taper import TaperedLM, fold_target, layer_count
+from taperfold.taper import TaperedLM, fold_target, layer_count, stored_in_out
 
 if TYPE_CHECKING:
     from taperfold.sources import ModelSource
@@ -43,16 +43,18 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
-def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap) -> None:
+def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap, in_out: bool = False) -> None:
     """y = ((h − μ)·diag(s) + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W, in float64
     from the stored weight, cast once. `reader`: an nn.Linear ([out, in]), a GPT-2 style Conv1D ([in, out]), or a
-    weight F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike)."""
+    weight F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike; [..., in,
+    out] where `in_out`: gpt-oss's experts)."""
     if isinstance(reader, nn.Parameter):
         if folded.bias is not None:
             raise ValueError("a shifted norm (LayerNorm β) folds into a layer with a bias, and a bare weight has none")
-        w = reader.double().transpose(-1, -2)  # as [..., in, out]
+        w = reader.double() if in_out else reader.double().transpose(-1, -2)  # as [..., in, out]
         w = folded.scale[:, None] * w
-        reader.copy_((w - w.mean(dim=-2, keepdim=True) if folded.centered else w).transpose(-1, -2))
+        w = w - w.mean(dim=-2, keepdim=True) if folded.centered else w
+        reader.copy_(w if in_out else w.transpose(-1, -2))
         return
     conv = not isinstance(reader, nn.Linear)
     weight = reader.get_parameter("weight")
@@ -134,7 +136,7 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
                 layer = _own_tensors(network, target, layer)
                 owned.add(target)
             if path in tapering.readers:
-                fold_into_reader(layer, constant)
+                fold_into_reader(layer, constant, stored_in_out(network, target))
             elif isinstance(layer, nn.Module):
                 fold_into_producer(layer, constant)
             else:

@@ -39,7 +39,7 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, is_registered, supported_model_types
 from taperfold.hf.model import exportable
 from taperfold.norms import is_norm_module, norm_kind, norm_kinds
-from taperfold.taper import fold_target
+from taperfold.taper import fold_target, stored_in_out
 
 GUIDE = "docs/hf.md, section 'Adding a family'"  # where a refusal sends the user
 TRACE_TOKENS = 8  # a tiny input: the graph, not the numbers, is what tracing is for
@@ -282,7 +282,7 @@ class _Graph:
         weight, transposed = self.parameter(node.args[spec[1]])
         if weight is None:
             return None  # a product of two activations: attention
-        stored_in_out = spec[2] != transposed  # how the parameter itself is laid out, as this op reads it
+        as_in_out = spec[2] != transposed  # how the parameter itself is laid out, as this op reads it
         scope = _scope(node)
         try:
             module = self.model.get_submodule(scope) if scope else None
@@ -292,11 +292,13 @@ class _Graph:
             module is not None
             and _linear_layer_class(module)
             and module.weight is self.model.get_parameter(weight)
-            and stored_in_out == _stores_in_out(module)
+            and as_in_out == _stores_in_out(module)
         ):
             return scope
-        if not stored_in_out and self.model.get_parameter(weight).dim() >= 2:
+        if not as_in_out and self.model.get_parameter(weight).dim() >= 2:
             return weight  # F.linear(x, W): W is [..., out, in]
+        if as_in_out and self.model.get_parameter(weight).dim() >= 3 and stored_in_out(self.model, weight):
+            return weight  # x @ W[experts]: a stack of [in, out] matrices its module says it holds (gpt-oss)
         return None
 
     def column_reader(self, node, value) -> str | None:
