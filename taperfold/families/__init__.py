@@ -6,6 +6,7 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `norm`: the norm kind (taperfold.norms: "rms", "ln"), and `gain_offset` when the norm computes x·(1 + w);
 - `layers`: the ModuleList of decoder layers, and `internal`: each norm of a layer with the linear layers
   that read its output (what a fold rewrites: AutoAWQ's `get_layers_for_scaling`, llm-compressor's mappings);
+  `layer_readers`: where some layers' readers differ (dense and MoE layers in one model), theirs;
   `post`: each post-norm of a layer (it reads a projection's output before the residual Add: Gemma 2/3,
   OLMo 2, GLM-4, EXAONE 4) with the linear layer that produces its input, whose output columns the fold
   rewrites instead;
@@ -52,6 +53,9 @@ class Family:
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
     configure: Callable[[object], dict] | None = None  # config -> the fields that differ for its layout
     traced: bool = False  # found by tracing the model (taperfold.hf.trace), not written by hand
+    # layer index -> {norm in the layer: its readers} where that layer's differ from `internal` (DeepSeek-V3's
+    # first layers have a dense MLP where the others route to experts)
+    layer_readers: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
 
     def for_config(self, config) -> Family:
         """The family as a model of `config` lays out its layers (itself unless `configure` says otherwise)."""
@@ -63,11 +67,15 @@ class Family:
         paths = {
             f"{self.layers}.{i}.{norm}": [f"{self.layers}.{i}.{r}" for r in readers]
             for i in range(n_layers)
-            for norm, readers in self.internal.items()
+            for norm, readers in self.readers_in_layer(i).items()
         }
         if taper == "all":
             paths[self.final] = [self.head]
         return paths
+
+    def readers_in_layer(self, index: int) -> dict[str, tuple[str, ...]]:
+        """Each norm of layer `index` that folds forwards, with its readers (paths in the layer)."""
+        return {**self.internal, **self.layer_readers.get(index, {})}
 
     def norm_paths(self, n_layers: int, taper: str) -> list[str]:
         """Every norm `taper` covers: those folding forwards, then the post-norms."""

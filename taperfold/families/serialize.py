@@ -11,6 +11,7 @@ from taperfold.norms import norm_kind, norm_kinds
 from taperfold.numeric import is_finite_number
 
 _DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
+_OPTIONAL_KEYS = ("layer_readers",)  # absent in what taperfold wrote before it had them
 _PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 
 
@@ -26,6 +27,16 @@ def family_to_data(family: Family) -> dict:
         "head": family.head,
         "untapered": dict(family.untapered),
         "norm_eps": family.norm_eps,
+        **(
+            {
+                "layer_readers": {
+                    str(i): {norm: list(readers) for norm, readers in by_norm.items()}
+                    for i, by_norm in family.layer_readers.items()
+                }
+            }
+            if family.layer_readers
+            else {}
+        ),
     }
 
 
@@ -33,9 +44,9 @@ def family_from_data(raw, model_type: str, bad) -> Family:
     """The family a `taperfold.family` key holds; `bad(key, why)` makes the error for a wrong one."""
     if not isinstance(raw, dict):
         raise bad("family", f"must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_DATA_KEYS))
+    unknown = sorted(set(raw) - set(_DATA_KEYS) - set(_OPTIONAL_KEYS))
     if unknown:
-        raise bad(f"family.{unknown[0]}", f"is not a known key ({', '.join(_DATA_KEYS)})")
+        raise bad(f"family.{unknown[0]}", f"is not a known key ({', '.join(_DATA_KEYS + _OPTIONAL_KEYS)})")
     missing = [key for key in _DATA_KEYS if key not in raw]
     if missing:
         raise bad(f"family.{missing[0]}", "is missing")
@@ -59,6 +70,7 @@ def family_from_data(raw, model_type: str, bad) -> Family:
     for norm, readers in internal.items():
         if twice := next((r for i, r in enumerate(readers) if r in readers[:i]), None):
             raise bad("family.internal", f"lists {twice!r} twice among the readers of {norm!r}")
+    layer_readers = _layer_readers(raw.get("layer_readers", {}), internal, bad)
     if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
         raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
     if not internal and not post:
@@ -85,7 +97,27 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         untapered=dict(untapered),
         norm_eps=None if eps is None else float(eps),
         traced=True,
+        layer_readers=layer_readers,
     )
+
+
+def _layer_readers(raw, internal: dict, bad) -> dict[int, dict[str, tuple[str, ...]]]:
+    """`layer_readers`: layer index (a string of digits) -> {a norm `internal` names: its readers in that layer}."""
+    if not isinstance(raw, dict):
+        raise bad("family.layer_readers", f"must be an object, got {type(raw).__name__}")
+    out: dict[int, dict[str, tuple[str, ...]]] = {}
+    for index, by_norm in raw.items():
+        if not (isinstance(index, str) and index.isdigit() and len(index) <= 6) or not isinstance(by_norm, dict):
+            raise bad("family.layer_readers", f"must map layer indices to objects, got {index!r}")
+        for norm, readers in by_norm.items():
+            if norm not in internal:
+                raise bad(f"family.layer_readers.{index}", f"names {norm!r}, which 'internal' does not")
+            if not (isinstance(readers, list) and readers and all(map(_is_path, readers))):
+                raise bad(f"family.layer_readers.{index}", f"must give {norm!r} a non-empty list of reader paths")
+            if len(set(readers)) != len(readers):
+                raise bad(f"family.layer_readers.{index}", f"lists a reader of {norm!r} twice")
+        out[int(index)] = {norm: tuple(readers) for norm, readers in by_norm.items()}
+    return out
 
 
 def _is_path(value) -> bool:

@@ -28,7 +28,7 @@ one read back against the model config.json describes.
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -524,6 +524,7 @@ def traced_family(config, where: str = "model") -> Family:
             continue
         per_norm[where_in.inner][where_in.layer] = (name in readers, tuple(t[len(prefix) :] for t in targets))
     internal, post = {}, {}
+    layer_readers: dict[int, dict[str, tuple[str, ...]]] = defaultdict(dict)
     for relative, by_layer in per_norm.items():
         folds = set(by_layer.values())
         if len(by_layer) == n_layers and len(folds) == 1:
@@ -533,7 +534,16 @@ def traced_family(config, where: str = "model") -> Family:
             else:
                 post[relative] = targets[0]
             continue
-        reason = "its readers differ between layers" if len(folds) > 1 else "it folds in some layers only"
+        if len(by_layer) == n_layers and all(forwards for forwards, _ in folds):
+            # readers that differ by layer (a dense MLP in some, experts in the others): the most common in
+            # `internal`, the rest per layer
+            counts = Counter(targets for _, targets in by_layer.values())
+            internal[relative] = counts.most_common(1)[0][0]
+            for index, (_, targets) in by_layer.items():
+                if targets != internal[relative]:
+                    layer_readers[index][relative] = targets
+            continue
+        reason = "its producers differ between layers" if len(folds) > 1 else "it folds in some layers only"
         for index in range(n_layers):
             why[f"{layers_path}.{index}.{relative}"] = reason
     if not internal and not post:
@@ -557,6 +567,7 @@ def traced_family(config, where: str = "model") -> Family:
         untapered=untapered,
         norm_eps=None if own else eps,
         traced=True,
+        layer_readers=dict(layer_readers),
     )
 
 
@@ -570,9 +581,14 @@ def check_family_paths(model: nn.Module, family: Family, bad) -> None:
         layers = None
     if not isinstance(layers, nn.ModuleList):
         raise bad("family.layers", f"{family.layers!r} is not a list of layers in this {family.name} model")
-    for key, folds in (("internal", family.internal), ("post", {n: [p] for n, p in family.post.items()})):
-        for norm, targets in folds.items():
-            for i in range(len(layers)):
+    if beyond := [i for i in family.layer_readers if i >= len(layers)]:
+        raise bad("family.layer_readers", f"names layer {beyond[0]}; this {family.name} model has {len(layers)}")
+    for i in range(len(layers)):
+        for key, folds in (
+            ("internal", family.readers_in_layer(i)),
+            ("post", {n: [p] for n, p in family.post.items()}),
+        ):
+            for norm, targets in folds.items():
                 if not _has_norm(model, f"{family.layers}.{i}.{norm}"):
                     raise bad(f"family.{key}", f"names {norm!r}, which is not a norm module in layer {i}")
                 for target in targets:
