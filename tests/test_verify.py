@@ -247,6 +247,27 @@ def _first_projection(graph):
                 if v is not None and v.const_value is not None)
 
 
+def test_a_graph_onnx_runtime_cannot_run_fails_its_pairs_and_the_report_is_written(cli, tiny_export, tmp_path):
+    # model.onnx traced for one sequence length only (as Qwen3-Next's chunked linear attention traces): ONNX Runtime
+    # refuses every other input; verify records that as the pairs' failure, runs the rest and writes its report
+    import onnx
+
+    out = shutil.copytree(tiny_export, tmp_path / "out")
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 3
+    onnx.save(model, out / "model.onnx")
+    result = verify(cli, out)
+    assert result.exit_code == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("taperfold: FAILED: ") and "-> folded" in line
+    report = json.loads((out / "verify.json").read_text())
+    status = {p["name"]: (p["status"], p["reason"]) for p in report["pairs"]}
+    assert status["checkpoint -> unfolded"][0] == "pass"
+    assert status["checkpoint -> folded"][0] == "fail" and status["unfolded -> folded"][0] == "fail"
+    assert "did not run: " in status["checkpoint -> folded"][1] and "onnxruntime run failed" in \
+        status["checkpoint -> folded"][1]
+
+
 def test_fold_bound_follows_the_exporters_own_distance(tiny_export, tmp_path):
     """At 683 M parameters unfolded.onnx sat 6.3e-5 from the checkpoint, model.onnx 2.2e-5, and the two 4.3e-5 apart:
     over the fixed 1e-5 fold bound though the fold was right. Here the unfolded graph is put 5e-5 from the checkpoint

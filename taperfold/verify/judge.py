@@ -47,6 +47,8 @@ class Judge:
         self._by_name = {p.result.name: p for p in pairs}
 
     def take(self, outputs: ModelOutputs) -> None:
+        if outputs.error is not None:
+            self._could_not_run(outputs.model, outputs.error)
         for case, logits in outputs.logits.items():
             self._logits[(outputs.model, case)] = logits
         for pair in [p for p in self._waiting if p.needs <= self._logits.keys()]:
@@ -54,6 +56,13 @@ class Judge:
             self._waiting.remove(pair)
         needed = set().union(*(p.needs for p in self._waiting)) if self._waiting else set()
         self._logits = {key: value for key, value in self._logits.items() if key in needed}
+
+    def _could_not_run(self, model: str, error: str) -> None:
+        """Every pair still waiting on `model` fails, saying why it did not run."""
+        for pair in [p for p in self._waiting if model in (p.result.reference, p.result.candidate)]:
+            pair.result.status, pair.result.reason = "fail", f"{model} did not run: {error}"
+            pair.metrics.clear()
+            self._waiting.remove(pair)
 
     def results(self) -> list[PairResult]:
         for pair in self.pairs:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from taperfold.exportdir import INPUT, OUTPUT
-from taperfold.runners.base import Runner
+from taperfold.runners.base import Runner, RunnerError
 
 
 @dataclass(frozen=True)
@@ -47,30 +47,36 @@ class ModelRun:
 
 @dataclass
 class ModelOutputs:
-    """What one model returned: per case label, the logits of the prompt (prefill: the only ones) and of each step."""
+    """What one model returned: per case label, the logits of the prompt (prefill: the only ones) and of each step;
+    `error`: why it could not run (its engine refused it: a graph ONNX Runtime cannot run on these inputs)."""
 
     model: str
     logits: dict[str, list[np.ndarray]]
+    error: str | None = None
 
 
 def run_models(models: list[ModelRun], progress: Callable[[int, int, str], None]) -> Iterator[ModelOutputs]:
     """Run each model in turn on its cases, one model in memory at a time; yield its outputs once it is closed."""
     total, done = sum(len(m.cases) for m in models), 0
     for model in models:
-        logits = {}
+        logits, error = {}, None
         with model.open_runner() as runner:
             for case in model.cases:
                 progress(done, total, f"{model.name} {'decoding' if case.decode else 'on'} {case.label}")
-                logits[case.label] = (
-                    runner.decode_logits(case.ids, case.steps, model.cfg, model.kv_dtype, case.cache_len)
-                    if case.decode
-                    else _prefill(runner, case)
-                )
+                try:
+                    logits[case.label] = (
+                        runner.decode_logits(case.ids, case.steps, model.cfg, model.kv_dtype, case.cache_len)
+                        if case.decode
+                        else _prefill(runner, case)
+                    )
+                except RunnerError as e:  # the engine refused a call: this model's pairs fail, the others still run
+                    error = str(e)
+                    break
                 done += 1
         del runner
         model.then()
         return_freed_memory()
-        yield ModelOutputs(model.name, logits)
+        yield ModelOutputs(model.name, logits, error)
 
 
 def _prefill(runner: Runner, case: Case) -> list[np.ndarray]:
