@@ -60,6 +60,18 @@ def tiny_config(model_type: str):
         "olmoe": lambda: t.OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **RMS),
         "granitemoe": lambda: t.GraniteMoeConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                  **RMS),
+        # unlisted MoE of the newest forms: gpt-oss (experts stacked [in, out] with biases, a router with a bias) and
+        # DeepSeek-V3 (latent attention's norms; a dense first layer, then a router, routed and shared experts)
+        "gpt_oss": lambda: t.GptOssConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                          **RMS),
+        "deepseek_v3": lambda: t.DeepseekV3Config(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                                  n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                                  kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                                  qk_nope_head_dim=4, v_head_dim=8, moe_intermediate_size=16, **RMS),
+        # unlisted, a config of the new shape: Gemma 4's full-attention layer has its own head_dim (per_layer_config)
+        "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                                                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+                                                  layer_types=["sliding_attention", "full_attention"], **RMS),
     }
     return configs[model_type]()
 
@@ -67,7 +79,7 @@ def tiny_config(model_type: str):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
             "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
-UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe")
+UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "gemma4_text")
 
 
 def tapered_tiny_model(model_type: str):

@@ -140,7 +140,7 @@ def _plain(name, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cohere", "persimmon", "olmoe"])
+@pytest.mark.parametrize("name", ["cohere", "persimmon", "olmoe", "gpt_oss", "deepseek_v3", "gemma4_text"])
 def test_unlisted_architecture_through_the_command_line(cli, tmp_path, corpus, name):
     plain = _plain(name, tmp_path / "plain")
     shown = cli("inspect", plain, "--json")
@@ -165,6 +165,9 @@ def test_unlisted_architecture_through_the_command_line(cli, tmp_path, corpus, n
     assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == len(tapered_norms)
     left = detect_norms(ir.load(out / "model.onnx"))
     assert left.candidates == [] and len(left.real_norms) == len(manifest["source"]["untapered"])
+    if name in ("gpt_oss", "deepseek_v3"):  # the norm before the experts folds into them too
+        assert tapered_norms["model.layers.1.post_attention_layernorm"][-1].startswith("model.layers.1.mlp.")
+        assert any("experts.gate_up_proj" in r for r in tapered_norms["model.layers.1.post_attention_layernorm"])
     if name == "persimmon":  # its per-head q/k LayerNorms read a per-head split: left, with the reason
         qk = {k: v for k, v in manifest["source"]["untapered"].items() if re.search(r"[qk]_layernorm$", k)}
         assert len(qk) == 4 and all("not only by linear layers" in why for why in qk.values())
@@ -205,6 +208,10 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
                   "post_attention_layernorm": ["mlp.c_fc"]}, "lists 'self_attn.q_proj' twice"),
     ("final", "model.layers.1.input_layernorm", "is a norm inside a layer, not the norm after the last layer"),
     ("head", "model.embed_tokens", "is the input embedding, not the output head"),
+    ("layer_readers", {"0": {"no_such_norm": ["mlp.c_fc"]}}, "layer 0 names 'no_such_norm', which 'internal' does not"),
+    ("layer_readers", {"7": {"post_attention_layernorm": ["mlp.c_fc"]}}, "names layer 7; this starcoder2 model has 2"),
+    ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
+    ("layer_readers", {"x": {}}, "must map layer indices to objects"),
 ])
 def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):
     folder = shutil.copytree(tapered_unlisted, tmp_path / "in")

@@ -111,11 +111,11 @@ def _layer_readers(raw, internal: dict, bad) -> dict[int, dict[str, tuple[str, .
             raise bad("family.layer_readers", f"must map layer indices to objects, got {index!r}")
         for norm, readers in by_norm.items():
             if norm not in internal:
-                raise bad(f"family.layer_readers.{index}", f"names {norm!r}, which 'internal' does not")
+                raise bad("family.layer_readers", f"layer {index} names {norm!r}, which 'internal' does not")
             if not (isinstance(readers, list) and readers and all(map(_is_path, readers))):
-                raise bad(f"family.layer_readers.{index}", f"must give {norm!r} a non-empty list of reader paths")
+                raise bad("family.layer_readers", f"layer {index} must give {norm!r} a non-empty list of reader paths")
             if len(set(readers)) != len(readers):
-                raise bad(f"family.layer_readers.{index}", f"lists a reader of {norm!r} twice")
+                raise bad("family.layer_readers", f"layer {index} lists a reader of {norm!r} twice")
         out[int(index)] = {norm: tuple(readers) for norm, readers in by_norm.items()}
     return out
 

@@ -15,6 +15,7 @@ from typing import TypeGuard
 
 from taperfold.errors import TaperfoldError
 from taperfold.families import Family
+from taperfold.hf.config_values import config_value
 from taperfold.hf.taper_block import BLOCK
 from taperfold.hf.trace import GUIDE, shipped_note
 from taperfold.numeric import is_finite_number
@@ -38,6 +39,7 @@ _INT_KEYS = {  # name -> (low, high, null allowed)
     "max_position_embeddings": (1, 1 << 20, False),
     "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
 }
+_MISSING = object()
 _PER_LAYER_KEYS = ("intermediate_size",)  # may be a list, one value per layer (Gemma 3n)
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # routed experts, as families name them
 _FLOAT_KEYS = {  # name -> (low, excluded; high, included)
@@ -57,12 +59,15 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(where: Path, key: str, value, low: int, high: int, nullable: bool, layers=None) -> None:
-    """An integer key in [low, high]; for a per-layer key (_PER_LAYER_KEYS) a list of them, one per layer
-    (`layers`: num_hidden_layers where known), is checked element by element."""
+def _check_int(
+    where: Path, key: str, value, low: int, high: int, nullable: bool, layers=None, per_layer: bool = False
+) -> None:
+    """An integer key in [low, high]; for a per-layer key (_PER_LAYER_KEYS, or any with `per_layer`: a value read
+    from a heterogeneous config's layers) a list of them, one per layer (`layers`: num_hidden_layers where known),
+    is checked element by element."""
     if value is None and nullable:
         return
-    if isinstance(value, list) and key in _PER_LAYER_KEYS:
+    if isinstance(value, list) and (per_layer or key in _PER_LAYER_KEYS):
         if not value or (_is_int(layers) and len(value) != layers):
             raise TaperfoldError(
                 f"{where}: key '{key}' is a list of {len(value)} values; a per-layer list needs one per layer "
@@ -165,30 +170,36 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
         *(() if context else ("max_position_embeddings",)),
     )
     for name in required:
-        if getattr(hf_config, name, None) is None:
+        if config_value(hf_config, name) is None:
             raise TaperfoldError(
                 f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
                 f"{cls.__name__} has no default for it)"
             )
     for name, (low, high, nullable) in _INT_KEYS.items():
-        if hasattr(hf_config, name):
-            value = getattr(hf_config, name)
-            _check_int(where, _json_name(cls, name), value, low, high, nullable, hf_config.num_hidden_layers)
+        value = config_value(hf_config, name, _MISSING)
+        if value is not _MISSING:
+            layers = hf_config.num_hidden_layers
+            _check_int(where, _json_name(cls, name), value, low, high, nullable, layers, per_layer=True)
     _check_experts(
         where, {k: getattr(hf_config, k) for k in (*_EXPERT_KEYS, "num_experts_per_tok") if hasattr(hf_config, k)}
     )
     heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    kv_heads = config_value(hf_config, "num_key_value_heads") or heads
     if heads % kv_heads:
         raise TaperfoldError(
             f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
             f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})"
         )
-    if getattr(hf_config, "head_dim", None) is None and hidden % heads:
+    if config_value(hf_config, "head_dim") is None and hidden % heads:
         raise TaperfoldError(
             f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
             f"'{_json_name(cls, 'num_attention_heads')}' ({heads})"
         )
+
+
+def _smallest(value):
+    """A per-layer list's smallest value (a lower bound on the parameters), else the value."""
+    return min(value) if isinstance(value, list) else value
 
 
 def _check_experts(where: Path, config: dict) -> None:
@@ -211,9 +222,9 @@ def _check_experts(where: Path, config: dict) -> None:
 def _intermediate(hf_config) -> tuple[str, int]:
     """The MLP's intermediate size (per-layer list: the smallest, for a lower bound on the parameters)."""
     for name in ("intermediate_size", "ffn_dim", "n_inner"):
-        value = getattr(hf_config, name, None)
+        value = config_value(hf_config, name)
         if value:
-            return _json_name(type(hf_config), name), min(value) if isinstance(value, list) else value
+            return _json_name(type(hf_config), name), _smallest(value)
     return "n_inner", 4 * hf_config.hidden_size  # GPT-2's default
 
 
@@ -221,7 +232,7 @@ def check_size(hf_config, present: int, where: Path, weights: Path) -> None:
     """Refuse a config far larger than the weights before anything is built, even on the meta device; smaller
     mismatches get the exact tensor from taperfold.sources.checks.check_state."""
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    head_dim = _smallest(config_value(hf_config, "head_dim")) or hidden // heads
     implied = implied_parameters(
         vocab_size=hf_config.vocab_size,
         hidden=hidden,
@@ -233,9 +244,9 @@ def check_size(hf_config, present: int, where: Path, weights: Path) -> None:
         return
     cls = type(hf_config)
     sizes = [
-        (_json_name(cls, name), getattr(hf_config, name))
+        (_json_name(cls, name), config_value(hf_config, name))
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
-        if hasattr(hf_config, name)
+        if config_value(hf_config, name, _MISSING) is not _MISSING
     ]
     keys = ", ".join(
         f"'{key}' = {value}"

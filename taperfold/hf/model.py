@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
+from taperfold.hf.config_values import config_value
 from taperfold.taper import TaperedLM, shared_parameters
 
 if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
@@ -88,9 +89,10 @@ class HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
         config's key/value heads and head dim."""
         heads = config.num_attention_heads
+        per_layer_dims = config_value(config, "head_dim")  # a list where layers differ (Gemma 4): layer 0's
         kv_heads, head_dim = cache or (
-            getattr(config, "num_key_value_heads", None) or heads,
-            getattr(config, "head_dim", None) or config.hidden_size // heads,
+            config_value(config, "num_key_value_heads") or heads,
+            (per_layer_dims[0] if isinstance(per_layer_dims, list) else per_layer_dims) or config.hidden_size // heads,
         )
         context = getattr(config, "max_position_embeddings", None) or family.context
         if context is None:  # taperfold.hf.config_check refuses such a config before any model is built

@@ -584,8 +584,10 @@ def check_family_paths(model: nn.Module, family: Family, bad) -> None:
     if beyond := [i for i in family.layer_readers if i >= len(layers)]:
         raise bad("family.layer_readers", f"names layer {beyond[0]}; this {family.name} model has {len(layers)}")
     for i in range(len(layers)):
+        own = family.layer_readers.get(i, {})
         for key, folds in (
-            ("internal", family.readers_in_layer(i)),
+            ("internal", {n: r for n, r in family.internal.items() if n not in own}),
+            ("layer_readers", own),
             ("post", {n: [p] for n, p in family.post.items()}),
         ):
             for norm, targets in folds.items():

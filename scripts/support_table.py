@@ -1,0 +1,236 @@
+"""Run the user path over every causal-LM model type the installed transformers ships and write what happened.
+
+For each `model_type` of transformers' AutoModelForCausalLM mapping (or those given with --types), a tiny model is
+built offline from its config class (sizes shrunk; nothing downloaded) and saved with save_pretrained; then, as a
+user would, each step through taperfold's command line in a child process with a time limit:
+
+    taperfold inspect PLAIN --json
+    taperfold train --from PLAIN --steps 30 --batch-size 2 --data CORPUS -o TAPERED
+    taperfold inspect TAPERED --json
+    taperfold export TAPERED -o OUT
+    taperfold verify OUT --json
+
+Per type it records the norms, how many were tapered and folded, verify's verdict, and the first line of the reason
+for anything left (a step's error, an untapered norm's reason). The result is JSON (--json) and the Markdown table
+docs/hf.md holds (--markdown), both naming the transformers version. Takes about a minute per type on 2 cores:
+
+    .venv/bin/python scripts/support_table.py --json runs/support.json --markdown runs/support.md
+    .venv/bin/python scripts/support_table.py --types llama,gpt_oss,qwen3_next --markdown -
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEP_LIMIT_S = 900  # one command; a type whose step runs longer is recorded as timed out
+# Sizes every config gets where it has the key (transformers' own names); the rest keep their defaults.
+SMALL = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "sliding_window": 64,
+    "attention_chunk_size": 64,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256,
+    "num_kv_shared_layers": 0,
+    "laurel_rank": 8,
+}
+GPT2_STYLE = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "n_inner": 128}
+NO_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # defaults outside a tiny vocabulary
+
+
+def small_config(model_type: str):
+    """transformers' config for `model_type` at the sizes above (a nested text config shrunk too), or raise."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    probe = config_class()
+    given = {k: v for k, v in {**SMALL, **GPT2_STYLE}.items() if k in probe.to_dict() or hasattr(probe, k)}
+    if "qk_rope_head_dim" in given:  # latent attention (MLA): head_dim is the rotary part's, every head keeps K/V
+        given.pop("head_dim", None)
+        given["num_key_value_heads"] = given["num_attention_heads"]
+    if "layer_types" in probe.to_dict():
+        given["layer_types"] = None  # recomputed for the new layer count, where the class derives it
+    kwargs = {**given, **NO_TOKENS}
+    for key in ("text_config",):
+        sub = getattr(probe, key, None)
+        if sub is not None:
+            sub_given = {k: v for k, v in SMALL.items() if hasattr(sub, k)}
+            kwargs[key] = {**sub.to_dict(), **sub_given, **NO_TOKENS}
+            kwargs[key].pop("layer_types", None)
+    try:
+        return config_class(**kwargs)
+    except Exception:  # noqa: BLE001 - a class that refuses a null layer_types: let it derive them
+        kwargs.pop("layer_types", None)
+        return config_class(**kwargs)
+
+
+def save_plain(model_type: str, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config(model_type))
+    model.save_pretrained(folder)
+
+
+def _taperfold(*args, timeout: int = STEP_LIMIT_S) -> tuple[int, str, str]:
+    command = [sys.executable, "-m", "taperfold", *map(str, args)]
+    try:
+        r = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "", f"timed out after {timeout} s"
+    return r.returncode, r.stdout, r.stderr
+
+
+def _reason(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if any(line.startswith("Traceback") for line in lines):
+        return f"traceback: {lines[-1][:300]}"
+    return lines[-1].removeprefix("taperfold: error: ")[:300]
+
+
+def run_type(model_type: str, root: Path, corpus: Path) -> dict:
+    """The user path for one model type; what each step gave."""
+    row: dict = {"model_type": model_type, "norms": None, "tapered": None, "folded": None, "verify": None,
+                 "stopped_at": None, "reason": ""}
+    plain, tapered, out = root / "plain", root / "tapered", root / "out"
+    build = subprocess.run(
+        [sys.executable, __file__, "--save-plain", model_type, str(plain)], capture_output=True, text=True,
+        timeout=STEP_LIMIT_S,
+    )
+    if build.returncode != 0:
+        row.update(stopped_at="build", reason=_reason(build.stderr))
+        return row
+    steps = [
+        ("inspect", ("inspect", plain, "--json")),
+        ("train", ("train", "--from", plain, "--steps", "30", "--batch-size", "2", "--data", corpus, "-o", tapered)),
+        ("inspect tapered", ("inspect", tapered, "--json")),
+        ("export", ("export", tapered, "-o", out)),
+        ("verify", ("verify", out, "--json")),
+    ]
+    for name, args in steps:
+        code, stdout, stderr = _taperfold(*args)
+        if name == "inspect" and code == 0:
+            info = json.loads(stdout)
+            row["norms"] = len(info["norms"])
+            left = [f"{n['name']}: {n.get('reason') or n.get('foldable')}" for n in info["norms"] if not n["folds_into"]]
+            row["left_plain"] = left
+        if name == "inspect tapered" and code == 0:
+            info = json.loads(stdout)
+            row["tapered"] = sum(1 for n in info["norms"] if n["tapered"])
+            row["untapered"] = {n["name"]: n.get("reason", "") for n in info["norms"] if not n["tapered"]}
+        if name == "export" and code == 0:
+            manifest = json.loads((out / "manifest.json").read_text())
+            row["folded"] = manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"]
+        if name == "verify":
+            row["verify"] = "PASS" if code == 0 else "FAIL" if code == 1 else "error"
+            if code in (0, 1):
+                return row
+        if code != 0:
+            row.update(stopped_at=name, reason=_reason(stderr))
+            return row
+    return row
+
+
+def markdown(rows: list[dict], version: str) -> str:
+    lines = [
+        f"Generated by `scripts/support_table.py` with transformers {version}: tiny random models built offline from "
+        "each config class, 30 steps of `train --from`, then `export` and `verify`.",
+        "",
+        "| model_type | norms | tapered | folded | verify | stopped at | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(value) -> str:
+        return "–" if value is None else str(value).replace("|", "\\|")
+
+    for r in rows:
+        lines.append(
+            f"| {r['model_type']} | {cell(r['norms'])} | {cell(r['tapered'])} | {cell(r['folded'])} | "
+            f"{cell(r['verify'])} | {cell(r['stopped_at'])} | {cell(r['reason'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--json", dest="json_path", help="write the rows as JSON here ('-': stdout)")
+    parser.add_argument("--markdown", help="write the Markdown table here ('-': stdout)")
+    parser.add_argument("--save-plain", nargs=2, metavar=("TYPE", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.save_plain:  # the child that builds one tiny model (a crash there is that type's, not the run's)
+        save_plain(args.save_plain[0], Path(args.save_plain[1]))
+        return
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = args.types.split(",") if args.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="taperfold-support-") as scratch:
+        corpus = Path(scratch) / "corpus.txt"
+        corpus.write_bytes(Path(json.__file__).read_bytes() * 8)  # a standard-library file as text: offline
+        for i, model_type in enumerate(types, 1):
+            start = time.perf_counter()
+            root = Path(scratch) / model_type
+            root.mkdir()
+            row = run_type(model_type, root, corpus)
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(f"[{i}/{len(types)}] {model_type}: {row['verify'] or 'stopped at ' + str(row['stopped_at'])} "
+                  f"({row['seconds']} s) {row['reason'][:120]}", file=sys.stderr, flush=True)
+            subprocess.run(["rm", "-rf", str(root)], check=False)
+    result = {"transformers": transformers.__version__, "rows": rows}
+    if args.json_path:
+        _write(args.json_path, json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        _write(args.markdown, markdown(rows, transformers.__version__))
+
+
+if __name__ == "__main__":
+    main()
