@@ -405,7 +405,8 @@ def export_checkpoint(
     _check_static_cache(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        exported = export_graphs(sources, tmp, opts, on_stage)
+        with source.export_context():
+            exported = export_graphs(sources, tmp, opts, on_stage)
         on_stage("writing manifest")
         manifest = _manifest(source, ckpt_path, opts, tmp, exported)
         manifest.write()

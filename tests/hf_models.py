@@ -68,6 +68,9 @@ def tiny_config(model_type: str):
                                                   n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
                                                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
                                                   qk_nope_head_dim=4, v_head_dim=8, moe_intermediate_size=16, **RMS),
+        # unlisted, a family torch.onnx cannot translate as transformers writes it: Llama 4's complex rotary embedding
+        "llama4_text": lambda: t.Llama4TextConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                                  intermediate_size_mlp=64, **RMS),
         # unlisted, a config of the new shape: Gemma 4's full-attention layer has its own head_dim (per_layer_config)
         "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
@@ -79,7 +82,8 @@ def tiny_config(model_type: str):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
             "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
-UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "gemma4_text")
+UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "llama4_text",
+            "gemma4_text")
 
 
 def tapered_tiny_model(model_type: str):

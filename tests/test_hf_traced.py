@@ -117,6 +117,37 @@ def test_an_architecture_torch_export_cannot_take_is_refused_naming_the_guide():
     assert "\n" not in message and "torch.export cannot trace it" in message and trace.GUIDE in message
 
 
+def test_llama4s_rotary_in_real_arithmetic_is_its_complex_one():
+    # what export traces instead of Llama 4's view_as_complex / polar (taperfold.hf.export_patches)
+    from taperfold.hf.export_patches import export_patches
+
+    model = _model("llama4_text")
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = model(ids).logits
+        with export_patches("llama4_text"):
+            real = model(ids).logits
+    torch.testing.assert_close(real, own, rtol=1e-5, atol=1e-6)
+    from transformers.models.llama4 import modeling_llama4  # the patch is undone once the block ends
+
+    assert modeling_llama4.apply_rotary_emb.__module__ == modeling_llama4.__name__
+    assert "view_as_complex" in modeling_llama4.apply_rotary_emb.__code__.co_names
+
+
+def test_llama4_exports_and_verifies(cli, tmp_path, corpus):
+    # torch.onnx failed on the complex rotary embedding (a ConversionError on an unsqueeze): exported in its real form
+    plain = _plain("llama4_text", tmp_path / "plain")
+    tapered, out = tmp_path / "tapered", tmp_path / "out"
+    trained = cli("train", "--from", plain, "--data", corpus, "--steps", "30", "--batch-size", "2", "--out", tapered)
+    assert trained.exit_code == 0, trained.stderr
+    exported = cli("export", tapered, "-o", out)
+    assert exported.exit_code == 0, exported.stderr
+    verified = cli("verify", out)
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2  # both input_layernorms
+
+
 # ---- the command line ---------------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import read_json_object
 from taperfold.hf.config_check import check_size, transformers_config
+from taperfold.hf.export_patches import export_patches
 from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
 from taperfold.hf.progress import no_progress_bars
@@ -110,6 +111,9 @@ class HFCheckpoint(ModelSource):
     @property
     def gate(self) -> float:
         return self.block.gate if self.block else 1.0
+
+    def export_context(self) -> contextlib.AbstractContextManager:
+        return export_patches(str(self.hf_config_dict.get("model_type")))
 
     @property
     def step(self) -> int:

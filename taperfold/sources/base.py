@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ class ModelSource(abc.ABC):
     @abc.abstractmethod
     def build_baseline(self) -> TaperedLM:
         """The same weights with the model's own untapered norms (γ, β kept): what the paper compares with."""
+
+    def export_context(self) -> contextlib.AbstractContextManager:
+        """What to hold while the model is traced for ONNX: a kind whose modeling code torch.onnx cannot translate
+        gives an equal form to trace (taperfold.hf.export_patches); nothing by default."""
+        return contextlib.nullcontext()
 
     def manifest_block(self) -> dict:
         """Top-level keys a source adds to an export's manifest.json."""
