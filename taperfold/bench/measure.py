@@ -150,9 +150,10 @@ def _check_request(chosen: Engine, source: Source, opts: BenchOptions) -> None:
 
 def _check_precision(chosen: Engine, source: Source, opts: BenchOptions) -> None:
     if opts.precision is not None and (chosen.runs_models or source.manifest is None):
+        runs_them = " or ".join(e.name for e in ENGINES.values() if not e.runs_models and e.decodes)
         raise TaperfoldError(
             f"--precision {opts.precision} times an export's quantized graphs (export --quantize): give an export "
-            "directory and an engine that runs them (--engine ort or genai)"
+            f"directory and an engine that runs them (--engine {runs_them})"
         )
 
 
