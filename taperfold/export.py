@@ -317,7 +317,25 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise TaperfoldError(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
+    _check_dynamic(program.model, ids)
     return program.model
+
+
+def _check_dynamic(model: ir.Model, ids: torch.Tensor) -> None:
+    """The graph takes any batch and sequence length: where the model's code branches on a length (Qwen3-Next's
+    chunked linear attention), torch.export fixes it to the traced one instead of failing, and the graph would run on
+    that shape alone (ONNX Runtime refuses every other)."""
+    tokens = next((v for v in model.graph.inputs if v.name == INPUT), None)
+    shape = tokens.shape if tokens is not None else None
+    if shape is None:
+        return
+    fixed = [(axis, dim) for axis, dim in enumerate(list(shape)[:2]) if isinstance(dim, int)]
+    if fixed:
+        axis, dim = fixed[0]
+        raise TaperfoldError(
+            f"torch.onnx export fixed the {('batch', 'sequence')[axis]} length of '{INPUT}' to {dim} (the traced "
+            f"{tuple(ids.shape)[axis]}): the model's code branches on it, so the graph would take that length only"
+        )
 
 
 def check_options(opts: ExportOptions) -> None:

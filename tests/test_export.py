@@ -14,7 +14,8 @@ from conftest import one_line
 
 from taperfold.exportdir import GROWING
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-from taperfold.export import ExportOptions, export_checkpoint, export_to_ir
+from taperfold.export import ExportOptions, export_checkpoint, export_to_ir, trace_lengths
+from taperfold.errors import TaperfoldError
 from taperfold.fsutil import sha256_file
 from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
@@ -227,3 +228,27 @@ def test_export_needs_a_context_it_can_trace_and_a_short_one_exports(tmp_path, c
     assert r.exit_code == 0, r.stderr
     decoders = [p for p in json.loads(r.stdout)["pairs"] if p["candidate"].endswith(".decoder")]
     assert decoders and all(p["status"] == "skipped" and "holds no prompt" in p["reason"] for p in decoders)
+
+
+class _BranchesOnLength(torch.nn.Module):
+    """A model whose forward branches on the traced sequence length, as chunked linear attention's padding does:
+    torch.export fixes the length to the traced one instead of keeping it dynamic."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg = model, model.cfg
+
+    def forward(self, input_ids, logits="last"):
+        out = self.model(input_ids, logits=logits)
+        return out * 2 if input_ids.shape[1] == trace_lengths(self.cfg.max_seq_len)[0] else out
+
+
+def test_a_graph_traced_for_one_sequence_length_is_refused_in_one_line():
+    import taperfold.export as export
+
+    model = build_model(preset_config("tiny", n_layers=1)).eval()
+    with pytest.raises(TaperfoldError) as refused:
+        export.export_to_ir(_BranchesOnLength(model), ExportOptions())
+    message = str(refused.value)
+    assert "\n" not in message and "fixed the sequence length of 'input_ids' to" in message
+    assert "the graph would take that length only" in message
