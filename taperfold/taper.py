@@ -227,16 +227,26 @@ def fold_target(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
         return model.get_parameter(path)
 
 
-def stored_in_out(model: nn.Module, path: str) -> bool:
-    """Whether the bare weight at `path` is a stack of [in, out] matrices: MoE experts whose module says so with
-    transformers' own flag (`@use_experts_implementation(is_transposed=True)`: gpt-oss), where the others store
-    F.linear's [out, in]."""
-    owner, _, _ = path.rpartition(".")
+def stored_in_out(model: nn.Module, path: str, width: int | None = None) -> bool:
+    """Whether the bare weight at `path`, read by a norm of `width` channels, is a stack of [in, out] matrices, where
+    F.linear's are [out, in]: MoE experts whose module says so with transformers' own flag
+    (`@use_experts_implementation(is_transposed=True)`: gpt-oss), or whose shape can be read no other way (Llama 4's
+    experts: [experts, width, n] with n ≠ width; a square stack without the flag is read as F.linear's, and the
+    trace reads no such stack as [in, out])."""
+    owner, _, name = path.rpartition(".")
     try:
         module = model.get_submodule(owner)
     except AttributeError:
         return False
-    return getattr(module, "is_transposed", False) is True
+    if getattr(module, "is_transposed", False) is True:
+        return True
+    weight = getattr(module, name, None)
+    return (
+        width is not None
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() >= 3
+        and weight.shape[-2] == width != weight.shape[-1]
+    )
 
 
 def _linear(model: nn.Module, path: str, family: Family, where: str) -> nn.Module | nn.Parameter:
@@ -261,7 +271,7 @@ def _check_fold_targets(
 ) -> None:
     """The family's readers (or producer) of the norm at `path` exist, are linear layers, and take (give) its width."""
     for reader in readers:
-        width = linear_widths(_linear(model, reader, family, where), stored_in_out(model, reader))[0]
+        width = linear_widths(_linear(model, reader, family, where), stored_in_out(model, reader, dim))[0]
         if width != dim:
             raise TaperfoldError(
                 f"{where}: {reader} takes {width} features, but {path} gives {dim} "

@@ -136,7 +136,7 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
                 layer = _own_tensors(network, target, layer)
                 owned.add(target)
             if path in tapering.readers:
-                fold_into_reader(layer, constant, stored_in_out(network, target))
+                fold_into_reader(layer, constant, stored_in_out(network, target, len(constant.scale)))
             elif isinstance(layer, nn.Module):
                 fold_into_producer(layer, constant)
             else:

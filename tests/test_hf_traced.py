@@ -134,7 +134,7 @@ def test_llama4s_rotary_in_real_arithmetic_is_its_complex_one():
     assert "view_as_complex" in modeling_llama4.apply_rotary_emb.__code__.co_names
 
 
-def test_llama4_exports_and_verifies(cli, tmp_path, corpus):
+def test_llama4_exports_and_verifies_with_the_norm_before_its_experts_folded(cli, tmp_path, corpus):
     # torch.onnx failed on the complex rotary embedding (a ConversionError on an unsqueeze): exported in its real form
     plain = _plain("llama4_text", tmp_path / "plain")
     tapered, out = tmp_path / "tapered", tmp_path / "out"
@@ -145,7 +145,11 @@ def test_llama4_exports_and_verifies(cli, tmp_path, corpus):
     verified = cli("verify", out)
     assert verified.exit_code == 0, verified.stdout + verified.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2  # both input_layernorms
+    # the input norms, and the norms before the MoE: read by the router, the shared expert and, through each token's
+    # copies scaled by its router score, the experts' [in, out] stack
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 4
+    family = json.loads((tapered / "config.json").read_text())["taperfold"]["family"]
+    assert "feed_forward.experts.gate_up_proj" in family["internal"]["post_attention_layernorm"]
 
 
 # ---- the command line ---------------------------------------------------------------------------------------

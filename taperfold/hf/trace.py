@@ -175,6 +175,7 @@ _LAYOUT = {
     aten.type_as.default,
     aten.dropout.default,
     aten.repeat_interleave.self_int,
+    aten.repeat.default,
 }
 # Steps between a weight and the linear op using it: casts and an expert's selection, and transposes (counted).
 _WEIGHT_STEPS = {
@@ -217,6 +218,8 @@ def _keeps_channels(node, source) -> bool:
     if node.target is aten.repeat_interleave.self_int:  # each row copied: MoE experts take a token once per expert
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         return dim is not None and dim % len(before) != last
+    if node.target is aten.repeat.default:  # whole rows repeated (Llama 4 copies each token once per expert)
+        return list(node.args[1])[-1] == 1
     if node.target is aten.index.Tensor:
         return len(node.args[1]) <= last  # the indices address leading axes only
     if node.target is aten.transpose.int:
@@ -227,6 +230,15 @@ def _keeps_channels(node, source) -> bool:
         end = node.args[2] if len(node.args) > 2 else -1
         return end % len(before) != last
     return True  # views, reshapes, expands, (un)squeezes and casts keeping the last axis's size keep its channels
+
+
+def _scales_rows(node, source) -> bool:
+    """Whether `node` multiplies each row of `source` by one number of that row's ([..., 1] against [..., d])."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or source not in node.args:
+        return False
+    other = node.args[1] if node.args[0] is source else node.args[0]
+    before, factor = _shape(source), _shape(other) if hasattr(other, "meta") else None
+    return bool(before and factor and factor[-1] == 1 and len(factor) <= len(before) and _shape(node) == before)
 
 
 def _scope(node) -> str | None:
@@ -297,8 +309,9 @@ class _Graph:
             return scope
         if not as_in_out and self.model.get_parameter(weight).dim() >= 2:
             return weight  # F.linear(x, W): W is [..., out, in]
-        if as_in_out and self.model.get_parameter(weight).dim() >= 3 and stored_in_out(self.model, weight):
-            return weight  # x @ W[experts]: a stack of [in, out] matrices its module says it holds (gpt-oss)
+        width = (_shape(value) or (None,))[-1]
+        if as_in_out and self.model.get_parameter(weight).dim() >= 3 and stored_in_out(self.model, weight, width):
+            return weight  # x @ W[experts]: a stack of [in, out] matrices (gpt-oss says so; Llama 4's shape does)
         return None
 
     def column_reader(self, node, value) -> str | None:
@@ -320,9 +333,11 @@ class _Graph:
             weights.add(weight)
         return weights.pop() if len(weights) == 1 else None
 
-    def readers(self, output) -> tuple[list[str], list[str]]:
+    def readers(self, output, rows_scale: bool = False) -> tuple[list[str], list[str]]:
         """The linear layers reading `output` through channel-keeping steps, in the order the forward runs them, and
-        every other reader (described)."""
+        every other reader (described). `rows_scale`: a product of each row with one number of its own (a router's
+        score, Llama 4) keeps channels too, which it does for a norm without a shift: (h·diag(s))·r = (h·r)·diag(s),
+        where a shift β would be scaled by r as well."""
         linears, others, todo, seen = [], [], [output], set()
         while todo:
             value = todo.pop()
@@ -332,7 +347,7 @@ class _Graph:
                 seen.add(user)
                 if user.op == "output":
                     others.append("the model's output")
-                elif _keeps_channels(user, value):
+                elif _keeps_channels(user, value) or (rows_scale and _scales_rows(user, value)):
                     todo.append(user)
                 elif (reader := self.linear_reader(user, value) or self.column_reader(user, value)) is not None:
                     linears.append((self.position[user], reader))
@@ -473,7 +488,7 @@ def traced_family(config, where: str = "model") -> Family:
             continue
         norm_input = graph.nodes.get(signature.inputs[0].name)
         output = graph.nodes.get(signature.outputs[0].name)
-        linears, others = graph.readers(output)
+        linears, others = graph.readers(output, rows_scale=not norm_kind(kinds[name]).shift)
         if linears and not others:
             readers[name] = linears
             continue

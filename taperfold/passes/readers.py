@@ -632,7 +632,29 @@ def rows_copied(node: ir.Node, index: int, match: NormMatch, channels: Channels)
         length = _length(node.inputs[1])
         rank = None if rank is None or length is None else max(rank, length)
         return _passing_on(node, index, match, Channels(channels.axis, True, rank))
-    return _passing_on(node, index, match, Channels(-1, False, rank))  # Tile: rows repeated, whole
+    repeats = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    kept = (
+        repeats is not None and repeats.ndim == 1 and len(repeats) > 0 and repeats[-1] == 1
+    )  # the last axis as it was
+    return _passing_on(node, index, match, Channels(-1, kept, rank))  # Tile: rows repeated, whole
+
+
+def rows_scaled(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Mul(x, r) with r one number per row ([..., 1], computed at run time too: Llama 4 scales each token's copy by
+    its router score before the experts): every channel vector is scaled as a whole, which commutes with the norm's
+    diag(s) and its centering. A shift β would be scaled with the row, so a norm with one stays."""
+    if not _onnx(node, "Mul") or len(node.inputs) != 2 or node.inputs[1 - index] is None:
+        return None
+    factor = node.inputs[1 - index].shape
+    if factor is None or len(factor) == 0 or factor[-1] != 1:
+        return None
+    if channels.rank is not None and len(factor) > channels.rank:
+        return None  # the product gains axes: not a scaling of x's rows
+    if channels.axis != -1 or not (channels.exact or last_dim(node.inputs[index]) == match.width):
+        raise Blocked(f"read by {describe(node)}, which scales rows that are not whole channel vectors")
+    if match.bias is not None:
+        raise Blocked(f"read by {describe(node)}, which scales each row: the norm's shift (β) would be scaled too")
+    return _passing_on(node, index, match, Channels(-1, True, channels.rank))
 
 
 def shape_only(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
@@ -647,6 +669,7 @@ READER_KINDS: list[ReaderKind] = [
     reshape_keeping_channels,
     slice_keeping_channels,
     rows_copied,
+    rows_scaled,
 ]
 
 _ACTIVATIONS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Softmax", "FastGelu", "BiasGelu", "Silu", "Swish"}

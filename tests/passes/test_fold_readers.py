@@ -266,3 +266,41 @@ def test_fold_passes_leave_a_real_norm_bit_identical():
     FoldIntoReadersPass(report)(model)
     assert report.norms == []
     np.testing.assert_array_equal(before[0], run(model, x3_fixed)[0])
+
+
+# ---- rows scaled by one number each (Llama 4's router score on each token's copy) -------------------------------
+
+
+def _scaled_rows(kind="rms", factor_shape=(6, 1)):
+    """x [2, 3, D] -> norm -> Reshape [6, D] -> Tile x2 -> Mul(r, a run-time input) -> MatMul(W) -> y."""
+    ln = kind == "ln"
+    head = [n("ReduceMean", ["x", "axes"], ["m"], keepdims=1), n("Sub", ["x", "m"], ["xc"])] if ln else []
+    tail = [n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]
+    nodes = [*head, n("Mul", ["xc" if ln else "x", "c"], ["hc"]), n("Mul", ["hc", "w"], ["hw"]), *tail,
+             n("Reshape", ["h", "rows"], ["h2"]), n("Tile", ["h2", "reps"], ["t"]), n("Mul", ["t", "r"], ["scaled"]),
+             n("MatMul", ["scaled", "W"], ["y"])]
+    inits = {"c": np.array(0.8, np.float32), "w": rand(D), "rows": np.array([6, D]), "reps": np.array([2, 1]),
+             "W": rand(D, N), "axes": np.array([-1]), "beta": rand(D)}
+    used = {v for *_, ins, _, _, _ in nodes for v in ins}
+    return build(nodes, [X, ("r", F32, [12, *factor_shape[1:]])], [("y", F32, [12, N])],
+                 {k: v for k, v in inits.items() if k in used})
+
+
+def test_a_norm_read_through_rows_scaled_by_a_run_time_number_folds():
+    report, *_ = fold_checked(_scaled_rows(), {**x3(), "r": rand(12, 1)})
+    (entry,) = report.norms
+    assert entry.status == NormStatus.FOLDED
+
+
+def test_a_shifted_norm_read_through_scaled_rows_is_kept_with_the_reason():
+    model = _scaled_rows("ln")
+    report, *_ = fold_checked(model, {**x3(), "r": rand(12, 1)})
+    (entry,) = report.norms
+    assert entry.status == NormStatus.KEPT and "the norm's shift (β) would be scaled too" in entry.reason
+
+
+def test_a_product_with_a_vector_per_channel_is_no_row_scaling():
+    model = _scaled_rows(factor_shape=(12, D))
+    report, *_ = fold_checked(model, {**x3(), "r": rand(12, D)})
+    (entry,) = report.norms
+    assert entry.status == NormStatus.KEPT and "which is not a linear layer" in entry.reason
