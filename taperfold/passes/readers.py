@@ -643,14 +643,15 @@ def rows_scaled(node: ir.Node, index: int, match: NormMatch, channels: Channels)
     """Mul(x, r) with r one number per row ([..., 1], computed at run time too: Llama 4 scales each token's copy by
     its router score before the experts): every channel vector is scaled as a whole, which commutes with the norm's
     diag(s) and its centering. A shift β would be scaled with the row, so a norm with one stays."""
-    if not _onnx(node, "Mul") or len(node.inputs) != 2 or node.inputs[1 - index] is None:
+    other, value = (node.inputs[1 - index], node.inputs[index]) if len(node.inputs) == 2 else (None, None)
+    if not _onnx(node, "Mul") or other is None or value is None:
         return None
-    factor = node.inputs[1 - index].shape
+    factor = other.shape
     if factor is None or len(factor) == 0 or factor[-1] != 1:
         return None
     if channels.rank is not None and len(factor) > channels.rank:
         return None  # the product gains axes: not a scaling of x's rows
-    if channels.axis != -1 or not (channels.exact or last_dim(node.inputs[index]) == match.width):
+    if channels.axis != -1 or not (channels.exact or last_dim(value) == match.width):
         raise Blocked(f"read by {describe(node)}, which scales rows that are not whole channel vectors")
     if match.bias is not None:
         raise Blocked(f"read by {describe(node)}, which scales each row: the norm's shift (β) would be scaled too")
