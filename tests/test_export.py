@@ -227,7 +227,10 @@ def test_export_needs_a_context_it_can_trace_and_a_short_one_exports(tmp_path, c
     r = cli("verify", tmp_path / "e4", "--json")
     assert r.exit_code == 0, r.stderr
     decoders = [p for p in json.loads(r.stdout)["pairs"] if p["candidate"].endswith(".decoder")]
-    assert decoders and all(p["status"] == "skipped" and "holds no prompt" in p["reason"] for p in decoders)
+    # a 4-token context holds a 2-token prompt and 2 KV-cached steps (verify.inputs.decode_steps)
+    assert decoders and all(p["status"] == "pass" for p in decoders)
+    assert {i["input"] for i in decoders[0]["per_input"]} == {"decode 1x2+2 prompt", "decode 1x2+2 step 1",
+                                                             "decode 1x2+2 step 2"}
 
 
 class _BranchesOnLength(torch.nn.Module):

@@ -239,13 +239,14 @@ class Runner(abc.ABC):
 
     def _check_cache(self, cache_len: int | None) -> bool:
         """Whether this decoder takes a static cache (a cache_position input), refused in one line where that is
-        not the cache it was opened as (a manifest whose static decoder file is a growing one, or the reverse)."""
+        not the cache it was opened as (a manifest whose static decoder file is a growing one, or the reverse): bad
+        input (exit 2), not a failure of the engine."""
         static = CACHE_POSITION in self.input_names
         if static != (cache_len is not None):
             has, asked = ("a static", "a growing") if static else ("a growing", "a static")
-            raise self.error(
-                f"is {has} KV-cache decoder (its inputs {'hold' if static else 'lack'} {CACHE_POSITION}) where "
-                f"{asked} one was asked for: the file does not match the manifest's graph"
+            raise TaperfoldError(
+                f"{self.model_name}: is {has} KV-cache decoder (its inputs {'hold' if static else 'lack'} "
+                f"{CACHE_POSITION}) where {asked} one was asked for: the file does not match the manifest's graph"
             )
         return static
 
