@@ -342,8 +342,19 @@ def test_bench_decodes_a_4_position_static_cache_with_default_lengths(shortest_c
             "0", "--iters", "1", "--threads", "1", "--variants", "folded", *args, "--report", tmp_path / "r.json")
     assert r.exit_code == 0, r.stderr
     assert f"note: {note}\n" in r.stderr
-    settings = json.loads((tmp_path / "r.json").read_text())["settings"]
-    assert (settings["prompt"], settings["new_tokens"]) == (prompt, new_tokens)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["settings"]["prompt"], report["settings"]["new_tokens"]) == (prompt, new_tokens)
+
+
+def test_bench_says_why_it_decodes_with_the_static_cache_of_an_export_without_a_growing_one(
+    shortest_cache_export, tmp_path, cli
+):
+    r = cli("bench", shortest_cache_export, "--mode", "decode", "--batch", "1", "--warmup", "0", "--iters", "1",
+            "--threads", "1", "--variants", "folded", "--report", tmp_path / "r.json")
+    assert r.exit_code == 0, r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["kv_cache"] == STATIC
+    assert report["kv_cache_basis"] == "the CPU default (growing) is not there for every variant timed"
 
 
 def test_a_static_decoder_file_that_is_a_growing_one_is_one_line(static_export, tmp_path, cli):

@@ -204,6 +204,20 @@ CACHE_BASIS = {
 }
 
 
+def cache_basis(opts: BenchOptions, cache: Graph | None) -> str | None:
+    """Why decode ran `cache`: --kv-cache, the device's default and its measurement, or the default missing from the
+    export (or the engine) for a variant timed."""
+    if cache is None:
+        return None
+    if opts.kv_cache != AUTO:
+        return "--kv-cache"
+    device = opts.device.split(":")[0]
+    preferred = PREFERRED_CACHE.get(device, GROWING)
+    if cache == preferred:
+        return CACHE_BASIS[cache]
+    return f"the {device.upper()} default ({preferred}) is not there for every variant timed"
+
+
 def default_cache(chosen: Engine, source: Source, opts: BenchOptions) -> Graph:
     """The device's preferred cache (PREFERRED_CACHE) where the engine and the export have it for every variant
     timed (torch: where the model takes one), else the other."""
@@ -487,11 +501,7 @@ def run_bench(bench: LoadedBench, on_call: Callable[[], None] = lambda: None) ->
         mode=opts.mode,
         kv_cache=bench.cache,
         cache_length=bench.cache_len,
-        kv_cache_basis=None
-        if bench.cache is None
-        else "--kv-cache"
-        if opts.kv_cache != AUTO
-        else CACHE_BASIS[bench.cache],
+        kv_cache_basis=cache_basis(opts, bench.cache),
         fused_projections=bench.fused_projections,
         projection_groups=bench.projection_groups,
         against=bench.against,
