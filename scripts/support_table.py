@@ -125,11 +125,20 @@ def _reason(stderr: str) -> str:
 
 def run_type(model_type: str, root: Path, corpus: Path) -> dict:
     """The user path for one model type; what each step gave."""
-    row: dict = {"model_type": model_type, "norms": None, "tapered": None, "folded": None, "verify": None,
-                 "stopped_at": None, "reason": ""}
+    row: dict = {
+        "model_type": model_type,
+        "norms": None,
+        "tapered": None,
+        "folded": None,
+        "verify": None,
+        "stopped_at": None,
+        "reason": "",
+    }
     plain, tapered, out = root / "plain", root / "tapered", root / "out"
     build = subprocess.run(
-        [sys.executable, __file__, "--save-plain", model_type, str(plain)], capture_output=True, text=True,
+        [sys.executable, __file__, "--save-plain", model_type, str(plain)],
+        capture_output=True,
+        text=True,
         timeout=STEP_LIMIT_S,
     )
     if build.returncode != 0:
@@ -147,7 +156,9 @@ def run_type(model_type: str, root: Path, corpus: Path) -> dict:
         if name == "inspect" and code == 0:
             info = json.loads(stdout)
             row["norms"] = len(info["norms"])
-            left = [f"{n['name']}: {n.get('reason') or n.get('foldable')}" for n in info["norms"] if not n["folds_into"]]
+            left = [
+                f"{n['name']}: {n.get('reason') or n.get('foldable')}" for n in info["norms"] if not n["folds_into"]
+            ]
             row["left_plain"] = left
         if name == "inspect tapered" and code == 0:
             info = json.loads(stdout)
@@ -211,6 +222,9 @@ def main() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = args.types.split(",") if args.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = [t for t in types if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if unknown:
+        parser.error(f"--types: {unknown[0]!r} is no causal-LM model type of transformers {transformers.__version__}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="taperfold-support-") as scratch:
         corpus = Path(scratch) / "corpus.txt"
@@ -222,8 +236,12 @@ def main() -> None:
             row = run_type(model_type, root, corpus)
             row["seconds"] = round(time.perf_counter() - start, 1)
             rows.append(row)
-            print(f"[{i}/{len(types)}] {model_type}: {row['verify'] or 'stopped at ' + str(row['stopped_at'])} "
-                  f"({row['seconds']} s) {row['reason'][:120]}", file=sys.stderr, flush=True)
+            print(
+                f"[{i}/{len(types)}] {model_type}: {row['verify'] or 'stopped at ' + str(row['stopped_at'])} "
+                f"({row['seconds']} s) {row['reason'][:120]}",
+                file=sys.stderr,
+                flush=True,
+            )
             subprocess.run(["rm", "-rf", str(root)], check=False)
     result = {"transformers": transformers.__version__, "rows": rows}
     if args.json_path:
