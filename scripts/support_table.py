@@ -12,9 +12,11 @@ user would, each step through taperfold's command line in a child process with a
 
 Per type it records the norms, how many were tapered and folded, verify's verdict, and the first line of the reason
 for anything left (a step's error, an untapered norm's reason). The result is JSON (--json) and the Markdown table
-docs/hf.md holds (--markdown), both naming the transformers version. Takes about a minute per type on 2 cores:
+docs/hf.md holds (--markdown), both naming the transformers version. Takes about a minute per type on 2 cores, so
+the JSON is rewritten after every type and --resume goes on from it after an interruption:
 
     .venv/bin/python scripts/support_table.py --json runs/support.json --markdown runs/support.md
+    .venv/bin/python scripts/support_table.py --json runs/support.json --markdown runs/support.md --resume
     .venv/bin/python scripts/support_table.py --types llama,gpt_oss,qwen3_next --markdown -
 """
 
@@ -208,11 +210,32 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, target)
 
 
+def _json(rows: list[dict], version: str) -> str:
+    return json.dumps({"transformers": version, "rows": rows}, indent=1) + "\n"
+
+
+def _done_rows(path: str | None, version: str, parser: argparse.ArgumentParser) -> list[dict]:
+    """The rows of an earlier run at `path` to go on from (none when it is not there yet)."""
+    if not path or path == "-":
+        parser.error("--resume needs --json FILE: the rows to go on from")
+    if not Path(path).exists():
+        return []
+    try:
+        earlier = json.loads(Path(path).read_text())
+        rows, ran_on = earlier["rows"], earlier["transformers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--resume: {path} is no earlier run of this script ({e})")
+    if ran_on != version:
+        parser.error(f"--resume: {path} ran on transformers {ran_on}, this is {version}: start a new file")
+    return list(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", help="comma-separated model types (default: every causal-LM type)")
     parser.add_argument("--json", dest="json_path", help="write the rows as JSON here ('-': stdout)")
     parser.add_argument("--markdown", help="write the Markdown table here ('-': stdout)")
+    parser.add_argument("--resume", action="store_true", help="keep the rows --json already holds; run the rest")
     parser.add_argument("--save-plain", nargs=2, metavar=("TYPE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.save_plain:  # the child that builds one tiny model (a crash there is that type's, not the run's)
@@ -225,11 +248,14 @@ def main() -> None:
     unknown = [t for t in types if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
     if unknown:
         parser.error(f"--types: {unknown[0]!r} is no causal-LM model type of transformers {transformers.__version__}")
-    rows = []
+    rows = _done_rows(args.json_path, transformers.__version__, parser) if args.resume else []
+    done = {r["model_type"] for r in rows}
     with tempfile.TemporaryDirectory(prefix="taperfold-support-") as scratch:
         corpus = Path(scratch) / "corpus.txt"
         corpus.write_bytes(Path(json.__file__).read_bytes() * 8)  # a standard-library file as text: offline
         for i, model_type in enumerate(types, 1):
+            if model_type in done:
+                continue
             start = time.perf_counter()
             root = Path(scratch) / model_type
             root.mkdir()
@@ -243,9 +269,11 @@ def main() -> None:
                 flush=True,
             )
             subprocess.run(["rm", "-rf", str(root)], check=False)
-    result = {"transformers": transformers.__version__, "rows": rows}
+            if args.json_path and args.json_path != "-":  # kept after every type: an hour-long run can stop
+                _write(args.json_path, _json(rows, transformers.__version__))
+    rows.sort(key=lambda r: r["model_type"])
     if args.json_path:
-        _write(args.json_path, json.dumps(result, indent=1) + "\n")
+        _write(args.json_path, _json(rows, transformers.__version__))
     if args.markdown:
         _write(args.markdown, markdown(rows, transformers.__version__))
 
