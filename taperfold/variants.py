@@ -49,7 +49,7 @@ def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap, in_o
     weight F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike; [..., in,
     out] where `in_out`: gpt-oss's experts)."""
     if isinstance(reader, nn.Parameter):
-        if folded.bias is not None:
+        if folded.bias is not None:  # fold_in_torch keeps such a norm
             raise ValueError("a shifted norm (LayerNorm β) folds into a layer with a bias, and a bare weight has none")
         w = reader.double() if in_out else reader.double().transpose(-1, -2)  # as [..., in, out]
         w = folded.scale[:, None] * w
@@ -130,6 +130,10 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
             continue  # a DyT post-norm stays as it is
         norm = network.get_submodule(path)
         constant = kind.constant_map(norm)
+        if constant.bias is not None and any(isinstance(fold_target(network, t), nn.Parameter) for t in targets):
+            # A bare weight (MoE experts' stack) is applied by the family's own forward with no bias to take β·W:
+            # this variant keeps the norm at g = 0 (the ONNX fold adds the bias per expert after the layer).
+            continue
         for target in targets:
             layer = fold_target(network, target)
             if target not in owned:

@@ -89,6 +89,8 @@ def _configs() -> dict:
             num_experts_per_tok=2,
             moe_intermediate_size=DIM // 2,
         ),
+        # LayerNorms (β) before a router and experts' stacked matrices without biases; not in FAMILIES (one test)
+        "phimoe": lambda: T.PhimoeConfig(**llama_like, **no_tokens, num_local_experts=4, num_experts_per_tok=2),
         "falcon": lambda: T.FalconConfig(**falcon, **no_tokens),  # Falcon-7B's layout: one norm, parallel attention
         "falcon_new": lambda: T.FalconConfig(**falcon, **no_tokens, new_decoder_architecture=True, num_kv_heads=2),
         "stablelm": lambda: T.StableLmConfig(**llama_like, **no_tokens),

@@ -322,3 +322,28 @@ def test_moe_norm_folds_in_torch_into_the_router_and_every_expert(model_type):
     scale = tapering.kind.constant_map(norm).scale.float()  # diag(scale) moves into each [..., out, in] matrix
     for path in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"):
         torch.testing.assert_close(folded.hf.get_parameter(path), hf.get_parameter(path) * scale)
+
+
+def test_a_shifted_norm_before_bare_expert_weights_stays_in_the_torch_fold():
+    # PhiMoE: the LayerNorm before the experts has a shift β, and the family's forward applies the experts' stacked
+    # weights with no bias to take β·W_e: torch's folded model keeps that norm at g = 0 (the ONNX fold adds a bias
+    # per expert: tests/passes), and the norms before attention fold.
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
+    from fold_models import LAYERS, tiny_model
+
+    hf = tiny_model("phimoe")
+    tapering = taper_model(hf, "internal")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.weight_tilde.uniform_(0.5, 1.5)
+            norm.c.uniform_(0.5, 2.0)
+    tapering.set_gate(0.0)
+    model = HFCausalLM(hf, HFModelInfo.from_config(hf.config, tapering.family, "internal", aux=True,
+                                                   tokenizer="bytes"), tapering.family)
+    folded = fold_in_torch(model)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = model(ids, logits="all"), folded(ids, logits="all")
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+    kept = {name for name, m in folded.hf.named_modules() if isinstance(m, TaperLN)}
+    assert kept == {f"model.layers.{i}.post_attention_layernorm" for i in range(LAYERS)}

@@ -15,7 +15,7 @@ is one function here.
 
 A linear reader's weight may be a stack of matrices, or a selection from one (transformers' MoE experts at
 `batched_mm`: `Gather(experts' weights, expert ids)` read as `MatMul(W, x)`): every matrix of the stack
-takes the fold.
+takes the fold, and a shift its own bias β·W_e, added after the layer (selected by the same expert ids).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import onnx_ir as ir
 from taperfold.passes._graph import (
     FLOAT_TYPES,
     NormMatch,
+    add_initializer,
     const_array,
     derived_tensor,
     describe,
@@ -174,8 +175,16 @@ class LinearReader(WeightView, Reader):
             effects.copied.append(f"{self.root.name} -> {new.name} (also read by {describe(others[0])})")
         effects.bytes_rewritten += tensor.nbytes
 
+    @property
+    def bias_per_matrix(self) -> bool:
+        """Whether β·W is no single bias row: a stack's (one per matrix), or a column's (MatMul(W, x): [n, 1])."""
+        return self.gather is not None or len(self.tensor.shape) != 2 or self.index != 0
+
     def _fold_bias(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         """b' = b + beta·W with the original W (Gemm: C' = C + alpha/beta_gemm·beta·W); create b if absent."""
+        if self.bias_per_matrix:
+            self._add_bias_per_matrix(graph, match, effects)
+            return
         node = self.node
         at, index = self.bias or new_bias_slot(graph, node)
         shift = self.folded_bias(match)
@@ -189,6 +198,25 @@ class LinearReader(WeightView, Reader):
             tensor = ir.tensor((old.astype(np.float64) + shift).astype(old.dtype))
             base = bias.name or node.name or "bias"
         write_const(graph, at, index, tensor, base=base)
+        effects.bytes_rewritten += tensor.nbytes
+
+    def _add_bias_per_matrix(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
+        """β·W_e for every matrix of the stack, as rows [1, n] (columns [n, 1] for MatMul(W, x)) that broadcast over
+        the layer's output like the matrices do; for a selection of matrices, selected by the same indices."""
+        shift = self.folded_bias(match)  # [stack..., n]
+        shift = shift[..., None, :] if self.index == 0 else shift[..., :, None]
+        tensor = ir.tensor(shift.astype(self.tensor.dtype.numpy()))
+        add, slot = new_bias_slot(graph, self.node)
+        bias = add_initializer(graph, self.root.name or self.node.name or "weight", tensor, suffix=".folded_bias")
+        if self.gather is not None:
+            attributes = {name: attr.value for name, attr in self.gather.attributes.items()}
+            select = ir.node(
+                self.gather.op_type, [bias, self.gather.inputs[1]], attributes, name=f"{self.gather.name}_bias"
+            )
+            select.outputs[0].dtype = self.tensor.dtype
+            graph.insert_before(add, select)
+            bias = select.outputs[0]
+        add.replace_input_with(slot, bias)
         effects.bytes_rewritten += tensor.nbytes
 
 
@@ -338,11 +366,14 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
     selection = source.via[: source.via.index(source.gather) + 1] if source.gather is not None else []
     if any(u.node not in (*source.via, node) for step in selection for u in step.outputs[0].uses()):
         raise Blocked(f"read by {describe(node)} whose selected weight is also read elsewhere")
-    if match.bias is not None:
-        if index != 0 or source.gather is not None or len(source.tensor.shape) != 2:
+    if match.bias is not None and reader.bias_per_matrix:
+        x = node.inputs[index]
+        rank = channels.rank if channels.rank is not None else None if x is None or x.shape is None else len(x.shape)
+        if rank is None or rank < 2:  # a vector x: the output has no row to add β·W_e to
             raise Blocked(
-                f"read by {describe(node)}, whose weight is a stack of matrices: a shift (β) needs a bias per matrix"
+                f"read by {describe(node)} with an input of unknown rank: a shift (β) needs a bias per matrix"
             )
+    elif match.bias is not None:
         reader.bias = _bias_of(node, n)
     folds: list[Callable[[NormMatch], np.ndarray]] = [reader.folded_weight]
     if match.bias is not None:
@@ -486,8 +517,10 @@ def _infer_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
         if op == "Constant":
             tensor = ir.convenience.get_const_tensor(node.outputs[0])
             out = None if tensor is None else len(tensor.shape)
-        elif op == "Shape":
+        elif op in ("Shape", "Range"):
             out = 1
+        elif (op.startswith("Reduce") or op in ("ArgMax", "ArgMin")) and node.attributes.get_int("keepdims", 1) != 0:
+            out = first  # a norm's own mean keeps its input's rank: the residual stream's rank goes on past it
         elif op == "Gather" and first is not None and second is not None:
             out = first - 1 + second
         elif op in ("Unsqueeze", "Squeeze") and first is not None and (axes := _axes(node)) is not None:

@@ -126,6 +126,15 @@ def test_moe_norm_folds_into_the_router_and_every_experts_matrix(tmp_path, model
     assert not any(np.array_equal(a, b) for a in after for b in before)
 
 
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_moe_layernorm_shift_folds_as_a_bias_per_expert(tmp_path, exporter):
+    # PhiMoE: a LayerNorm's β reaches experts' matrices that have no bias; each selected expert's β·W_e is added
+    # after the batched MatMul, gathered by the same expert ids.
+    tapered, names = constant_norms(tiny_model("phimoe"))
+    report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18)
+    assert_folds_all(report, check, len(names), "phimoe")
+
+
 def assert_folded_into_producers(report, family):
     """Each norm reading a projection went into that projection, named in the report by its module."""
     backwards = {e.name: e.reason for e in report.norms if e.into == "producer"}

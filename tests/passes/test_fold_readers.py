@@ -304,3 +304,46 @@ def test_a_product_with_a_vector_per_channel_is_no_row_scaling():
     report, *_ = fold_checked(model, {**x3(), "r": rand(12, D)})
     (entry,) = report.norms
     assert entry.status == NormStatus.KEPT and "which is not a linear layer" in entry.reason
+
+
+# ---- a shift (β) into a stack of matrices: a bias per matrix (PhiMoE's experts) ---------------------------------
+
+E = 4  # matrices in a stack
+
+
+def _ln_into_stacks(x_shape=(2, 3, D)):
+    """x [2, 3, D] -> TaperLN (β) read by (a) every matrix of a stack, MatMul(h [2, 1, 3, D], W [E, D, N]);
+    (b) the matrices one expert id per token selects, as columns: MatMul(Gather(S [E, N, D], ids), h [6, D, 1]) (a
+    Reshape to rows, then Unsqueeze: transformers' `batched_mm`);
+    (c) one matrix read as a column: MatMul(Wc [N, D], h [2, 3, D, 1])."""
+    nodes = [n("ReduceMean", ["x", "axes"], ["m"], keepdims=1), n("Sub", ["x", "m"], ["xc"]),
+             n("Mul", ["xc", "c"], ["hc"]), n("Mul", ["hc", "w"], ["hw"]), n("Add", ["hw", "beta"], ["h"]),
+             n("Unsqueeze", ["h", "one"], ["h4"]), n("MatMul", ["h4", "W"], ["all"]),
+             n("Reshape", ["h", "rows"], ["hrows"]), n("Unsqueeze", ["hrows", "last"], ["hcol"]), n("Gather", ["S", "ids"], ["picked"], axis=0),
+             n("MatMul", ["picked", "hcol"], ["chosen"]),
+             n("Unsqueeze", ["h", "last"], ["h1"]), n("MatMul", ["Wc", "h1"], ["column"])]
+    inits = {"axes": np.array([-1]), "c": np.array(0.8, np.float32), "w": rand(D), "beta": rand(D),
+             "one": np.array([-3]), "W": rand(E, D, N), "rows": np.array([6, D]), "S": rand(E, N, D),
+             "last": np.array([-1]), "Wc": rand(N, D)}
+    model = build(nodes, [("x", F32, x_shape), ("ids", I64, [6])],
+                  [("all", F32, None), ("chosen", F32, None), ("column", F32, None)], inits)
+    return ir.passes.common.ShapeInferencePass()(model).model  # ranks known, as in an exporter's graph
+
+
+def test_a_shift_into_a_stack_of_matrices_becomes_a_bias_per_matrix():
+    model = _ln_into_stacks()
+    report, before, after = fold_checked(model, {**x3(), "ids": np.array([3, 0, 2, 2, 1, 3])})
+    (entry,) = report.norms
+    assert entry.status == NormStatus.FOLDED, entry.reason
+    counts = ops(model)
+    assert counts["ReduceMean"] == counts["Sub"] == counts["Mul"] == 0
+    assert counts["Add"] == 3 and counts["Gather"] == 2  # each layer's bias; the selected one by the same ids
+    assert all(np.abs(b).max() > 0.1 for b in before)  # the shift is no rounding error in any output
+
+
+def test_a_shift_into_a_stack_read_by_an_input_of_unknown_rank_is_kept():
+    model = _ln_into_stacks(x_shape=None)  # x [D] would make each output a vector per matrix, no row for β·W
+    report = FoldReport()
+    FoldIntoReadersPass(report)(model)
+    (entry,) = report.norms
+    assert entry.status == NormStatus.KEPT and "a shift (β) needs a bias per matrix" in entry.reason
