@@ -365,6 +365,13 @@ def inspect(checkpoint, as_json):
     help="In every graph, fuse the linear layers that read one tensor (q/k/v, gate/up) into one layer and "
     "a Split (docs/folding.md).",
 )
+@click.option(
+    "--ort-fusions",
+    is_flag=True,
+    help="After the fold, ONNX Runtime's own LLM fusions on every graph (onnxscript's optimize_for_ort: "
+    "MultiHeadAttention, SkipSimplifiedLayerNormalization, ...), baseline-decomposed aside; --target ort only "
+    "(docs/deployment.md).",
+)
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
 @click.option(
     "--trt-seq", metavar="MIN/OPT/MAX", help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]"
@@ -389,6 +396,7 @@ def export(
     force_gate0,
     baseline,
     fuse_projections,
+    ort_fusions,
     trt_batch,
     trt_seq,
     as_json,
@@ -424,6 +432,7 @@ def export(
         force_gate0=force_gate0,
         baseline=baseline,
         fuse_projections=fuse_projections,
+        ort_fusions=ort_fusions,
         artifacts=artifacts,
     )
     check_options(opts)

@@ -77,10 +77,18 @@ from taperfold.exportdir import (
 from taperfold.fsutil import atomic_dir
 from taperfold.manifest import Manifest, new_manifest, read_manifest
 from taperfold.norms import norm_kinds
-from taperfold.opsets import FUSING_OPSET, OpsetChoice, choose_opset, fuses_norms, without_fused_rotary
+from taperfold.opsets import (
+    FUSING_OPSET,
+    OpsetChoice,
+    choose_opset,
+    fuses_norms,
+    runs_contrib_ops,
+    without_fused_rotary,
+)
 from taperfold.passes import FoldReport, FuseProjectionsPass, ProjectionReport, fold_passes
 from taperfold.passes.cleanup import check
 from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
+from taperfold.passes.ort_fusions import OrtFusionsPass
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 
@@ -116,6 +124,9 @@ class ExportOptions:
     force_gate0: bool = False
     baseline: bool = True  # also export baseline.onnx (plain norms), the benchmark's reference
     fuse_projections: bool = True  # every graph: linear layers reading one tensor become one and a Split
+    # every graph but baseline-decomposed (its norms stay written out): ONNX Runtime's own LLM fusions, last
+    # (passes/ort_fusions.py); for the ONNX Runtime target only
+    ort_fusions: bool = False
     # artifacts built from the graphs once they are written: kind name -> that kind's options (taperfold.artifacts),
     # e.g. {"tensorrt-plan": {"batch": "1/4/8"}} for `export --trt`
     artifacts: dict[str, dict] = field(default_factory=dict)
@@ -350,6 +361,10 @@ def check_options(opts: ExportOptions) -> None:
             f"--kv-cache must be {' or '.join(KV_CACHES)} (or both, comma-separated), got {','.join(unknown)}"
         )
     choose_opset(opts.target, "prefill", opts.opset)
+    if opts.ort_fusions and not runs_contrib_ops(opts.target):
+        raise TaperfoldError(
+            f"--ort-fusions writes ONNX Runtime's own ops (com.microsoft), which --target {opts.target} cannot run"
+        )
     if opts.max_cache is not None:
         if STATIC not in opts.decoders:
             raise TaperfoldError(
@@ -447,7 +462,8 @@ def _check_fits(model: nn.Module, dtype: str, ckpt_path: Path) -> None:
 
 
 class StageClock:
-    """Where an export's time goes: seconds per stage, each measured by one context manager (`with clock(stage):`)."""
+    """Where an export's time goes: seconds per stage, each measured by one context manager (`with clock(stage):`);
+    STAGES always (0 where nothing ran), a stage an option adds (ort_fusions_s) once it ran."""
 
     STAGES = ("torch_export_s", "passes_s", "write_s")
 
@@ -460,7 +476,7 @@ class StageClock:
         try:
             yield
         finally:
-            self.seconds[stage] += time.perf_counter() - start
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start  # a stage run once
 
 
 @dataclass
@@ -479,15 +495,24 @@ class GraphPasses:
     fold: FoldReport | None = None
     projections: ProjectionReport | None = None
     fuse_norms: FuseRMSNormPass | None = None
+    ort_fusions: OrtFusionsPass | None = None
 
     def run(self, model_ir: ir.Model, clock: StageClock) -> None:
         if self.passes:
             with clock("passes_s"):
                 ir.passes.PassManager(self.passes)(model_ir)
+        if self.ort_fusions:  # timed apart: onnxscript's rewriter, not taperfold's passes
+            with clock("ort_fusions_s"):
+                self.ort_fusions(model_ir)
 
     @property
     def norms_fused(self) -> int:
         return self.fuse_norms.fused if self.fuse_norms else 0
+
+    @property
+    def ort_fused(self) -> dict[str, int] | None:
+        """The contrib ops ONNX Runtime's fusions made, by type; None: not asked for."""
+        return dict(self.ort_fusions.fused) if self.ort_fusions else None
 
     def projections_report(self, prefix: str) -> dict | None:
         """What FuseProjectionsPass fused (None: not asked for), modules named as paths in the model's network (without
@@ -499,15 +524,18 @@ class GraphPasses:
         return self.projections.to_json()
 
 
-def graph_details(model_ir: ir.Model, choice: OpsetChoice, norms_fused: int, projections: dict | None) -> dict:
+def graph_details(
+    model_ir: ir.Model, choice: OpsetChoice, passes: GraphPasses | None, projections: dict | None
+) -> dict:
     """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
-    norms export fused, and its fused projections (None: not asked for)."""
+    norms export fused, its fused projections and ONNX Runtime's fusions (None: not asked for)."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {
         **choice.to_dict(),
         "norm_ops": {k: v for k, v in ops.items() if v},
-        "norms_fused_by_taperfold": norms_fused,
+        "norms_fused_by_taperfold": passes.norms_fused if passes else 0,
         "projections": projections,
+        "ort_fusions": passes.ort_fused if passes else None,
     }
 
 
@@ -517,11 +545,12 @@ def graph_passes(
     fold: bool = False,
     fuse_norms: bool = True,
     fuse_projections: bool = True,
+    ort_fusions: bool = True,
     model_ir: ir.Model | None = None,
 ) -> GraphPasses:
     """The pipeline of one graph, as the options ask: the fold (`fold`: the unfolded graph becomes the folded one),
     fused projections (--fuse-projections), decomposed RMSNorms fused into one op (where the target runs ONNX
-    Runtime's op). A stage is added here, in pipeline order (a target's own fusions, quantization, ...)."""
+    Runtime's op), ONNX Runtime's LLM fusions (--ort-fusions). A stage is added here, in pipeline order."""
     pipeline = GraphPasses([])
     if fold:
         assert model_ir is not None  # the fold holds the graph to the checker's verdict on it as traced
@@ -533,6 +562,8 @@ def graph_passes(
     if fuse_norms and fuses_norms(opts.target):
         pipeline.fuse_norms = FuseRMSNormPass()
         pipeline.passes.append(pipeline.fuse_norms)
+    if ort_fusions and opts.ort_fusions:
+        pipeline.ort_fusions = OrtFusionsPass()  # last, after `passes`
     return pipeline
 
 
@@ -569,14 +600,14 @@ def export_graphs(
             folding.run(model_ir, clock)
             assert folding.fold is not None
             report = _network_names(folding.fold.to_json(), prefix)
-            details = graph_details(model_ir, choice, folding.norms_fused, folding.projections_report(prefix))
+            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix))
             with clock("write_s"):
                 folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)
             folded.built_from, folded.reports["fold"] = name, report
             unfolded_ir = _load(staged)
             passes = graph_passes(opts)
             passes.run(unfolded_ir, clock)
-            details = graph_details(unfolded_ir, choice, passes.norms_fused, passes.projections_report(prefix))
+            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix))
             with clock("write_s"):
                 unfolded = ONNX_GRAPH.write(unfolded_ir, folder, UNFOLDED, graph, opts.dtype, details)
                 for path in (staged, staged.with_name(staged.name + ".data")):
@@ -627,24 +658,22 @@ def _write_baselines(
     LayerNormalization at every opset: nothing to fuse or expand.
     """
     records = []
-    shared = graph_passes(opts, fuse_norms=False)  # fused projections, as in every graph
+    shared = graph_passes(opts, fuse_norms=False, ort_fusions=False)  # fused projections, as in every graph
     shared.run(model_ir, clock)
     projections = shared.projections_report(prefix)
 
-    def write(variant: str, norms_fused: int = 0) -> None:
-        details = graph_details(model_ir, choice, norms_fused, projections)
+    def write(variant: str, passes: GraphPasses | None = None) -> None:
+        details = graph_details(model_ir, choice, passes, projections)
         with clock("write_s"):
             records.append(ONNX_GRAPH.write(model_ir, folder, variant, graph, opts.dtype, details))
 
     fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(opts.target) and count_rms_norms(model_ir) > 0
     if fuse_after_export:
-        write(DECOMPOSED_BASELINE)
-        fusing = graph_passes(opts, fuse_projections=False)
-        fusing.run(model_ir, clock)
-        write(BASELINE, fusing.norms_fused)
-    else:
-        write(BASELINE)
-    if choice.opset >= FUSING_OPSET:
+        write(DECOMPOSED_BASELINE)  # before ONNX Runtime's fusions too: they would fuse its norms
+    fusing = graph_passes(opts, fuse_projections=False, fuse_norms=fuse_after_export)
+    fusing.run(model_ir, clock)
+    write(BASELINE, fusing)
+    if choice.opset >= FUSING_OPSET:  # ONNX Runtime's fusions leave an opset-23 graph as it is
         expand = ExpandRMSNormalizationPass()
         with clock("passes_s"):
             expand(model_ir)

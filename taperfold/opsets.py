@@ -92,6 +92,12 @@ def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice
     return OpsetChoice(ROTARY_FALLBACK_OPSET, "table", ROTARY_REASON)
 
 
+def runs_contrib_ops(target: str) -> bool:
+    """Whether the target runs ONNX Runtime's own ops (SimplifiedLayerNormalization, the com.microsoft domain):
+    ONNX Runtime does, TensorRT's parser does not."""
+    return target == "ort"
+
+
 def fuses_norms(target: str) -> bool:
     """Whether taperfold fuses decomposed RMSNorm into ONNX Runtime's op for this target (not TensorRT's)."""
-    return target == "ort"
+    return runs_contrib_ops(target)

@@ -124,14 +124,17 @@ def print_inspect(info: dict) -> None:
 
 def print_export(manifest: Manifest, out_dir) -> None:
     table = Table(title=f"exported to {out_dir}")
-    for col in ("variant", "file", "size (MB)", "opset", "norm ops"):
+    fused = any(record.details.get("ort_fusions") is not None for record in manifest.records())
+    for col in ("variant", "file", "size (MB)", "opset", "norm ops", *(("ONNX Runtime fusions",) if fused else ())):
         table.add_column(col)
     for record in manifest.records():
         size = (record.bytes + record.external_data_bytes) / 1e6
         details = record.details
         opset = f"{details['opset']} ({details['opset_source']})" if "opset" in details else ""
         norms = ", ".join(f"{op} ×{n}" for op, n in (details.get("norm_ops") or {}).items())
-        table.add_row(record.key, record.path, f"{size:.2f}", opset, norms)
+        ort = details.get("ort_fusions")
+        fusions = "–" if ort is None else ", ".join(f"{op} ×{n}" for op, n in ort.items()) or "none matched"
+        table.add_row(record.key, record.path, f"{size:.2f}", opset, norms, *((fusions,) if fused else ()))
     out.print(table)
     if manifest.get("note"):
         out.print(manifest.get("note"), highlight=False)
@@ -140,8 +143,10 @@ def print_export(manifest: Manifest, out_dir) -> None:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     t = manifest.get("timings")
     built = "".join(f", building {kind} {seconds:.1f} s" for kind, seconds in (t.get("build_s") or {}).items())
+    ort = f", ONNX Runtime fusions {t['ort_fusions_s']:.1f} s" if "ort_fusions_s" in t else ""
     out.print(
-        f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s, writing {t['write_s']:.2f} s{built}"
+        f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s{ort}, writing {t['write_s']:.2f} s"
+        f"{built}"
     )
 
 

@@ -43,6 +43,10 @@ class OnnxGraph(ArtifactKind):
             "norm_ops": Field((dict,), help="fused norm ops the graph runs, by op type"),
             "norms_fused_by_taperfold": Field((int,), help="decomposed RMSNorms fused into one op by export"),
             "projections": Field((dict, type(None)), help="FuseProjectionsPass's report; null when not asked for"),
+            "ort_fusions": Field(
+                (dict, type(None)),
+                help="ONNX Runtime's contrib ops --ort-fusions made, by type; null where not run on this graph",
+            ),
         }
     )
 
