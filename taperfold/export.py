@@ -528,14 +528,15 @@ def graph_details(
     model_ir: ir.Model, choice: OpsetChoice, passes: GraphPasses | None, projections: dict | None
 ) -> dict:
     """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
-    norms export fused, its fused projections and ONNX Runtime's fusions (None: not asked for)."""
+    norms export fused, its fused projections (None: not asked for) and ONNX Runtime's fusions (where they ran)."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {
         **choice.to_dict(),
         "norm_ops": {k: v for k, v in ops.items() if v},
         "norms_fused_by_taperfold": passes.norms_fused if passes else 0,
         "projections": projections,
-        "ort_fusions": passes.ort_fused if passes else None,
+        # only where they ran: a manifest without the option reads as before it existed
+        **({"ort_fusions": passes.ort_fused} if passes and passes.ort_fused is not None else {}),
     }
 
 

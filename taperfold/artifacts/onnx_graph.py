@@ -45,7 +45,7 @@ class OnnxGraph(ArtifactKind):
             "projections": Field((dict, type(None)), help="FuseProjectionsPass's report; null when not asked for"),
             "ort_fusions": Field(
                 (dict, type(None)),
-                help="ONNX Runtime's contrib ops --ort-fusions made, by type; null where not run on this graph",
+                help="ONNX Runtime's contrib ops --ort-fusions made, by type; absent where they did not run",
             ),
         }
     )
