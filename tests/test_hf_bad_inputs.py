@@ -377,3 +377,17 @@ class TestHuggingFaceDirectories:
             assert f"{what} '{name}' contains NaN or Inf" in line
         assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written, no temporary left
         assert "taperfold" not in model.config.to_dict()  # the model untouched
+
+
+def test_a_conversion_joining_named_tensors_is_no_expert_stack():
+    # Bailing-hybrid joins each layer's q/k/v conv1d into one tensor with a pattern that numbers nothing: one key a
+    # pattern is right there; two keys for one pattern are one line naming both (was: IndexError).
+    from taperfold.hf.weights import _check_expert_indices
+
+    origin = {f"model.layers.0.self_attn.{n}_conv1d.weight": "model.safetensors" for n in "qkv"}
+    _check_expert_indices({f"{n}_conv1d.weight": [f"model.layers.0.self_attn.{n}_conv1d.weight"] for n in "qkv"}, origin)
+    origin["model.layers.0.attention.q_conv1d.weight"] = "model.safetensors"
+    twice = ["model.layers.0.attention.q_conv1d.weight", "model.layers.0.self_attn.q_conv1d.weight"]
+    with pytest.raises(TaperfoldError, match="both hold 'q_conv1d.weight'") as e:
+        _check_expert_indices({"q_conv1d.weight": twice}, origin)
+    assert str(e.value).startswith("model.safetensors: keys 'model.layers.0.attention.q_conv1d.weight' and")

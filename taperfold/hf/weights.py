@@ -143,10 +143,17 @@ def _both(name: str, one: str, other: str, origin: dict) -> None:
 
 
 def _check_expert_indices(sources: dict[str, list[str]], origin: dict) -> None:
-    """Each pattern's keys number the experts 0, 1, ..., n - 1, the same n for every pattern: a gap would stack the
-    next expert in its place, with the right shape."""
+    """Each pattern with a `*` numbers the experts 0, 1, ..., n - 1 in its keys, the same n for every such pattern: a
+    gap would stack the next expert in its place, with the right shape. A pattern without one names one tensor."""
     count = None
     for pattern, keys in sources.items():
+        if "*" not in pattern:  # named tensors joined into one (Bailing's q/k/v conv1d), no experts: one key each
+            if len(keys) > 1:
+                raise TaperfoldError(
+                    f"{origin[keys[1]]}: keys '{printable(keys[0])}' and '{printable(keys[1])}' both hold "
+                    f"'{pattern}' (keep one of them)"
+                )
+            continue
         found = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
         indices = [int(m.group(1)) if (m := found.search(key)) else -1 for key in keys]
         if indices != list(range(len(keys))) or (count is not None and len(keys) != count):
