@@ -391,3 +391,21 @@ def test_a_conversion_joining_named_tensors_is_no_expert_stack():
     with pytest.raises(TaperfoldError, match="both hold 'q_conv1d.weight'") as e:
         _check_expert_indices({"q_conv1d.weight": twice}, origin)
     assert str(e.value).startswith("model.safetensors: keys 'model.layers.0.attention.q_conv1d.weight' and")
+
+
+def test_a_float_transformers_tags_in_config_json_reads_as_that_float(copy_of):
+    # transformers writes inf / nan as {"__float__": "Infinity"} (Bamba's time_step_limit: [0.0, inf]) and decodes
+    # them when it reads; taperfold reads config.json itself (was: "not a valid bamba config")
+    import math
+
+    from taperfold.hf import load_hf_directory
+
+    folder = copy_of("llama-plain")
+    config = _config(folder)
+    config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
+    config["scales"] = {"low": {"__float__": "-Infinity"}, "odd": {"__float__": "NaN"}, "kept": {"__float__": "x"}}
+    _write_config(folder, config)
+    read = load_hf_directory(folder).hf_config_dict  # the config the model is built from
+    assert read["time_step_limit"] == [0.0, math.inf]
+    assert read["scales"]["low"] == -math.inf and math.isnan(read["scales"]["odd"])
+    assert read["scales"]["kept"] == {"__float__": "x"}  # no tag transformers writes: left as it is

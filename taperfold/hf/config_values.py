@@ -1,13 +1,31 @@
-"""Reading a transformers config whose values may differ per layer.
+"""Reading a transformers config as transformers writes it.
 
 transformers 5 configs can be heterogeneous (`per_layer_config`: Gemma 4's full-attention layers have their own
 head_dim); reading such a per-layer attribute on the global config raises transformers'
 AmbiguousGlobalPerLayerAttributeError instead of returning a value. `config_value` reads it either way.
+
+config.json holds a float JSON cannot (inf, nan) as `{"__float__": "Infinity"}` (Bamba's time_step_limit: [0.0,
+inf]); transformers decodes it when it reads the file, and so does `decoded_floats` for taperfold, which reads the
+file itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+_FLOAT_TAG = "__float__"
+_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decoded_floats(value: Any) -> Any:
+    """`value` (config.json's parsed contents) with transformers' tagged floats as floats."""
+    if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _FLOATS:
+            return _FLOATS[value[_FLOAT_TAG]]
+        return {k: decoded_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decoded_floats(v) for v in value]
+    return value
 
 
 def config_value(config, name: str, default: Any = None) -> Any:

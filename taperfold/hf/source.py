@@ -38,6 +38,7 @@ from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for, is_registered
 from taperfold.fsutil import read_json_object
 from taperfold.hf.config_check import check_size, transformers_config
+from taperfold.hf.config_values import decoded_floats
 from taperfold.hf.export_patches import export_patches
 from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
@@ -219,7 +220,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
     if not config_file.is_file():
         raise TaperfoldError(f"{config_file}: missing (a Hugging Face directory holds config.json and weights)")
     require_transformers(f"{path} (a Hugging Face directory)")
-    config = read_json_object(config_file)
+    config = decoded_floats(read_json_object(config_file))
     if "auto_map" in config:
         raise TaperfoldError(
             f"{config_file}: key 'auto_map' asks for the directory's own modeling code; "
