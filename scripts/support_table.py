@@ -121,8 +121,13 @@ def _reason(stderr: str) -> str:
     if not lines:
         return ""
     if any(line.startswith("Traceback") for line in lines):
-        return f"traceback: {lines[-1][:300]}"
-    return lines[-1].removeprefix("taperfold: error: ")[:300]
+        return _shortened(f"traceback: {lines[-1]}")
+    return _shortened(lines[-1].removeprefix("taperfold: error: "))
+
+
+def _shortened(line: str, limit: int = 320) -> str:
+    """`line` cut in the middle where it is long: the file it names and the reason at its end both stay."""
+    return line if len(line) <= limit else f"{line[: limit // 3]} … {line[-(2 * limit) // 3 :]}"
 
 
 def run_type(model_type: str, root: Path, corpus: Path) -> dict:
