@@ -52,6 +52,16 @@ class Candidate:
 
     name: str
     match: NormMatch
+    # the exporter's metadata places it in modules none of which is a norm: the model's own per-channel scale
+    # (Gemma 3n's AltUp output scale), folded all the same
+    outside_norm: bool = False
+
+    @property
+    def note(self) -> str:
+        """What a report says of it besides its status."""
+        if not self.outside_norm:
+            return ""
+        return "no norm module: a per-channel scale the model applies itself, folded as a g = 0 norm is"
 
     @property
     def kind(self) -> str:
@@ -530,7 +540,8 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
         if m in gains or stats_nodes.intersection(m.nodes) or real_nodes.intersection(m.nodes):
             continue
         own = [node for node in m.nodes if counts[node] == 1] or m.nodes  # a shared centering names neither
-        found.append((position[m.nodes[0]], Candidate(norm_name(own), m)))
+        outside_norm = any(scopes(n) for n in own) and all(_norm_module(n) is None for n in own)
+        found.append((position[m.nodes[0]], Candidate(norm_name(own), m, outside_norm)))
 
     found.sort(key=lambda pair: pair[0])
     items = [item for _, item in found]

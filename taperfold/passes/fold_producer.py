@@ -206,6 +206,7 @@ class FoldIntoProducerPass(AfterConstantsPass):
             entry.status, entry.into = NormStatus.FOLDED, "producer"
             module = scopes(producer.node)[-1][0] if scopes(producer.node) else ""
             entry.reason = f"folded into its producer {describe(producer.node)}" + (f" ({module})" if module else "")
+            entry.reason += f"; {candidate.note}" if candidate.note else ""
             entry.bytes_rewritten += effects.bytes_rewritten
             entry.copied += effects.copied
             modified = True

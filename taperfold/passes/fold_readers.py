@@ -39,7 +39,8 @@ class FoldIntoReadersPass(AfterConstantsPass):
             remove_if_dead(model.graph, match.nodes)
             self.rewritten.append((candidate.name, match.output))
             entry.status, entry.into = NormStatus.FOLDED, "consumers"
-            entry.reason = norm_kind(candidate.kind).folded_note  # "" but for a kind that keeps a part (DyT)
+            # "" but for a kind that keeps a part (DyT), or a scale no norm module applies
+            entry.reason = "; ".join(x for x in (candidate.note, norm_kind(candidate.kind).folded_note) if x)
             entry.bytes_rewritten += effects.bytes_rewritten
             entry.copied += effects.copied
             modified = True

@@ -126,3 +126,25 @@ def test_scale_fed_as_a_graph_input_is_not_a_match():
 
 def test_scalar_only_chain_is_not_a_norm():
     assert not detect_norms(mul_matmul(np.array(0.5, np.float32)))
+
+
+@pytest.mark.parametrize("module, note", [
+    ("model.layers.0: transformers.models.gemma3n.modeling_gemma3n.Gemma3nTextDecoderLayer", True),
+    ("model.layers.0.input_layernorm: fold_models.ConstantRMSNorm", False),  # a norm at g = 0, as tests/passes make
+    (None, False),  # no metadata (a legacy export): nothing to tell
+])
+def test_a_scale_no_norm_module_applies_folds_and_the_report_says_it_is_none(module, note):
+    # Gemma 3n's AltUp multiplies by a learned per-channel vector in the decoder layer itself: the fold moves it as it
+    # moves a g = 0 norm, and the report names what it is
+    from taperfold.passes import fold_model
+
+    model = mul_matmul(rand(D))
+    if module is not None:
+        for node in model.graph:
+            around = module if node.op_type == "Mul" else "model.layers.0.mlp.up_proj: torch.nn.Linear"
+            node.metadata_props["namespace"] = f": m.LM/{around}/{node.op_type.lower()}: aten.{node.op_type.lower()}"
+    (candidate,) = detect_norms(model).candidates
+    assert candidate.outside_norm is note
+    (entry,) = fold_model(model).norms
+    assert entry.status.value == "folded"
+    assert ("no norm module: a per-channel scale the model applies itself" in entry.reason) is note
