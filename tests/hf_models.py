@@ -71,6 +71,14 @@ def tiny_config(model_type: str):
         # unlisted, a family torch.onnx cannot translate as transformers writes it: Llama 4's complex rotary embedding
         "llama4_text": lambda: t.Llama4TextConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4,
                                                   intermediate_size_mlp=64, **RMS),
+        # unlisted hybrids, whose linear recurrences transformers writes as a loop over chunks (export_patches: a scan)
+        "qwen3_next": lambda: t.Qwen3NextConfig(num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=8,
+                                                linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                layer_types=["linear_attention", "full_attention"], **RMS),
+        "bamba": lambda: t.BambaConfig(num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                                       mamba_chunk_size=16, attn_layer_indices=[1], **RMS),
         # unlisted, a config of the new shape: Gemma 4's full-attention layer has its own head_dim (per_layer_config)
         "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,

@@ -134,6 +134,34 @@ def test_llama4s_rotary_in_real_arithmetic_is_its_complex_one():
     assert "view_as_complex" in modeling_llama4.apply_rotary_emb.__code__.co_names
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
+    # what export traces instead of the loop over chunks that fixed the sequence length (taperfold.hf.export_patches)
+    from taperfold.hf.export_patches import export_patches
+
+    model = _model(name)
+    for length in (1, 9, 40):
+        ids = torch.randint(3, 256, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            own = model(ids).logits
+            with export_patches(name):
+                scanned = model(ids).logits
+        torch.testing.assert_close(scanned, own, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name):
+    # export refused them in one line ("fixed the sequence length of 'input_ids' to 8"); verify runs lengths 1 to
+    # the model's longest, batch 1 and 4
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.verify import verify_export
+
+    out = export_checkpoint(_plain(name, tmp_path / "plain"), tmp_path / "out", ExportOptions()).out_dir
+    report = verify_export(out, threads=1)
+    assert report.passed, report.failure_message()
+    assert {"random 1x1", "random 4x16"} <= {row["input"] for pair in report.pairs for row in pair.per_input}
+
+
 def test_llama4_exports_and_verifies_with_the_norm_before_its_experts_folded(cli, tmp_path, corpus):
     # torch.onnx failed on the complex rotary embedding (a ConversionError on an unsqueeze): exported in its real form
     plain = _plain("llama4_text", tmp_path / "plain")

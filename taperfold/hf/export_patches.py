@@ -7,6 +7,10 @@ inspect, verify's torch reference and every other tool run transformers' code as
   translate (a ConversionError on an unsqueeze of a complex tensor). The same rotation in real arithmetic: the
   embedding returns (cos, sin)·scale as a trailing axis of 2, and each pair (a, b) of a query or key becomes
   (a·cos − b·sin, a·sin + b·cos), which is (a + ib)(cos + i·sin).
+- Hybrid families' linear recurrences (Qwen3-Next's gated delta rule; the Mamba2 scan of Bamba, GraniteMoeHybrid and
+  Nemotron-H): transformers' torch forms pad the sequence to a multiple of a chunk and loop over the chunks in
+  Python, so torch.export fixes the sequence length to the traced one. The same recurrence, one step per token, as
+  torch's `scan` (which torch.onnx writes as an ONNX Scan): a graph that takes any length.
 """
 
 from __future__ import annotations
@@ -43,9 +47,121 @@ def _llama4_real_rotary() -> Iterator[None]:
         yield
 
 
+def _scan_gated_delta_rule(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size=64,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **kwargs,
+):
+    """transformers' torch_recurrent_gated_delta_rule ([batch, time, heads, dim] in and out), its time loop a scan:
+    per token S ← S·exp(g), S ← S + k ⊗ β(v − kᵀS), o = qᵀS, with S [batch, heads, dk, dv] in float32."""
+    from torch._higher_order_ops.scan import scan
+    from transformers.models.qwen3_next.modeling_qwen3_next import l2norm
+
+    dtype = query.dtype
+    k_heads, dk = key.shape[-2:]
+    v_heads, dv = value.shape[-2:]
+    if k_heads != v_heads:  # key heads shared by groups of value heads
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    # detached: an input that requires grad sends export's decomposition down scan's autograd path, which fails on a
+    # symbolic length (the graph is for inference; export patches never run in training)
+    query, key, value, beta, g = (x.detach().to(torch.float32) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
+    query = query * dk**-0.5
+    state = value.new_zeros(value.shape[0], v_heads, dk, dv) if initial_state is None else initial_state.float()
+
+    def step(state, inputs):
+        q, k, v, g_t, beta_t = inputs  # one token: [batch, heads, dim], gates [batch, heads]
+        state = state * g_t.exp()[..., None, None]
+        delta = (v - (state * k[..., None]).sum(-2)) * beta_t[..., None]
+        state = state + k[..., None] * delta[..., None, :]
+        return state, (state * q[..., None]).sum(-2)
+
+    last, out = scan(step, state, (query, key, value, g, beta), dim=1)
+    return out.to(dtype), (last if output_final_state else None)
+
+
+@contextlib.contextmanager
+def _qwen3_next_scan() -> Iterator[None]:
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    with (
+        mock.patch.object(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _scan_gated_delta_rule),
+        mock.patch.object(modeling_qwen3_next, "torch_recurrent_gated_delta_rule", _scan_gated_delta_rule),
+    ):
+        yield
+
+
+def _scan_mamba2(
+    hidden_states,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    dt_bias=None,
+    initial_states=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    **kwargs,
+):
+    """transformers' mamba2_chunk_scan (x [batch, time, heads, dim], dt [batch, time, heads], B/C [batch, time,
+    groups, state]), its recurrence a scan: per token S ← S·exp(dt·A) + (dt·x) ⊗ B, y = S·C, plus D·x."""
+    from torch._higher_order_ops.scan import scan
+
+    heads, groups = hidden_states.shape[2], B.shape[2]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).float()
+    x = hidden_states.float()
+    B = B.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
+    C = C.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
+    decay, inflow = torch.exp(dt * A.float()).detach(), (dt[..., None] * x).detach()  # as in the gated delta rule
+    B, C = B.detach(), C.detach()
+    state = x.new_zeros(x.shape[0], heads, x.shape[-1], B.shape[-1]) if initial_states is None else initial_states
+    state = state.float()
+
+    def step(state, inputs):
+        decay_t, inflow_t, b_t, c_t = inputs
+        state = state * decay_t[..., None, None] + inflow_t[..., None] * b_t[:, :, None, :]
+        return state, (state * c_t[:, :, None, :]).sum(-1)
+
+    last, y = scan(step, state, (decay, inflow, B, C), dim=1)
+    if D is not None:
+        y = y + D[..., None] * x
+    return (y, last) if return_final_states else y
+
+
+def _mamba2_scan(module: str) -> Callable[[], contextlib.AbstractContextManager]:
+    @contextlib.contextmanager
+    def patch() -> Iterator[None]:
+        import importlib
+
+        with mock.patch.object(importlib.import_module(module), "mamba2_chunk_scan", _scan_mamba2):
+            yield
+
+    return patch
+
+
 PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "llama4": _llama4_real_rotary,
     "llama4_text": _llama4_real_rotary,
+    "qwen3_next": _qwen3_next_scan,
+    "bamba": _mamba2_scan("transformers.models.bamba.modeling_bamba"),
+    "granitemoehybrid": _mamba2_scan("transformers.models.granitemoehybrid.modeling_granitemoehybrid"),
+    "nemotron_h": _mamba2_scan("transformers.models.nemotron_h.modeling_nemotron_h"),
 }
 
 
