@@ -397,7 +397,13 @@ def static_cache_length(cfg, opts: ExportOptions) -> int:
     return opts.max_cache or cfg.max_seq_len
 
 
-def _check_static_cache(source: ModelSource, model: TaperedLM, opts: ExportOptions) -> None:
+def _check_caches(source: ModelSource, model: TaperedLM, opts: ExportOptions) -> None:
+    if opts.decoders and not model.kv_cache:
+        raise TaperfoldError(
+            f"{source.path}: --kv-cache: the model's transformers cache keeps recurrent states (linear attention, "
+            "Mamba) beside keys and values, which taperfold's decoders do not carry; export without --kv-cache "
+            "(its prefill graph takes any length)"
+        )
     if STATIC not in opts.decoders:
         return
     if not model.static_cache:
@@ -435,7 +441,7 @@ def export_checkpoint(
     for _, model in sources:
         _check_fits(model, opts.dtype, ckpt_path)
     opts = replace(opts, decoders=_with_needed_graphs(opts, source, dict(sources).get(UNFOLDED)))
-    _check_static_cache(source, sources[0][1], opts)
+    _check_caches(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         with source.export_context():

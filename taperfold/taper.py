@@ -150,6 +150,12 @@ class TaperedLM(nn.Module, abc.ABC):
         """Whether forward takes `cache_position` and a static cache (taperfold.models.base)."""
         return False
 
+    @property
+    def kv_cache(self) -> bool:
+        """Whether every layer's cache is its keys and values, all the KV-cached decoders carry (a hybrid's linear
+        attention or Mamba layers keep recurrent states instead)."""
+        return True
+
     @abc.abstractmethod
     def copy(self, shared: bool = False) -> TaperedLM:
         """A deep copy; `shared`: the modules copied, the parameters the same objects (see shared_parameters)."""

@@ -162,6 +162,14 @@ def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name):
     assert {"random 1x1", "random 4x16"} <= {row["input"] for pair in report.pairs for row in pair.per_input}
 
 
+def test_kv_cached_decoders_of_a_hybrid_are_one_line_before_any_trace(cli, tmp_path):
+    plain = _plain("qwen3_next", tmp_path / "plain")
+    result = cli("export", plain, "-o", tmp_path / "out", "--kv-cache", "growing")
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert "--kv-cache: the model's transformers cache keeps recurrent states (linear attention, Mamba)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_llama4_exports_and_verifies_with_the_norm_before_its_experts_folded(cli, tmp_path, corpus):
     # torch.onnx failed on the complex rotary embedding (a ConversionError on an unsqueeze): exported in its real form
     plain = _plain("llama4_text", tmp_path / "plain")

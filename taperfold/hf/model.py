@@ -181,6 +181,15 @@ class HFCausalLM(TaperedLM, nn.Module):
 
         return all(type(layer) is StaticLayer for layer in StaticCache(config=self.hf.config, max_cache_len=1).layers)
 
+    @property
+    def kv_cache(self) -> bool:
+        """Whether transformers' cache of this model holds keys and values in every layer (DynamicLayer and its
+        sliding-window kind); Qwen3-Next's and the Mamba hybrids' LinearAttentionLayer holds recurrent states."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        return all(isinstance(layer, DynamicLayer) for layer in DynamicCache(config=self.hf.config).layers)
+
     def _static(self, past_key_values, cache_position):
         """transformers' StaticCache over the given buffers, which its layers update in place (index_copy_). A layer
         writes from its `cumulative_length` on: here the first position of this call."""
