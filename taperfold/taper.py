@@ -352,10 +352,11 @@ def taper_model(
     for name, module in model.named_modules():
         if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
             continue
+        if name == family.final:  # first: a family's reason for a layer's module of the same name ("norm") is not its
+            untapered[name] = FINAL_KEPT
+            continue
         why = next((family.untapered[part] for part in reversed(name.split(".")) if part in family.untapered), None)
-        untapered[name] = why or (
-            FINAL_KEPT if name == family.final else "not read by a linear layer taperfold knows of"
-        )
+        untapered[name] = why or "not read by a linear layer taperfold knows of"
     scale_loss = None
     if aux:
         scale_loss = ScaleAnchorLoss(

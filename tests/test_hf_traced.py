@@ -162,6 +162,17 @@ def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name):
     assert {"random 1x1", "random 4x16"} <= {row["input"] for pair in report.pairs for row in pair.per_input}
 
 
+def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():
+    # Qwen3-Next's linear-attention layers have a gated `linear_attn.norm`, left untapered with its own reason; the
+    # final `model.norm` was given that reason too
+    from taperfold.hf import taper_model
+    from taperfold.taper import FINAL_KEPT
+
+    untapered = taper_model(_model("qwen3_next"), "internal").untapered
+    assert untapered["model.norm"] == FINAL_KEPT
+    assert "gate" in untapered["model.layers.0.linear_attn.norm"]
+
+
 def test_kv_cached_decoders_of_a_hybrid_are_one_line_before_any_trace(cli, tmp_path):
     plain = _plain("qwen3_next", tmp_path / "plain")
     result = cli("export", plain, "-o", tmp_path / "out", "--kv-cache", "growing")
