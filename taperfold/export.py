@@ -482,7 +482,7 @@ class StageClock:
         try:
             yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start  # a stage run once
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start  # an option's stage: new
 
 
 @dataclass
