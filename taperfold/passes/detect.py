@@ -540,7 +540,9 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
         if m in gains or stats_nodes.intersection(m.nodes) or real_nodes.intersection(m.nodes):
             continue
         own = [node for node in m.nodes if counts[node] == 1] or m.nodes  # a shared centering names neither
-        outside_norm = any(scopes(n) for n in own) and all(_norm_module(n) is None for n in own)
+        # a bare constant scale in no norm module is the model's own; a match with a kept element-wise op (DyT's
+        # tanh) is a norm by its form, whatever class wrote it
+        outside_norm = not m.kept and any(scopes(n) for n in own) and all(_norm_module(n) is None for n in own)
         found.append((position[m.nodes[0]], Candidate(norm_name(own), m, outside_norm)))
 
     found.sort(key=lambda pair: pair[0])
