@@ -14,6 +14,7 @@ the constant map c·h·diag(γ̃) (LN: affine), which `taperfold export` folds i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,9 +101,11 @@ class TaperedNorm(nn.Module):
 
     @torch.no_grad()
     def _track(self, centred: torch.Tensor, scale: torch.Tensor) -> None:
-        """Update EMAs of E[‖h̄γ‖²/s(h)] and E[‖h̄γ‖²] (eq. 4 with h̄ = h, s = r; eq. 7 with h̄ = h − μ, s = σ)."""
-        energy = (centred * self.gain(self.weight).float()).pow(2).sum(-1)
-        num = (energy / scale.squeeze(-1)).mean().double()
+        """Update EMAs of E[‖h̄γ‖²/s(h)] and E[‖h̄γ‖²] (eq. 4 with h̄ = h, s = r; eq. 7 with h̄ = h − μ, s = σ).
+        `scale` holds s of each of the equal groups the features are normalized in ([..., groups]); the sums then
+        run over the groups too, which keeps c the least-squares fit of the grouped norm."""
+        energy = (centred * self.gain(self.weight).float()).unflatten(-1, (scale.shape[-1], -1)).pow(2).sum(-1)
+        num = (energy / scale).mean().double()
         den = energy.mean().double()
         mu = self.momentum
         self.ema_num.mul_(1 - mu).add_(mu * num)
@@ -123,6 +126,10 @@ class TaperedNorm(nn.Module):
         """The per-feature gain stored as `w` (γ or γ̃): w itself, or offset + w (Gemma)."""
         return w + self.gain_offset if self.gain_offset else w
 
+    def bare(self) -> nn.Module:
+        """What is left in the norm's place without its normalization and gain: nothing (a gated norm: its gate)."""
+        return nn.Identity()
+
     def extra_repr(self) -> str:
         offset = f", gain_offset={self.gain_offset:g}" if self.gain_offset else ""
         return f"{self.dim}, eps={self.eps}{offset}, gate={self.gate.value:g}"
@@ -142,18 +149,99 @@ class TaperNorm(TaperedNorm):
     ):
         super().__init__(dim, gate, eps, momentum, delta, gain_offset)
 
+    groups = 1  # equal slices of the features normalized apart (a gated norm's may be more)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         g = self.gate.value
         if g == 0.0:
             return h * self.c * self.gain(self.weight_tilde)  # constant diagonal map: no per-token statistics
-        normed = F.rms_norm(h, (self.dim,), self.gain(self.weight), self.eps)
+        if self.groups == 1:
+            normed = F.rms_norm(h, (self.dim,), self.gain(self.weight), self.eps)
+        else:
+            grouped = F.rms_norm(h.unflatten(-1, (self.groups, -1)), (self.dim // self.groups,), None, self.eps)
+            normed = grouped.flatten(-2) * self.gain(self.weight)
         if self.training and self.gate.calibrating:
             x = h.float()
-            rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            rms = torch.sqrt(x.unflatten(-1, (self.groups, -1)).pow(2).mean(-1) + self.eps)
             self._track(x, rms)
         if g == 1.0:
             return normed
         return g * normed + (1.0 - g) * (h * self.c * self.gain(self.weight_tilde))
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+@dataclass(frozen=True)
+class Gating:
+    """How a gated norm (Mamba2's, the gated delta net's RMSNormGated: forward(x, z)) applies its gate input z:
+    N(x)·act(z) when `norm_first`, else N(x·act(z)); N normalizes `groups` equal slices of the features apart."""
+
+    activation: str  # a key of _ACTIVATIONS
+    norm_first: bool
+    groups: int = 1
+
+    def __post_init__(self):
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"gate activation must be one of {', '.join(_ACTIVATIONS)}, got {self.activation!r}")
+        if self.groups < 1:
+            raise ValueError(f"groups must be at least 1, got {self.groups}")
+
+    def apply(self, h: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """h·act(z), in float32 as transformers' gated norms compute it; h itself without a gate input."""
+        if z is None:
+            return h
+        return (h.float() * _ACTIVATIONS[self.activation](z.float())).to(h.dtype)
+
+
+class GateOnly(nn.Module):
+    """A gated norm without its norm: h·act(z). What a fold leaves in its place, since at g = 0 the norm is a
+    diagonal map, which commutes with the gate's element-wise product and moves into the next layer."""
+
+    def __init__(self, gating: Gating):
+        super().__init__()
+        self.gating = gating
+
+    def forward(self, h: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gating.apply(h, z)
+
+
+class GatedTaperNorm(TaperNorm):
+    """TaperNorm inside a gated norm: the gate input z applied as `gating` says, before or after the tapered norm."""
+
+    def __init__(
+        self,
+        dim: int,
+        gate: TaperGate,
+        eps: float = 1e-6,
+        momentum: float = 0.01,
+        delta: float = 1e-8,
+        gain_offset: float = 0.0,
+        *,
+        gating: Gating,
+    ):
+        super().__init__(dim, gate, eps, momentum, delta, gain_offset)
+        if dim % gating.groups:
+            raise ValueError(f"{dim} features do not split into {gating.groups} equal groups")
+        self.gating = gating
+        self.groups = gating.groups
+
+    def forward(self, h: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gating.norm_first:
+            return self.gating.apply(super().forward(h), z)
+        return super().forward(self.gating.apply(h, z))
+
+    @property
+    def variance_epsilon(self) -> float:
+        # transformers' Mamba2 mixers pass their norm's weight and epsilon to a fused training kernel (mamba_ssm,
+        # CUDA only), which then computes a real norm; without it they call this module
+        return self.eps
+
+    def bare(self) -> nn.Module:
+        return GateOnly(self.gating)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.gating}"
 
 
 class TaperLN(TaperedNorm):

@@ -276,11 +276,13 @@ def _check_fold_targets(
     model: nn.Module, family: Family, path: str, dim: int, readers: list[str], producer: str | None, where: str
 ) -> None:
     """The family's readers (or producer) of the norm at `path` exist, are linear layers, and take (give) its width."""
+    heads = family.heads_of(path)
     for reader in readers:
-        width = linear_widths(_linear(model, reader, family, where), stored_in_out(model, reader, dim))[0]
-        if width != dim:
+        width = linear_widths(_linear(model, reader, family, where), stored_in_out(model, reader, dim * heads))[0]
+        if width != dim * heads:
+            gives = f"{dim}" if heads == 1 else f"{dim} per head, {dim * heads} for the {heads} heads its readers join"
             raise TaperfoldError(
-                f"{where}: {reader} takes {width} features, but {path} gives {dim} "
+                f"{where}: {reader} takes {width} features, but {path} gives {gives} "
                 f"(family {family.name} says it reads {path})"
             )
     if producer is not None:
@@ -333,14 +335,21 @@ def taper_model(
     readers = family.norm_readers(n_layers, taper)
     producers = family.norm_producers(n_layers) if new_kind.elementwise is None else {}
     norms: dict[str, nn.Module] = {}
+    without_gate_input: dict[str, str] = {}  # gated norms the kind has no tapered form for -> why
     for path in family.norm_paths(n_layers, taper):
         try:
             original = model.get_submodule(path)
         except AttributeError:
             raise TaperfoldError(f"{where}: {family.name} model has no module {path!r}") from None
+        gating = family.gating_of(path)
+        if gating is not None and new_kind.tapered_with_gate is None:
+            without_gate_input[path] = f"a gated norm, and a {new_kind.title} has no form with a gate input"
+            readers.pop(path, None)
+            producers.pop(path, None)
+            continue
         try:
             norms[path] = new_kind.taper(
-                original, shared, norm_eps(original, family), momentum, delta, family.gain_offset
+                original, shared, norm_eps(original, family), momentum, delta, family.gain_offset_of(path), gating
             )
         except ValueError as e:
             raise TaperfoldError(f"{where}: {path}: {e}") from None
@@ -348,9 +357,9 @@ def taper_model(
         _check_fold_targets(model, family, path, width, readers.get(path, []), producers.get(path), where)
     for path, norm in norms.items():  # swapped in only once every norm and its layers were checked
         model.set_submodule(path, norm)
-    untapered: dict[str, str] = {}
+    untapered: dict[str, str] = dict(without_gate_input)
     for name, module in model.named_modules():
-        if name in norms or tapered_kind(module) is not None or not is_norm_module(module):
+        if name in norms or name in untapered or tapered_kind(module) is not None or not is_norm_module(module):
             continue
         if name == family.final:  # first: a family's reason for a layer's module of the same name ("norm") is not its
             untapered[name] = FINAL_KEPT

@@ -25,6 +25,7 @@ from torch import nn
 
 from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
 from taperfold.families import Family
+from taperfold.nn import TaperedNorm
 from taperfold.norms import ConstantMap, plain_kind
 from taperfold.taper import TaperedLM, fold_target, layer_count, stored_in_out
 
@@ -130,6 +131,8 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
             continue  # a DyT post-norm stays as it is
         norm = network.get_submodule(path)
         constant = kind.constant_map(norm)
+        if (heads := tapering.family.heads_of(path)) > 1:
+            constant = constant.joined(heads)
         if constant.bias is not None and any(isinstance(fold_target(network, t), nn.Parameter) for t in targets):
             # A bare weight (MoE experts' stack) is applied by the family's own forward with no bias to take β·W:
             # this variant keeps the norm at g = 0 (the ONNX fold adds the bias per expert after the layer).
@@ -151,13 +154,15 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
 
 
 def without_norms(model: TaperedLM) -> TaperedLM:
-    """The zero-residue reference (variant `nonorm`): the model with nothing where it has a tapered norm, its weights
-    copied unscaled. A timing reference, not the same function; norms that do not taper (Internal-Taper's final
-    norm) stay, as they stay in the folded model, so that folded vs nonorm measures what the fold leaves behind.
+    """The zero-residue reference (variant `nonorm`): the model with nothing where it has a tapered norm (a gated
+    norm: its gate alone), its weights copied unscaled. A timing reference, not the same function; norms that do
+    not taper (Internal-Taper's final norm) stay, as they stay in the folded model, so that folded vs nonorm
+    measures what the fold leaves behind.
     It holds `model`'s parameters themselves."""
     bare = model.copy(shared=True)
     for path in model.tapered_norms():
-        bare.network.set_submodule(path, nn.Identity())
+        norm = bare.network.get_submodule(path)
+        bare.network.set_submodule(path, norm.bare() if isinstance(norm, TaperedNorm) else nn.Identity())
     bare.forget_tapering()
     return bare
 

@@ -21,9 +21,10 @@ transformers = pytest.importorskip("transformers")
 from hf_models import FAMILIES, UNLISTED, tiny_config  # noqa: E402
 
 from taperfold.families import family_for, is_registered  # noqa: E402
-from taperfold.families.serialize import family_to_data  # noqa: E402
+from taperfold.families.serialize import family_from_data, family_to_data  # noqa: E402
 from taperfold.hf import taper_model  # noqa: E402
 from taperfold.hf import trace  # noqa: E402
+from taperfold.nn import Gating  # noqa: E402
 from taperfold.passes import detect_norms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,54 @@ def test_gemma_gain_and_olmo_epsilon_are_measured():
     assert olmo.norm == "ln" and olmo.norm_eps == family_for("olmo").norm_eps
 
 
+def _gated_norms():
+    from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    return [
+        (BambaRMSNormGated(24, group_size=6), Gating("silu", False, 4)),  # Mamba2's: gate, then norm per group
+        (Qwen3NextRMSNormGated(24), Gating("silu", True)),  # the gated delta net's: norm, then gate
+        (KimiLinearRMSNormGated(24), Gating("sigmoid", True)),
+        (FalconH1RMSNormGated(24, n_groups=3, norm_before_gate=True), Gating("silu", True, 3)),
+    ]
+
+
+@pytest.mark.parametrize("module, gating", _gated_norms(), ids=lambda v: type(v).__name__)
+def test_a_gated_norms_gate_is_measured(module, gating):
+    behaviour = trace.measure_norm(module, None)
+    assert (behaviour.kind, behaviour.gating, behaviour.eps) == ("rms", gating, 1e-6), behaviour
+
+
+@pytest.mark.parametrize("name, gated_norm, reader, gating, heads, own_gain", [
+    # Bamba: gate·x, then the norm, into out_proj; its other norms γ too
+    ("bamba", "mamba.norm", "mamba.out_proj", Gating("silu", False, 1), {}, {}),
+    # Qwen3-Next: the norm per head (4 heads), then the gate, the heads joined for out_proj; γ where its others are
+    # 1 + γ
+    ("qwen3_next", "linear_attn.norm", "linear_attn.out_proj", Gating("silu", True, 1), {"linear_attn.norm": 4},
+     {"linear_attn.norm": 0.0}),
+    # Kimi Linear: per head, then a sigmoid gate
+    ("kimi_linear", "self_attn.o_norm", "self_attn.o_proj", Gating("sigmoid", True, 1), {"self_attn.o_norm": 4}, {}),
+])
+def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_norm, reader, gating, heads, own_gain):
+    # layer 0 is recurrent (Mamba2 / gated delta net), layer 1 attention
+    family = trace.traced_family(tiny_config(name), name)
+    assert family.layer_readers[0][gated_norm] == (reader,) and gated_norm not in family.internal
+    assert family.gated == {gated_norm: gating} and "norm" not in family.untapered
+    assert (family.heads, family.gain_offsets) == (heads, own_gain)
+    model = _model(name)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        tapering = taper_model(model, "all")
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    assert f"model.layers.0.{gated_norm}" in tapering.norms
+    data = family_to_data(family)
+    assert family_from_data(json.loads(json.dumps(data)), name, ValueError) == family
+
+
 @pytest.mark.parametrize("name", UNLISTED)
 def test_unlisted_architectures_are_traced_and_taper_exactly_at_gate_1(name):
     model = _model(name)
@@ -134,7 +183,7 @@ def test_llama4s_rotary_in_real_arithmetic_is_its_complex_one():
     assert "view_as_complex" in modeling_llama4.apply_rotary_emb.__code__.co_names
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "kimi_linear"])
 def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
     # what export traces instead of the loop over chunks that fixed the sequence length (taperfold.hf.export_patches)
     from taperfold.hf.export_patches import export_patches
@@ -149,28 +198,38 @@ def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
         torch.testing.assert_close(scanned, own, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
-def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name):
+@pytest.mark.parametrize("name, gated_norm", [("qwen3_next", "linear_attn.norm"), ("bamba", "mamba.norm")])
+def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_norm):
     # export refused them in one line ("fixed the sequence length of 'input_ids' to 8"); verify runs lengths 1 to
-    # the model's longest, batch 1 and 4
+    # the model's longest, batch 1 and 4. The gated norm of layer 0 (the recurrent one) folds into its out_proj, the
+    # gate kept: Bamba's normalizes gate·x, Qwen3-Next's each head before its gate, read with the heads joined
+    from hf_models import tapered_tiny_model
+
     from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
     from taperfold.verify import verify_export
 
-    out = export_checkpoint(_plain(name, tmp_path / "plain"), tmp_path / "out", ExportOptions()).out_dir
+    tapered = save_hf_directory(tapered_tiny_model(name), tmp_path / "tapered", step=3)
+    out = export_checkpoint(tapered, tmp_path / "out", ExportOptions()).out_dir
     report = verify_export(out, threads=1)
     assert report.passed, report.failure_message()
     assert {"random 1x1", "random 4x16"} <= {row["input"] for pair in report.pairs for row in pair.per_input}
+    fold = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
+    status = {n["name"]: n["status"] for n in fold["norms"]}
+    assert status[f"model.layers.0.{gated_norm}"] == "folded", fold["norms"]
+    assert all("no norm module" not in n["reason"] for n in fold["norms"])
 
 
 def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():
-    # Qwen3-Next's linear-attention layers have a gated `linear_attn.norm`, left untapered with its own reason; the
-    # final `model.norm` was given that reason too
+    # Qwen3-Next's linear-attention layers have a gated `linear_attn.norm`, which a DyT cannot replace (it has no gate
+    # input): left untapered with its own reason; the final `model.norm` was given a layer norm's reason
     from taperfold.hf import taper_model
     from taperfold.taper import FINAL_KEPT
 
-    untapered = taper_model(_model("qwen3_next"), "internal").untapered
-    assert untapered["model.norm"] == FINAL_KEPT
-    assert "gate" in untapered["model.layers.0.linear_attn.norm"]
+    tapering = taper_model(_model("qwen3_next"), "internal", kind="dyt")
+    assert tapering.untapered["model.norm"] == FINAL_KEPT
+    assert "a DyT has no form with a gate input" in tapering.untapered["model.layers.0.linear_attn.norm"]
+    assert "model.layers.0.linear_attn.norm" not in tapering.readers and "model.layers.0.input_layernorm" in tapering.norms
 
 
 def test_kv_cached_decoders_of_a_hybrid_are_one_line_before_any_trace(cli, tmp_path):
@@ -290,7 +349,13 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
                   "post_attention_layernorm": ["mlp.c_fc"]}, "lists 'self_attn.q_proj' twice"),
     ("final", "model.layers.1.input_layernorm", "is a norm inside a layer, not the norm after the last layer"),
     ("head", "model.embed_tokens", "is the input embedding, not the output head"),
-    ("layer_readers", {"0": {"no_such_norm": ["mlp.c_fc"]}}, "layer 0 names 'no_such_norm', which 'internal' does not"),
+    ("layer_readers", {"0": {"no_such_norm": ["mlp.c_fc"]}}, "names 'no_such_norm', which is not a norm module in layer 0"),
+    ("gated", {"input_layernorm": {"activation": "tanh", "norm_first": True, "groups": 1}}, "must be one of silu"),
+    ("gated", {"input_layernorm": {"activation": "silu"}}, "must map norm paths to objects with"),
+    ("gated", {"mlp.norm": {"activation": "silu", "norm_first": True, "groups": 1}}, "which the family does not taper"),
+    ("heads", {"input_layernorm": 1}, "the number of heads (> 1)"),
+    ("heads", {"mlp.norm": 2}, "which the family does not taper"),
+    ("gain_offsets", {"input_layernorm": 1}, "must map norm paths in a layer to 0"),
     ("layer_readers", {"7": {"post_attention_layernorm": ["mlp.c_fc"]}}, "names layer 7; this starcoder2 model has 2"),
     ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
     ("layer_readers", {"x": {}}, "must map layer indices to objects"),

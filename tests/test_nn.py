@@ -7,7 +7,16 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from taperfold.nn import GateSchedule, ScaleAnchorLoss, TaperGate, TaperLN, TaperNorm, bias_corrected
+from taperfold.nn import (
+    GatedTaperNorm,
+    GateSchedule,
+    Gating,
+    ScaleAnchorLoss,
+    TaperGate,
+    TaperLN,
+    TaperNorm,
+    bias_corrected,
+)
 from taperfold.norms import norm_kind
 
 D = 16
@@ -140,6 +149,52 @@ def test_calibrated_c_is_least_squares_optimum(kind):
     assert c == pytest.approx(c_star, rel=1e-6)
     torch.testing.assert_close(layer.weight_tilde, layer.weight)  # γ̃ ← γ
     assert bool(layer.calibrated)
+
+
+def gated_reference(x, z, gamma, gating: Gating, eps=1e-6):
+    """A gated RMSNorm as transformers' RMSNormGated classes write it (Mamba2's grouped one, the gated delta net's)."""
+    act = F.silu if gating.activation == "silu" else torch.sigmoid
+    h = x if gating.norm_first else x * act(z)
+    grouped = h.unflatten(-1, (gating.groups, -1))
+    normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * gamma
+    return normed * act(z) if gating.norm_first else normed
+
+
+GATINGS = [Gating("silu", True), Gating("sigmoid", True), Gating("silu", False, 4), Gating("silu", True, 2)]
+
+
+@pytest.mark.parametrize("gating", GATINGS, ids=str)
+def test_gated_taper_norm_is_the_gated_norm_at_gate_1_and_a_diagonal_map_times_the_gate_at_0(gating):
+    gate = TaperGate(1.0)
+    layer = GatedTaperNorm(D, gate, gating=gating)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.weight_tilde.uniform_(0.5, 1.5)
+        layer.c.fill_(0.37)
+    x, z = tokens(), tokens(seed=2)
+    torch.testing.assert_close(layer(x, z), gated_reference(x, z, layer.weight, gating))
+    gate.value = 0.0
+    act = F.silu if gating.activation == "silu" else torch.sigmoid
+    torch.testing.assert_close(layer(x, z), x * act(z) * 0.37 * layer.weight_tilde)
+    # what a fold leaves in its place: the gate alone
+    torch.testing.assert_close(norm_kind("rms").residue(layer)(x, z), x * act(z))
+
+
+def test_grouped_calibration_is_the_least_squares_c_of_the_grouped_norm():
+    gating = Gating("silu", False, 4)
+    gate = TaperGate(1.0, calibrating=True)
+    layer = GatedTaperNorm(D, gate, gating=gating).train()
+    layer.delta = 0.0
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    x, z = tokens(scale=2.5), tokens(seed=2)
+    for _ in range(5):
+        layer(x, z)
+    c = layer.calibrate()
+    h = (x * F.silu(z)).double()
+    target = gated_reference(x.double(), z.double(), layer.weight.double(), gating, layer.eps).reshape(-1, 1)
+    basis = (h * layer.weight.double()).reshape(-1, 1)
+    assert c == pytest.approx(torch.linalg.lstsq(basis, target).solution.item(), rel=1e-5)
 
 
 def test_calibration_needs_samples():

@@ -6,7 +6,10 @@ because taperfold's own models use Hugging Face's module names. A family says, a
 - `norm`: the norm kind (taperfold.norms: "rms", "ln"), and `gain_offset` when the norm computes x·(1 + w);
 - `layers`: the ModuleList of decoder layers, and `internal`: each norm of a layer with the linear layers
   that read its output (what a fold rewrites: AutoAWQ's `get_layers_for_scaling`, llm-compressor's mappings);
-  `layer_readers`: where some layers' readers differ (dense and MoE layers in one model), theirs;
+  `layer_readers`: where some layers' readers differ (dense and MoE layers in one model), theirs, and the norms
+  only some layers have (a hybrid's Mamba or linear-attention layers); `gated`: a gated norm (forward(x, z)) of a
+  layer with how it applies its gate input z; `heads`: a norm applied per head whose readers join its heads
+  (their width the norm's times the heads); `gain_offsets`: a norm of a layer whose gain offset is its own;
   `post`: each post-norm of a layer (it reads a projection's output before the residual Add: Gemma 2/3,
   OLMo 2, GLM-4, EXAONE 4) with the linear layer that produces its input, whose output columns the fold
   rewrites instead;
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from taperfold.errors import TaperfoldError
+from taperfold.nn import Gating
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,33 @@ class Family:
     # layer index -> {norm in the layer: its readers} where that layer's differ from `internal` (DeepSeek-V3's
     # first layers have a dense MLP where the others route to experts)
     layer_readers: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    # a gated norm in a layer (RMSNormGated: forward(x, z)) -> how it applies its gate input
+    gated: dict[str, Gating] = field(default_factory=dict)
+    # a norm in a layer applied per head (its width one head's) -> the heads each input row of its readers joins
+    heads: dict[str, int] = field(default_factory=dict)
+    # a norm in a layer whose gain offset is not `gain_offset` (Qwen3-Next's gated norm: γ, its others 1 + γ)
+    gain_offsets: dict[str, float] = field(default_factory=dict)
 
     def for_config(self, config) -> Family:
         """The family as a model of `config` lays out its layers (itself unless `configure` says otherwise)."""
         return self if self.configure is None else replace(self, **self.configure(config), configure=None)
+
+    def gating_of(self, path: str) -> Gating | None:
+        """How the norm at `path` applies its gate input: a gated norm in a layer; None for any other norm."""
+        return self.gated.get(self._in_layer(path))
+
+    def gain_offset_of(self, path: str) -> float:
+        """The gain offset of the norm at `path`: its own, or the family's."""
+        return self.gain_offsets.get(self._in_layer(path), self.gain_offset)
+
+    def heads_of(self, path: str) -> int:
+        """How many of the norm's rows each input row of its readers joins (a per-head norm's heads), else 1."""
+        return self.heads.get(self._in_layer(path), 1)
+
+    def _in_layer(self, path: str) -> str:
+        """`path` within its layer ("" for a module outside the layers)."""
+        layers, _, inner = path.partition(f"{self.layers}.")
+        return inner.partition(".")[2] if not layers else ""
 
     def norm_readers(self, n_layers: int, taper: str) -> dict[str, list[str]]:
         """The norms `taper` ("internal" | "all") covers that fold forwards, each module path with the paths of

@@ -4,14 +4,17 @@ found by tracing the model (taperfold.hf.trace), so export and verify read it ba
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from taperfold.families import Family
+from taperfold.nn import Gating
 from taperfold.norms import norm_kind, norm_kinds
 from taperfold.numeric import is_finite_number
 
 _DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
-_OPTIONAL_KEYS = ("layer_readers",)  # absent in what taperfold wrote before it had them
+# absent in what taperfold wrote before it had them
+_OPTIONAL_KEYS = ("layer_readers", "gated", "heads", "gain_offsets")
 _PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 
 
@@ -37,6 +40,9 @@ def family_to_data(family: Family) -> dict:
             if family.layer_readers
             else {}
         ),
+        **({"gated": {norm: dataclasses.asdict(g) for norm, g in family.gated.items()}} if family.gated else {}),
+        **({"heads": dict(family.heads)} if family.heads else {}),
+        **({"gain_offsets": dict(family.gain_offsets)} if family.gain_offsets else {}),
     }
 
 
@@ -50,9 +56,9 @@ def family_from_data(raw, model_type: str, bad) -> Family:
     missing = [key for key in _DATA_KEYS if key not in raw]
     if missing:
         raise bad(f"family.{missing[0]}", "is missing")
-    gated = [k.name for k in norm_kinds() if k.gated]
-    if raw["norm"] not in gated:
-        raise bad("family.norm", f"must be one of {', '.join(gated)}, got {raw['norm']!r}")
+    schedulable = [k.name for k in norm_kinds() if k.gated]
+    if raw["norm"] not in schedulable:
+        raise bad("family.norm", f"must be one of {', '.join(schedulable)}, got {raw['norm']!r}")
     offset = raw["gain_offset"]
     if offset not in (0, 1) or isinstance(offset, bool) or (offset and not norm_kind(raw["norm"]).gain_offset_allowed):
         raise bad(
@@ -70,9 +76,23 @@ def family_from_data(raw, model_type: str, bad) -> Family:
     for norm, readers in internal.items():
         if twice := next((r for i, r in enumerate(readers) if r in readers[:i]), None):
             raise bad("family.internal", f"lists {twice!r} twice among the readers of {norm!r}")
-    layer_readers = _layer_readers(raw.get("layer_readers", {}), internal, bad)
+    layer_readers = _layer_readers(raw.get("layer_readers", {}), bad)
+    gated = _gated(raw.get("gated", {}), bad)
     if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
         raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
+    heads = raw.get("heads", {})
+    if not isinstance(heads, dict) or not all(_is_path(k) and _int(v) and v > 1 for k, v in heads.items()):
+        raise bad("family.heads", "must map norm paths in a layer to the number of heads (> 1) their readers join")
+    offsets = raw.get("gain_offsets", {})
+    allowed = (0, 1) if norm_kind(raw["norm"]).gain_offset_allowed else (0,)
+    if not isinstance(offsets, dict) or not all(
+        _is_path(k) and v in allowed and not isinstance(v, bool) for k, v in offsets.items()
+    ):
+        raise bad("family.gain_offsets", f"must map norm paths in a layer to {' or '.join(map(str, allowed))}")
+    tapered = {*internal, *post, *(norm for by_norm in layer_readers.values() for norm in by_norm)}
+    for key, norms in (("gated", gated), ("heads", heads), ("gain_offsets", offsets)):
+        if stray := next((norm for norm in norms if norm not in tapered), None):
+            raise bad(f"family.{key}", f"names {stray!r}, which the family does not taper")
     if not internal and not post:
         raise bad("family.internal", "and 'post' are both empty: no norm to taper")
     if set(internal) & set(post):
@@ -98,11 +118,14 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         norm_eps=None if eps is None else float(eps),
         traced=True,
         layer_readers=layer_readers,
+        gated=gated,
+        heads=dict(heads),
+        gain_offsets={k: float(v) for k, v in offsets.items()},
     )
 
 
-def _layer_readers(raw, internal: dict, bad) -> dict[int, dict[str, tuple[str, ...]]]:
-    """`layer_readers`: layer index (a string of digits) -> {a norm `internal` names: its readers in that layer}."""
+def _layer_readers(raw, bad) -> dict[int, dict[str, tuple[str, ...]]]:
+    """`layer_readers`: layer index (a string of digits) -> {a norm: its readers in that layer}."""
     if not isinstance(raw, dict):
         raise bad("family.layer_readers", f"must be an object, got {type(raw).__name__}")
     out: dict[int, dict[str, tuple[str, ...]]] = {}
@@ -110,14 +133,36 @@ def _layer_readers(raw, internal: dict, bad) -> dict[int, dict[str, tuple[str, .
         if not (isinstance(index, str) and index.isdigit() and len(index) <= 6) or not isinstance(by_norm, dict):
             raise bad("family.layer_readers", f"must map layer indices to objects, got {index!r}")
         for norm, readers in by_norm.items():
-            if norm not in internal:
-                raise bad("family.layer_readers", f"layer {index} names {norm!r}, which 'internal' does not")
+            if not _is_path(norm):
+                raise bad("family.layer_readers", f"layer {index} must name norms by their paths, got {norm!r}")
             if not (isinstance(readers, list) and readers and all(map(_is_path, readers))):
                 raise bad("family.layer_readers", f"layer {index} must give {norm!r} a non-empty list of reader paths")
             if len(set(readers)) != len(readers):
                 raise bad("family.layer_readers", f"layer {index} lists a reader of {norm!r} twice")
         out[int(index)] = {norm: tuple(readers) for norm, readers in by_norm.items()}
     return out
+
+
+def _gated(raw, bad) -> dict[str, Gating]:
+    """`gated`: a gated norm's path in a layer -> {"activation", "norm_first", "groups"} (taperfold.nn.Gating)."""
+    if not isinstance(raw, dict):
+        raise bad("family.gated", f"must be an object, got {type(raw).__name__}")
+    out = {}
+    fields = {f.name for f in dataclasses.fields(Gating)}
+    for norm, form in raw.items():
+        if not _is_path(norm) or not isinstance(form, dict) or set(form) != fields:
+            raise bad("family.gated", f"must map norm paths to objects with {', '.join(sorted(fields))}, got {norm!r}")
+        if not isinstance(form["norm_first"], bool) or not _int(form["groups"]):
+            raise bad("family.gated", f"{norm!r} needs a boolean norm_first and an integer groups")
+        try:
+            out[norm] = Gating(**form)
+        except ValueError as e:
+            raise bad("family.gated", f"{norm!r}: {e}") from None
+    return out
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_path(value) -> bool:

@@ -38,6 +38,7 @@ from torch import nn
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, is_registered, supported_model_types
 from taperfold.hf.model import exportable
+from taperfold.nn import Gating, TaperGate
 from taperfold.norms import is_norm_module, norm_kind, norm_kinds
 from taperfold.taper import fold_target, stored_in_out
 
@@ -73,6 +74,7 @@ class NormBehaviour:
     gain_offset: float  # 1.0: it computes x·(1 + γ)
     eps: float | None
     why_not: str = ""  # when kind is None
+    gating: Gating | None = None  # a gated norm: how it applies its gate input (forward(x, z))
 
 
 def _eps_of(module: nn.Module, config) -> tuple[float | None, bool]:
@@ -88,9 +90,17 @@ def _eps_of(module: nn.Module, config) -> tuple[float | None, bool]:
     return None, False
 
 
+def _gatings(dim: int) -> list[Gating]:
+    """Every gated form a gated norm of width `dim` may compute, ungrouped first."""
+    groups = [g for g in range(1, dim + 1) if dim % g == 0]
+    return [Gating(act, first, g) for g in groups for first in (True, False) for act in ("silu", "sigmoid")]
+
+
 def measure_norm(module: nn.Module, config) -> NormBehaviour:
     """Which norm kind `module` computes, with which gain: its output on a random input against each kind's own
-    module with γ and with 1 + γ (a CPU copy with random γ and β; the model itself may be on the meta device)."""
+    module with γ and with 1 + γ (a CPU copy with random γ and β; the model itself may be on the meta device).
+    A module whose forward takes a gate input too (RMSNormGated: forward(x, z)) is first compared, on (x, z), with
+    the kinds' tapered modules with a gate input (at g = 1: the norm itself) in each gated form."""
     weight = getattr(module, "weight", None)
     shape = tuple(getattr(module, "normalized_shape", ()) or ())
     if isinstance(weight, torch.Tensor) and weight.dim() == 1:
@@ -111,37 +121,59 @@ def measure_norm(module: nn.Module, config) -> NormBehaviour:
     # off-centre, at two scales: a LayerNorm and an RMSNorm differ, and at the small one so do epsilons
     x = torch.randn(2, 3, dim, generator=gen) * 3 + 0.5
     x = torch.cat([x, x * 1e-3])
+    z = torch.randn(x.shape, generator=gen) * 2  # a gate input
     gain = getattr(probe, "weight", None)
     gain = torch.ones(dim) if gain is None else gain.detach()
     bias = getattr(probe, "bias", None)
-    try:
-        with torch.no_grad():
-            got = probe(x)
-    except Exception as e:  # noqa: BLE001 - any module: what it raises says why it is not a plain norm
-        return NormBehaviour(None, 0.0, eps, f"its forward on a [batch, tokens, {dim}] input failed ({first_line(e)})")
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return NormBehaviour(None, 0.0, eps, "it does not return one tensor of its input's shape")
     # a module stating none: config.json's, then the usual ones, each measured
-    for candidate in [eps] if own else [*([eps] if eps is not None else []), *_HARD_CODED_EPS]:
-        for kind in (k for k in norm_kinds() if k.gated):
-            for offset in (0.0, 1.0):
-                reference = kind.plain(dim, candidate)
-                with torch.no_grad():
-                    reference.get_parameter("weight").copy_(gain + offset)
-                    if kind.shift:
-                        reference.get_parameter("bias").copy_(
-                            bias.detach() if isinstance(bias, torch.Tensor) else torch.zeros(dim)
-                        )
-                    elif isinstance(bias, torch.Tensor):
-                        continue  # a β the kind has no place for
-                    if torch.allclose(got, reference(x), rtol=1e-4, atol=1e-5):
-                        return NormBehaviour(kind.name, offset, candidate)
+    epsilons = [e for e in ([eps] if own else [eps, *_HARD_CODED_EPS]) if e is not None]
+
+    def computes(inputs: tuple) -> torch.Tensor | str:
+        try:
+            with torch.no_grad():
+                got = probe(*inputs)
+        except Exception as e:  # noqa: BLE001 - any module: what it raises says why it is not a plain norm
+            return f"its forward on a [batch, tokens, {dim}] input failed ({first_line(e)})"
+        if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+            return "it does not return one tensor of its input's shape"
+        return got
+
+    # a gate input first: a gated norm called without one may compute a plain norm
+    gated = computes((x, z))
+    if isinstance(gated, torch.Tensor) and not isinstance(bias, torch.Tensor):
+        for candidate in epsilons:
+            for kind in (k for k in norm_kinds() if k.gated and k.tapered_with_gate is not None and not k.shift):
+                for offset in (0.0, 1.0) if kind.gain_offset_allowed else (0.0,):
+                    for gating in _gatings(dim):
+                        reference = kind.new_tapered(dim, TaperGate(1.0), candidate, 0.01, 1e-8, offset, gating)
+                        with torch.no_grad():
+                            reference.get_parameter("weight").copy_(gain)
+                            if torch.allclose(gated, reference(x, z), rtol=1e-4, atol=1e-5):
+                                return NormBehaviour(kind.name, offset, candidate, gating=gating)
+    got = computes((x,))
+    if isinstance(got, torch.Tensor):
+        for candidate in epsilons:
+            for kind in (k for k in norm_kinds() if k.gated):
+                for offset in (0.0, 1.0):
+                    reference = kind.plain(dim, candidate)
+                    with torch.no_grad():
+                        reference.get_parameter("weight").copy_(gain + offset)
+                        if kind.shift:
+                            reference.get_parameter("bias").copy_(
+                                bias.detach() if isinstance(bias, torch.Tensor) else torch.zeros(dim)
+                            )
+                        elif isinstance(bias, torch.Tensor):
+                            continue  # a β the kind has no place for
+                        if torch.allclose(got, reference(x), rtol=1e-4, atol=1e-5):
+                            return NormBehaviour(kind.name, offset, candidate)
+    if isinstance(got, str) and isinstance(gated, str):
+        return NormBehaviour(None, 0.0, eps, got)
     return NormBehaviour(
         None,
         0.0,
         eps,
         "it computes neither an RMSNorm nor a LayerNorm of its input (with γ or "
-        "1 + γ)" + ("" if own else " at any usual epsilon"),
+        "1 + γ" + ("" if own else ", at any usual epsilon") + "), nor a gated RMSNorm",
     )
 
 
@@ -230,6 +262,21 @@ def _keeps_channels(node, source) -> bool:
         end = node.args[2] if len(node.args) > 2 else -1
         return end % len(before) != last
     return True  # views, reshapes, expands, (un)squeezes and casts keeping the last axis's size keep its channels
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _joins_rows(node, source) -> int:
+    """k > 1 when `node` reshapes `source` so that its last axis holds k of its rows one after another (a norm
+    applied per head, whose heads are joined again before the layer reading them: Qwen3-Next's gated norm); else 1.
+    In row-major order the channel of element j of that axis is then j mod d: the norm's scale, repeated k times."""
+    if node.target not in _RESHAPES or not node.args or node.args[0] is not source:
+        return 1
+    before, after = _shape(source), _shape(node)
+    if not before or not after or not all(isinstance(n, int) for n in (before[-1], after[-1])):
+        return 1
+    return after[-1] // before[-1] if after[-1] > before[-1] and after[-1] % before[-1] == 0 else 1
 
 
 def _scales_rows(node, source) -> bool:
@@ -333,14 +380,15 @@ class _Graph:
             weights.add(weight)
         return weights.pop() if len(weights) == 1 else None
 
-    def readers(self, output, rows_scale: bool = False) -> tuple[list[str], list[str]]:
-        """The linear layers reading `output` through channel-keeping steps, in the order the forward runs them, and
-        every other reader (described). `rows_scale`: a product of each row with one number of its own (a router's
-        score, Llama 4) keeps channels too, which it does for a norm without a shift: (h·diag(s))·r = (h·r)·diag(s),
-        where a shift β would be scaled by r as well."""
-        linears, others, todo, seen = [], [], [output], set()
+    def readers(self, output, rows_scale: bool = False) -> tuple[list[str], list[str], int]:
+        """The linear layers reading `output` through channel-keeping steps, in the order the forward runs them,
+        every other reader (described), and how many of the norm's rows each of their input rows joins (1, or a
+        per-head norm's heads: `_joins_rows`). `rows_scale`: a product of each row with one number of its own (a
+        router's score, Llama 4) keeps channels too, which it does for a norm without a shift: (h·diag(s))·r =
+        (h·r)·diag(s), where a shift β would be scaled by r as well; the same holds for joining rows."""
+        linears, others, todo, seen = [], [], [(output, 1)], set()
         while todo:
-            value = todo.pop()
+            value, joined = todo.pop()
             for user in value.users:
                 if user in seen:
                     continue
@@ -348,12 +396,17 @@ class _Graph:
                 if user.op == "output":
                     others.append("the model's output")
                 elif _keeps_channels(user, value) or (rows_scale and _scales_rows(user, value)):
-                    todo.append(user)
+                    todo.append((user, joined))
+                elif rows_scale and joined == 1 and (heads := _joins_rows(user, value)) > 1:
+                    todo.append((user, heads))
                 elif (reader := self.linear_reader(user, value) or self.column_reader(user, value)) is not None:
-                    linears.append((self.position[user], reader))
+                    linears.append((self.position[user], reader, joined))
                 elif not _reads_metadata_only(user, value):
                     others.append(_describe(user, value))
-        return list(dict.fromkeys(reader for _, reader in sorted(linears))), list(dict.fromkeys(others))
+        if len({joined for _, _, joined in linears}) > 1:
+            others.append("layers that read it with its heads joined and layers that read it per head")
+        heads = max((joined for _, _, joined in linears), default=1)
+        return list(dict.fromkeys(reader for _, reader, _ in sorted(linears))), list(dict.fromkeys(others)), heads
 
     def producer(self, norm_input, norm: str) -> str | None:
         """The linear layer whose output, and nothing else, the norm at `norm` reads (through channel-keeping
@@ -481,14 +534,16 @@ def traced_family(config, where: str = "model") -> Family:
     why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if name not in kinds}
     readers: dict[str, list[str]] = {}
     producers: dict[str, str] = {}
+    heads: dict[str, int] = {}  # a norm applied per head -> the heads its readers join
     for name in measured:
         signature = signatures.get(name)
-        if signature is None or len(signature.inputs) != 1 or len(signature.outputs) != 1:
+        arguments = (1, 2) if behaviour[name].gating else (1,)  # a gated norm: its input and its gate input
+        if signature is None or len(signature.inputs) not in arguments or len(signature.outputs) != 1:
             why[name] = "not called once on one tensor in the forward"
             continue
         norm_input = graph.nodes.get(signature.inputs[0].name)
         output = graph.nodes.get(signature.outputs[0].name)
-        linears, others = graph.readers(output, rows_scale=not norm_kind(kinds[name]).shift)
+        linears, others, heads[name] = graph.readers(output, rows_scale=not norm_kind(kinds[name]).shift)
         if linears and not others:
             readers[name] = linears
             continue
@@ -514,12 +569,8 @@ def traced_family(config, where: str = "model") -> Family:
             f"taperfold's tapered {norm_kind(kind).title} does not",
         )
     for name in [*readers, *producers]:
-        b = behaviour[name]
-        if (kinds[name], b.gain_offset) != (kind, offset):
-            why[name] = (
-                f"a {norm_kind(kinds[name]).title}{' with gain 1 + γ' if b.gain_offset else ''}, while the "
-                f"final norm is a {norm_kind(kind).title}{' with gain 1 + γ' if offset else ''}"
-            )
+        if kinds[name] != kind:  # a gain of its own (1 + γ or γ) the norm keeps (Qwen3-Next's gated norm: γ)
+            why[name] = f"a {norm_kind(kinds[name]).title}, while the final norm is a {norm_kind(kind).title}"
     placed = [name for name in [*readers, *producers] if name not in why and name != final]
 
     layers = _layer_of(placed[0], model) if placed else None
@@ -527,6 +578,8 @@ def traced_family(config, where: str = "model") -> Family:
         raise _refuse(where, model_type, "no norm inside its decoder layers folds into a linear layer")
     layers_path, n_layers = layers.layers, layers.size
     per_norm: dict[str, dict[int, tuple]] = defaultdict(dict)  # path in a layer -> layer -> how it folds
+    gated: dict[str, Gating] = {}  # path in a layer -> how that gated norm applies its gate input
+    offsets: dict[str, float] = {}  # path in a layer -> its gain offset
     for name in placed:
         where_in = _layer_of(name, model)
         if where_in is None or where_in.layers != layers_path:
@@ -537,32 +590,57 @@ def traced_family(config, where: str = "model") -> Family:
         if not all(t.startswith(prefix) for t in targets):
             why[name] = f"it folds into {', '.join(targets)}, outside its own layer"
             continue
-        per_norm[where_in.inner][where_in.layer] = (name in readers, tuple(t[len(prefix) :] for t in targets))
+        if (gating := behaviour[name].gating) is not None and gated.setdefault(where_in.inner, gating) != gating:
+            why[name] = "a gated norm whose gate input is applied differently in another layer"
+            continue
+        if offsets.setdefault(where_in.inner, behaviour[name].gain_offset) != behaviour[name].gain_offset:
+            why[name] = "its gain is 1 + γ in some layers and γ in others"
+            continue
+        per_norm[where_in.inner][where_in.layer] = (
+            name in readers,
+            tuple(t[len(prefix) :] for t in targets),
+            heads.get(name, 1) if name in readers else 1,
+        )
     internal, post = {}, {}
     layer_readers: dict[int, dict[str, tuple[str, ...]]] = defaultdict(dict)
+    joined: dict[str, int] = {}  # a per-head norm in a layer -> the heads its readers join
     for relative, by_layer in per_norm.items():
         folds = set(by_layer.values())
-        if len(by_layer) == n_layers and len(folds) == 1:
-            forwards, targets = folds.pop()
+        if len({h for _, _, h in folds}) > 1:
+            reason = "its readers join its heads in some layers only"
+        elif len(by_layer) == n_layers and len(folds) == 1:
+            forwards, targets, heads_joined = folds.pop()
             if forwards:
                 internal[relative] = targets
             else:
                 post[relative] = targets[0]
+            if heads_joined > 1:
+                joined[relative] = heads_joined
             continue
-        if len(by_layer) == n_layers and all(forwards for forwards, _ in folds):
-            # readers that differ by layer (a dense MLP in some, experts in the others): the most common in
-            # `internal`, the rest per layer
-            counts = Counter(targets for _, targets in by_layer.values())
-            internal[relative] = counts.most_common(1)[0][0]
-            for index, (_, targets) in by_layer.items():
-                if targets != internal[relative]:
+        elif all(forwards for forwards, _, _ in folds) and (
+            len(by_layer) == n_layers
+            # a norm of some layers only (a hybrid's linear-attention or Mamba layers)
+            or sorted(by_layer) == [i for i in range(n_layers) if _has_norm(model, f"{layers_path}.{i}.{relative}")]
+        ):
+            # readers that differ by layer (a dense MLP in some, experts in the others): in all layers, the most
+            # common in `internal`, the rest per layer
+            counts = Counter(targets for _, targets, _ in by_layer.values())
+            common = counts.most_common(1)[0][0] if len(by_layer) == n_layers else None
+            if common is not None:
+                internal[relative] = common
+            for index, (_, targets, _) in by_layer.items():
+                if targets != common:
                     layer_readers[index][relative] = targets
+            if (heads_joined := next(iter(folds))[2]) > 1:
+                joined[relative] = heads_joined
             continue
-        reason = "its producers differ between layers" if len(folds) > 1 else "it folds in some layers only"
+        else:
+            reason = "its producers differ between layers" if len(folds) > 1 else "it folds in some layers only"
         for index in range(n_layers):
             why[f"{layers_path}.{index}.{relative}"] = reason
     if not internal and not post:
         raise _refuse(where, model_type, "no norm folds alike in every decoder layer")
+    placed_somewhere = {relative for by_norm in layer_readers.values() for relative in by_norm}
     untapered: dict[str, str] = {}
     for name, reason in why.items():
         key = next((part for part in reversed(name.split(".")) if not part.isdigit()), name)
@@ -583,6 +661,17 @@ def traced_family(config, where: str = "model") -> Family:
         norm_eps=None if own else eps,
         traced=True,
         layer_readers=dict(layer_readers),
+        gated={
+            relative: gating
+            for relative, gating in gated.items()
+            if relative in internal or relative in post or relative in placed_somewhere
+        },
+        heads=joined,
+        gain_offsets={
+            relative: own
+            for relative, own in offsets.items()
+            if own != offset and (relative in internal or relative in post or relative in placed_somewhere)
+        },
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from taperfold.nn import TaperedNorm
+from taperfold.nn import Gating, TaperedNorm
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,14 @@ class ConstantMap:
     scale: torch.Tensor  # float64 [d]
     bias: torch.Tensor | None  # float64 [d], or None
     centered: bool
+
+    def joined(self, heads: int) -> ConstantMap:
+        """The map on `heads` of its rows joined into one ([heads·d]: a per-head norm read with its heads joined):
+        scale and bias repeated. A centering is per row, which a joined row does not say: refused."""
+        if self.centered:
+            raise ValueError("a centered norm's map does not carry over to its rows joined")
+        bias = None if self.bias is None else self.bias.repeat(heads)
+        return ConstantMap(self.scale.repeat(heads), bias, False)
 
 
 @dataclass(frozen=True)
@@ -61,24 +69,46 @@ class NormKind:
     # (DyT: "Tanh" of αh); None when the gain reads the (centred) input itself.
     elementwise: str | None = None
     folded_note: str = ""  # what a fold report adds to "folded" for a norm of the kind
+    # the tapered module of a gated norm of the kind (forward(x, z), taperfold.nn.Gating), or None: it has none
+    tapered_with_gate: type[nn.Module] | None = None
 
     def residue(self, norm: nn.Module) -> nn.Module:
-        """What stays in the norm's place once its constant map has moved into the layers around it."""
-        return nn.Identity()
+        """What stays in the norm's place once its constant map has moved into the layers around it: nothing, or
+        a gated norm's gate."""
+        return norm.bare() if isinstance(norm, TaperedNorm) else nn.Identity()
 
     def new_tapered(
-        self, dim: int, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+        self,
+        dim: int,
+        gate,
+        eps: float,
+        momentum: float,
+        delta: float,
+        gain_offset: float = 0.0,
+        gating: Gating | None = None,
     ) -> nn.Module:
         if gain_offset and not self.gain_offset_allowed:
             raise ValueError(f"a {self.title} has no gain offset (got {gain_offset:g})")
-        extra = {"gain_offset": gain_offset} if self.gain_offset_allowed else {}
-        return self.tapered(dim, gate, eps, momentum, delta, **extra)
+        extra: dict[str, Any] = {"gain_offset": gain_offset} if self.gain_offset_allowed else {}
+        if gating is None:
+            return self.tapered(dim, gate, eps, momentum, delta, **extra)
+        if self.tapered_with_gate is None:
+            raise ValueError(f"taperfold has no tapered {self.title} with a gate input")
+        return self.tapered_with_gate(dim, gate, eps, momentum, delta, **extra, gating=gating)
 
     def taper(
-        self, norm: nn.Module, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+        self,
+        norm: nn.Module,
+        gate,
+        eps: float,
+        momentum: float,
+        delta: float,
+        gain_offset: float = 0.0,
+        gating: Gating | None = None,
     ) -> nn.Module:
         """A tapered copy of a model's norm module, with its γ (and β) and on its device and dtype. A norm without
-        a weight (OLMo's LayerNorm) computes what γ = 1, β = 0 do: the tapered copy starts there."""
+        a weight (OLMo's LayerNorm) computes what γ = 1, β = 0 do: the tapered copy starts there. `gating`: how the
+        norm applies its gate input, for a gated norm."""
         weight = getattr(norm, "weight", None)
         if weight is None:
             shape = tuple(getattr(norm, "normalized_shape", ()))
@@ -87,7 +117,7 @@ class NormKind:
             weight = torch.ones(shape)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             raise ValueError(f"{type(norm).__name__}: a norm without a per-feature weight cannot be tapered")
-        new = self.new_tapered(weight.shape[0], gate, eps, momentum, delta, gain_offset)
+        new = self.new_tapered(weight.shape[0], gate, eps, momentum, delta, gain_offset, gating)
         new = new.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             new.get_parameter("weight").copy_(weight)
@@ -156,13 +186,17 @@ def plain_kind(module: nn.Module) -> NormKind | None:
 
 
 def tapered_kind_of_class(name: str) -> NormKind | None:
-    """The kind whose tapered module class is called `name` (TaperNorm, TaperLN), or None."""
-    return next((k for k in norm_kinds() if k.tapered.__name__ == name), None)
+    """The kind whose tapered module class is called `name` (TaperNorm, GatedTaperNorm, TaperLN), or None."""
+    return next((k for k in norm_kinds() if name in _tapered_class_names(k)), None)
 
 
 def kind_of_class(name: str) -> NormKind | None:
     """The kind of a norm module class of any model, by its name (LlamaRMSNorm, LayerNorm, TaperLN, ...)."""
-    return next((k for k in norm_kinds() if k.tapered.__name__ == name or k.class_names(name)), None)
+    return next((k for k in norm_kinds() if name in _tapered_class_names(k) or k.class_names(name)), None)
+
+
+def _tapered_class_names(kind: NormKind) -> set[str]:
+    return {c.__name__ for c in (kind.tapered, kind.tapered_with_gate) if c is not None}
 
 
 def is_norm_module(module: nn.Module) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from taperfold.nn import Gating
 from taperfold.norms import ConstantMap, NormKind
 
 ALPHA0 = 0.5  # the paper's default initial α (its Table 10)
@@ -49,14 +50,30 @@ class DyTKind(NormKind):
     calibration do not apply (`gated` is False); its constant map is γ, β, and tanh(α·h) is its residue."""
 
     def new_tapered(
-        self, dim: int, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+        self,
+        dim: int,
+        gate,
+        eps: float,
+        momentum: float,
+        delta: float,
+        gain_offset: float = 0.0,
+        gating: Gating | None = None,
     ) -> nn.Module:
         return DyT(dim)
 
     def taper(
-        self, norm: nn.Module, gate, eps: float, momentum: float, delta: float, gain_offset: float = 0.0
+        self,
+        norm: nn.Module,
+        gate,
+        eps: float,
+        momentum: float,
+        delta: float,
+        gain_offset: float = 0.0,
+        gating: Gating | None = None,
     ) -> nn.Module:
         """A DyT in place of `norm`, starting from its gain (offset + γ: Gemma's norms compute x·(1 + w)) and β."""
+        if gating is not None:
+            raise ValueError("a DyT has no gate input: a gated norm keeps its own")
         weight = getattr(norm, "weight", None)
         if weight is None:  # a weightless norm (OLMo) has γ = 1, β = 0
             shape = tuple(getattr(norm, "normalized_shape", ()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from taperfold.nn import TaperNorm
+from taperfold.nn import GatedTaperNorm, TaperNorm
 from taperfold.norms import NormKind
 
 
@@ -42,4 +42,5 @@ KIND = NormKind(
         "SkipSimplifiedLayerNormalization": (2, None),
     },
     gain_offset_allowed=True,
+    tapered_with_gate=GatedTaperNorm,
 )

@@ -400,6 +400,11 @@ def _fused_kind(node: ir.Node) -> NormKind | None:
     return next((kind for kind in norm_kinds() if node.op_type in kind.fused_ops), None)
 
 
+def _reduces(node: ir.Node) -> bool:
+    """Whether `node` reduces over an axis (a Reduce* op, a fused norm op): what computing a statistic takes."""
+    return (node.domain == "" and node.op_type.startswith("Reduce")) or _fused_kind(node) is not None
+
+
 def _real_norm_at(value: ir.Value) -> tuple[NormKind, str, ir.Node] | None:
     """(kind, form, node) when `value` is the output of a real norm's normalization, before its gain."""
     node = value.producer()
@@ -518,13 +523,18 @@ def detect_norms(model: ir.Model) -> NormAnalysis:
         found.append((position[at], RealNorm(name, kind.name, form, gain, fused)))
 
     # Real norms and tapered layers at g ≠ 0 by metadata: a norm module with nodes outside every matched chain
-    # computes per-token statistics, and a chain inside it is just its γ.
+    # computes per-token statistics, and a chain inside it is just its γ. A tapered layer's own nodes outside them
+    # are statistics only where one reduces over its features: the others are a gated norm's gate, h·act(z).
     owned = set().union(*(_owned_nodes(m) for m in matches))
     modules: dict[str, tuple[_NormModule, list[ir.Node]]] = {}
     for node in graph:
         if (module := _norm_module(node)) is not None:
             modules.setdefault(module.path, (module, []))[1].append(node)
-    with_stats = {path: entry for path, entry in modules.items() if not owned.issuperset(entry[1])}
+    with_stats = {
+        path: (module, nodes)
+        for path, (module, nodes) in modules.items()
+        if any(not tapered_kind_of_class(module.cls) or _reduces(n) for n in nodes if n not in owned)
+    }
     stats_nodes = {n for _, nodes in with_stats.values() for n in nodes}
     named = {entry.name for _, entry in found}
     for path, (module, nodes) in with_stats.items():

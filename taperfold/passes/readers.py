@@ -142,16 +142,18 @@ class LinearReader(WeightView, Reader):
             self._fold_bias(graph, match, effects)
 
     def folded_weight(self, match: NormMatch) -> np.ndarray:
-        """diag(scale)·W (centered: (I - 11ᵀ/d) first) as a new float64 [..., inputs, outputs] array."""
+        """diag(scale)·W (centered: (I - 11ᵀ/d) first) as a new float64 [..., inputs, outputs] array. W with k·d
+        rows reads k of the norm's rows joined (a per-head norm's heads): the scale, repeated k times."""
         w = self.weight()
-        w *= match.scale[:, None]  # in place: a large weight's float64 copy is the one temporary
+        w *= _joined(match.scale, w.shape[-2])[:, None]  # in place: a large weight's float64 copy is the one temporary
         if match.centered:  # (I - 11ᵀ/d) on the left: subtract each column's mean over the d rows
             w -= w.mean(axis=-2, keepdims=True)
         return w
 
     def folded_bias(self, match: NormMatch) -> np.ndarray:
         """β·W: what the shift adds to the layer's bias (float64)."""
-        return match.bias @ self.weight()
+        w = self.weight()
+        return _joined(match.bias, w.shape[-2]) @ w
 
     def _fold_weight(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         # Written where the node reads its weight, or, for a selection, where the Gather reads the whole stack.
@@ -218,6 +220,12 @@ class LinearReader(WeightView, Reader):
             bias = select.outputs[0]
         add.replace_input_with(slot, bias)
         effects.bytes_rewritten += tensor.nbytes
+
+
+def _joined(vector: np.ndarray | None, rows: int) -> np.ndarray:
+    """A per-channel `vector` for a layer of `rows` input rows: itself, or repeated once per joined row."""
+    assert vector is not None
+    return vector if vector.size == rows else np.tile(vector, rows // vector.size)
 
 
 def new_bias_slot(graph: ir.Graph, node: ir.Node) -> tuple[ir.Node, int]:
@@ -361,8 +369,12 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
     )
     reader.gathered_nd = reader.transposed ^ source.gather_transposed
     d, n = reader.shape
-    if d != match.width:
+    # rows known only at run time hold whole channel vectors one after another: k·d weight rows read k of them
+    joined = not channels.exact and d > match.width and d % match.width == 0
+    if d != match.width and not joined:
         raise Blocked(f"read by {describe(node)} whose weight has {d} rows for {match.width} channels")
+    if joined and match.centered:
+        raise Blocked(f"read by {describe(node)} with {d // match.width} rows joined, each centered on its own")
     selection = source.via[: source.via.index(source.gather) + 1] if source.gather is not None else []
     if any(u.node not in (*source.via, node) for step in selection for u in step.outputs[0].uses()):
         raise Blocked(f"read by {describe(node)} whose selected weight is also read elsewhere")
@@ -594,6 +606,8 @@ def reshape_keeping_channels(node: ir.Node, index: int, match: NormMatch, channe
     last = _last_element(node.inputs[1]) if len(node.inputs) > 1 else None
     if isinstance(last, ir.Value):
         last = match.width if last is node.inputs[0] and channels.exact else last_dim(last)
+    if last == -1 or (last is not None and last > match.width and last % match.width == 0):
+        last = None  # rows joined (a per-head norm's heads into one row): only a layer says how many
     if last is not None and last != match.width:
         raise Blocked(
             f"read by {describe(node)} to a shape ending in {last}, "
@@ -691,6 +705,45 @@ def rows_scaled(node: ir.Node, index: int, match: NormMatch, channels: Channels)
     return _passing_on(node, index, match, Channels(-1, True, channels.rank))
 
 
+def times_gate(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
+    """Mul(x, g) with g of the norm's width, not computed from x (a gated norm's gate act(z), applied after the
+    norm: Qwen3-Next): (x·diag(s))⊙g = (x⊙g)·diag(s), so the layers after it take the scale. A shift would be
+    gated as well, and a centering does not commute with it: such norms stay."""
+    other, value = (node.inputs[1 - index], node.inputs[index]) if len(node.inputs) == 2 else (None, None)
+    if not _onnx(node, "Mul") or other is None or value is None or is_const(other):
+        return None
+    if last_dim(other) != match.width or channels.axis != -1 or not channels.exact:
+        return None
+    if match.bias is not None or match.centered:
+        raise Blocked(f"read by {describe(node)}, a product with a gate the norm's shift or centering does not pass")
+    if _computed_from(other, match.output):
+        raise Blocked(f"read by {describe(node)}, a product with a value computed from the norm's output")
+    rank = channels.rank
+    other_rank = _rank_of(other)
+    rank = None if rank is None or other_rank is None else max(rank, other_rank)
+    return _passing_on(node, index, match, Channels(-1, True, rank))
+
+
+def _computed_from(value: ir.Value, source: ir.Value) -> bool:
+    """Whether `value` depends on `source`: the nodes after source's producer, in graph order, searched back from
+    value's (a graph is in topological order, so nothing before it can)."""
+    graph, start = source.graph, source.producer()
+    if graph is None or start is None:
+        return True
+    position = {node: i for i, node in enumerate(graph)}
+    first, todo, seen = position.get(start, 0), [value], set()
+    while todo:
+        v = todo.pop()
+        if v is source:
+            return True
+        node = v.producer()
+        if node is None or node in seen or position.get(node, -1) < first:
+            continue
+        seen.add(node)
+        todo.extend(i for i in node.inputs if i is not None)
+    return False
+
+
 def shape_only(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
     """Shape and Size read only the shape: they never block a fold (legacy exports put one before each view)."""
     return ShapeReader(node, index) if _onnx(node, *SHAPE_OPS) else None
@@ -704,6 +757,7 @@ READER_KINDS: list[ReaderKind] = [
     slice_keeping_channels,
     rows_copied,
     rows_scaled,
+    times_gate,
 ]
 
 _ACTIVATIONS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Softmax", "FastGelu", "BiasGelu", "Silu", "Swish"}
