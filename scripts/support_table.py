@@ -84,6 +84,8 @@ def small_config(model_type: str):
         given["num_key_value_heads"] = given["num_attention_heads"]
     if "layer_types" in probe.to_dict():
         given["layer_types"] = None  # recomputed for the new layer count, where the class derives it
+    if {"expand", "num_heads", "head_dim"} <= set(probe.to_dict()):  # Mamba2: heads · head_dim = expand · hidden
+        given["num_heads"] = given.get("hidden_size", probe.hidden_size) * probe.expand // given["head_dim"]
     kwargs = {**given, **NO_TOKENS}
     for key in ("text_config",):
         sub = getattr(probe, key, None)
@@ -93,8 +95,12 @@ def small_config(model_type: str):
             kwargs[key].pop("layer_types", None)
     try:
         return config_class(**kwargs)
-    except Exception:  # noqa: BLE001 - a class that refuses a null layer_types: let it derive them
-        kwargs.pop("layer_types", None)
+    except Exception:  # noqa: BLE001 - a class that refuses a null layer_types: each kind it has, in turn
+        kinds = list(dict.fromkeys(probe.layer_types or ())) if hasattr(probe, "layer_types") else []
+        layers = kwargs.get("num_hidden_layers", 0)
+        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)] if kinds and layers else None
+        if kwargs["layer_types"] is None:
+            kwargs.pop("layer_types")
         return config_class(**kwargs)
 
 

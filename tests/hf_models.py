@@ -79,6 +79,13 @@ def tiny_config(model_type: str):
                                                 layer_types=["linear_attention", "full_attention"], **RMS),
         "bamba": lambda: t.BambaConfig(num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
                                        mamba_chunk_size=16, attn_layer_indices=[1], **RMS),
+        # Kimi delta attention (a decay per key channel), MLA in its full-attention layer
+        "kimi_linear": lambda: t.KimiLinearConfig(num_key_value_heads=4, linear_head_dim=8, linear_num_heads=4,
+                                                  head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                                  qk_head_dim=16, kv_lora_rank=16, moe_intermediate_size=16,
+                                                  num_experts=4, num_experts_per_token=2,
+                                                  layer_types=["linear_attention", "full_attention"],
+                                                  mlp_layer_types=["dense", "sparse"], **RMS),
         # unlisted, a config of the new shape: Gemma 4's full-attention layer has its own head_dim (per_layer_config)
         "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,

@@ -7,9 +7,10 @@ inspect, verify's torch reference and every other tool run transformers' code as
   translate (a ConversionError on an unsqueeze of a complex tensor). The same rotation in real arithmetic: the
   embedding returns (cos, sin)·scale as a trailing axis of 2, and each pair (a, b) of a query or key becomes
   (a·cos − b·sin, a·sin + b·cos), which is (a + ib)(cos + i·sin).
-- Hybrid families' linear recurrences (Qwen3-Next's gated delta rule; the Mamba2 scan of Bamba, GraniteMoeHybrid and
-  Nemotron-H): transformers' torch forms pad the sequence to a multiple of a chunk and loop over the chunks in
-  Python, so torch.export fixes the sequence length to the traced one. The same recurrence, one step per token, as
+- Hybrid families' linear recurrences (Qwen3-Next's gated delta rule; the Mamba2 scan of Bamba, GraniteMoeHybrid,
+  Nemotron-H, Falcon-H1, Zamba2 and Mamba2, one function each modeling file copies): transformers' torch forms pad
+  the sequence to a multiple of a chunk and loop over the chunks in Python, so torch.export fixes the sequence length
+  to the traced one. The same recurrence, one step per token, as
   torch's `scan` (which torch.onnx writes as an ONNX Scan): a graph that takes any length.
 """
 
@@ -47,57 +48,65 @@ def _llama4_real_rotary() -> Iterator[None]:
         yield
 
 
-def _scan_gated_delta_rule(
-    query,
-    key,
-    value,
-    g,
-    beta,
-    chunk_size=64,
-    initial_state=None,
-    output_final_state=False,
-    use_qk_l2norm_in_kernel=False,
-    **kwargs,
-):
-    """transformers' torch_recurrent_gated_delta_rule ([batch, time, heads, dim] in and out), its time loop a scan:
-    per token S ← S·exp(g), S ← S + k ⊗ β(v − kᵀS), o = qᵀS, with S [batch, heads, dk, dv] in float32."""
-    from torch._higher_order_ops.scan import scan
-    from transformers.models.qwen3_next.modeling_qwen3_next import l2norm
+def _delta_rule_scan(l2norm: Callable) -> Callable:
+    """transformers' torch delta rules ([batch, time, heads, dim] in and out), the time loop a scan: per token
+    S ← S·exp(g), S ← S + k ⊗ β(v − kᵀS), o = qᵀS, with S [batch, heads, dk, dv] in float32. g is one number per head
+    (Qwen3-Next's gated delta rule) or one per key channel (Kimi delta attention, which decays each row of S);
+    `l2norm` the family's own."""
 
-    dtype = query.dtype
-    k_heads, dk = key.shape[-2:]
-    v_heads, dv = value.shape[-2:]
-    if k_heads != v_heads:  # key heads shared by groups of value heads
-        query = query.repeat_interleave(v_heads // k_heads, dim=2)
-        key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    # detached: an input that requires grad sends export's decomposition down scan's autograd path, which fails on a
-    # symbolic length (the graph is for inference; export patches never run in training)
-    query, key, value, beta, g = (x.detach().to(torch.float32) for x in (query, key, value, beta, g))
-    if use_qk_l2norm_in_kernel:
-        query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
-    query = query * dk**-0.5
-    state = value.new_zeros(value.shape[0], v_heads, dk, dv) if initial_state is None else initial_state.float()
-
-    def step(state, inputs):
-        q, k, v, g_t, beta_t = inputs  # one token: [batch, heads, dim], gates [batch, heads]
-        state = state * g_t.exp()[..., None, None]
-        delta = (v - (state * k[..., None]).sum(-2)) * beta_t[..., None]
-        state = state + k[..., None] * delta[..., None, :]
-        return state, (state * q[..., None]).sum(-2)
-
-    last, out = scan(step, state, (query, key, value, g, beta), dim=1)
-    return out.to(dtype), (last if output_final_state else None)
-
-
-@contextlib.contextmanager
-def _qwen3_next_scan() -> Iterator[None]:
-    from transformers.models.qwen3_next import modeling_qwen3_next
-
-    with (
-        mock.patch.object(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _scan_gated_delta_rule),
-        mock.patch.object(modeling_qwen3_next, "torch_recurrent_gated_delta_rule", _scan_gated_delta_rule),
+    def scan_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
     ):
-        yield
+        from torch._higher_order_ops.scan import scan
+
+        dtype = query.dtype
+        k_heads, dk = key.shape[-2:]
+        v_heads, dv = value.shape[-2:]
+        if k_heads != v_heads:  # key heads shared by groups of value heads
+            query = query.repeat_interleave(v_heads // k_heads, dim=2)
+            key = key.repeat_interleave(v_heads // k_heads, dim=2)
+        # detached: an input that requires grad sends export's decomposition down scan's autograd path, which fails
+        # on a symbolic length (the graph is for inference; export patches never run in training)
+        query, key, value, beta, g = (x.detach().to(torch.float32) for x in (query, key, value, beta, g))
+        if use_qk_l2norm_in_kernel:
+            query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
+        query = query * dk**-0.5
+        state = value.new_zeros(value.shape[0], v_heads, dk, dv) if initial_state is None else initial_state.float()
+        per_channel = g.dim() == key.dim()
+
+        def step(state, inputs):
+            q, k, v, g_t, beta_t = inputs  # one token: [batch, heads, dim], beta [batch, heads]
+            state = state * (g_t.exp()[..., None] if per_channel else g_t.exp()[..., None, None])
+            delta = (v - (state * k[..., None]).sum(-2)) * beta_t[..., None]
+            state = state + k[..., None] * delta[..., None, :]
+            return state, (state * q[..., None]).sum(-2)
+
+        last, out = scan(step, state, (query, key, value, g, beta), dim=1)
+        return out.to(dtype), (last if output_final_state else None)
+
+    return scan_delta_rule
+
+
+def _delta_rule_patch(module: str, chunked: str, recurrent: str) -> Callable[[], contextlib.AbstractContextManager]:
+    @contextlib.contextmanager
+    def patch() -> Iterator[None]:
+        import importlib
+
+        modeling = importlib.import_module(module)
+        scanned = _delta_rule_scan(modeling.l2norm)
+        with mock.patch.object(modeling, chunked, scanned), mock.patch.object(modeling, recurrent, scanned):
+            yield
+
+    return patch
 
 
 def _scan_mamba2(
@@ -155,13 +164,34 @@ def _mamba2_scan(module: str) -> Callable[[], contextlib.AbstractContextManager]
     return patch
 
 
+def _gated_delta_rule(family: str) -> Callable[[], contextlib.AbstractContextManager]:
+    return _delta_rule_patch(
+        f"transformers.models.{family}.modeling_{family}",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    )
+
+
+def _kimi_delta_attention(family: str) -> Callable[[], contextlib.AbstractContextManager]:
+    return _delta_rule_patch(
+        f"transformers.models.{family}.modeling_{family}",
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+    )
+
+
+def _mamba2(family: str) -> Callable[[], contextlib.AbstractContextManager]:
+    return _mamba2_scan(f"transformers.models.{family}.modeling_{family}")
+
+
+# model_type -> the patch; a text model type shares its modeling file with the multimodal one
 PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "llama4": _llama4_real_rotary,
     "llama4_text": _llama4_real_rotary,
-    "qwen3_next": _qwen3_next_scan,
-    "bamba": _mamba2_scan("transformers.models.bamba.modeling_bamba"),
-    "granitemoehybrid": _mamba2_scan("transformers.models.granitemoehybrid.modeling_granitemoehybrid"),
-    "nemotron_h": _mamba2_scan("transformers.models.nemotron_h.modeling_nemotron_h"),
+    **{t: _gated_delta_rule(t) for t in ("qwen3_next", "olmo_hybrid", "lara_mini")},
+    **{t: _gated_delta_rule(f) for f in ("qwen3_5", "qwen3_5_moe", "qwen4_exp") for t in (f, f"{f}_text")},
+    **{t: _kimi_delta_attention(t) for t in ("kimi_linear", "bailing_hybrid")},
+    **{t: _mamba2(t) for t in ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba2")},
 }
 
 
