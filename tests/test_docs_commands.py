@@ -5,7 +5,7 @@ ONNX model: the export's unfolded graph), `plain-dir` (a plain tiny Llama), `cor
 deployment guide, `tiny.safetensors`.
 `./scripts/demo` and `./scripts/test` are left out: tests/test_demo.py runs the demo, and this is the suite.
 Training runs the steps the docs print; this module is the slowest of the suite (about three minutes on a quiet
-2-core machine). A command is limited only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not
+2-core machine, 20 under load), one class per document so that they can run on three workers. A command is limited only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not
 wrong."""
 
 import os
@@ -121,20 +121,31 @@ def _setup(folder: Path) -> None:
     (folder / "corpus.txt").write_text(python * 3)
 
 
-def test_readme_and_hf_guide_run_as_printed(tmp_path):
-    _setup(tmp_path)
-    for document in ("README.md", "docs/hf.md"):
-        _run_as_printed(document, tmp_path)
+# One class per document: the suite runs a module's tests on one worker (--dist loadscope) but each class on its own,
+# so the three trainings and exports of these documents run side by side where there are cores for them.
+class TestReadme:
+    def test_runs_as_printed(self, tmp_path):
+        _setup(tmp_path)
+        _run_as_printed("README.md", tmp_path)
 
 
-def test_deployment_guide_runs_as_printed(tmp_path):
-    """docs/deployment.md on a tiny tapered checkpoint (random weights at g = 0: what the guide exports)."""
-    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
-    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-    from taperfold.models import random_gate0_model
+class TestHfGuide:
+    def test_runs_as_printed(self, tmp_path):
+        _setup(tmp_path)
+        _run_as_printed("docs/hf.md", tmp_path)
 
-    save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.safetensors")
-    _run_as_printed("docs/deployment.md", tmp_path)
+
+class TestDeploymentGuide:
+    def test_runs_as_printed(self, tmp_path):
+        """docs/deployment.md on a tiny tapered checkpoint (random weights at g = 0: what the guide exports)."""
+        pytest.importorskip(
+            "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')"
+        )
+        from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+        from taperfold.models import random_gate0_model
+
+        save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.safetensors")
+        _run_as_printed("docs/deployment.md", tmp_path)
 
 
 def _run_as_printed(document: str, tmp_path: Path) -> None:
