@@ -79,6 +79,11 @@ def tiny_config(model_type: str):
                                                 layer_types=["linear_attention", "full_attention"], **RMS),
         "bamba": lambda: t.BambaConfig(num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
                                        mamba_chunk_size=16, attn_layer_indices=[1], **RMS),
+        # Mamba2 beside attention in every layer, its gated norm per 2 groups, norm then gate, µP multipliers
+        "falcon_h1": lambda: t.FalconH1Config(num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8,
+                                              mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16,
+                                              mamba_chunk_size=16, mamba_rms_norm=True, attention_in_multiplier=0.5,
+                                              ssm_in_multiplier=1.5, **RMS),
         # Kimi delta attention (a decay per key channel), MLA in its full-attention layer
         "kimi_linear": lambda: t.KimiLinearConfig(num_key_value_heads=4, linear_head_dim=8, linear_num_heads=4,
                                                   head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,

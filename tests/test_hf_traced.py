@@ -134,6 +134,15 @@ def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_
     assert family_from_data(json.loads(json.dumps(data)), name, ValueError) == family
 
 
+def test_falcon_h1s_norms_fold_through_its_multipliers_and_its_grouped_gated_norm():
+    # every layer has Mamba2 and attention side by side, each reading the input norm times a µP multiplier
+    family = trace.traced_family(tiny_config("falcon_h1"), "falcon_h1")
+    assert set(family.internal["input_layernorm"]) == {"mamba.in_proj", "self_attn.q_proj", "self_attn.k_proj",
+                                                       "self_attn.v_proj"}
+    assert family.internal["mamba.norm"] == ("mamba.out_proj",)
+    assert family.gated == {"mamba.norm": Gating("silu", True, 2)} and not family.untapered
+
+
 @pytest.mark.parametrize("name", UNLISTED)
 def test_unlisted_architectures_are_traced_and_taper_exactly_at_gate_1(name):
     model = _model(name)
@@ -198,11 +207,13 @@ def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
         torch.testing.assert_close(scanned, own, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, gated_norm", [("qwen3_next", "linear_attn.norm"), ("bamba", "mamba.norm")])
+@pytest.mark.parametrize("name, gated_norm", [("qwen3_next", "linear_attn.norm"), ("bamba", "mamba.norm"),
+                                              ("falcon_h1", "mamba.norm")])
 def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_norm):
     # export refused them in one line ("fixed the sequence length of 'input_ids' to 8"); verify runs lengths 1 to
     # the model's longest, batch 1 and 4. The gated norm of layer 0 (the recurrent one) folds into its out_proj, the
-    # gate kept: Bamba's normalizes gate·x, Qwen3-Next's each head before its gate, read with the heads joined
+    # gate kept: Bamba's normalizes gate·x, Qwen3-Next's each head before its gate, read with the heads joined,
+    # Falcon-H1's 2 groups before its gate (and its input norm folds through the µP multipliers)
     from hf_models import tapered_tiny_model
 
     from taperfold.export import ExportOptions, export_checkpoint
@@ -215,9 +226,9 @@ def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_
     assert report.passed, report.failure_message()
     assert {"random 1x1", "random 4x16"} <= {row["input"] for pair in report.pairs for row in pair.per_input}
     fold = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
-    status = {n["name"]: n["status"] for n in fold["norms"]}
-    assert status[f"model.layers.0.{gated_norm}"] == "folded", fold["norms"]
-    assert all("no norm module" not in n["reason"] for n in fold["norms"])
+    entries = {n["name"]: (n["status"], n["reason"]) for n in fold["norms"]}
+    for norm in (f"model.layers.0.{gated_norm}", "model.layers.0.input_layernorm"):
+        assert entries[norm] == ("folded", ""), entries  # a tapered norm, not "no norm module"
 
 
 def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():

@@ -688,12 +688,16 @@ def rows_copied(node: ir.Node, index: int, match: NormMatch, channels: Channels)
 
 def rows_scaled(node: ir.Node, index: int, match: NormMatch, channels: Channels) -> Reader | None:
     """Mul(x, r) with r one number per row ([..., 1], computed at run time too: Llama 4 scales each token's copy by
-    its router score before the experts): every channel vector is scaled as a whole, which commutes with the norm's
-    diag(s) and its centering. A shift β would be scaled with the row, so a norm with one stays."""
+    its router score before the experts), or one constant number for all (Falcon-H1's µP multipliers, where the
+    norm's output fans out so the chain cannot take it): every channel vector is scaled as a whole, which commutes
+    with the norm's diag(s) and its centering. A shift β would be scaled with the row, so a norm with one stays."""
     other, value = (node.inputs[1 - index], node.inputs[index]) if len(node.inputs) == 2 else (None, None)
     if not _onnx(node, "Mul") or other is None or value is None:
         return None
-    factor = other.shape
+    constant = const_array(other)
+    factor = other.shape if constant is None else constant.shape
+    if constant is not None and constant.size == 1:
+        factor = ir.Shape([1] * constant.ndim) if constant.ndim else ir.Shape([1])
     if factor is None or len(factor) == 0 or factor[-1] != 1:
         return None
     if channels.rank is not None and len(factor) > channels.rank:

@@ -309,6 +309,17 @@ def test_a_product_with_a_run_time_vector_per_channel_folds_as_a_gate():
     assert report.norms[0].status == NormStatus.KEPT and "shift or centering does not pass" in report.norms[0].reason
 
 
+def test_a_norm_read_through_constant_multipliers_on_two_branches_folds():
+    # Falcon-H1's µP multipliers: the norm's output fans out, so neither scalar joins its chain
+    model = build([n("Mul", ["x", "c"], ["hc"]), n("Mul", ["hc", "w"], ["h"]), n("Mul", ["h", "half"], ["a"]),
+                   n("MatMul", ["a", "W"], ["y"]), n("Mul", ["third", "h"], ["b"]), n("MatMul", ["b", "W2"], ["y2"])],
+                  [X], [("y", F32, [2, 3, N]), ("y2", F32, [2, 3, N])],
+                  {"c": np.array(0.7, np.float32), "w": rand(D), "half": np.array(0.5, np.float32),
+                   "third": np.array([0.3], np.float32), "W": rand(D, N), "W2": rand(D, N)})
+    report, *_ = fold_checked(model, x3())
+    assert report.norms[0].status == NormStatus.FOLDED, report.norms[0].reason
+
+
 def test_a_gate_computed_from_the_norms_own_output_is_kept():
     model = build([n("Mul", ["x", "w"], ["h"]), n("Reshape", ["h", "same"], ["h2"]), n("Mul", ["h", "h2"], ["hh"]),
                    n("MatMul", ["hh", "W"], ["y"])],
