@@ -134,6 +134,14 @@ def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_
     assert family_from_data(json.loads(json.dumps(data)), name, ValueError) == family
 
 
+def test_a_kimi_linear_directory_reads_its_experts_saved_one_by_one(cli, tmp_path):
+    # save_pretrained writes the stacked experts back as experts.N.w1/w2/w3, under a pattern written as a regular
+    # expression (r"\.experts.*.w1.weight"): inspect refused the directory, taking expert 0 for a gap
+    _model("kimi_linear").save_pretrained(tmp_path / "plain")
+    result = cli("inspect", tmp_path / "plain")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_falcon_h1s_norms_fold_through_its_multipliers_and_its_grouped_gated_norm():
     # every layer has Mamba2 and attention side by side, each reading the input norm times a µP multiplier
     family = trace.traced_family(tiny_config("falcon_h1"), "falcon_h1")

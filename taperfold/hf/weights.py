@@ -154,7 +154,8 @@ def _check_expert_indices(sources: dict[str, list[str]], origin: dict) -> None:
                     f"'{pattern}' (keep one of them)"
                 )
             continue
-        found = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        # a pattern may escape its dots as a regular expression does (Kimi Linear's r"\.experts.*.w1.weight")
+        found = re.compile(re.escape(re.sub(r"\\(.)", r"\1", pattern)).replace(r"\*", r"(\d+)"))
         indices = [int(m.group(1)) if (m := found.search(key)) else -1 for key in keys]
         if indices != list(range(len(keys))) or (count is not None and len(keys) != count):
             wrong = next((key for i, key in zip(range(len(keys)), keys) if indices[i] != i), keys[-1])
