@@ -122,14 +122,7 @@ def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_
     assert family.layer_readers[0][gated_norm] == (reader,) and gated_norm not in family.internal
     assert family.gated == {gated_norm: gating} and "norm" not in family.untapered
     assert (family.heads, family.gain_offsets) == (heads, own_gain)
-    model = _model(name)
-    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-        tapering = taper_model(model, "all")
-        after = model(ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
-    assert f"model.layers.0.{gated_norm}" in tapering.norms
+    assert f"model.layers.0.{gated_norm}" in _tapered_all_at_gate_1(_model(name)).norms
     data = family_to_data(family)
     assert family_from_data(json.loads(json.dumps(data)), name, ValueError) == family
 
@@ -155,13 +148,19 @@ def test_falcon_h1s_norms_fold_through_its_multipliers_and_its_grouped_gated_nor
 def test_unlisted_architectures_are_traced_and_taper_exactly_at_gate_1(name):
     model = _model(name)
     assert not is_registered(model.config.model_type)
+    tapering = _tapered_all_at_gate_1(model)
+    assert tapering.family.traced and tapering.family.final in tapering.norms
+
+
+def _tapered_all_at_gate_1(model):
+    """`model` with every norm tapered at g = 1, checked to compute what it did."""
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(ids).logits
         tapering = taper_model(model, "all")
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
-    assert tapering.family.traced and tapering.family.final in tapering.norms
+    return tapering
 
 
 def test_a_layernorm_with_gain_one_plus_weight_is_refused_naming_the_guide():
