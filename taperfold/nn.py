@@ -194,6 +194,12 @@ class Gating:
         return (h.float() * _ACTIVATIONS[self.activation](z.float())).to(h.dtype)
 
 
+def without_norm(module: nn.Module) -> nn.Module:
+    """What is left of a tapered (or replacing) norm module without its normalization and gain: a tapered norm's
+    `bare()` (a gated norm's gate), else nothing."""
+    return module.bare() if isinstance(module, TaperedNorm) else nn.Identity()
+
+
 class GateOnly(nn.Module):
     """A gated norm without its norm: h·act(z). What a fold leaves in its place, since at g = 0 the norm is a
     diagonal map, which commutes with the gate's element-wise product and moves into the next layer."""

@@ -25,7 +25,7 @@ from torch import nn
 
 from taperfold.exportdir import BASELINE, DECOMPOSED_BASELINE, FOLDED, NONORM, UNFOLDED
 from taperfold.families import Family
-from taperfold.nn import TaperedNorm
+from taperfold.nn import without_norm
 from taperfold.norms import ConstantMap, plain_kind
 from taperfold.taper import TaperedLM, fold_target, layer_count, stored_in_out
 
@@ -161,8 +161,7 @@ def without_norms(model: TaperedLM) -> TaperedLM:
     It holds `model`'s parameters themselves."""
     bare = model.copy(shared=True)
     for path in model.tapered_norms():
-        norm = bare.network.get_submodule(path)
-        bare.network.set_submodule(path, norm.bare() if isinstance(norm, TaperedNorm) else nn.Identity())
+        bare.network.set_submodule(path, without_norm(bare.network.get_submodule(path)))
     bare.forget_tapering()
     return bare
 

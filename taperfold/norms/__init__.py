@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from taperfold.nn import Gating, TaperedNorm
+from taperfold.nn import Gating, TaperedNorm, without_norm
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class NormKind:
     def residue(self, norm: nn.Module) -> nn.Module:
         """What stays in the norm's place once its constant map has moved into the layers around it: nothing, or
         a gated norm's gate."""
-        return norm.bare() if isinstance(norm, TaperedNorm) else nn.Identity()
+        return without_norm(norm)
 
     def new_tapered(
         self,
