@@ -164,8 +164,11 @@ def run_type(model_type: str, root: Path, corpus: Path) -> dict:
         ("export", ("export", tapered, "-o", out)),
         ("verify", ("verify", out, "--json")),
     ]
+    row["step_seconds"] = {}
     for name, args in steps:
+        start = time.perf_counter()
         code, stdout, stderr = _taperfold(*args)
+        row["step_seconds"][name] = round(time.perf_counter() - start, 1)
         if name == "inspect" and code == 0:
             info = json.loads(stdout)
             row["norms"] = len(info["norms"])
