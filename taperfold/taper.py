@@ -364,8 +364,7 @@ def taper_model(
         if name == family.final:  # first: a family's reason for a layer's module of the same name ("norm") is not its
             untapered[name] = FINAL_KEPT
             continue
-        why = next((family.untapered[part] for part in reversed(name.split(".")) if part in family.untapered), None)
-        untapered[name] = why or "not read by a linear layer taperfold knows of"
+        untapered[name] = family.untapered_reason(name) or "not read by a linear layer taperfold knows of"
     scale_loss = None
     if aux:
         scale_loss = ScaleAnchorLoss(

@@ -91,6 +91,11 @@ def tiny_config(model_type: str):
                                                   num_experts=4, num_experts_per_token=2,
                                                   layer_types=["linear_attention", "full_attention"],
                                                   mlp_layer_types=["dense", "sparse"], **RMS),
+        # a gated delta net layer with pre-norms beside an attention layer with OLMo 2's post-norms
+        "olmo_hybrid": lambda: t.OlmoHybridConfig(num_key_value_heads=2, linear_num_key_heads=2,
+                                                  linear_num_value_heads=4, linear_key_head_dim=8,
+                                                  linear_value_head_dim=8,
+                                                  layer_types=["linear_attention", "full_attention"], **RMS),
         # unlisted, a config of the new shape: Gemma 4's full-attention layer has its own head_dim (per_layer_config)
         "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,

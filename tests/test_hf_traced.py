@@ -65,9 +65,10 @@ def test_traced_family_tapers_as_the_shipped_one(name):
 
 def test_traced_reasons_name_what_stops_a_norm():
     untapered = trace.traced_family(tiny_config("olmo2"), "olmo2").untapered
-    assert set(untapered) == {"q_norm", "k_norm"} and all("per-head split" in why for why in untapered.values())
-    bloom = trace.traced_family(tiny_config("bloom"), "bloom").untapered
-    assert "add" in bloom["word_embeddings_layernorm"]  # the residual stream reads the normed embedding
+    assert set(untapered) == {"self_attn.q_norm", "self_attn.k_norm"}  # paths within a layer
+    assert all("per-head split" in why for why in untapered.values())
+    bloom = trace.traced_family(tiny_config("bloom"), "bloom")  # outside the layers: by its whole path
+    assert "add" in bloom.untapered_reason("transformer.word_embeddings_layernorm")  # the residual stream reads it
 
 
 @pytest.mark.parametrize("name, router, experts", [("olmoe", "mlp.gate.weight", "mlp.experts"),
@@ -125,6 +126,29 @@ def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_
     assert f"model.layers.0.{gated_norm}" in _tapered_all_at_gate_1(_model(name)).norms
     data = family_to_data(family)
     assert family_from_data(json.loads(json.dumps(data)), name, ValueError) == family
+
+
+def test_a_norm_that_is_a_post_norm_in_some_layers_and_a_pre_norm_in_others_folds_in_each():
+    # OLMo hybrid: layer 0 (a gated delta net, pre-norms) reads post_attention_layernorm before its MLP; layer 1
+    # (attention with OLMo 2's post-norms) normalizes o_proj's output with it before the residual Add
+    family = trace.traced_family(tiny_config("olmo_hybrid"), "olmo_hybrid")
+    assert family.readers_in_layer(0)["post_attention_layernorm"] == ("mlp.gate_proj", "mlp.up_proj")
+    assert family.producers_in_layer(1) == {"post_attention_layernorm": "self_attn.o_proj",
+                                            "post_feedforward_layernorm": "mlp.down_proj"}
+    assert "post_attention_layernorm" not in family.readers_in_layer(1) and not family.producers_in_layer(0)
+    assert family_from_data(json.loads(json.dumps(family_to_data(family))), "olmo_hybrid", ValueError) == family
+    tapering = _tapered_all_at_gate_1(_model("olmo_hybrid"))
+    assert tapering.producers["model.layers.1.post_attention_layernorm"] == "model.layers.1.self_attn.o_proj"
+    assert "model.layers.0.post_attention_layernorm" in tapering.readers
+
+
+def test_a_norm_left_in_every_layer_has_a_reason_true_of_each_layer():
+    # the reason was kept by the norm's last name and told of layer 0's modules for every layer's norm
+    tapering = taper_model(_model("olmoe"), "internal")
+    reasons = {tapering.untapered[f"model.layers.{i}.self_attn.q_norm"] for i in range(2)}
+    assert len(reasons) == 1, reasons
+    reason = reasons.pop()
+    assert "its layer's self_attn" in reason and "model.layers." not in reason, reason
 
 
 def test_a_kimi_linear_directory_reads_its_experts_saved_one_by_one(cli, tmp_path):
@@ -215,12 +239,13 @@ def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
 
 
 @pytest.mark.parametrize("name, gated_norm", [("qwen3_next", "linear_attn.norm"), ("bamba", "mamba.norm"),
-                                              ("falcon_h1", "mamba.norm")])
+                                              ("falcon_h1", "mamba.norm"), ("olmo_hybrid", "linear_attn.o_norm")])
 def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_norm):
     # export refused them in one line ("fixed the sequence length of 'input_ids' to 8"); verify runs lengths 1 to
     # the model's longest, batch 1 and 4. The gated norm of layer 0 (the recurrent one) folds into its out_proj, the
     # gate kept: Bamba's normalizes gate·x, Qwen3-Next's each head before its gate, read with the heads joined,
-    # Falcon-H1's 2 groups before its gate (and its input norm folds through the µP multipliers)
+    # Falcon-H1's 2 groups before its gate (and its input norm folds through the µP multipliers). OLMo hybrid's
+    # attention layer has post-norms where its recurrent layer has pre-norms of the same name: each folds its way
     from hf_models import tapered_tiny_model
 
     from taperfold.export import ExportOptions, export_checkpoint
@@ -236,6 +261,9 @@ def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_
     entries = {n["name"]: (n["status"], n["reason"]) for n in fold["norms"]}
     for norm in (f"model.layers.0.{gated_norm}", "model.layers.0.input_layernorm"):
         assert entries[norm] == ("folded", ""), entries  # a tapered norm, not "no norm module"
+    if name == "olmo_hybrid":
+        status, reason = entries["model.layers.1.post_attention_layernorm"]
+        assert status == "folded" and "into its producer" in reason and "self_attn.o_proj" in reason, reason
 
 
 def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():
@@ -377,6 +405,9 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     ("layer_readers", {"7": {"post_attention_layernorm": ["mlp.c_fc"]}}, "names layer 7; this starcoder2 model has 2"),
     ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
     ("layer_readers", {"x": {}}, "must map layer indices to objects"),
+    ("layer_producers", {"5": {"post_attention_layernorm": "mlp.c_proj"}}, "names layer 5; this starcoder2 model has 2"),
+    ("layer_producers", {"1": {"post_attention_layernorm": "mlp.no_such_proj"}}, "no_such_proj"),
+    ("layer_producers", {"1": {"post_attention_layernorm": ["mlp.c_proj"]}}, "must map post-norm paths to their"),
 ])
 def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):
     folder = shutil.copytree(tapered_unlisted, tmp_path / "in")

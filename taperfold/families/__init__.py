@@ -12,9 +12,11 @@ because taperfold's own models use Hugging Face's module names. A family says, a
   (their width the norm's times the heads); `gain_offsets`: a norm of a layer whose gain offset is its own;
   `post`: each post-norm of a layer (it reads a projection's output before the residual Add: Gemma 2/3,
   OLMo 2, GLM-4, EXAONE 4) with the linear layer that produces its input, whose output columns the fold
-  rewrites instead;
+  rewrites instead; `layer_producers`: some layers' own post-norms (a hybrid's attention layers with OLMo 2's
+  post-norms beside recurrent layers with pre-norms). A layer's own entry in either overrides the other's;
 - `final` and `head`: the final norm and the output projection that reads it;
-- `untapered`: norm-like modules (by name: any part of their path) that are never tapered, with the reason;
+- `untapered`: norm-like modules that are never tapered, with the reason, by a part of their path ("q_norm") or
+  the end of it ("self_attn.q_norm": a path within a layer);
 - `check`: a configuration the family refuses, as a reason (None: fine);
 - `context`: the context of a model whose config.json states none (ALiBi models have no position table);
 - `norm_eps`: the norms' epsilon where their module has no attribute for it;
@@ -51,7 +53,7 @@ class Family:
     post: dict[str, str] = field(default_factory=dict)  # post-norm in a layer -> the module producing its input
     head: str = "lm_head"  # path of the output projection, which reads the final norm
     gain_offset: float = 0.0  # the norm computes x·(offset + w): 1 for Gemma
-    untapered: dict[str, str] = field(default_factory=dict)  # module name (a part of its path) -> why never tapered
+    untapered: dict[str, str] = field(default_factory=dict)  # a part or the end of a module's path -> why not tapered
     context: int | None = None  # tokens, for configs without max_position_embeddings (ALiBi: no position table)
     norm_eps: float | None = None  # the norms' epsilon where their module hard-codes it (OLMo's LayerNorm)
     check: Callable[[object], str | None] = lambda config: None  # config -> why not supported, or None
@@ -60,6 +62,8 @@ class Family:
     # layer index -> {norm in the layer: its readers} where that layer's differ from `internal` (DeepSeek-V3's
     # first layers have a dense MLP where the others route to experts)
     layer_readers: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    # layer index -> {post-norm in the layer: its producer} where that layer's differ from `post`
+    layer_producers: dict[int, dict[str, str]] = field(default_factory=dict)
     # a gated norm in a layer (RMSNormGated: forward(x, z)) -> how it applies its gate input
     gated: dict[str, Gating] = field(default_factory=dict)
     # a norm in a layer applied per head (its width one head's) -> the heads each input row of its readers joins
@@ -102,7 +106,23 @@ class Family:
 
     def readers_in_layer(self, index: int) -> dict[str, tuple[str, ...]]:
         """Each norm of layer `index` that folds forwards, with its readers (paths in the layer)."""
-        return {**self.internal, **self.layer_readers.get(index, {})}
+        own_posts = self.layer_producers.get(index, {})
+        readers = {**self.internal, **self.layer_readers.get(index, {})}
+        return {norm: targets for norm, targets in readers.items() if norm not in own_posts}
+
+    def producers_in_layer(self, index: int) -> dict[str, str]:
+        """Each post-norm of layer `index`, with the layer producing its input (paths in the layer)."""
+        own_readers = self.layer_readers.get(index, {})
+        producers = {**self.post, **self.layer_producers.get(index, {})}
+        return {norm: producer for norm, producer in producers.items() if norm not in own_readers}
+
+    def untapered_reason(self, path: str) -> str | None:
+        """Why the family never tapers the module at `path`: the entry for the longest end of its path, else for a
+        part of it (the nearest to its end); None when none names it."""
+        parts = path.split(".")
+        ends = (".".join(parts[i:]) for i in range(len(parts)))
+        named = next((self.untapered[end] for end in ends if end in self.untapered), None)
+        return named or next((self.untapered[part] for part in reversed(parts) if part in self.untapered), None)
 
     def norm_paths(self, n_layers: int, taper: str) -> list[str]:
         """Every norm `taper` covers: those folding forwards, then the post-norms."""
@@ -113,7 +133,7 @@ class Family:
         return {
             f"{self.layers}.{i}.{norm}": f"{self.layers}.{i}.{producer}"
             for i in range(n_layers)
-            for norm, producer in self.post.items()
+            for norm, producer in self.producers_in_layer(i).items()
         }
 
 

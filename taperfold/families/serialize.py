@@ -14,7 +14,7 @@ from taperfold.numeric import is_finite_number
 
 _DATA_KEYS = ("norm", "gain_offset", "layers", "internal", "post", "final", "head", "untapered", "norm_eps")
 # absent in what taperfold wrote before it had them
-_OPTIONAL_KEYS = ("layer_readers", "gated", "heads", "gain_offsets")
+_OPTIONAL_KEYS = ("layer_readers", "layer_producers", "gated", "heads", "gain_offsets")
 _PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 
 
@@ -38,6 +38,11 @@ def family_to_data(family: Family) -> dict:
                 }
             }
             if family.layer_readers
+            else {}
+        ),
+        **(
+            {"layer_producers": {str(i): dict(by_norm) for i, by_norm in family.layer_producers.items()}}
+            if family.layer_producers
             else {}
         ),
         **({"gated": {norm: dataclasses.asdict(g) for norm, g in family.gated.items()}} if family.gated else {}),
@@ -77,6 +82,10 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         if twice := next((r for i, r in enumerate(readers) if r in readers[:i]), None):
             raise bad("family.internal", f"lists {twice!r} twice among the readers of {norm!r}")
     layer_readers = _layer_readers(raw.get("layer_readers", {}), bad)
+    layer_producers = _layer_producers(raw.get("layer_producers", {}), bad)
+    for index, by_norm in layer_producers.items():
+        if both := next((norm for norm in by_norm if norm in layer_readers.get(index, {})), None):
+            raise bad("family.layer_producers", f"layer {index} names {both!r}, which its layer_readers name too")
     gated = _gated(raw.get("gated", {}), bad)
     if not isinstance(post, dict) or not all(_is_path(k) and _is_path(v) for k, v in post.items()):
         raise bad("family.post", "must map each post-norm's path in a layer to its producer's path")
@@ -89,12 +98,15 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         _is_path(k) and v in allowed and not isinstance(v, bool) for k, v in offsets.items()
     ):
         raise bad("family.gain_offsets", f"must map norm paths in a layer to {' or '.join(map(str, allowed))}")
-    tapered = {*internal, *post, *(norm for by_norm in layer_readers.values() for norm in by_norm)}
+    per_layer = {norm for by_norm in layer_readers.values() for norm in by_norm} | {
+        norm for by_norm in layer_producers.values() for norm in by_norm
+    }
+    tapered = {*internal, *post, *per_layer}
     for key, norms in (("gated", gated), ("heads", heads), ("gain_offsets", offsets)):
         if stray := next((norm for norm in norms if norm not in tapered), None):
             raise bad(f"family.{key}", f"names {stray!r}, which the family does not taper")
-    if not internal and not post:
-        raise bad("family.internal", "and 'post' are both empty: no norm to taper")
+    if not tapered:
+        raise bad("family.internal", "and 'post' are both empty, and no layer has norms of its own: no norm to taper")
     if set(internal) & set(post):
         raise bad("family.post", f"names {sorted(set(internal) & set(post))[0]!r}, which 'internal' names too")
     if not isinstance(untapered, dict) or not all(
@@ -118,20 +130,27 @@ def family_from_data(raw, model_type: str, bad) -> Family:
         norm_eps=None if eps is None else float(eps),
         traced=True,
         layer_readers=layer_readers,
+        layer_producers=layer_producers,
         gated=gated,
         heads=dict(heads),
         gain_offsets={k: float(v) for k, v in offsets.items()},
     )
 
 
-def _layer_readers(raw, bad) -> dict[int, dict[str, tuple[str, ...]]]:
-    """`layer_readers`: layer index (a string of digits) -> {a norm: its readers in that layer}."""
+def _by_layer(raw, key: str, bad) -> dict[int, dict]:
+    """`raw` as {layer index (a string of digits): an object}, or the error naming `family.<key>`."""
     if not isinstance(raw, dict):
-        raise bad("family.layer_readers", f"must be an object, got {type(raw).__name__}")
-    out: dict[int, dict[str, tuple[str, ...]]] = {}
+        raise bad(f"family.{key}", f"must be an object, got {type(raw).__name__}")
     for index, by_norm in raw.items():
         if not (isinstance(index, str) and index.isdigit() and len(index) <= 6) or not isinstance(by_norm, dict):
-            raise bad("family.layer_readers", f"must map layer indices to objects, got {index!r}")
+            raise bad(f"family.{key}", f"must map layer indices to objects, got {index!r}")
+    return {int(index): by_norm for index, by_norm in raw.items()}
+
+
+def _layer_readers(raw, bad) -> dict[int, dict[str, tuple[str, ...]]]:
+    """`layer_readers`: layer index -> {a norm: its readers in that layer}."""
+    out = _by_layer(raw, "layer_readers", bad)
+    for index, by_norm in out.items():
         for norm, readers in by_norm.items():
             if not _is_path(norm):
                 raise bad("family.layer_readers", f"layer {index} must name norms by their paths, got {norm!r}")
@@ -139,8 +158,16 @@ def _layer_readers(raw, bad) -> dict[int, dict[str, tuple[str, ...]]]:
                 raise bad("family.layer_readers", f"layer {index} must give {norm!r} a non-empty list of reader paths")
             if len(set(readers)) != len(readers):
                 raise bad("family.layer_readers", f"layer {index} lists a reader of {norm!r} twice")
-        out[int(index)] = {norm: tuple(readers) for norm, readers in by_norm.items()}
-    return out
+    return {index: {norm: tuple(readers) for norm, readers in by_norm.items()} for index, by_norm in out.items()}
+
+
+def _layer_producers(raw, bad) -> dict[int, dict[str, str]]:
+    """`layer_producers`: layer index -> {a post-norm: its producer in that layer}."""
+    out = _by_layer(raw, "layer_producers", bad)
+    for index, by_norm in out.items():
+        if not all(_is_path(norm) and _is_path(producer) for norm, producer in by_norm.items()):
+            raise bad("family.layer_producers", f"layer {index} must map post-norm paths to their producers' paths")
+    return {index: dict(by_norm) for index, by_norm in out.items()}
 
 
 def _gated(raw, bad) -> dict[str, Gating]:

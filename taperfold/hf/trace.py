@@ -28,6 +28,7 @@ one read back against the model config.json describes.
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -604,50 +605,54 @@ def traced_family(config, where: str = "model") -> Family:
             tuple(t[len(prefix) :] for t in targets),
             heads.get(name, 1) if name in readers else 1,
         )
-    internal, post = {}, {}
+    internal: dict[str, tuple[str, ...]] = {}
+    post: dict[str, str] = {}
     layer_readers: dict[int, dict[str, tuple[str, ...]]] = defaultdict(dict)
+    layer_producers: dict[int, dict[str, str]] = defaultdict(dict)
     joined: dict[str, int] = {}  # a per-head norm in a layer -> the heads its readers join
     for relative, by_layer in per_norm.items():
-        folds = set(by_layer.values())
-        if len({h for _, _, h in folds}) > 1:
+        everywhere = len(by_layer) == n_layers
+        # a norm of some layers only (a hybrid's linear-attention or Mamba layers) folds where it is
+        where_it_is = [i for i in range(n_layers) if _has_norm(model, f"{layers_path}.{i}.{relative}")]
+        if len({h for _, _, h in by_layer.values()}) > 1:
             reason = "its readers join its heads in some layers only"
-        elif len(by_layer) == n_layers and len(folds) == 1:
-            forwards, targets, heads_joined = folds.pop()
-            if forwards:
-                internal[relative] = targets
-            else:
-                post[relative] = targets[0]
-            if heads_joined > 1:
-                joined[relative] = heads_joined
-            continue
-        elif all(forwards for forwards, _, _ in folds) and (
-            len(by_layer) == n_layers
-            # a norm of some layers only (a hybrid's linear-attention or Mamba layers)
-            or sorted(by_layer) == [i for i in range(n_layers) if _has_norm(model, f"{layers_path}.{i}.{relative}")]
-        ):
-            # readers that differ by layer (a dense MLP in some, experts in the others): in all layers, the most
-            # common in `internal`, the rest per layer
-            counts = Counter(targets for _, targets, _ in by_layer.values())
-            common = counts.most_common(1)[0][0] if len(by_layer) == n_layers else None
-            if common is not None:
-                internal[relative] = common
-            for index, (_, targets, _) in by_layer.items():
-                if targets != common:
-                    layer_readers[index][relative] = targets
-            if (heads_joined := next(iter(folds))[2]) > 1:
-                joined[relative] = heads_joined
-            continue
+        elif not everywhere and sorted(by_layer) != where_it_is:
+            reason = "it folds in some layers only"
         else:
-            reason = "its producers differ between layers" if len(folds) > 1 else "it folds in some layers only"
+            # the fold most layers share in `internal` or `post`; a layer whose fold differs (a dense MLP where the
+            # others route to experts; a post-norm after attention where other layers read it before their MLP)
+            # has its own
+            common = Counter((forwards, targets) for forwards, targets, _ in by_layer.values()).most_common(1)[0][0]
+            if everywhere:
+                forwards, targets = common
+                if forwards:
+                    internal[relative] = targets
+                else:
+                    post[relative] = targets[0]
+            for index, (forwards, targets, _) in by_layer.items():
+                if everywhere and (forwards, targets) == common:
+                    continue
+                if forwards:
+                    layer_readers[index][relative] = targets
+                else:
+                    layer_producers[index][relative] = targets[0]
+            if (heads_joined := next(iter(by_layer.values()))[2]) > 1:
+                joined[relative] = heads_joined
+            continue
         for index in range(n_layers):
             why[f"{layers_path}.{index}.{relative}"] = reason
-    if not internal and not post:
-        raise _refuse(where, model_type, "no norm folds alike in every decoder layer")
-    placed_somewhere = {relative for by_norm in layer_readers.values() for relative in by_norm}
+    if not internal and not post and not layer_readers and not layer_producers:
+        raise _refuse(where, model_type, "no norm folds alike in every decoder layer that has it")
+    placed_somewhere = {relative for by_norm in layer_readers.values() for relative in by_norm} | {
+        relative for by_norm in layer_producers.values() for relative in by_norm
+    }
     untapered: dict[str, str] = {}
     for name, reason in why.items():
-        key = next((part for part in reversed(name.split(".")) if not part.isdigit()), name)
-        untapered.setdefault(key, reason)
+        in_layer = _layer_of(name, model)
+        if in_layer is not None and in_layer.layers == layers_path:  # one reason for the norm in every layer
+            untapered.setdefault(in_layer.inner, _within_layer(reason, f"{layers_path}.{in_layer.layer}"))
+        else:
+            untapered[name] = reason
     own = _eps_of(model.get_submodule(final), config)[1]
     eps = behaviour[final].eps
     return Family(
@@ -664,6 +669,7 @@ def traced_family(config, where: str = "model") -> Family:
         norm_eps=None if own else eps,
         traced=True,
         layer_readers=dict(layer_readers),
+        layer_producers=dict(layer_producers),
         gated={
             relative: gating
             for relative, gating in gated.items()
@@ -678,6 +684,13 @@ def traced_family(config, where: str = "model") -> Family:
     )
 
 
+def _within_layer(reason: str, layer: str) -> str:
+    """`reason` with the modules of its own layer (`layer`: "model.layers.3") named within that layer, so that it
+    reads true of the same norm in every layer."""
+    owned = re.compile(rf"(?<![\w.]){re.escape(layer)}(?![\w])(\.?)")
+    return owned.sub(lambda m: "its layer's " if m.group(1) else "its layer", reason)
+
+
 def check_family_paths(model: nn.Module, family: Family, bad) -> None:
     """The modules a stored family names exist in `model` (built from config.json, on the meta device): its
     layers, each norm and what it folds into in every layer, the final norm and the head; `bad(key, why)` makes
@@ -688,14 +701,17 @@ def check_family_paths(model: nn.Module, family: Family, bad) -> None:
         layers = None
     if not isinstance(layers, nn.ModuleList):
         raise bad("family.layers", f"{family.layers!r} is not a list of layers in this {family.name} model")
-    if beyond := [i for i in family.layer_readers if i >= len(layers)]:
-        raise bad("family.layer_readers", f"names layer {beyond[0]}; this {family.name} model has {len(layers)}")
+    for key, by_layer in (("layer_readers", family.layer_readers), ("layer_producers", family.layer_producers)):
+        if beyond := [i for i in by_layer if i >= len(layers)]:
+            raise bad(f"family.{key}", f"names layer {beyond[0]}; this {family.name} model has {len(layers)}")
     for i in range(len(layers)):
-        own = family.layer_readers.get(i, {})
+        readers, producers = family.readers_in_layer(i), family.producers_in_layer(i)
+        own_readers, own_producers = family.layer_readers.get(i, {}), family.layer_producers.get(i, {})
         for key, folds in (
-            ("internal", {n: r for n, r in family.internal.items() if n not in own}),
-            ("layer_readers", own),
-            ("post", {n: [p] for n, p in family.post.items()}),
+            ("internal", {n: r for n, r in readers.items() if n not in own_readers}),
+            ("layer_readers", own_readers),
+            ("post", {n: [p] for n, p in producers.items() if n not in own_producers}),
+            ("layer_producers", {n: [p] for n, p in own_producers.items()}),
         ):
             for norm, targets in folds.items():
                 if not _has_norm(model, f"{family.layers}.{i}.{norm}"):
