@@ -61,7 +61,7 @@ class Candidate:
         """What a report says of it besides its status."""
         if not self.outside_norm:
             return ""
-        return "no norm module: a per-channel scale the model applies itself, folded as a g = 0 norm is"
+        return "no norm module: a per-channel scale the model applies itself, which folds as a g = 0 norm does"
 
     @property
     def kind(self) -> str:

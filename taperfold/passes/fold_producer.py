@@ -192,9 +192,10 @@ class FoldIntoProducerPass(AfterConstantsPass):
             try:
                 producer = producer_of(match)
             except Blocked as why:
+                note = f"; {candidate.note}" if candidate.note else ""
                 self.report.entry(
                     candidate.name, candidate.kind
-                ).reason = f"{why_readers_cannot(match)}; not into its producer: {why}"
+                ).reason = f"{why_readers_cannot(match)}; not into its producer: {why}{note}"
                 continue
             if producer is None:
                 continue

@@ -33,7 +33,8 @@ class FoldIntoReadersPass(AfterConstantsPass):
             try:
                 readers = readers_of(match.output, match)
             except Blocked as why:
-                entry.status, entry.reason = NormStatus.KEPT, str(why)
+                # a scale of the model's own that stays is no norm left behind: the reason says which it is
+                entry.status, entry.reason = NormStatus.KEPT, "; ".join(x for x in (str(why), candidate.note) if x)
                 continue
             effects = move_into_readers(model.graph, match, readers)
             remove_if_dead(model.graph, match.nodes)

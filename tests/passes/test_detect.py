@@ -148,3 +148,19 @@ def test_a_scale_no_norm_module_applies_folds_and_the_report_says_it_is_none(mod
     (entry,) = fold_model(model).norms
     assert entry.status.value == "folded"
     assert ("no norm module: a per-channel scale the model applies itself" in entry.reason) is note
+
+
+def test_a_scale_no_norm_module_applies_that_stays_is_said_to_be_none():
+    # Bamba's Mamba mixer multiplies by exp(A_log)-like per-channel vectors read by Exp: kept, and the report must not
+    # leave a user thinking a norm stayed behind
+    from taperfold.passes import fold_model
+
+    model = build([n("Mul", ["x", "s"], ["h"]), n("Exp", ["h"], ["y"])], [X], [("y", F32, [2, 3, D])], {"s": rand(D)})
+    for node in model.graph:
+        node.metadata_props["namespace"] = (
+            f": m.LM/model.layers.0.mamba: transformers.models.bamba.modeling_bamba.BambaMixer/{node.op_type.lower()}: "
+            f"aten.{node.op_type.lower()}"
+        )
+    (entry,) = fold_model(model).norms
+    assert entry.status.value == "kept" and "Exp" in entry.reason, entry
+    assert "no norm module: a per-channel scale the model applies itself" in entry.reason
