@@ -6,8 +6,11 @@ the module path in the node metadata. That graph is written as `unfolded.onnx`, 
 `taperfold.passes` fold the norms into their readers and the result is written as `model.onnx`.
 `baseline.onnx` is the same weights with the model's own untapered norms, in the fastest form the
 target runs (one fused norm op: the benchmark's reference); `baseline.decomposed.onnx` keeps RMSNorm as
-the plain ops hand-written norms export to (docs/opsets.md). A plain (untapered) model gets its baseline
-only: there is nothing to fold.
+the plain ops hand-written norms export to (docs/opsets.md). The baseline differs from the unfolded model in
+its norms alone, so its graph is made from the unfolded trace by putting each real norm back where its constant
+map is (passes/restore_norms.py: one trace per graph kind, the manifest's `built_from` says so); it is traced
+itself where that cannot be done (float16/bfloat16 graphs, gated norms, DyT). A plain (untapered) model gets its
+baseline only: there is nothing to fold.
 
 Every graph (baseline, unfolded, folded, decoders alike, so the fold's own gain stays visible) then gets
 its projections fused unless `fuse_projections=False`: the linear layers that read one tensor (q/k/v,
@@ -76,7 +79,8 @@ from taperfold.exportdir import (
 )
 from taperfold.fsutil import atomic_dir
 from taperfold.manifest import Manifest, new_manifest, read_manifest
-from taperfold.norms import norm_kinds
+from taperfold.nn import TaperedNorm
+from taperfold.norms import is_norm_module, norm_kinds, tapered_kind
 from taperfold.opsets import (
     FUSING_OPSET,
     OpsetChoice,
@@ -89,6 +93,7 @@ from taperfold.passes import FoldReport, FuseProjectionsPass, ProjectionReport, 
 from taperfold.passes.cleanup import check
 from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
 from taperfold.passes.ort_fusions import OrtFusionsPass
+from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 
@@ -582,10 +587,16 @@ def export_graphs(
     reports name norms by their paths in the model's `network`, as the family does."""
     out = ExportedGraphs()
     clock = out.clock
+    models = dict(sources)
     for graph in (PREFILL, *opts.decoders):
         choice = choose_opset(opts.target, opset_graph(graph), opts.opset)
-        for variant, model in sources:
+        # the unfolded model first: the baseline's graph is made from its trace where the norms allow
+        restorable = _baseline_norms(models, graph, opts)
+        derived = False
+        for variant, model in sorted(sources, key=lambda pair: pair[0] != UNFOLDED):
             name = graph_key(variant, graph)
+            if variant == BASELINE and derived:
+                continue
             on_stage(f"exporting {name} (opset {choice.opset})")
             with clock("torch_export_s"):
                 model_ir = export_to_ir(model, opts, graph, opset=choice.opset)
@@ -602,6 +613,19 @@ def export_graphs(
             staged = folder / ("." + onnx_file(variant, graph))
             with clock("write_s"):
                 _save(model_ir, staged)
+            if restorable:
+                baseline_ir = _load(staged)
+                restore = RestoreNormsPass(restorable)
+                with clock("passes_s"):
+                    restore(baseline_ir)
+                if not restore.missing:
+                    on_stage(f"{graph_key(BASELINE, graph)}: made from {name}, its norms restored (no trace)")
+                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix)
+                    for record in records:
+                        record.built_from = name
+                    out.records += records
+                    derived = True
+                del baseline_ir
             on_stage(f"folding {name}")
             folding = graph_passes(opts, fold=True, model_ir=model_ir)
             folding.run(model_ir, clock)
@@ -621,6 +645,51 @@ def export_graphs(
                     path.unlink()
             out.records += [unfolded, folded]
     return out
+
+
+def _baseline_norms(models: dict[str, TaperedLM], graph: Graph, opts: ExportOptions) -> dict[str, RealNorm]:
+    """Each tapered norm of the unfolded model as the real norm the baseline model has in its place, by its name in
+    the traced graph (RestoreNormsPass); empty where the baseline is traced instead: not both models asked for, a
+    graph other than float32, or a norm of a form the pass does not write (a gated or grouped norm, DyT)."""
+    unfolded, baseline = models.get(UNFOLDED), models.get(BASELINE)
+    if unfolded is None or baseline is None or opts.dtype != "fp32":
+        return {}
+    wrapper = "" if graph == PREFILL else _Decoder.prefix
+    norms = {}
+    for path, module in unfolded.named_modules():
+        kind = tapered_kind(module)
+        if kind is None:
+            continue
+        try:
+            plain = baseline.get_submodule(path)
+        except AttributeError:
+            return {}
+        if not isinstance(module, TaperedNorm) or type(module) is not kind.tapered or not kind.gated:
+            return {}  # a gated norm (its own subclass) or DyT
+        # γ and β as the baseline's module holds them: a norm class without β (Cohere's LayerNorm) drops the one the
+        # tapered norm trained; the form (centring, gain offset, epsilon) is the one the tapering measured
+        weight, bias = getattr(plain, "weight", None), getattr(plain, "bias", None)
+        gain = weight.detach().double() if isinstance(weight, torch.Tensor) else torch.ones(module.dim).double()
+        shift = bias.detach().double() if isinstance(bias, torch.Tensor) else None
+        if not is_norm_module(plain) or gain.shape != (module.dim,) or (shift is not None and not kind.shift):
+            return {}
+        with torch.no_grad():
+            constant = kind.constant_map(module)
+        norms[wrapper + path] = RealNorm(
+            centered=kind.centered,
+            gain=module.gain(gain).cpu().numpy(),
+            bias=shift.cpu().numpy() if shift is not None else None,
+            eps=float(module.eps),
+            constant_scale=constant.scale.cpu().numpy(),
+            constant_bias=constant.bias.cpu().numpy() if constant.bias is not None else None,
+            module_class=(_class_name(module), _class_name(plain)),
+        )
+    return norms
+
+
+def _class_name(module: nn.Module) -> str:
+    """A module's class as the exporter's metadata names it."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def opset_graph(graph: Graph) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.numpy_helper
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -127,6 +128,21 @@ def test_manifest(tiny_export, tiny_checkpoint):
     assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s"}
 
 
+def test_the_baseline_graphs_are_made_from_the_unfolded_trace_with_real_norms(tiny_export):
+    # one trace per graph kind: the baseline differs from the unfolded model in its norms only (verify holds it to the
+    # torch baseline: tests/test_verify.py); every tapered norm is a real norm again, named as the unfolded graph's
+    from taperfold.passes.detect import detect_norms
+
+    artifacts = json.loads((Path(tiny_export) / "manifest.json").read_text())["artifacts"]
+    for graph, wrapper in (("", ""), (".decoder", "model.")):  # the decoder's graph names modules inside its wrapper
+        assert artifacts[f"baseline{graph}"]["built_from"] == f"unfolded{graph}"
+        assert artifacts[f"baseline-decomposed{graph}"]["built_from"] == f"unfolded{graph}"
+        folded = {n["name"] for n in artifacts[f"folded{graph}"]["reports"]["fold"]["norms"]}
+        analysis = detect_norms(ir.load(Path(tiny_export) / artifacts[f"baseline{graph}"]["path"]))
+        assert not analysis.candidates and not analysis.gate_not_zero
+        assert {norm.name.removeprefix(wrapper) for norm in analysis.real_norms} == folded  # the final norm too
+
+
 def test_gate_not_zero_is_refused_without_writing(cli, tmp_path):
     ckpt = random_checkpoint(tmp_path, "llama", "internal", gate=0.25)
     out = tmp_path / "out"
@@ -172,6 +188,7 @@ def test_fp16_and_kv_cache(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"baseline.decoder", "unfolded.decoder", "folded.decoder"} <= set(manifest["artifacts"])
     assert manifest["artifacts"]["folded.decoder"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    assert manifest["artifacts"]["baseline"]["built_from"] is None  # traced: a float16 graph's norms are not rewritten
     session = ort.InferenceSession(str(out / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     assert names[:3] == ["input_ids", "past_key_values.0.key", "past_key_values.0.value"]

@@ -184,7 +184,7 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, self.fused > 0)
 
 
-def _decomposed_rms_norm(
+def decomposed_rms_norm(
     graph: ir.Graph,
     x: ir.Value,
     dtype: ir.DataType,
@@ -244,7 +244,7 @@ class ExpandRMSNormalizationPass(ir.passes.InPlacePass):
             if scale is None or x is None or x.dtype is None:
                 continue
             eps = node.attributes.get_float("epsilon", 1e-5)
-            new = _decomposed_rms_norm(graph, x, x.dtype, scale, eps, out.name or "rms_norm", dict(node.metadata_props))
+            new = decomposed_rms_norm(graph, x, x.dtype, scale, eps, out.name or "rms_norm", dict(node.metadata_props))
             ir.convenience.replace_nodes_and_values(graph, node, [node], new, [out], [new[-1].outputs[0]])
             self.expanded += 1
         if self.expanded:
