@@ -73,6 +73,8 @@ GPT2_STYLE = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "n_in
 # Where one class's own validation asks more of the sizes above than they give
 OWN_SIZES = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one entry per layer, as (kinds, repeats)
+    "codegen": {"rotary_dim": 8},  # within the small head_dim (its default, 64, is the full-size one)
+    "gptj": {"rotary_dim": 8},
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
 }

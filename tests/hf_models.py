@@ -68,6 +68,11 @@ def tiny_config(model_type: str):
                                                   n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
                                                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
                                                   qk_nope_head_dim=4, v_head_dim=8, moe_intermediate_size=16, **RMS),
+        # DeepSeek-V2: latent attention with a complex rotary embedding (queries [batch, heads, tokens, dim])
+        "deepseek_v2": lambda: t.DeepseekV2Config(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                                  n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                                  kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                                  qk_nope_head_dim=4, v_head_dim=8, moe_intermediate_size=16, **RMS),
         # unlisted, a family torch.onnx cannot translate as transformers writes it: Llama 4's complex rotary embedding
         "llama4_text": lambda: t.Llama4TextConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4,
                                                   intermediate_size_mlp=64, **RMS),

@@ -206,21 +206,24 @@ def test_an_architecture_torch_export_cannot_take_is_refused_naming_the_guide():
     assert "\n" not in message and "torch.export cannot trace it" in message and trace.GUIDE in message
 
 
-def test_llama4s_rotary_in_real_arithmetic_is_its_complex_one():
-    # what export traces instead of Llama 4's view_as_complex / polar (taperfold.hf.export_patches)
+@pytest.mark.parametrize("name, family", [("llama4_text", "llama4"), ("deepseek_v2", "deepseek_v2")])
+def test_a_complex_rotary_in_real_arithmetic_is_the_models_own(name, family):
+    # what export traces instead of view_as_complex / polar (taperfold.hf.export_patches): Llama 4 holds its queries
+    # as [batch, tokens, heads, dim], DeepSeek-V2 as [batch, heads, tokens, dim]
+    import importlib
+
     from taperfold.hf.export_patches import export_patches
 
-    model = _model("llama4_text")
+    model = _model(name)
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         own = model(ids).logits
-        with export_patches("llama4_text"):
+        with export_patches(name):
             real = model(ids).logits
     torch.testing.assert_close(real, own, rtol=1e-5, atol=1e-6)
-    from transformers.models.llama4 import modeling_llama4  # the patch is undone once the block ends
-
-    assert modeling_llama4.apply_rotary_emb.__module__ == modeling_llama4.__name__
-    assert "view_as_complex" in modeling_llama4.apply_rotary_emb.__code__.co_names
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")  # undone after the block
+    assert modeling.apply_rotary_emb.__module__ == modeling.__name__
+    assert "view_as_complex" in modeling.apply_rotary_emb.__code__.co_names
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "bamba", "kimi_linear"])

@@ -51,6 +51,8 @@ _FLOAT_KEYS = {  # name -> (low, excluded; high, included)
     "partial_rotary_factor": (0.0, 1.0),
     "rotary_pct": (0.0, 1.0),  # GPT-NeoX's partial_rotary_factor, as older configs spell it
 }
+# a norm epsilon a config may leave null where its norms use another key's, or their own (Cohere 2 MoE)
+_NULLABLE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
 _ROPE_BLOCKS = ("rope_parameters", "rope_scaling")  # objects holding rope_theta / partial_rotary_factor
 _ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
 
@@ -110,7 +112,7 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
     _check_experts(where, config)
     for name, (above, up_to) in _FLOAT_KEYS.items():
         for key in _json_names(config_class, name):
-            if key in config:
+            if key in config and not (config[key] is None and name in _NULLABLE_FLOATS):
                 _check_float(where, key, config[key], above, up_to)
     for block in _ROPE_BLOCKS:
         value = config.get(block)

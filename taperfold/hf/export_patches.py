@@ -3,10 +3,10 @@ family's own code and an equal real-valued form can be traced instead (the way e
 multi-query attention a translation of its own). Applied around export's tracing only (`export_patches`); training,
 inspect, verify's torch reference and every other tool run transformers' code as it is.
 
-- llama4 / llama4_text: the rotary embedding is complex (`torch.polar`, `view_as_complex`), which torch.onnx fails to
-  translate (a ConversionError on an unsqueeze of a complex tensor). The same rotation in real arithmetic: the
-  embedding returns (cos, sin)·scale as a trailing axis of 2, and each pair (a, b) of a query or key becomes
-  (a·cos − b·sin, a·sin + b·cos), which is (a + ib)(cos + i·sin).
+- llama4 / llama4_text, deepseek_v2: the rotary embedding is complex (`torch.polar`, `view_as_complex`), which
+  torch.onnx fails to translate (a ConversionError on an unsqueeze of a complex tensor). The same rotation in real
+  arithmetic: the embedding returns (cos, sin)·scale as a trailing axis of 2, and each pair (a, b) of a query or key
+  becomes (a·cos − b·sin, a·sin + b·cos), which is (a + ib)(cos + i·sin).
 - Hybrid families' linear recurrences (Qwen3-Next's gated delta rule; the Mamba2 scan of Bamba, GraniteMoeHybrid,
   Nemotron-H, Falcon-H1, Zamba2 and Mamba2, one function each modeling file copies): transformers' torch forms pad
   the sequence to a multiple of a chunk and loop over the chunks in Python, so torch.export fixes the sequence length
@@ -23,29 +23,38 @@ from unittest import mock
 import torch
 
 
-@contextlib.contextmanager
-def _llama4_real_rotary() -> Iterator[None]:
-    from transformers.models.llama4 import modeling_llama4
+def _real_rotary(family: str, rotary_class: str, heads_axis: int) -> Callable[[], contextlib.AbstractContextManager]:
+    """A complex rotary embedding (`torch.polar`, `view_as_complex`) in real arithmetic: the embedding returns
+    (cos, sin)·scale as a trailing axis of 2, and each pair (a, b) of a query or key becomes (a·cos − b·sin,
+    a·sin + b·cos). `heads_axis`: where the queries hold their heads (cos and sin broadcast over it)."""
 
-    def rotary_forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        import importlib
 
-    def apply_rotary_emb(xq, xk, freqs_cis):
-        cos, sin = freqs_cis[..., 0][:, :, None, :], freqs_cis[..., 1][:, :, None, :]
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-            a, b = pairs[..., 0], pairs[..., 1]
-            return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(3).type_as(x)
+        def rotary_forward(self, x, position_ids):
+            freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+            return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
 
-        return rotate(xq), rotate(xk)
+        def apply_rotary_emb(xq, xk, freqs_cis):
+            cos, sin = freqs_cis[..., 0].unsqueeze(heads_axis), freqs_cis[..., 1].unsqueeze(heads_axis)
 
-    with (
-        mock.patch.object(modeling_llama4.Llama4TextRotaryEmbedding, "forward", rotary_forward),
-        mock.patch.object(modeling_llama4, "apply_rotary_emb", apply_rotary_emb),
-    ):
-        yield
+            def rotate(x: torch.Tensor) -> torch.Tensor:
+                pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+                a, b = pairs[..., 0], pairs[..., 1]
+                return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(3).type_as(x)
+
+            return rotate(xq), rotate(xk)
+
+        with (
+            mock.patch.object(getattr(modeling, rotary_class), "forward", rotary_forward),
+            mock.patch.object(modeling, "apply_rotary_emb", apply_rotary_emb),
+        ):
+            yield
+
+    return patched
 
 
 def _delta_rule_scan(l2norm: Callable) -> Callable:
@@ -186,8 +195,8 @@ def _mamba2(family: str) -> Callable[[], contextlib.AbstractContextManager]:
 
 # model_type -> the patch; a text model type shares its modeling file with the multimodal one
 PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "llama4": _llama4_real_rotary,
-    "llama4_text": _llama4_real_rotary,
+    **{t: _real_rotary("llama4", "Llama4TextRotaryEmbedding", heads_axis=2) for t in ("llama4", "llama4_text")},
+    "deepseek_v2": _real_rotary("deepseek_v2", "DeepseekV2RotaryEmbedding", heads_axis=1),
     **{t: _gated_delta_rule(t) for t in ("qwen3_next", "olmo_hybrid", "lara_mini")},
     **{t: _gated_delta_rule(f) for f in ("qwen3_5", "qwen3_5_moe", "qwen4_exp") for t in (f, f"{f}_text")},
     **{t: _kimi_delta_attention(t) for t in ("kimi_linear", "bailing_hybrid")},
