@@ -625,6 +625,8 @@ def export_graphs(
                         record.built_from = name
                     out.records += records
                     derived = True
+                else:  # traced in its turn; say why, as the stage it adds shows
+                    on_stage(f"{graph_key(BASELINE, graph)}: traced ({restore.missing[0]}: not found as its map)")
                 del baseline_ir
             on_stage(f"folding {name}")
             folding = graph_passes(opts, fold=True, model_ir=model_ir)
