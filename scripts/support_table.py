@@ -158,10 +158,10 @@ def _taperfold(*args, timeout: int = STEP_LIMIT_S) -> tuple[int, str, str]:
     return r.returncode, r.stdout, r.stderr
 
 
-def _reason(stderr: str) -> str:
+def _reason(stderr: str, code: int) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
+    if not lines:  # killed (a negative code: the signal's number, e.g. -9 when memory ran out) or silent
+        return f"exit code {code}, nothing on stderr"
     if any(line.startswith("Traceback") for line in lines):
         return _shortened(f"traceback: {lines[-1]}")
     return _shortened(lines[-1].removeprefix("taperfold: error: "))
@@ -191,7 +191,7 @@ def run_type(model_type: str, root: Path, corpus: Path) -> dict:
         timeout=STEP_LIMIT_S,
     )
     if build.returncode != 0:
-        row.update(stopped_at="build", reason=_reason(build.stderr))
+        row.update(stopped_at="build", reason=_reason(build.stderr, build.returncode))
         return row
     steps = [
         ("inspect", ("inspect", plain, "--json")),
@@ -224,7 +224,7 @@ def run_type(model_type: str, root: Path, corpus: Path) -> dict:
             if code in (0, 1):
                 return row
         if code != 0:
-            row.update(stopped_at=name, reason=_reason(stderr))
+            row.update(stopped_at=name, reason=_reason(stderr, code))
             return row
     return row
 
