@@ -221,6 +221,8 @@ def run_type(model_type: str, root: Path, corpus: Path) -> dict:
             row["folded"] = manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"]
         if name == "verify":
             row["verify"] = "PASS" if code == 0 else "FAIL" if code == 1 else "error"
+            if code == 1:  # the worst pair and the bounds it breaks
+                row["reason"] = _reason(stderr, code)
             if code in (0, 1):
                 return row
         if code != 0:

@@ -111,6 +111,10 @@ MIN_CONTEXT = 4
 ATTENTION_OPSET = 23  # ONNX Attention; below it torch.onnx writes attention as MatMul and Softmax, which broadcast
 
 
+class ExporterFailed(TaperfoldError):
+    """torch.onnx could not export the model (its exception, in one line)."""
+
+
 def trace_lengths(max_seq_len: int) -> tuple[int, int]:
     """(sequence, past) lengths the exporter traces with for a model of this context: TRACE_SHAPE's and
     TRACE_PAST's where they fit, else the context shared out, 2 at least each."""
@@ -332,9 +336,31 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
             program.optimize()
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
-            raise TaperfoldError(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
+            raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
     _check_dynamic(program.model, ids)
+    if program.exported_program is not None:  # what torch.export traced, kept by the dynamo exporter
+        _check_ranges(program.exported_program, {0: ("batch", MAX_EXPORT_BATCH), 1: ("sequence", seq.max)})
     return program.model
+
+
+def _export_any_attention(
+    model: TaperedLM, opts: ExportOptions, graph: Graph, opset: int, name: str, on_stage
+) -> ir.Model:
+    """export_to_ir; where torch.onnx fails on the model's attention as it runs by default (Doge's SDPA: the strides
+    torch.export records for its output disagree with the exporter's), its plain MatMul and Softmax form, said as
+    a stage of graph `name`."""
+    try:
+        return export_to_ir(model, opts, graph, opset=opset)
+    except ExporterFailed as failed:
+        eager = model.eager_attention()
+        if eager is None:
+            raise
+        on_stage(f"exporting {name} with eager attention (MatMul, Softmax): {failed}")
+        with eager:
+            try:
+                return export_to_ir(model, opts, graph, opset=opset)
+            except ExporterFailed as again:
+                raise ExporterFailed(f"{failed}; with eager attention: {again}") from None
 
 
 def _check_dynamic(model: ir.Model, ids: torch.Tensor) -> None:
@@ -352,6 +378,23 @@ def _check_dynamic(model: ir.Model, ids: torch.Tensor) -> None:
             f"torch.onnx export fixed the {('batch', 'sequence')[axis]} length of '{INPUT}' to {dim} (the traced "
             f"{tuple(ids.shape)[axis]}): the model's code branches on it, so the graph would take that length only"
         )
+
+
+def _check_ranges(program: torch.export.ExportedProgram, wanted: dict[int, tuple[str, int]]) -> None:
+    """The graph takes every length asked for (`wanted`: axis of the tokens -> (its name, the longest)): where the
+    model's code branches on a length within them (Doge's dynamic mask keeps the top `keep_window_size` keys once there
+    are more), torch.export narrows the axis's range to the traced branch's instead of failing, and the graph would
+    compute something else past it."""
+    tokens = next(n for n in program.graph.nodes if n.name == program.graph_signature.user_inputs[0])
+    for axis, (name, longest) in wanted.items():
+        dim = tokens.meta["val"].shape[axis]
+        bound = program.range_constraints.get(dim.node.expr) if isinstance(dim, torch.SymInt) else None
+        if bound is not None and bound.upper < longest:
+            raise TaperfoldError(
+                f"torch.onnx export holds the {name} length of '{INPUT}' to {int(bound.upper)} at most (asked: "
+                f"{longest}): the model's code branches on it past that, so the graph would compute another function "
+                "for longer inputs"
+            )
 
 
 def check_options(opts: ExportOptions) -> None:
@@ -599,11 +642,11 @@ def export_graphs(
                 continue
             on_stage(f"exporting {name} (opset {choice.opset})")
             with clock("torch_export_s"):
-                model_ir = export_to_ir(model, opts, graph, opset=choice.opset)
+                model_ir = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
                 if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
                     choice = fallback  # and for the rest of this group: every variant shares the RoPE
                     on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
-                    model_ir = export_to_ir(model, opts, graph, opset=choice.opset)
+                    model_ir = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
             prefix = _network_prefix(model, graph)
             if variant == BASELINE:
                 out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix)

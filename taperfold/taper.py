@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sized
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,6 +156,11 @@ class TaperedLM(nn.Module, abc.ABC):
         """Whether every layer's cache is its keys and values, all the KV-cached decoders carry (a hybrid's linear
         attention or Mamba layers keep recurrent states instead)."""
         return True
+
+    def eager_attention(self) -> AbstractContextManager[None] | None:
+        """A context in which attention runs as its plain MatMul and Softmax, for an exporter that fails on the
+        fused form the model runs by default; None where the model has no other form."""
+        return None
 
     @abc.abstractmethod
     def copy(self, shared: bool = False) -> TaperedLM:

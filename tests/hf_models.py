@@ -6,7 +6,8 @@ COMMON = dict(vocab_size=256, max_position_embeddings=32, bos_token_id=1, eos_to
 RMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON)
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **changes):
+    """The tiny config of `model_type`, with `changes` set on it."""
     import transformers as t
 
     configs = {
@@ -105,8 +106,34 @@ def tiny_config(model_type: str):
         "gemma4_text": lambda: t.Gemma4TextConfig(num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
                                                   layer_types=["sliding_attention", "full_attention"], **RMS),
+        # a multimodal model whose language model is exported (its config.json has the sizes in text_config only):
+        # Gemma 3's SigLIP vision tower and projector, with norms of their own a text-only forward never calls
+        "gemma3": lambda: t.Gemma3Config(
+            text_config=dict(model_type="gemma3_text", num_key_value_heads=2, head_dim=8, **RMS),
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_id=255, boi_token_id=253, eoi_token_id=254),
+        # per-layer attention sizes: dots.llm3's second layer has heads of its own (per_layer_config)
+        "dots3_note_text": lambda: t.Dots3NoteTextConfig(
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1, moe_intermediate_size=16, sliding_window=16, index_n_heads=2, index_head_dim=8,
+            per_layer_config={"1": dict(num_attention_heads=8, num_key_value_heads=8)},
+            layer_types=["indexed_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"], **RMS),
+        # a conversion mapping whose rule for other keys (`.norm.` -> `.kv_norm.`) also matches `model.norm.weight`
+        "deepseek_v4": lambda: t.DeepseekV4Config(num_key_value_heads=4, head_dim=16, qk_rope_head_dim=8,
+                                                  q_lora_rank=16, o_lora_rank=16, o_groups=2, index_n_heads=2,
+                                                  index_head_dim=8, index_topk=8, n_routed_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=16,
+                                                  **RMS),
+        # its attention's SDPA output: torch.onnx fails on the strides torch.export recorded (exported eager instead)
+        # (its dynamic mask keeps every key up to keep_window_size, here the context, as Doge's checkpoints have it)
+        "doge": lambda: t.DogeConfig(num_key_value_heads=2, keep_window_size=32, **RMS),
     }
-    return configs[model_type]()
+    config = configs[model_type]()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "exaone4", "glm4",

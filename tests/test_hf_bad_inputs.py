@@ -95,7 +95,7 @@ def _poison(shard, key, value):
 def originals(tmp_path_factory):
     """Tiny directories, built once; tests break copies (`copy_of`)."""
     root = tmp_path_factory.mktemp("hostile")
-    for family in ("llama", "gpt2", "opt", "gpt_neox", "mixtral"):
+    for family in ("llama", "gpt2", "opt", "gpt_neox", "mixtral", "gemma3", "gemma4_text"):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_config(family)).save_pretrained(root / f"{family}-plain")
     save_hf_directory(tapered_tiny_model("llama"), root / "llama-tapered", step=3)
@@ -238,6 +238,34 @@ class TestHuggingFaceDirectories:
         folder = copy_of(f"{family}-plain")
         _write_config(folder, {**_config(folder), **change})
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("key, value, needle", [
+        ("text_config.num_hidden_layers", 10**9, "must be"),
+        ("text_config.num_key_value_heads", 3, "does not divide 'text_config.num_attention_heads' (4)"),
+        ("text_config.rms_norm_eps", -1.0, "must be a number"),
+        ("text_config.vocab_size", 2**24, "does not match the weights"),
+    ])
+    def test_a_multimodal_configs_text_config_is_checked_key_by_key(self, cli, tmp_path, copy_of, monkeypatch, key,
+                                                                     value, needle):
+        # Gemma 3's config.json has its language model's sizes under text_config only
+        folder = copy_of("gemma3-plain")
+        config = _config(folder)
+        _set(config, key, value)
+        _write_config(folder, config)
+        _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
+
+    @pytest.mark.parametrize("key, value, needle", [
+        ("head_dim", 0, "'head_dim[1]' must be an integer"),
+        ("num_key_value_heads", 3, "'num_key_value_heads' is 3 in layer 1, which does not divide 'num_attention_heads' (4)"),
+    ])
+    def test_a_per_layer_attention_size_is_checked_layer_by_layer(self, cli, tmp_path, copy_of, monkeypatch, key,
+                                                                  value, needle):
+        # Gemma 4's per_layer_config: reading such a key on the whole config raised transformers' own error
+        folder = copy_of("gemma4_text-plain")
+        config = _config(folder)
+        config["per_layer_config"]["1"][key] = value
+        _write_config(folder, config)
+        _refused(cli, tmp_path, folder, folder / "config.json", None, needle, monkeypatch=monkeypatch)
 
     def test_a_model_type_without_a_causal_lm_class_is_one_line(self, cli, tmp_path):
         # a vision encoder whose config.json passes every key check: there is no causal LM to build from it

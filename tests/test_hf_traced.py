@@ -269,6 +269,69 @@ def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_
         assert status == "folded" and "into its producer" in reason and "self_attn.o_proj" in reason, reason
 
 
+def test_a_multimodal_model_exports_and_verifies_its_language_model(tmp_path):
+    # Gemma 3's checkpoints are the multimodal model, its config.json has the language model's sizes in text_config
+    # only (inspect refused it: "key 'vocab_size' is missing"). Its language model is exported and its norms fold; the
+    # vision tower's and the projector's, which a text-only forward never calls, are left untapered, saying so
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
+    from taperfold.verify import verify_export
+
+    model = tapered_tiny_model("gemma3")
+    for norm in ("model.vision_tower.post_layernorm", "model.multi_modal_projector.mm_soft_emb_norm"):
+        assert model.tapering.untapered[norm] == "not called by a text-only forward of 8 tokens"
+    tapered = save_hf_directory(model, tmp_path / "tapered", step=3)
+    out = export_checkpoint(tapered, tmp_path / "out", ExportOptions(decoders=("growing",))).out_dir
+    report = verify_export(out, threads=1)
+    assert report.passed, report.failure_message()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["vocab_size"] == 256 and manifest["config"]["n_layers"] == 2
+    # per layer: the input and pre-feedforward norms into what reads them, the two post-norms into their producers
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 8
+
+
+@pytest.mark.parametrize("name, folds", [("dots3_note_text", 6), ("deepseek_v4", 8)])
+def test_a_plain_directory_of_the_newest_shapes_is_read(cli, tmp_path, name, folds):
+    # dots.llm3: its layers differ in heads (per_layer_config), which transformers refuses to read on the whole config
+    # (a traceback). DeepSeek-V4: its conversion mapping's `.norm.` -> `.kv_norm.` rule also renamed the
+    # `model.norm.weight` save_pretrained wrote ("missing key"); from_pretrained keeps a key the model has as it is
+    plain = _plain(name, tmp_path / "plain")
+    result = cli("inspect", plain, "--json")
+    assert result.exit_code == 0, result.stderr
+    norms = json.loads(result.stdout)["norms"]
+    assert sum(1 for n in norms if n["folds_into"]) == folds, norms
+
+
+def test_a_model_torch_onnx_fails_on_in_sdpa_exports_with_eager_attention(tmp_path):
+    # Doge: torch.onnx's "Cannot view a tensor ... strides" on the reshape after its SDPA
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
+    from taperfold.verify import verify_export
+
+    tapered = save_hf_directory(tapered_tiny_model("doge"), tmp_path / "tapered", step=3)
+    stages = []
+    out = export_checkpoint(tapered, tmp_path / "out", ExportOptions(decoders=("growing",)), stages.append).out_dir
+    eager = [stage for stage in stages if "with eager attention" in stage]
+    assert eager and all("Cannot view a tensor" in stage for stage in eager), stages
+    report = verify_export(out, threads=1)
+    assert report.passed, report.failure_message()
+
+
+def test_a_model_that_branches_on_the_length_within_its_context_is_refused_in_one_line(cli, tmp_path):
+    # Doge keeps the top keep_window_size keys once there are more: traced at 8 tokens, torch.export narrowed the
+    # sequence to 16 at most without a word, and verify found other logits at 32
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("doge", keep_window_size=16))
+    model.save_pretrained(tmp_path / "plain")
+    result = cli("export", tmp_path / "plain", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "holds the sequence length of 'input_ids' to 16 at most (asked: 32)" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():
     # Qwen3-Next's linear-attention layers have a gated `linear_attn.norm`, which a DyT cannot replace (it has no gate
     # input): left untapered with its own reason; the final `model.norm` was given a layer norm's reason

@@ -15,7 +15,7 @@ from typing import TypeGuard
 
 from taperfold.errors import TaperfoldError
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value
+from taperfold.hf.config_values import config_value, language_config
 from taperfold.hf.taper_block import BLOCK
 from taperfold.hf.trace import GUIDE, shipped_note
 from taperfold.numeric import is_finite_number
@@ -40,6 +40,7 @@ _INT_KEYS = {  # name -> (low, high, null allowed)
     "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
 }
 _MISSING = object()
+TEXT_CONFIG = "text_config"  # a multimodal model's language model config, nested in its own
 _PER_LAYER_KEYS = ("intermediate_size",)  # may be a list, one value per layer (Gemma 3n)
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # routed experts, as families name them
 _FLOAT_KEYS = {  # name -> (low, excluded; high, included)
@@ -100,42 +101,48 @@ def _json_name(config_class, name: str) -> str:
     return _json_names(config_class, name)[-1]
 
 
-def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_hidden: bool = True) -> None:
+def _check_config_json(
+    config: dict, config_class, where: Path, head_dim_frees_hidden: bool = True, prefix: str = ""
+) -> None:
     """The numeric keys of config.json, as written, before transformers reads them. With a `head_dim`, the hidden
     size need not be a multiple of the heads (Gemma, Qwen3) unless `head_dim_frees_hidden` is false: after
-    transformers refused the config (its Llama requires it anyway), to name the key."""
+    transformers refused the config (its Llama requires it anyway), to name the key. A multimodal model's nested
+    text config (`text_config`) is checked the same way, its keys named under it (`prefix`)."""
     layers = next((config[k] for k in _json_names(config_class, "num_hidden_layers") if k in config), None)
     for name, (low, high, nullable) in _INT_KEYS.items():
         for key in _json_names(config_class, name):
             if key in config:
-                _check_int(where, key, config[key], low, high, nullable, layers)
-    _check_experts(where, config)
+                _check_int(where, prefix + key, config[key], low, high, nullable, layers)
+    _check_experts(where, config, prefix)
     for name, (above, up_to) in _FLOAT_KEYS.items():
         for key in _json_names(config_class, name):
             if key in config and not (config[key] is None and name in _NULLABLE_FLOATS):
-                _check_float(where, key, config[key], above, up_to)
+                _check_float(where, prefix + key, config[key], above, up_to)
     for block in _ROPE_BLOCKS:
         value = config.get(block)
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise TaperfoldError(f"{where}: key '{block}' must be null or an object, got {short(value)}")
+            raise TaperfoldError(f"{where}: key '{prefix}{block}' must be null or an object, got {short(value)}")
         # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
-        for prefix, params in [(block, value)] + [
-            (f"{block}.{printable(k)}", v) for k, v in value.items() if isinstance(v, dict)
+        for block_name, params in [(prefix + block, value)] + [
+            (f"{prefix}{block}.{printable(k)}", v) for k, v in value.items() if isinstance(v, dict)
         ]:
             for name in _ROPE_KEYS:
                 if name in params:
-                    _check_float(where, f"{prefix}.{name}", params[name], *_FLOAT_KEYS[name])
+                    _check_float(where, f"{block_name}.{name}", params[name], *_FLOAT_KEYS[name])
 
     def given(name):  # the value config.json gives for a standard name, or None
         return next((config[k] for k in reversed(_json_names(config_class, name)) if config.get(k) is not None), None)
 
+    def json_name(name):
+        return prefix + _json_name(config_class, name)
+
     heads, kv_heads, hidden = given("num_attention_heads"), given("num_key_value_heads"), given("hidden_size")
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise TaperfoldError(
-            f"{where}: key '{_json_name(config_class, 'num_key_value_heads')}' is {kv_heads}, "
-            f"which does not divide '{_json_name(config_class, 'num_attention_heads')}' ({heads})"
+            f"{where}: key '{json_name('num_key_value_heads')}' is {kv_heads}, "
+            f"which does not divide '{json_name('num_attention_heads')}' ({heads})"
         )
     if (
         heads is not None
@@ -149,21 +156,44 @@ def _check_config_json(config: dict, config_class, where: Path, head_dim_frees_h
             else f"transformers' {config_class.__name__} requires it"
         )
         raise TaperfoldError(
-            f"{where}: key '{_json_name(config_class, 'hidden_size')}' is {hidden}, not a multiple "
-            f"of '{_json_name(config_class, 'num_attention_heads')}' ({heads}); {why}"
+            f"{where}: key '{json_name('hidden_size')}' is {hidden}, not a multiple "
+            f"of '{json_name('num_attention_heads')}' ({heads}); {why}"
         )
     vocab, pad = given("vocab_size") or getattr(config_class, "vocab_size", None), config.get("pad_token_id")
     if pad is not None and _is_int(vocab) and not (_is_int(pad) and -vocab <= pad < vocab):
         raise TaperfoldError(
-            f"{where}: key 'pad_token_id' must be null or a token id, an integer in "
+            f"{where}: key '{prefix}pad_token_id' must be null or a token id, an integer in "
             f"[{-vocab}, {vocab - 1}], got {short(pad)}"
         )
+    text = config.get(TEXT_CONFIG)
+    text_class = _sub_config_class(config_class, text)
+    if not prefix and isinstance(text, dict) and text_class is not None:
+        _check_config_json(text, text_class, where, head_dim_frees_hidden, prefix=f"{TEXT_CONFIG}.")
+
+
+def _sub_config_class(config_class, text):
+    """The config class of a nested text config (`text`: as config.json holds it): the one its model_type names,
+    else the one the outer class declares; None where there is no such config."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(text, dict):
+        return None
+    model_type = text.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    declared = (getattr(config_class, "sub_configs", None) or {}).get(TEXT_CONFIG)
+    return declared if isinstance(declared, type) else None
 
 
 def _check_config_object(hf_config, where: Path, context: int | None) -> None:
     """The same keys as transformers' config object holds them: its defaults included, and the ones it derives
-    (`context`: the family's, for configs that state none)."""
-    cls = type(hf_config)
+    (`context`: the family's, for configs that state none). Of a multimodal model, its language model's."""
+    config = language_config(hf_config)
+    cls, prefix = type(config), "" if config is hf_config else f"{TEXT_CONFIG}."
+
+    def json_name(name):
+        return prefix + _json_name(cls, name)
+
     required = (
         "vocab_size",
         "hidden_size",
@@ -172,31 +202,39 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
         *(() if context else ("max_position_embeddings",)),
     )
     for name in required:
-        if config_value(hf_config, name) is None:
+        if config_value(config, name) is None:
             raise TaperfoldError(
-                f"{where}: key '{_json_name(cls, name)}' is missing (transformers' "
-                f"{cls.__name__} has no default for it)"
+                f"{where}: key '{json_name(name)}' is missing (transformers' {cls.__name__} has no default for it)"
             )
+    hidden, layers = config.hidden_size, config.num_hidden_layers
     for name, (low, high, nullable) in _INT_KEYS.items():
-        value = config_value(hf_config, name, _MISSING)
+        value = config_value(config, name, _MISSING)
         if value is not _MISSING:
-            layers = hf_config.num_hidden_layers
-            _check_int(where, _json_name(cls, name), value, low, high, nullable, layers, per_layer=True)
+            _check_int(where, json_name(name), value, low, high, nullable, layers, per_layer=True)
     _check_experts(
-        where, {k: getattr(hf_config, k) for k in (*_EXPERT_KEYS, "num_experts_per_tok") if hasattr(hf_config, k)}
+        where, {k: getattr(config, k) for k in (*_EXPERT_KEYS, "num_experts_per_tok") if hasattr(config, k)}, prefix
     )
-    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
-    kv_heads = config_value(hf_config, "num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise TaperfoldError(
-            f"{where}: key '{_json_name(cls, 'num_key_value_heads')}' is {kv_heads}, which does "
-            f"not divide '{_json_name(cls, 'num_attention_heads')}' ({heads})"
-        )
-    if config_value(hf_config, "head_dim") is None and hidden % heads:
-        raise TaperfoldError(
-            f"{where}: key '{_json_name(cls, 'hidden_size')}' is {hidden}, not a multiple of "
-            f"'{_json_name(cls, 'num_attention_heads')}' ({heads})"
-        )
+    # per layer: a heterogeneous config's layers may differ in heads (dots.llm3's latent-attention layers)
+    all_heads = _each_layer(config_value(config, "num_attention_heads"), layers)
+    all_kv_heads = _each_layer(config_value(config, "num_key_value_heads"), layers)
+    all_head_dims = _each_layer(config_value(config, "head_dim"), layers)
+    for layer, (heads, kv_heads, head_dim) in enumerate(zip(all_heads, all_kv_heads, all_head_dims)):
+        at = f" in layer {layer}" if len(set(all_heads)) > 1 or len(set(all_kv_heads)) > 1 else ""
+        if heads % (kv_heads or heads):
+            raise TaperfoldError(
+                f"{where}: key '{json_name('num_key_value_heads')}' is {kv_heads}{at}, which does "
+                f"not divide '{json_name('num_attention_heads')}' ({heads})"
+            )
+        if head_dim is None and hidden % heads:
+            raise TaperfoldError(
+                f"{where}: key '{json_name('hidden_size')}' is {hidden}, not a multiple of "
+                f"'{json_name('num_attention_heads')}' ({heads}{at})"
+            )
+
+
+def _each_layer(value, layers: int) -> list:
+    """A per-layer list as it is, one value repeated for every layer."""
+    return value if isinstance(value, list) else [value] * layers
 
 
 def _smallest(value):
@@ -204,19 +242,19 @@ def _smallest(value):
     return min(value) if isinstance(value, list) else value
 
 
-def _check_experts(where: Path, config: dict) -> None:
+def _check_experts(where: Path, config: dict, prefix: str = "") -> None:
     """A MoE config's routed experts and the number each token picks: integers, the second no more than the first
     (a router's top-k of more experts than there are fails deep inside the model's forward)."""
-    experts = next(((k, config[k]) for k in _EXPERT_KEYS if config.get(k) is not None), None)
+    experts = next(((prefix + k, config[k]) for k in _EXPERT_KEYS if config.get(k) is not None), None)
     per_token = config.get("num_experts_per_tok")
     if experts is not None:
         _check_int(where, experts[0], experts[1], 0, 1 << 16, nullable=False)  # 0: a dense model (some families)
     if per_token is None:
         return
-    _check_int(where, "num_experts_per_tok", per_token, 1, 1 << 16, nullable=False)
+    _check_int(where, f"{prefix}num_experts_per_tok", per_token, 1, 1 << 16, nullable=False)
     if experts is not None and 0 < experts[1] < per_token:
         raise TaperfoldError(
-            f"{where}: key 'num_experts_per_tok' is {per_token}, more than the {experts[1]} experts "
+            f"{where}: key '{prefix}num_experts_per_tok' is {per_token}, more than the {experts[1]} experts "
             f"'{experts[0]}' gives: each token picks that many of them"
         )
 
@@ -232,27 +270,35 @@ def _intermediate(hf_config) -> tuple[str, int]:
 
 def check_size(hf_config, present: int, where: Path, weights: Path) -> None:
     """Refuse a config far larger than the weights before anything is built, even on the meta device; smaller
-    mismatches get the exact tensor from taperfold.sources.checks.check_state."""
-    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    head_dim = _smallest(config_value(hf_config, "head_dim")) or hidden // heads
+    mismatches get the exact tensor from taperfold.sources.checks.check_state. Of a multimodal model, the language
+    model's size is the lower bound."""
+    config = language_config(hf_config)
+    cls, prefix = type(config), "" if config is hf_config else f"{TEXT_CONFIG}."
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    attention = min(  # the narrowest layer's, for a lower bound on the parameters
+        heads * (head_dim or hidden // heads)
+        for heads, head_dim in zip(
+            _each_layer(config_value(config, "num_attention_heads"), layers),
+            _each_layer(config_value(config, "head_dim"), layers),
+        )
+    )
     implied = implied_parameters(
-        vocab_size=hf_config.vocab_size,
+        vocab_size=config.vocab_size,
         hidden=hidden,
-        layers=hf_config.num_hidden_layers,
-        attention=heads * head_dim,
-        intermediate=_intermediate(hf_config)[1],
+        layers=layers,
+        attention=attention,
+        intermediate=_intermediate(config)[1],
     )
     if implied <= MAX_PARAMETERS_RATIO * present:
         return
-    cls = type(hf_config)
     sizes = [
-        (_json_name(cls, name), config_value(hf_config, name))
+        (_json_name(cls, name), config_value(config, name))
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim")
-        if config_value(hf_config, name, _MISSING) is not _MISSING
+        if config_value(config, name, _MISSING) is not _MISSING
     ]
     keys = ", ".join(
-        f"'{key}' = {value}"
-        for key, value in (*sizes, _intermediate(hf_config), (_json_name(cls, "vocab_size"), hf_config.vocab_size))
+        f"'{prefix}{key}' = {value}"
+        for key, value in (*sizes, _intermediate(config), (_json_name(cls, "vocab_size"), config.vocab_size))
     )
     raise TaperfoldError(
         f"{where}: keys {keys} describe a model of at least {implied:,} parameters, but {weights} "

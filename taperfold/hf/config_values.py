@@ -4,6 +4,9 @@ transformers 5 configs can be heterogeneous (`per_layer_config`: Gemma 4's full-
 head_dim); reading such a per-layer attribute on the global config raises transformers'
 AmbiguousGlobalPerLayerAttributeError instead of returning a value. `config_value` reads it either way.
 
+A multimodal model (Gemma 3, Fuyu, GOT-OCR 2) holds its language model's config as `text_config`; taperfold exports
+that language model, and reads its sizes from `language_config`.
+
 config.json holds a float JSON cannot (inf, nan) as `{"__float__": "Infinity"}` (Bamba's time_step_limit: [0.0,
 inf]); transformers decodes it when it reads the file, and so does `decoded_floats` for taperfold, which reads the
 file itself.
@@ -38,3 +41,14 @@ def config_value(config, name: str, default: Any = None) -> Any:
             raise
     values = [getattr(layer, name, default) for layer in config.per_layer_config]
     return values[0] if all(v == values[0] for v in values) else values
+
+
+def layer_zero(value: Any) -> Any:
+    """Layer 0's value of what `config_value` read (a per-layer list), else the value."""
+    return value[0] if isinstance(value, list) else value
+
+
+def language_config(config) -> Any:
+    """The config of a multimodal model's language model (its nested text config), else the config itself."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config(decoder=True) if get_text_config is not None else config

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value
+from taperfold.hf.config_values import config_value, language_config, layer_zero
 from taperfold.taper import TaperedLM, shared_parameters
 
 if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
@@ -37,6 +39,7 @@ SOURCE = "transformers"
 # `grouped_mm`, calls torch.histc, which neither takes) and is the form transformers' own ONNX exporter gives ONNX
 # Runtime's MoE fusion. It gathers each token's experts' weights, so a long prompt costs memory in proportion.
 EXPERTS = "batched_mm"
+EAGER = "eager"  # transformers' attention as MatMul and Softmax: where torch.onnx fails on a model's SDPA form
 
 
 def exportable(hf: PreTrainedModel) -> PreTrainedModel:
@@ -60,6 +63,15 @@ def cached_heads(hf: PreTrainedModel) -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 - any modeling code; the config's numbers stand in
         return None
     return keys.shape[1], keys.shape[-1]
+
+
+@contextmanager
+def _attention_implementation(hf: PreTrainedModel, implementation: str, default: str) -> Iterator[None]:
+    hf.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(default)
 
 
 @dataclass(frozen=True)
@@ -88,13 +100,13 @@ class HFModelInfo:
     ) -> HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
         config's key/value heads and head dim."""
-        heads = config.num_attention_heads
-        per_layer_dims = config_value(config, "head_dim")  # a list where layers differ (Gemma 4): layer 0's
-        kv_heads, head_dim = cache or (
-            config_value(config, "num_key_value_heads") or heads,
-            (per_layer_dims[0] if isinstance(per_layer_dims, list) else per_layer_dims) or config.hidden_size // heads,
+        language = language_config(config)  # a multimodal model's language model: the sizes of what is exported
+        heads, kv_heads, head_dim = (  # lists where layers differ (Gemma 4's head_dim): layer 0's
+            layer_zero(config_value(language, name))
+            for name in ("num_attention_heads", "num_key_value_heads", "head_dim")
         )
-        context = getattr(config, "max_position_embeddings", None) or family.context
+        kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
+        context = getattr(language, "max_position_embeddings", None) or family.context
         if context is None:  # taperfold.hf.config_check refuses such a config before any model is built
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"
@@ -102,16 +114,16 @@ class HFModelInfo:
         return cls(
             arch=config.model_type,
             family=family.name,
-            vocab_size=config.vocab_size,
-            d_model=config.hidden_size,
-            n_layers=config.num_hidden_layers,
+            vocab_size=language.vocab_size,
+            d_model=language.hidden_size,
+            n_layers=language.num_hidden_layers,
             n_heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
             max_seq_len=context,
             taper=taper,
             norm_kind=family.norm,
-            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_embeddings=bool(getattr(language, "tie_word_embeddings", False)),
             aux=aux,
             tokenizer=tokenizer,
         )
@@ -144,6 +156,12 @@ class HFCausalLM(TaperedLM, nn.Module):
     @property
     def tapering(self):
         return getattr(self.hf, "tapering", None)
+
+    def eager_attention(self) -> AbstractContextManager[None] | None:
+        default = self.hf.config._attn_implementation
+        if default == EAGER or not self.hf._can_set_attn_implementation():
+            return None
+        return _attention_implementation(self.hf, EAGER, default)
 
     def copy(self, shared: bool = False) -> HFCausalLM:
         return HFCausalLM(copy.deepcopy(self.hf, shared_parameters(self.hf) if shared else None), self.cfg, self.family)

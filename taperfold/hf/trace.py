@@ -38,6 +38,7 @@ from torch import nn
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, is_registered, supported_model_types
+from taperfold.hf.config_values import language_config
 from taperfold.hf.model import exportable
 from taperfold.nn import Gating, TaperGate
 from taperfold.norms import is_norm_module, norm_kind, norm_kinds
@@ -85,7 +86,7 @@ def _eps_of(module: nn.Module, config) -> tuple[float | None, bool]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value), True
     for key in _CONFIG_EPS:
-        value = getattr(config, key, None)
+        value = getattr(language_config(config), key, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value), False
     return None, False
@@ -459,7 +460,7 @@ def _describe(node, value) -> str:
 
 def _trace(model: nn.Module, norms: list[str], config):
     """torch.export of `model` (on the meta device) on a tiny input, keeping each norm's call signature."""
-    tokens = min(TRACE_TOKENS, getattr(config, "max_position_embeddings", None) or TRACE_TOKENS)
+    tokens = min(TRACE_TOKENS, getattr(language_config(config), "max_position_embeddings", None) or TRACE_TOKENS)
     input_ids = torch.zeros(2, tokens, dtype=torch.long, device="meta")
     return torch.export.export(
         model,
@@ -542,7 +543,12 @@ def traced_family(config, where: str = "model") -> Family:
     for name in measured:
         signature = signatures.get(name)
         arguments = (1, 2) if behaviour[name].gating else (1,)  # a gated norm: its input and its gate input
-        if signature is None or len(signature.inputs) not in arguments or len(signature.outputs) != 1:
+        if (
+            signature is None
+        ):  # a multimodal model's vision tower, a branch for longer inputs (DeepSeek-V4's compressor)
+            why[name] = f"not called by a text-only forward of {TRACE_TOKENS} tokens"
+            continue
+        if len(signature.inputs) not in arguments or len(signature.outputs) != 1:
             why[name] = "not called once on one tensor in the forward"
             continue
         norm_input = graph.nodes.get(signature.inputs[0].name)

@@ -106,6 +106,9 @@ def to_model_names(model, tensors: dict, origin: dict) -> tuple[dict, dict, dict
     stacks: dict[str, tuple] = {}  # model name -> (its converter, {source pattern: [checkpoint keys]})
     for key in sorted(tensors, key=dot_natural_key):  # experts in index order, as from_pretrained stacks them
         new_key, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if new_key not in meta and key in meta:  # a key already the model's, renamed by a pattern for other keys (as
+            # from_pretrained: DeepSeek-V4's `.norm.` -> `.kv_norm.` rule also matches `model.norm.weight`)
+            new_key, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta)
         if pattern is None:
             if new_key in renamed:  # a legacy name and the model's own, both stored
                 _both(new_key, stored[new_key], key, origin)
