@@ -126,6 +126,10 @@ def tiny_config(model_type: str, **changes):
                                                   index_head_dim=8, index_topk=8, n_routed_experts=4,
                                                   num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=16,
                                                   **RMS),
+        # MiniCPM3: the final norm's output divided by logits_scaling (hidden_size / dim_model_base) before the head
+        "minicpm3": lambda: t.MiniCPM3Config(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                             v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, dim_model_base=64,
+                                             **RMS),
         # its attention's SDPA output: torch.onnx fails on the strides torch.export recorded (exported eager instead)
         # (its dynamic mask keeps every key up to keep_window_size, here the context, as Doge's checkpoints have it)
         "doge": lambda: t.DogeConfig(num_key_value_heads=2, keep_window_size=32, **RMS),
@@ -140,7 +144,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
             "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
 UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "llama4_text",
-            "gemma4_text")
+            "gemma4_text", "minicpm3")
 
 
 def tapered_tiny_model(model_type: str):

@@ -282,11 +282,16 @@ def _joins_rows(node, source) -> int:
 
 
 def _scales_rows(node, source) -> bool:
-    """Whether `node` multiplies each row of `source` by one number of that row's ([..., 1] against [..., d]), or
-    all of it by one number (Falcon-H1's µP multipliers)."""
-    if node.target is not aten.mul.Tensor or len(node.args) != 2 or source not in node.args:
+    """Whether `node` multiplies (or divides) each row of `source` by one number of that row's ([..., 1] against
+    [..., d]), or all of it by one number (Falcon-H1's µP multipliers, MiniCPM3's logits_scaling before the head)."""
+    if len(node.args) != 2 or source not in node.args:
         return False
-    other = node.args[1] if node.args[0] is source else node.args[0]
+    if node.target is aten.div.Tensor and node.args[0] is source:
+        other = node.args[1]
+    elif node.target is aten.mul.Tensor:
+        other = node.args[1] if node.args[0] is source else node.args[0]
+    else:
+        return False
     if isinstance(other, (int, float)) and not isinstance(other, bool):
         return True
     before, factor = _shape(source), _shape(other) if hasattr(other, "meta") else None
