@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ OWN_SIZES = {
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
 }
+SCRATCH = re.compile(r"\S*taperfold-support-[^/\s]+/[^/\s]+/")  # a type's folder in the run's scratch directory
 TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # the defaults lie outside a tiny vocabulary
 
 
@@ -244,9 +246,10 @@ def markdown(rows: list[dict], version: str) -> str:
         return "–" if value is None else str(value).replace("|", "\\|")
 
     for r in rows:
+        reason = SCRATCH.sub("", r["reason"])  # "plain/config.json: ...", not the run's temporary directory
         lines.append(
             f"| {r['model_type']} | {cell(r['norms'])} | {cell(r['tapered'])} | {cell(r['folded'])} | "
-            f"{cell(r['verify'])} | {cell(r['stopped_at'])} | {cell(r['reason'])} |"
+            f"{cell(r['verify'])} | {cell(r['stopped_at'])} | {cell(reason)} |"
         )
     return "\n".join(lines) + "\n"
 

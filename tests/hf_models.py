@@ -126,6 +126,10 @@ def tiny_config(model_type: str, **changes):
                                                   index_head_dim=8, index_topk=8, n_routed_experts=4,
                                                   num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=16,
                                                   **RMS),
+        # Mamba's selective scan (a Python loop over the time steps) in layer 0, attention and experts in layer 1
+        "jamba": lambda: t.JambaConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                                       attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                       mamba_d_state=8, mamba_dt_rank=4, **RMS),
         # MiniCPM3: the final norm's output divided by logits_scaling (hidden_size / dim_model_base) before the head
         "minicpm3": lambda: t.MiniCPM3Config(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                              v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, dim_model_base=64,

@@ -226,7 +226,7 @@ def test_a_complex_rotary_in_real_arithmetic_is_the_models_own(name, family):
     assert "view_as_complex" in modeling.apply_rotary_emb.__code__.co_names
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "kimi_linear"])
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "kimi_linear", "jamba"])
 def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
     # what export traces instead of the loop over chunks that fixed the sequence length (taperfold.hf.export_patches)
     from taperfold.hf.export_patches import export_patches

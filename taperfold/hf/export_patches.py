@@ -11,7 +11,8 @@ inspect, verify's torch reference and every other tool run transformers' code as
   Nemotron-H, Falcon-H1, Zamba2 and Mamba2, one function each modeling file copies): transformers' torch forms pad
   the sequence to a multiple of a chunk and loop over the chunks in Python, so torch.export fixes the sequence length
   to the traced one. The same recurrence, one step per token, as
-  torch's `scan` (which torch.onnx writes as an ONNX Scan): a graph that takes any length.
+  torch's `scan` (which torch.onnx writes as an ONNX Scan): a graph that takes any length. Mamba's selective scan
+  (Jamba, Zamba, Mamba, FalconMamba: `mamba_selective_scan`), a Python loop over the time steps, likewise.
 """
 
 from __future__ import annotations
@@ -173,6 +174,61 @@ def _mamba2_scan(module: str) -> Callable[[], contextlib.AbstractContextManager]
     return patch
 
 
+def _scan_selective(
+    hidden_states,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    return_last_state=False,
+    **kwargs,
+):
+    """transformers' mamba_selective_scan, Mamba's (x and dt [batch, channels, time], A [channels, state], B/C
+    [batch, state, time]), its loop over the time steps a scan: per token S ← exp(dt·A)·S + dt·B·x, y = S·C, plus
+    D·x, times silu(z)."""
+    from torch._higher_order_ops.scan import scan
+
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    x = hidden_states.float()
+    B, C = B.transpose(1, 2).float().detach(), C.transpose(1, 2).float().detach()  # [batch, time, state]
+    step_dt = dt.transpose(1, 2)[..., None]  # [batch, time, channels, 1]
+    decay = torch.exp(A[None, None] * step_dt).detach()  # [batch, time, channels, state]
+    inflow = (step_dt * B[:, :, None, :] * x.transpose(1, 2)[..., None]).detach()
+    state = x.new_zeros(x.shape[0], x.shape[1], A.shape[-1])
+
+    def step(state, inputs):
+        decay_t, inflow_t, c_t = inputs
+        state = decay_t * state + inflow_t
+        return state, (state * c_t[:, None, :]).sum(-1)
+
+    last, y = scan(step, state, (decay, inflow, C), dim=1)
+    y = y.transpose(1, 2).to(hidden_states.dtype)  # [batch, channels, time]
+    if D is not None:
+        y = y + hidden_states * D[None, :, None]
+    if z is not None:
+        y = y * torch.nn.functional.silu(z)
+    return (y, last) if return_last_state else y
+
+
+def _selective_scan(family: str) -> Callable[[], contextlib.AbstractContextManager]:
+    @contextlib.contextmanager
+    def patch() -> Iterator[None]:
+        import importlib
+
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        with mock.patch.object(modeling, "mamba_selective_scan", _scan_selective):
+            yield
+
+    return patch
+
+
 def _gated_delta_rule(family: str) -> Callable[[], contextlib.AbstractContextManager]:
     return _delta_rule_patch(
         f"transformers.models.{family}.modeling_{family}",
@@ -201,6 +257,7 @@ PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     **{t: _gated_delta_rule(f) for f in ("qwen3_5", "qwen3_5_moe", "qwen4_exp") for t in (f, f"{f}_text")},
     **{t: _kimi_delta_attention(t) for t in ("kimi_linear", "bailing_hybrid")},
     **{t: _mamba2(t) for t in ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba2")},
+    **{t: _selective_scan(t) for t in ("jamba", "zamba", "mamba", "falcon_mamba")},
 }
 
 
