@@ -130,6 +130,9 @@ def tiny_config(model_type: str, **changes):
         "jamba": lambda: t.JambaConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
                                        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                                        mamba_d_state=8, mamba_dt_rank=4, **RMS),
+        # attention-free: no heads and no context in its config, its selective scan a Python loop over the time steps
+        "mamba": lambda: t.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=8, time_step_rank=4,
+                                       **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         # MiniCPM3: the final norm's output divided by logits_scaling (hidden_size / dim_model_base) before the head
         "minicpm3": lambda: t.MiniCPM3Config(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                              v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, dim_model_base=64,

@@ -332,6 +332,25 @@ def test_a_model_that_branches_on_the_length_within_its_context_is_refused_in_on
     assert not (tmp_path / "out").exists()
 
 
+def test_an_attention_free_model_exports_a_graph_of_any_length_up_to_the_recurrent_context(tmp_path):
+    # Mamba's config states no heads and no context: inspect refused it ("key 'num_attention_heads' is missing")
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
+    from taperfold.hf.model import RECURRENT_CONTEXT
+    from taperfold.verify import verify_export
+
+    tapered = save_hf_directory(tapered_tiny_model("mamba"), tmp_path / "tapered", step=3)
+    out = export_checkpoint(tapered, tmp_path / "out", ExportOptions()).out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["config"]["n_heads"], manifest["config"]["max_seq_len"]) == (0, RECURRENT_CONTEXT)
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2  # each layer's norm
+    report = verify_export(out, threads=1)
+    assert report.passed, report.failure_message()
+    assert f"random 4x{RECURRENT_CONTEXT}" in {row["input"] for pair in report.pairs for row in pair.per_input}
+
+
 def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_same_name():
     # Qwen3-Next's linear-attention layers have a gated `linear_attn.norm`, which a DyT cannot replace (it has no gate
     # input): left untapered with its own reason; the final `model.norm` was given a layer norm's reason

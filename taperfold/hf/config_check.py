@@ -194,12 +194,13 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
     def json_name(name):
         return prefix + _json_name(cls, name)
 
+    # an attention-free model (Mamba) states no heads, nor a context: its recurrence takes any length
+    attention_free = config_value(config, "num_attention_heads") is None
     required = (
         "vocab_size",
         "hidden_size",
         "num_hidden_layers",
-        "num_attention_heads",
-        *(() if context else ("max_position_embeddings",)),
+        *(() if context or attention_free else ("max_position_embeddings",)),
     )
     for name in required:
         if config_value(config, name) is None:
@@ -214,6 +215,8 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
     _check_experts(
         where, {k: getattr(config, k) for k in (*_EXPERT_KEYS, "num_experts_per_tok") if hasattr(config, k)}, prefix
     )
+    if attention_free:
+        return
     # per layer: a heterogeneous config's layers may differ in heads (dots.llm3's latent-attention layers)
     all_heads = _each_layer(config_value(config, "num_attention_heads"), layers)
     all_kv_heads = _each_layer(config_value(config, "num_key_value_heads"), layers)
@@ -275,8 +278,8 @@ def check_size(hf_config, present: int, where: Path, weights: Path) -> None:
     config = language_config(hf_config)
     cls, prefix = type(config), "" if config is hf_config else f"{TEXT_CONFIG}."
     hidden, layers = config.hidden_size, config.num_hidden_layers
-    attention = min(  # the narrowest layer's, for a lower bound on the parameters
-        heads * (head_dim or hidden // heads)
+    attention = min(  # the narrowest layer's, for a lower bound on the parameters (none: attention-free)
+        heads * (head_dim or hidden // heads) if heads else 0
         for heads, head_dim in zip(
             _each_layer(config_value(config, "num_attention_heads"), layers),
             _each_layer(config_value(config, "head_dim"), layers),

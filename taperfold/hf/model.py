@@ -39,6 +39,8 @@ SOURCE = "transformers"
 # `grouped_mm`, calls torch.histc, which neither takes) and is the form transformers' own ONNX exporter gives ONNX
 # Runtime's MoE fusion. It gathers each token's experts' weights, so a long prompt costs memory in proportion.
 EXPERTS = "batched_mm"
+# The longest input an attention-free model (Mamba: its config states no context) is exported and verified for
+RECURRENT_CONTEXT = 4096
 EAGER = "eager"  # transformers' attention as MatMul and Softmax: where torch.onnx fails on a model's SDPA form
 
 
@@ -105,8 +107,11 @@ class HFModelInfo:
             layer_zero(config_value(language, name))
             for name in ("num_attention_heads", "num_key_value_heads", "head_dim")
         )
-        kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
-        context = getattr(language, "max_position_embeddings", None) or family.context
+        if heads is None:  # attention-free (Mamba): no heads, no KV cache, and a recurrence that takes any length
+            heads, kv_heads, head_dim, context = 0, 0, 0, RECURRENT_CONTEXT
+        else:
+            kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
+            context = getattr(language, "max_position_embeddings", None) or family.context
         if context is None:  # taperfold.hf.config_check refuses such a config before any model is built
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"
