@@ -107,8 +107,9 @@ class HFModelInfo:
             layer_zero(config_value(language, name))
             for name in ("num_attention_heads", "num_key_value_heads", "head_dim")
         )
+        context: int | None = RECURRENT_CONTEXT
         if heads is None:  # attention-free (Mamba): no heads, no KV cache, and a recurrence that takes any length
-            heads, kv_heads, head_dim, context = 0, 0, 0, RECURRENT_CONTEXT
+            heads, kv_heads, head_dim = 0, 0, 0
         else:
             kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
             context = getattr(language, "max_position_embeddings", None) or family.context
