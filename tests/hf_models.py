@@ -133,6 +133,9 @@ def tiny_config(model_type: str, **changes):
         # attention-free: no heads and no context in its config, its selective scan a Python loop over the time steps
         "mamba": lambda: t.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=8, time_step_rank=4,
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
+        # MPT states its context as max_seq_len (ALiBi: no position table)
+        "mpt": lambda: t.MptConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=32,
+                                   **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         # MiniCPM3: the final norm's output divided by logits_scaling (hidden_size / dim_model_base) before the head
         "minicpm3": lambda: t.MiniCPM3Config(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                              v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, dim_model_base=64,

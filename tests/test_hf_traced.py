@@ -292,11 +292,12 @@ def test_a_multimodal_model_exports_and_verifies_its_language_model(tmp_path):
     assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 8
 
 
-@pytest.mark.parametrize("name, folds", [("dots3_note_text", 6), ("deepseek_v4", 8)])
+@pytest.mark.parametrize("name, folds", [("dots3_note_text", 6), ("deepseek_v4", 8), ("mpt", 4)])
 def test_a_plain_directory_of_the_newest_shapes_is_read(cli, tmp_path, name, folds):
     # dots.llm3: its layers differ in heads (per_layer_config), which transformers refuses to read on the whole config
     # (a traceback). DeepSeek-V4: its conversion mapping's `.norm.` -> `.kv_norm.` rule also renamed the
-    # `model.norm.weight` save_pretrained wrote ("missing key"); from_pretrained keeps a key the model has as it is
+    # `model.norm.weight` save_pretrained wrote ("missing key"); from_pretrained keeps a key the model has as it is.
+    # MPT: its context is max_seq_len ("key 'max_position_embeddings' is missing")
     plain = _plain(name, tmp_path / "plain")
     result = cli("inspect", plain, "--json")
     assert result.exit_code == 0, result.stderr

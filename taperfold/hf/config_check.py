@@ -15,7 +15,7 @@ from typing import TypeGuard
 
 from taperfold.errors import TaperfoldError
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value, language_config
+from taperfold.hf.config_values import config_value, context_length, language_config
 from taperfold.hf.taper_block import BLOCK
 from taperfold.hf.trace import GUIDE, shipped_note
 from taperfold.numeric import is_finite_number
@@ -38,6 +38,7 @@ _INT_KEYS = {  # name -> (low, high, null allowed)
     "word_embed_proj_dim": (1, 1 << 16, True),  # OPT
     "max_position_embeddings": (1, 1 << 20, False),
     "original_max_position_embeddings": (1, 1 << 20, True),  # Phi-3
+    "max_seq_len": (1, 1 << 20, True),  # MPT's context
 }
 _MISSING = object()
 TEXT_CONFIG = "text_config"  # a multimodal model's language model config, nested in its own
@@ -196,12 +197,13 @@ def _check_config_object(hf_config, where: Path, context: int | None) -> None:
 
     # an attention-free model (Mamba) states no heads, nor a context: its recurrence takes any length
     attention_free = config_value(config, "num_attention_heads") is None
-    required = (
+    stated_context = context or attention_free or context_length(config)
+    required = [
         "vocab_size",
         "hidden_size",
         "num_hidden_layers",
-        *(() if context or attention_free else ("max_position_embeddings",)),
-    )
+        *([] if stated_context else ["max_position_embeddings"]),
+    ]
     for name in required:
         if config_value(config, name) is None:
             raise TaperfoldError(

@@ -52,3 +52,12 @@ def language_config(config) -> Any:
     """The config of a multimodal model's language model (its nested text config), else the config itself."""
     get_text_config = getattr(config, "get_text_config", None)
     return get_text_config(decoder=True) if get_text_config is not None else config
+
+
+# The names a config gives its context under: transformers' standard one, and MPT's (ALiBi, trained at that length)
+CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len")
+
+
+def context_length(config) -> int | None:
+    """The context `config` states (CONTEXT_KEYS), else None."""
+    return next((v for k in CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)), None)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value, language_config, layer_zero
+from taperfold.hf.config_values import config_value, context_length, language_config, layer_zero
 from taperfold.taper import TaperedLM, shared_parameters
 
 if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
@@ -112,7 +112,7 @@ class HFModelInfo:
             heads, kv_heads, head_dim = 0, 0, 0
         else:
             kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
-            context = getattr(language, "max_position_embeddings", None) or family.context
+            context = context_length(language) or family.context
         if context is None:  # taperfold.hf.config_check refuses such a config before any model is built
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"

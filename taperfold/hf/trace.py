@@ -38,7 +38,7 @@ from torch import nn
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, is_registered, supported_model_types
-from taperfold.hf.config_values import language_config
+from taperfold.hf.config_values import context_length, language_config
 from taperfold.hf.model import exportable
 from taperfold.nn import Gating, TaperGate
 from taperfold.norms import is_norm_module, norm_kind, norm_kinds
@@ -465,7 +465,7 @@ def _describe(node, value) -> str:
 
 def _trace(model: nn.Module, norms: list[str], config):
     """torch.export of `model` (on the meta device) on a tiny input, keeping each norm's call signature."""
-    tokens = min(TRACE_TOKENS, getattr(language_config(config), "max_position_embeddings", None) or TRACE_TOKENS)
+    tokens = min(TRACE_TOKENS, context_length(language_config(config)) or TRACE_TOKENS)
     input_ids = torch.zeros(2, tokens, dtype=torch.long, device="meta")
     return torch.export.export(
         model,
