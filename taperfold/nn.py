@@ -253,16 +253,24 @@ class GatedTaperNorm(TaperNorm):
 class TaperLN(TaperedNorm):
     """LayerNorm variant (eq. 6); β is shared by both branches."""
 
-    def __init__(self, dim: int, gate: TaperGate, eps: float = 1e-5, momentum: float = 0.01, delta: float = 1e-8):
-        super().__init__(dim, gate, eps, momentum, delta)
+    def __init__(
+        self,
+        dim: int,
+        gate: TaperGate,
+        eps: float = 1e-5,
+        momentum: float = 0.01,
+        delta: float = 1e-8,
+        gain_offset: float = 0.0,
+    ):
+        super().__init__(dim, gate, eps, momentum, delta, gain_offset)
         self.bias = nn.Parameter(torch.zeros(dim))  # β
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         g = self.gate.value
         if g == 0.0:
             centred = h - h.mean(-1, keepdim=True)
-            return centred * self.c * self.weight_tilde + self.bias
-        normed = F.layer_norm(h, (self.dim,), self.weight, self.bias, self.eps)
+            return centred * self.c * self.gain(self.weight_tilde) + self.bias
+        normed = F.layer_norm(h, (self.dim,), self.gain(self.weight), self.bias, self.eps)
         if self.training and self.gate.calibrating:
             x = h.float()
             centred = x - x.mean(-1, keepdim=True)
@@ -271,7 +279,7 @@ class TaperLN(TaperedNorm):
         if g == 1.0:
             return normed
         centred = h - h.mean(-1, keepdim=True)
-        return g * normed + (1.0 - g) * (centred * self.c * self.weight_tilde + self.bias)
+        return g * normed + (1.0 - g) * (centred * self.c * self.gain(self.weight_tilde) + self.bias)
 
 
 class ScaledEmbedding(nn.Module):

@@ -133,6 +133,8 @@ def tiny_config(model_type: str, **changes):
         # attention-free: no heads and no context in its config, its selective scan a Python loop over the time steps
         "mamba": lambda: t.MambaConfig(hidden_size=32, num_hidden_layers=2, state_size=8, time_step_rank=4,
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
+        # Nemotron: LayerNorm1P, a LayerNorm with gain 1 + γ
+        "nemotron": lambda: t.NemotronConfig(num_key_value_heads=2, **RMS),
         # MPT states its context as max_seq_len (ALiBi: no position table)
         "mpt": lambda: t.MptConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=32,
                                    **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
@@ -154,7 +156,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
             "granite", "smollm3", "olmo", "phi", "gpt2", "gpt_neox", "opt", "bloom", "falcon", "falcon_new", "stablelm",
             "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe")
 UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "llama4_text",
-            "gemma4_text", "minicpm3")
+            "gemma4_text", "minicpm3", "nemotron")
 
 
 def tapered_tiny_model(model_type: str):

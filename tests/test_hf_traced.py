@@ -187,15 +187,24 @@ def _tapered_all_at_gate_1(model):
     return tapering
 
 
-def test_a_layernorm_with_gain_one_plus_weight_is_refused_naming_the_guide():
-    # Nemotron's LayerNorm1P computes (x - mean)/std·(1 + γ) + β: measured, and TaperLN has no gain offset.
-    config = transformers.NemotronConfig(num_key_value_heads=2, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-                                         max_position_embeddings=32)
-    with pytest.raises(Exception) as refused:
-        taper_model(transformers.AutoModelForCausalLM.from_config(config))
-    message = str(refused.value)
-    assert "\n" not in message and "1 + γ" in message and trace.GUIDE in message
+def test_a_layernorm_with_gain_one_plus_weight_folds_and_its_baseline_keeps_the_offset(tmp_path):
+    # Nemotron's LayerNorm1P computes (x - mean)/std·(1 + γ) + β: measured, and tapered with that offset (it was
+    # refused: "TaperLN has no gain offset"). The baseline graph, made from the unfolded trace, restores 1 + γ
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
+    from taperfold.verify import verify_export
+
+    family = trace.traced_family(tiny_config("nemotron"), "nemotron")
+    assert (family.norm, family.gain_offset) == ("ln", 1.0)
+    tapered = save_hf_directory(tapered_tiny_model("nemotron"), tmp_path / "tapered", step=3)
+    out = export_checkpoint(tapered, tmp_path / "out", ExportOptions()).out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 4
+    assert manifest["artifacts"]["baseline"]["built_from"] == "unfolded"
+    report = verify_export(out, threads=1)
+    assert report.passed, report.failure_message()
 
 
 def test_an_architecture_torch_export_cannot_take_is_refused_naming_the_guide():
@@ -468,7 +477,7 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
 
 @pytest.mark.parametrize("key, value, needle", [
     ("norm", "dyt", "must be one of"),
-    ("gain_offset", 1.0, "must be 0"),
+    ("gain_offset", 2.0, "must be 0 or 1"),
     ("layers", "model.blocks", "not a list of layers"),
     ("internal", {"input_layernorm": ["self_attn.no_such_proj"]}, "no_such_proj"),
     ("internal", {"input_layernorm": []}, "non-empty list"),
@@ -487,7 +496,7 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     ("gated", {"mlp.norm": {"activation": "silu", "norm_first": True, "groups": 1}}, "which the family does not taper"),
     ("heads", {"input_layernorm": 1}, "the number of heads (> 1)"),
     ("heads", {"mlp.norm": 2}, "which the family does not taper"),
-    ("gain_offsets", {"input_layernorm": 1}, "must map norm paths in a layer to 0"),
+    ("gain_offsets", {"input_layernorm": 2}, "must map norm paths in a layer to 0 or 1"),
     ("layer_readers", {"7": {"post_attention_layernorm": ["mlp.c_fc"]}}, "names layer 7; this starcoder2 model has 2"),
     ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
     ("layer_readers", {"x": {}}, "must map layer indices to objects"),

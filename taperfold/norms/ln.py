@@ -35,4 +35,5 @@ KIND = NormKind(
     shift=True,
     # ONNX's op and ONNX Runtime's Skip variant, which first adds the residual (input 1)
     fused_ops={"LayerNormalization": (1, 2), "SkipLayerNormalization": (2, 3)},
+    gain_offset_allowed=True,  # Nemotron's LayerNorm1P: (1 + γ)
 )
