@@ -135,6 +135,10 @@ def tiny_config(model_type: str, **changes):
                                        **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),
         # Nemotron: LayerNorm1P, a LayerNorm with gain 1 + γ
         "nemotron": lambda: t.NemotronConfig(num_key_value_heads=2, **RMS),
+        # RoBERTa's position ids count from padding_idx + 1: 32 positions take 32 - 1 - 1 tokens (pad_token_id 1)
+        "roberta-prelayernorm": lambda: t.RobertaPreLayerNormConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+            **{**COMMON, "pad_token_id": 1, "bos_token_id": 0}),
         # MPT states its context as max_seq_len (ALiBi: no position table)
         "mpt": lambda: t.MptConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=32,
                                    **{k: v for k, v in COMMON.items() if k != "max_position_embeddings"}),

@@ -342,6 +342,19 @@ def test_a_model_that_branches_on_the_length_within_its_context_is_refused_in_on
     assert not (tmp_path / "out").exists()
 
 
+def test_a_position_table_with_a_padding_row_bounds_the_context(tmp_path):
+    # RoBERTa-style: train ran 32-token windows and failed in the model ("index 32 is out of bounds"), a traceback
+    from taperfold.sources import open_source
+
+    plain = _plain("roberta-prelayernorm", tmp_path / "plain")
+    assert open_source(plain).config.max_seq_len == 30
+    model = transformers.AutoModelForCausalLM.from_pretrained(plain).eval()
+    with torch.no_grad():
+        model(torch.full((1, 30), 5))  # the longest input it takes
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            model(torch.full((1, 31), 5))
+
+
 def test_an_attention_free_model_exports_a_graph_of_any_length_up_to_the_recurrent_context(tmp_path):
     # Mamba's config states no heads and no context: inspect refused it ("key 'num_attention_heads' is missing")
     from hf_models import tapered_tiny_model

@@ -51,6 +51,20 @@ def exportable(hf: PreTrainedModel) -> PreTrainedModel:
     return hf
 
 
+def position_table_context(hf: PreTrainedModel) -> int | None:
+    """The longest input a position table with a padding row takes, where the model has one: RoBERTa's position ids
+    count from padding_idx + 1, so max_position_embeddings − padding_idx − 1 tokens (512 of 514), not the table's
+    size; else None."""
+    for name, module in hf.named_modules():
+        if (
+            isinstance(module, nn.Embedding)
+            and "position" in name.rpartition(".")[2]
+            and module.padding_idx is not None
+        ):
+            return module.num_embeddings - module.padding_idx - 1
+    return None
+
+
 def cached_heads(hf: PreTrainedModel) -> tuple[int, int] | None:
     """(heads, head dim) of the keys `hf` caches, from one two-token forward of a model on the meta device (shapes
     only: no memory, no arithmetic). The modeling code decides what it caches and the config does not always say:
@@ -98,10 +112,18 @@ class HFModelInfo:
 
     @classmethod
     def from_config(
-        cls, config, family: Family, taper: str, aux: bool, tokenizer: str, cache: tuple[int, int] | None = None
+        cls,
+        config,
+        family: Family,
+        taper: str,
+        aux: bool,
+        tokenizer: str,
+        cache: tuple[int, int] | None = None,
+        longest: int | None = None,
     ) -> HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
-        config's key/value heads and head dim."""
+        config's key/value heads and head dim. `longest`: the longest input the model takes where it is less than
+        the context its config states (`position_table_context`)."""
         language = language_config(config)  # a multimodal model's language model: the sizes of what is exported
         heads, kv_heads, head_dim = (  # lists where layers differ (Gemma 4's head_dim): layer 0's
             layer_zero(config_value(language, name))
@@ -113,6 +135,8 @@ class HFModelInfo:
         else:
             kv_heads, head_dim = cache or (kv_heads or heads, head_dim or language.hidden_size // heads)
             context = context_length(language) or family.context
+        if context is not None and longest is not None:
+            context = min(context, longest)
         if context is None:  # taperfold.hf.config_check refuses such a config before any model is built
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"

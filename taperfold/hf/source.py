@@ -41,7 +41,7 @@ from taperfold.hf.config_check import check_size, transformers_config
 from taperfold.hf.config_values import decoded_floats
 from taperfold.hf.export_patches import export_patches
 from taperfold.hf.hub import TOKENIZER_FILES
-from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads
+from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads, position_table_context
 from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_recorded
 from taperfold.hf.trace import check_family_paths, traced_family
@@ -266,6 +266,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         bool(block and block.aux is not None),
         tokenizer,
         cached_heads(expected_model),
+        position_table_context(expected_model),
     )
     return HFCheckpoint(
         path,
