@@ -96,6 +96,7 @@ from taperfold.passes.ort_fusions import OrtFusionsPass
 from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
+from taperfold.traced_lengths import check_lengths
 
 NOTHING_TO_FOLD = "nothing to fold: {path} has no tapered norms (a plain model); wrote the baseline only"
 
@@ -339,7 +340,7 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
             raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
     _check_dynamic(program.model, ids)
     if program.exported_program is not None:  # what torch.export traced, kept by the dynamo exporter
-        _check_ranges(program.exported_program, {0: ("batch", MAX_EXPORT_BATCH), 1: ("sequence", seq.max)})
+        check_lengths(program.exported_program, {0: ("batch", MAX_EXPORT_BATCH), 1: ("sequence", seq.max)}, INPUT)
     return program.model
 
 
@@ -378,23 +379,6 @@ def _check_dynamic(model: ir.Model, ids: torch.Tensor) -> None:
             f"torch.onnx export fixed the {('batch', 'sequence')[axis]} length of '{INPUT}' to {dim} (the traced "
             f"{tuple(ids.shape)[axis]}): the model's code branches on it, so the graph would take that length only"
         )
-
-
-def _check_ranges(program: torch.export.ExportedProgram, wanted: dict[int, tuple[str, int]]) -> None:
-    """The graph takes every length asked for (`wanted`: axis of the tokens -> (its name, the longest)): where the
-    model's code branches on a length within them (Doge's dynamic mask keeps the top `keep_window_size` keys once there
-    are more), torch.export narrows the axis's range to the traced branch's instead of failing, and the graph would
-    compute something else past it."""
-    tokens = next(n for n in program.graph.nodes if n.name == program.graph_signature.user_inputs[0])
-    for axis, (name, longest) in wanted.items():
-        dim = tokens.meta["val"].shape[axis]
-        bound = program.range_constraints.get(dim.node.expr) if isinstance(dim, torch.SymInt) else None
-        if bound is not None and bound.upper < longest:
-            raise TaperfoldError(
-                f"torch.onnx export holds the {name} length of '{INPUT}' to {int(bound.upper)} at most (asked: "
-                f"{longest}): the model's code branches on it past that, so the graph would compute another function "
-                "for longer inputs"
-            )
 
 
 def check_options(opts: ExportOptions) -> None:

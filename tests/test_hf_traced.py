@@ -342,6 +342,22 @@ def test_a_model_that_branches_on_the_length_within_its_context_is_refused_in_on
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_a_model_whose_trace_assumes_a_length_it_was_traced_at_is_refused_in_one_line(cli, tmp_path):
+    # DeepSeek-V4's compressor closes one window per 4 tokens (`if chunk_kv.shape[1] > 0`): traced at 8, torch.export
+    # kept the windowed branch as a runtime assertion, which torch.onnx drops, and the graph failed in ONNX Runtime on
+    # 1 to 3 tokens ("broadcast ... 256 by 1024") and computed other logits on others
+    layers = ["compressed_sparse_attention", "heavily_compressed_attention"]
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v4", layer_types=layers))
+    model.save_pretrained(tmp_path / "plain")
+    result = cli("export", tmp_path / "plain", "-o", tmp_path / "out", "--no-baseline")
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "holds for some sequence lengths of 'input_ids' only: torch.export assumed" in last, result.stderr
+    assert "false at sequence 1 (asked: 1 to 32)" in last, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_position_table_with_a_padding_row_bounds_the_context(tmp_path):
     # RoBERTa-style: train ran 32-token windows and failed in the model ("index 32 is out of bounds"), a traceback
     from taperfold.sources import open_source
