@@ -346,12 +346,12 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
 
 def _export_any_attention(
     model: TaperedLM, opts: ExportOptions, graph: Graph, opset: int, name: str, on_stage
-) -> ir.Model:
+) -> tuple[ir.Model, str | None]:
     """export_to_ir; where torch.onnx fails on the model's attention as it runs by default (Doge's SDPA: the strides
     torch.export records for its output disagree with the exporter's), its plain MatMul and Softmax form, said as
-    a stage of graph `name`."""
+    a stage of graph `name`. With the graph: why it took the eager form, or None."""
     try:
-        return export_to_ir(model, opts, graph, opset=opset)
+        return export_to_ir(model, opts, graph, opset=opset), None
     except ExporterFailed as failed:
         eager = model.eager_attention()
         if eager is None:
@@ -359,7 +359,7 @@ def _export_any_attention(
         on_stage(f"exporting {name} with eager attention (MatMul, Softmax): {failed}")
         with eager:
             try:
-                return export_to_ir(model, opts, graph, opset=opset)
+                return export_to_ir(model, opts, graph, opset=opset), str(failed)
             except ExporterFailed as again:
                 raise ExporterFailed(f"{failed}; with eager attention: {again}") from None
 
@@ -563,10 +563,15 @@ class GraphPasses:
 
 
 def graph_details(
-    model_ir: ir.Model, choice: OpsetChoice, passes: GraphPasses | None, projections: dict | None
+    model_ir: ir.Model,
+    choice: OpsetChoice,
+    passes: GraphPasses | None,
+    projections: dict | None,
+    eager_attention: str | None = None,
 ) -> dict:
     """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
-    norms export fused, its fused projections (None: not asked for) and ONNX Runtime's fusions (where they ran)."""
+    norms export fused, its fused projections (None: not asked for), ONNX Runtime's fusions (where they ran) and why
+    it was traced with eager attention (where it was)."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {
         **choice.to_dict(),
@@ -575,6 +580,7 @@ def graph_details(
         "projections": projections,
         # only where they ran: a manifest without the option reads as before it existed
         **({"ort_fusions": passes.ort_fused} if passes and passes.ort_fused is not None else {}),
+        **({"eager_attention": eager_attention} if eager_attention else {}),
     }
 
 
@@ -626,14 +632,14 @@ def export_graphs(
                 continue
             on_stage(f"exporting {name} (opset {choice.opset})")
             with clock("torch_export_s"):
-                model_ir = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
+                model_ir, eager = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
                 if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
                     choice = fallback  # and for the rest of this group: every variant shares the RoPE
                     on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
-                    model_ir = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
+                    model_ir, eager = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
             prefix = _network_prefix(model, graph)
             if variant == BASELINE:
-                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix)
+                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix, eager)
                 continue
             # written aside first: the folded graph is made from the unfolded one in place, and the unfolded
             # graph then read back (its weights lazily) for its own passes; two copies are never held
@@ -647,7 +653,7 @@ def export_graphs(
                     restore(baseline_ir)
                 if not restore.missing:
                     on_stage(f"{graph_key(BASELINE, graph)}: made from {name}, its norms restored (no trace)")
-                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix)
+                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix, eager)
                     for record in records:
                         record.built_from = name
                     out.records += records
@@ -660,14 +666,14 @@ def export_graphs(
             folding.run(model_ir, clock)
             assert folding.fold is not None
             report = _network_names(folding.fold.to_json(), prefix)
-            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix))
+            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix), eager)
             with clock("write_s"):
                 folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)
             folded.built_from, folded.reports["fold"] = name, report
             unfolded_ir = _load(staged)
             passes = graph_passes(opts)
             passes.run(unfolded_ir, clock)
-            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix))
+            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix), eager)
             with clock("write_s"):
                 unfolded = ONNX_GRAPH.write(unfolded_ir, folder, UNFOLDED, graph, opts.dtype, details)
                 for path in (staged, staged.with_name(staged.name + ".data")):
@@ -752,10 +758,17 @@ def _network_names(report: dict, prefix: str) -> dict:
 
 
 def _write_baselines(
-    model_ir, folder: Path, graph: Graph, choice: OpsetChoice, opts: ExportOptions, clock: StageClock, prefix: str
+    model_ir,
+    folder: Path,
+    graph: Graph,
+    choice: OpsetChoice,
+    opts: ExportOptions,
+    clock: StageClock,
+    prefix: str,
+    eager_attention: str | None,
 ) -> list[ArtifactRecord]:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
-    baseline.decomposed.onnx with those.
+    baseline.decomposed.onnx with those (`eager_attention`: why the trace took that form, or None).
 
     Below opset 23 the export holds RMSNorm as plain ops, fused afterwards (for ONNX Runtime; TensorRT's parser
     takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused it,
@@ -768,7 +781,7 @@ def _write_baselines(
     projections = shared.projections_report(prefix)
 
     def write(variant: str, passes: GraphPasses | None = None) -> None:
-        details = graph_details(model_ir, choice, passes, projections)
+        details = graph_details(model_ir, choice, passes, projections, eager_attention)
         with clock("write_s"):
             records.append(ONNX_GRAPH.write(model_ir, folder, variant, graph, opts.dtype, details))
 

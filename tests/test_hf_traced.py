@@ -327,6 +327,9 @@ def test_a_model_torch_onnx_fails_on_in_sdpa_exports_with_eager_attention(tmp_pa
     out = export_checkpoint(tapered, tmp_path / "out", ExportOptions(decoders=("growing",)), stages.append).out_dir
     eager = [stage for stage in stages if "with eager attention" in stage]
     assert eager and all("Cannot view a tensor" in stage for stage in eager), stages
+    graphs = json.loads((out / "manifest.json").read_text())["artifacts"]
+    eager_graphs = {key for key, graph in graphs.items() if "Cannot view a tensor" in graph.get("eager_attention", "")}
+    assert eager_graphs == {key for key, graph in graphs.items() if graph["kind"] == "onnx"} > {"folded"}, graphs
     report = verify_export(out, threads=1)
     assert report.passed, report.failure_message()
 

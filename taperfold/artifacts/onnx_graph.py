@@ -47,6 +47,11 @@ class OnnxGraph(ArtifactKind):
                 (dict, type(None)),
                 help="ONNX Runtime's contrib ops --ort-fusions made, by type; absent where they did not run",
             ),
+            "eager_attention": Field(
+                (str,),
+                help="why the graph was traced with the model's eager attention (MatMul, Softmax): torch.onnx's "
+                "failure on its own; absent where it was not",
+            ),
         }
     )
 
