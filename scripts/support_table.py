@@ -69,6 +69,7 @@ SMALL = {
     "vocab_size_per_layer_input": 256,
     "num_kv_shared_layers": 0,
     "laurel_rank": 8,
+    "unpadded_vocab_size": 256,  # Inkling's embedding rows past it are padding, cut on load and added back on save
 }
 GPT2_STYLE = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "n_inner": 128}
 # Where one class's own validation asks more of the sizes above than they give
@@ -78,6 +79,17 @@ OWN_SIZES = {
     "gptj": {"rotary_dim": 8},
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
+    # the towers write into the text model's hidden states: their width
+    "dots3_note": {"vision_config": {"adapter_out_dim": 64}, "audio_config": {"adapter_out_dim": 64}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # no default: a model of the default config fails
+    # the indexed layers' sizes have no defaults either
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,
+        "indexer_compress_ratio": 4,
+    },
 }
 SCRATCH = re.compile(r"\S*taperfold-support-[^/\s]+/[^/\s]+/")  # a type's folder in the run's scratch directory
 TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # the defaults lie outside a tiny vocabulary
@@ -89,10 +101,7 @@ def small_config(model_type: str):
 
     config_class = CONFIG_MAPPING[model_type]
     probe = config_class()
-    given = {k: v for k, v in {**SMALL, **GPT2_STYLE}.items() if _settable(probe, k)}
-    if "qk_rope_head_dim" in given:  # latent attention (MLA): head_dim is the rotary part's, every head keeps K/V
-        given.pop("head_dim", None)
-        given["num_key_value_heads"] = given["num_attention_heads"]
+    given = _small(probe, {**SMALL, **GPT2_STYLE})
     # under the attribute's own name: a class that aliases it (Zamba2's layers_block_type) derives other fields from
     # that one before the alias is set
     layer_types = getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")
@@ -104,7 +113,7 @@ def small_config(model_type: str):
     for key in ("text_config",):
         sub = getattr(probe, key, None)
         if sub is not None:
-            sub_given = {k: v for k, v in SMALL.items() if _settable(sub, k)}
+            sub_given = _small(sub, SMALL)
             full = sub.to_dict()
             layers = full.get("num_hidden_layers")
             # what the full-size text config holds per layer is derived again for the small one (or refused)
@@ -124,6 +133,15 @@ def small_config(model_type: str):
         if not kinds:
             raise
         return config_class(**{**kwargs, layer_types: kinds[:1] * layers})
+
+
+def _small(config, sizes: dict) -> dict:
+    """The entries of `sizes` that `config` takes."""
+    given = {k: v for k, v in sizes.items() if _settable(config, k)}
+    if "qk_rope_head_dim" in given:  # latent attention (MLA): head_dim is the rotary part's, every head keeps K/V
+        given.pop("head_dim", None)
+        given["num_key_value_heads"] = given["num_attention_heads"]
+    return given
 
 
 def _per_layer(value, layers) -> bool:
