@@ -10,7 +10,7 @@ trace's shape environment; each is evaluated here over the lengths asked for.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
 
 import sympy
 import torch
@@ -91,8 +91,9 @@ def sample_lengths(longest: int, all_up_to: int) -> list[int]:
 
 
 def _first_failing(expr: sympy.Basic, samples: dict[sympy.Symbol, list[int]]) -> dict[sympy.Symbol, int] | None:
-    """The first point of `samples` (shortest lengths first) at which `expr` is false, or None."""
-    for point in _points(samples):
+    """The first point of `samples` (every combination, shortest lengths first) at which `expr` is false, or None."""
+    for lengths in itertools.product(*samples.values()):
+        point = dict(zip(samples, lengths))
         try:
             value = expr.xreplace({symbol: sympy.Integer(length) for symbol, length in point.items()})
         except ZeroDivisionError:  # what the branch assumed divides by a size that is 0 there
@@ -100,15 +101,3 @@ def _first_failing(expr: sympy.Basic, samples: dict[sympy.Symbol, list[int]]) ->
         if value is sympy.false:
             return point
     return None
-
-
-def _points(samples: dict[sympy.Symbol, list[int]]) -> Iterable[dict[sympy.Symbol, int]]:
-    """Every combination of the sampled lengths, one axis at a time widened."""
-    symbols = list(samples)
-    if len(symbols) == 1:
-        yield from ({symbols[0]: length} for length in samples[symbols[0]])
-        return
-    first, rest = symbols[0], symbols[1:]
-    for length in samples[first]:
-        for point in _points({s: samples[s] for s in rest}):
-            yield {first: length, **point}
