@@ -182,7 +182,8 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
     type=click.Path(),
     metavar="HF_DIR",
     help="Fine-tune this Hugging Face save_pretrained directory instead of a preset (--arch and "
-    "--preset are ignored); -o is then a tapered Hugging Face directory.",
+    "--preset are ignored); -o is then a tapered Hugging Face directory (with --taper none: a plain one, trained "
+    "with the same loop, the baseline to compare with).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out, source, as_json):
@@ -207,7 +208,7 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
         )
     check_outputs([checkpoint_output(out, "-o")], inputs=[*data, source])
     if source:
-        _check_fine_tune(source, out, taper)
+        _check_fine_tune(source, out)
     opts = TrainOptions(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     files = [Path(d) for d in data] or None
     with train_progress(steps, quiet=as_json) as on_step:
@@ -241,13 +242,11 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
         )
 
 
-def _check_fine_tune(source: str, out: str, taper: str) -> None:
+def _check_fine_tune(source: str, out: str) -> None:
     """`train --from`: what can be refused before anything is read."""
     out_path = Path(out)
-    if taper == "none":
-        raise TaperfoldError("--taper none with --from: nothing to train through; choose internal or all")
     if out_path.suffix in (".pt", ".safetensors") or (out_path.exists() and not out_path.is_dir()):
-        raise TaperfoldError(f"{out}: --out with --from is a directory (a tapered save_pretrained directory)")
+        raise TaperfoldError(f"{out}: --out with --from is a directory (a save_pretrained directory)")
     if out_path.resolve() == Path(source).resolve():
         raise TaperfoldError(f"{out}: --out must differ from --from (the source directory is never overwritten)")
 
@@ -509,7 +508,9 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
     "--text",
     "text_file",
     type=click.Path(dir_okay=False),
-    help="A text file, encoded with the checkpoint's byte-level tokenizer.",
+    help="A text file, encoded with the checkpoint's tokenizer (bytes, or a Hugging Face directory's own), in windows "
+    "of its context. With --text or --tokens the decoders decode those tokens too, and each pair reports the "
+    "perplexity of both its models.",
 )
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random token batches.")
 @click.option(
@@ -520,12 +521,19 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 @click.option("--rtol", type=FiniteFloatRange(min=0), help="Bound on max |error| / max |reference|, every pair.")
 @click.option("--min-top1", type=FiniteFloatRange(0, 1), help="Bound on top-1 agreement (near-ties excluded).")
 @click.option("--max-kl", type=FiniteFloatRange(min=0), help="Bound on the mean KL(reference ‖ candidate).")
+@click.option(
+    "--max-ppl-ratio",
+    type=FiniteFloatRange(min=1),
+    help="Bound on perplexity(candidate) / perplexity(reference) on --text or --tokens, quantized pairs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def verify(export_dir, device, engine, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, as_json):
+def verify(
+    export_dir, device, engine, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, max_ppl_ratio, as_json
+):
     from taperfold.fsutil import Output, check_outputs, write_json_atomic
     from taperfold.manifest import read_manifest
     from taperfold.ui import print_verify, step_progress
-    from taperfold.verify import REPORT, tokens_from_file, tokens_from_text, verify_export
+    from taperfold.verify import REPORT, tokens_from_file, verify_export
 
     if tokens_file and text_file:
         raise click.UsageError("pass --tokens or --text, not both")
@@ -535,8 +543,8 @@ def verify(export_dir, device, engine, tokens_file, text_file, seed, threads, rt
         [Output(report_path, REPORT)],
         inputs=[tokens_file, text_file, manifest.checkpoint, *_export_files(export_dir, keep=report_path)],
     )
-    inputs = tokens_from_file(tokens_file) if tokens_file else tokens_from_text(text_file) if text_file else None
-    overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl}
+    inputs = tokens_from_file(tokens_file) if tokens_file else None
+    overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio}
     with step_progress("verifying", quiet=as_json) as on_step:
         report = verify_export(
             export_dir,
@@ -547,6 +555,7 @@ def verify(export_dir, device, engine, tokens_file, text_file, seed, threads, rt
             threads=threads,
             on_progress=on_step,
             engine=engine,
+            text=text_file,
         )
     result = report.to_json()
     write_json_atomic(report_path, result)

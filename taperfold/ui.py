@@ -18,6 +18,7 @@ from taperfold.exportdir import FOLDED
 
 if TYPE_CHECKING:
     from taperfold.bench.report import BenchReport
+    from taperfold.compare import Metrics
     from taperfold.manifest import Manifest
     from taperfold.passes.check_fold import FoldCheck
     from taperfold.passes.report import FoldReport, ProjectionReport
@@ -185,10 +186,12 @@ def print_verify(report: VerifyReport) -> None:
         title=f"{report.export_dir}: {report.dtype}, logits={report.logits}, "
         f"{len(report.inputs)} input batch(es), device {report.device}"
     )
-    for col in ("pair", "status", *METRIC_COLUMNS, "worst input / note"):
+    scored = any(p.metrics is not None and p.metrics.scored for p in report.pairs)
+    for col in ("pair", "status", *METRIC_COLUMNS, *(["perplexity"] if scored else []), "worst input / note"):
         table.add_column(col)
     for pair in report.pairs:
         m = {k: v for k, v in (pair.metrics.to_dict() if pair.metrics else {}).items() if math.isfinite(v)}
+        perplexity = [_perplexity(pair.metrics)] if scored else []
         tol = pair.tolerance.to_dict() if pair.tolerance else {}
         worst = f"worst: {pair.worst_input}" if pair.worst_input else ""
         note = pair.reason or "; ".join([*pair.violations, worst] if pair.violations else [worst])
@@ -205,6 +208,7 @@ def print_verify(report: VerifyReport) -> None:
             _fmt(m.get("top1"), ".4f"),
             _fmt(m.get("top5"), ".4f"),
             _fmt(m.get("kl"), ".3g"),
+            *perplexity,
             note,
         )
     out.print(table)
@@ -216,6 +220,14 @@ def print_verify(report: VerifyReport) -> None:
         out.print(report.closer(), highlight=False)
     if report.note:
         out.print(report.note, highlight=False)
+
+
+def _perplexity(metrics: Metrics | None) -> str:
+    """The reference's perplexity -> the candidate's, and over how many tokens; empty where none was scored."""
+    if metrics is None or not metrics.scored:
+        return ""
+    ref, cand = math.exp(metrics.nll_reference), math.exp(metrics.nll_candidate)
+    return f"{ref:.4g} -> {cand:.4g} (x{metrics.ppl_ratio:.4f}, {metrics.scored} tokens)"
 
 
 def print_fold_report(src: str | os.PathLike, dst: str | os.PathLike, report: FoldReport, console: Console) -> None:

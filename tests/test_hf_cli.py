@@ -228,6 +228,41 @@ def test_train_from_directory_with_its_tokenizer(cli, tmp_path):
     _refused(cli, tmp_path, out, "already tapered", command="train-from")
 
 
+def test_train_from_with_taper_none_fine_tunes_the_plain_model(cli, tmp_path):
+    """The baseline of a tapered run: the same loop on the same data, nothing tapered, written as a plain directory
+    that exports as a plain model (its baseline only)."""
+    folder = tmp_path / "plain"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(folder)
+    out = tmp_path / "trained"
+    result = cli("train", "--from", folder, "--taper", "none", "--steps", "30", "--batch-size", "2", "-o", out,
+                 "--json")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["taper"] == "none" and summary["gate"] == 1.0 and not summary["aux"]
+    assert "taperfold" not in _config(out)
+    before, after = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    inspect = json.loads(cli("inspect", out, "--json").stdout)
+    assert inspect["taper"] == "none"
+
+
+def test_verify_text_is_encoded_with_the_directorys_own_tokenizer(cli, tmp_path):
+    """A directory with a word-level tokenizer: --text is its words, not its bytes (40 words, a 32-token context: a
+    window of 32 and one of 8), and text that is not UTF-8 is one line naming the file."""
+    words = [f"w{i}" for i in range(100)]
+    _word_tokenizer(words).save_pretrained(tmp_path / "tokenizer")
+    folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "tapered", tokenizer_from=tmp_path / "tokenizer")
+    out = tmp_path / "out"
+    assert cli("export", folder, "-o", out, "--no-baseline").exit_code == 0
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(words[(i * 7) % 97] for i in range(40)))
+    result = cli("verify", out, "--text", text, "--json", "--threads", "1")
+    assert result.exit_code == 0, result.stderr
+    assert [b["shape"] for b in json.loads(result.stdout)["inputs"]] == [[1, 32], [1, 8]]
+    text.write_bytes(b"w1 \xff w2")
+    one_line(cli("verify", out, "--text", text), str(text), "not UTF-8")
+
+
 def test_train_from_refuses_bytes_that_do_not_fit(cli, tmp_path):
     folder = tmp_path / "plain"
     config = tiny_config("llama")

@@ -96,6 +96,29 @@ def test_fewer_bits_cost_more_and_the_fold_costs_nothing_measurable(quantized_ve
         assert 0.5 < ratio < 2, ratio
 
 
+def test_on_a_text_verify_holds_the_quantized_decoders_to_the_checkpoints_perplexity(quantized_export, tmp_path):
+    """600 bytes of text: each decoder (traced and genai's) decodes the last half of every window, so its pair scores
+    300 tokens (above the bound's minimum) and is held to its precision's perplexity bound; a bound just under what
+    the quantization cost fails that pair for its perplexity."""
+    from taperfold.compare import MIN_SCORED_TOKENS
+    from taperfold.verify import verify_export
+
+    text = tmp_path / "held-out.txt"
+    text.write_bytes((open(__file__, "rb").read() * 2)[:600])
+    report = verify_export(quantized_export, threads=1, text=text)
+    decoders = [
+        p for p in report.pairs if ".decoder" in p.candidate and p.tolerance is not None and p.tolerance.rtol is None
+    ]
+    assert {p.candidate for p in decoders} >= {"folded.decoder.int4", "folded.decoder.int4.genai"}
+    for pair in decoders:
+        assert pair.metrics.scored == 4 * 64 + 44 >= MIN_SCORED_TOKENS, pair.candidate
+        assert pair.status == "pass", (pair.candidate, pair.violations)
+        precision = "int4" if "int4" in pair.candidate else "int8"
+        assert pair.tolerance.max_ppl_ratio == QUANTIZED_TOLERANCES[precision].max_ppl_ratio
+        tighter = pair.tolerance.override(max_ppl_ratio=pair.metrics.ppl_ratio * 0.999)
+        assert [v for v in violations(pair.metrics, tighter) if v.startswith("perplexity")], pair.candidate
+
+
 def test_verify_fails_a_quantized_graph_whose_scales_are_off(quantized_export, tmp_path):
     """The folded int4 graph with every block's scale 40 % too large: the bounds catch it."""
     from taperfold.verify import verify_export

@@ -101,6 +101,55 @@ def test_merge_weights_means_by_rows():
     assert pooled.rows == 6 and pooled.top1 == pytest.approx(4 / 6) and pooled.max_abs == b.max_abs
 
 
+def test_perplexity_scores_only_the_rows_whose_next_token_is_known():
+    ref, cand = _logits((2, 3, 40), seed=1), _logits((2, 3, 40), seed=2)
+    next_ids = np.array([[5, 7, -1], [0, 39, -1]])
+    m = compare_logits(ref, cand, 1e-4, next_ids)
+
+    def nll(x):
+        rows, targets = x.reshape(-1, 40)[[0, 1, 3, 4]], [5, 7, 0, 39]
+        log_p = rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+        return -log_p[np.arange(4), targets].mean()
+
+    assert m.scored == 4
+    assert m.nll_reference == pytest.approx(nll(ref)) and m.nll_candidate == pytest.approx(nll(cand))
+    assert m.ppl_ratio == pytest.approx(np.exp(nll(cand) - nll(ref)))
+    unscored = compare_logits(ref, cand, 1e-4)
+    assert unscored.scored == 0 and np.isnan(unscored.ppl_ratio)
+    first_row = compare_logits(ref[:1], ref[:1], 1e-4, next_ids[:1])
+    pooled = Metrics.merge([m, unscored, first_row])
+    assert pooled.scored == 6  # weighted by scored rows; an unscored batch adds nothing (not NaN)
+    assert pooled.nll_reference == pytest.approx((4 * m.nll_reference + 2 * first_row.nll_reference) / 6)
+
+
+def test_perplexity_bound_holds_quantized_pairs_scored_on_enough_tokens():
+    from taperfold.compare import MIN_SCORED_TOKENS
+
+    int4 = default_tolerance("int4", "export")
+    worse = Metrics(rows=1, max_abs=0, max_rel=0, mean_abs=0, cosine=1, top1=1, decisive_rows=1, top1_decisive=1,
+                    top5=1, kl=0, scored=MIN_SCORED_TOKENS, nll_reference=2.0, nll_candidate=2.0 + np.log(1.2))  # fmt: skip
+    assert violations(worse, int4) == [f"perplexity x1.2 > x{int4.max_ppl_ratio:g}"]
+    assert violations(worse, int4.override(max_ppl_ratio=1.25)) == []
+    few = Metrics(**{**worse.to_dict(), "scored": MIN_SCORED_TOKENS - 1})
+    assert violations(few, int4) == []  # too few tokens to judge: reported only
+    assert violations(worse, default_tolerance("fp32", "export")) == []  # float pairs: KL and top-1 judge them
+
+
+def test_next_token_ids_align_each_call_with_the_token_it_predicts():
+    from taperfold.verify.inputs import next_token_ids
+    from taperfold.verify.run import Case
+
+    ids = np.arange(10, 20)[None]  # ten tokens; the last predicts nothing known
+    prefill = Case("p", ids)
+    assert next_token_ids(ids, prefill.ends(1)[0], (1, 10, 99)).tolist() == [*range(11, 20), -1]  # --logits all
+    assert next_token_ids(ids, prefill.ends(1)[0], (1, 99)).tolist() == [-1]  # --logits last
+    decode = Case("d", ids, decode=True, steps=3)  # prompt of 7, then tokens 17, 18, 19 fed
+    ends = decode.ends(4)
+    assert ends == [7, 8, 9, 10]
+    assert [next_token_ids(ids, end, (1, 1, 99)).tolist() for end in ends] == [[17], [18], [19], [-1]]
+    assert next_token_ids(ids, ends[0], (1, 7, 99)).tolist() == list(range(11, 18))  # a prompt's every position
+
+
 def test_tolerances_override_and_help_lists_defaults(cli):
     assert Tolerance(1e-4, 0.99, 1e-6).override(rtol=0.5, max_kl=None) == Tolerance(0.5, 0.99, 1e-6)
     help_text = cli("verify", "--help").stdout
@@ -183,6 +232,44 @@ def test_text_file(cli, export_copy, tmp_path):
     result = verify(cli, export_copy, "--text", text, "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["inputs"] == [{"label": str(text), "shape": [1, len(text.read_bytes())]}]
+
+
+def test_a_long_text_is_scored_in_windows_and_decoded(cli, export_copy, tiny_checkpoint, tmp_path):
+    """600 bytes in the tiny model's 128-token context: four windows in one batch, the rest in another. Every pair
+    scores the text, the decoders decode it, and the checkpoint's perplexity is the torch model's own on the tokens
+    each call predicts (the decoders' steps: the last half of each window, at most 64 tokens)."""
+    from taperfold.sources import open_source
+
+    text = tmp_path / "held-out.txt"
+    data = (Path(__file__).read_bytes() * 2)[:600]
+    text.write_bytes(data)
+    result = verify(cli, export_copy, "--text", text, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["inputs"] == [
+        {"label": f"{text} tokens 0-511", "shape": [4, 128]},
+        {"label": f"{text} tokens 512-599", "shape": [1, 88]},
+    ]
+    pairs = {p["name"]: p for p in report["pairs"]}
+    decoder = pairs["checkpoint -> folded.decoder"]
+    assert {r["input"].split(" prompt")[0].split(" step")[0] for r in decoder["per_input"]} == {
+        f"decode {text} tokens 0-511 4x64+64", f"decode {text} tokens 512-599 1x44+44"}  # fmt: skip
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    with torch.no_grad():
+        model = open_source(tiny_checkpoint).build()
+        nll = []
+        for window, prompt in ((ids[i : i + 128], 64) for i in range(0, 512, 128)):
+            log_p = torch.log_softmax(model(torch.from_numpy(window)[None], logits="all")[0].double(), -1)
+            nll += [-log_p[t - 1, window[t]].item() for t in range(prompt, 128)]
+        window = ids[512:]
+        log_p = torch.log_softmax(model(torch.from_numpy(window)[None], logits="all")[0].double(), -1)
+        nll += [-log_p[t - 1, window[t]].item() for t in range(44, 88)]
+    metrics = decoder["metrics"]
+    assert metrics["scored"] == len(nll) == 4 * 64 + 44
+    assert metrics["nll_reference"] == pytest.approx(np.mean(nll), rel=1e-6)
+    assert metrics["nll_candidate"] == pytest.approx(np.mean(nll), rel=1e-4)
+    prefill = pairs["checkpoint -> folded"]["metrics"]  # logits of the last position: no next token known
+    assert prefill["scored"] == 0 and prefill["nll_reference"] is None
 
 
 # ---- verify: numeric failure -----------------------------------------------------------------------------
@@ -381,11 +468,13 @@ def test_bad_npy_and_text(cli, tiny_export, tmp_path):
     floats = tmp_path / "ids.npy"
     np.save(floats, np.ones((2, 3)))
     _one_error_line(verify(cli, tiny_export, "--tokens", floats), str(floats), "must be integers")
-    long_text = tmp_path / "long.txt"
-    long_text.write_text("a" * 200)
-    _one_error_line(verify(cli, tiny_export, "--text", long_text), str(long_text), "longer than the model allows")
-    result = verify(cli, tiny_export, "--tokens", floats, "--text", long_text)
+    text = tmp_path / "text.txt"
+    text.write_text("a" * 200)
+    result = verify(cli, tiny_export, "--tokens", floats, "--text", text)
     assert result.exit_code == 2 and "not both" in result.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    _one_error_line(verify(cli, tiny_export, "--text", empty), str(empty), "is empty")
 
 
 def test_forced_gate0_export_reports_the_cost(cli, export_copy, tiny_checkpoint, tmp_path):

@@ -26,18 +26,20 @@ def save_hf_directory(
     schedule=None,
     tokenizer_from: Path | None = None,
     max_shard_size: str | int | None = None,
+    plain: bool = False,
 ) -> Path:
-    """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file.
+    """Write a tapered model as save_pretrained does, with the `taperfold` block; atomically per file. A model with
+    no tapering (`plain`) is written as it is, without the block.
     `tokenizer_from`: a directory whose tokenizer files are copied as they are.
     Refuses, writing nothing, what load_hf_directory would refuse to read back: NaN or Inf in a parameter or
     buffer, a block out of range."""
-    tapering = tapering_of(model)
     out_dir = Path(out_dir)
     _check_finite(model, out_dir)
-    block = TaperBlock.of(tapering, step, schedule)
-    parse_block(block.to_dict(), out_dir / CONFIG, model.config.model_type)  # as it will be read back (a NaN gate
-    # or target included)
-    model.config.taperfold = block.to_dict()
+    if not plain:
+        block = TaperBlock.of(tapering_of(model), step, schedule)
+        parse_block(block.to_dict(), out_dir / CONFIG, model.config.model_type)  # as it will be read back (a NaN
+        # gate or target included)
+        model.config.taperfold = block.to_dict()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     with atomic_dir(out_dir) as tmp, no_progress_bars():
         model.save_pretrained(tmp, **kwargs)

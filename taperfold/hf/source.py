@@ -32,6 +32,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from taperfold.errors import TaperfoldError, first_line
@@ -44,6 +45,7 @@ from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads, position_table_context
 from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_recorded
+from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer
 from taperfold.hf.trace import check_family_paths, traced_family
 from taperfold.hf.weights import read_weights, to_model_names, weights_file
 from taperfold.models import assign_weights, parameters_on_meta
@@ -132,6 +134,11 @@ class HFCheckpoint(ModelSource):
     @property
     def how_to_taper(self) -> str:
         return f"`taperfold train --from {self.path} -o DIR` tapers it and fine-tunes it through the taper"
+
+    def encode_text(self, text: bytes) -> np.ndarray:
+        if self.config.tokenizer != "hf":
+            return super().encode_text(text)
+        return np.array(load_tokenizer(self.path)(text.decode("utf-8"))["input_ids"], dtype=np.int64)
 
     def hf_model(self, tapered: bool = True, gate: float | None = None):
         """The transformers model with the directory's weights (its original norms when not `tapered`). It holds the
@@ -258,7 +265,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         tapering = taper_as_recorded(expected_model, block, family, str(config_file))
     tensors, origin, stored = to_model_names(expected_model, tensors, origin)
     _check_state(path, tensors, origin, stored, expected_model, set(tapering.norms) if tapering else None)
-    tokenizer = "hf" if any((path / f).is_file() for f in TOKENIZER_FILES) else "bytes"
+    tokenizer = "hf" if has_tokenizer(path) else "bytes"
     info = HFModelInfo.from_config(
         hf_config,
         family,

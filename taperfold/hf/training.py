@@ -17,12 +17,11 @@ import torch
 from torch import nn
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import read_json_object
-from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo
 from taperfold.hf.save import save_hf_directory
 from taperfold.hf.source import CONFIG, HFCheckpoint, load_hf_directory
 from taperfold.hf.taper import taper_model, tapering_of
+from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer
 from taperfold.nn import GateSchedule
 from taperfold.taper import GateDriver
 from taperfold.train import TrainOptions, gate_schedule, load_corpus, train_through_taper
@@ -102,7 +101,7 @@ def trainer_callback(hook: TaperHook):
 class HFTrainResult:
     model: nn.Module  # the tapered transformers model, at the schedule's end (g = 0)
     tokenizer: object | None
-    schedule: GateSchedule | None  # None only for a norm kind without a gate (transformers' norms all have one)
+    schedule: GateSchedule | None  # None for a plain run (--taper none): no gate, nothing tapered
     val_loss: float
     source: Path  # the plain directory it was tapered from (its tokenizer files are copied along)
     steps: int
@@ -111,20 +110,22 @@ class HFTrainResult:
 
     @property
     def gate(self) -> float:
-        return tapering_of(self.model).gate.value
+        return tapering_of(self.model).gate.value if self.schedule is not None else 1.0
 
     @property
     def tokenizer_name(self) -> str:
         return "hf" if self.tokenizer is not None else "bytes"
 
     def save(self, out_dir: str | Path) -> Path:
-        """A tapered save_pretrained directory, with the tokenizer files of the source when it had some."""
+        """A tapered save_pretrained directory (a plain one for a plain run), with the tokenizer files of the source
+        when it had some."""
         return save_hf_directory(
             self.model,
             out_dir,
             step=self.steps,
             schedule=self.schedule,
             tokenizer_from=self.source if self.tokenizer is not None else None,
+            plain=self.schedule is None,
         )
 
 
@@ -132,23 +133,8 @@ def _tokens(folder: Path, files: list[Path] | None, opts: TrainOptions, vocab_si
     """The corpus as token ids: the directory's tokenizer when it has one, bytes otherwise."""
     raw, _ = load_corpus(files, opts.max_corpus_bytes)
     tokenizer = None
-    if any((folder / f).is_file() for f in TOKENIZER_FILES):
-        tok_config = folder / "tokenizer_config.json"
-        if tok_config.is_file() and "auto_map" in read_json_object(tok_config):
-            raise TaperfoldError(
-                f"{tok_config}: key 'auto_map' asks for the directory's own tokenizer code; "
-                "taperfold never runs code from a checkpoint"
-            )
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        try:  # tokenizer.json describes the tokenizer completely; read it as it is
-            tokenizer = (
-                PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-                if (folder / "tokenizer.json").is_file()
-                else AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
-            )
-        except Exception as e:  # noqa: BLE001 - tokenizer loaders raise many types; one line names the directory
-            raise TaperfoldError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    if has_tokenizer(folder):
+        tokenizer = load_tokenizer(folder)
         text = bytes(raw.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
         tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
         if len(tokens) < 2:
@@ -174,7 +160,8 @@ def train_hf_directory(
     on_step=None,
 ) -> HFTrainResult:
     """Taper the plain save_pretrained directory `source` and fine-tune it through the whole taper schedule
-    (taperfold.train's loop, on windows of at most 128 tokens)."""
+    (taperfold.train's loop, on windows of at most 128 tokens); `taper` "none": fine-tune it as it is, with the same
+    loop and learning rate (the baseline a tapered run is compared with)."""
     ckpt = source if isinstance(source, HFCheckpoint) else load_hf_directory(source)
     if ckpt.tapered:
         raise TaperfoldError(
@@ -184,9 +171,11 @@ def train_hf_directory(
     torch.manual_seed(opts.seed)
     hf = ckpt.hf_model(tapered=False)
     tokens, tokenizer = _tokens(ckpt.path, data_files, opts, ckpt.config.vocab_size)
-    tapering = taper_model(hf, taper, family=ckpt.family, aux=aux, where=str(ckpt.path))
-    info = HFModelInfo(**{**ckpt.config.to_dict(), "taper": taper, "aux": aux})
-    model = HFCausalLM(hf, info, tapering.family)
+    family = ckpt.family
+    if taper != "none":
+        family = taper_model(hf, taper, family=ckpt.family, aux=aux, where=str(ckpt.path)).family
+    info = HFModelInfo(**{**ckpt.config.to_dict(), "taper": taper, "aux": aux and taper != "none"})
+    model = HFCausalLM(hf, info, family)
     seq = min(opts.seq_len or 128, ckpt.config.max_seq_len)
     loop = train_through_taper(model, tokens, seq, opts, on_step)
     return HFTrainResult(

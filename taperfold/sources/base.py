@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -62,6 +63,13 @@ class ModelSource(abc.ABC):
     @abc.abstractmethod
     def build_baseline(self) -> TaperedLM:
         """The same weights with the model's own untapered norms (γ, β kept): what the paper compares with."""
+
+    def encode_text(self, text: bytes) -> np.ndarray:
+        """`text` as the model's token ids (verify --text): its bytes for a byte-level model (config.tokenizer
+        "bytes"); a kind with a tokenizer of its own encodes with it. UnicodeDecodeError where that needs UTF-8."""
+        if self.config.tokenizer != "bytes":
+            raise TaperfoldError(f"{self.path}: its {self.config.tokenizer!r} tokenizer is not one taperfold reads")
+        return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
 
     def export_context(self) -> contextlib.AbstractContextManager:
         """What to hold while the model is traced for ONNX: a kind whose modeling code torch.onnx cannot translate

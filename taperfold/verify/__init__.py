@@ -49,8 +49,9 @@ from taperfold.verify.inputs import (
     checked_ids,
     decode_cases,
     random_inputs,
+    read_text,
+    text_windows,
     tokens_from_file,
-    tokens_from_text,
 )
 from taperfold.verify.judge import Judge
 from taperfold.verify.plan import TORCH_BASELINE, PlanContext, make_plan
@@ -72,7 +73,6 @@ __all__ = [
     "decode_cases",
     "random_inputs",
     "tokens_from_file",
-    "tokens_from_text",
     "verify_export",
 ]
 
@@ -124,14 +124,20 @@ def verify_export(
     threads: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
     engine: str = GRAPH_ENGINE,
+    text: str | Path | None = None,
 ) -> VerifyReport:
     """Compare every artifact in `export_dir` with the checkpoint it came from (see the module docstring).
 
-    `inputs`: token batches (default: seeded random ones over several shapes); `tolerances`: overrides
-    {"rtol", "min_top1", "max_kl"} applied to every judged pair; `threads`: CPU threads for the torch
-    reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model run; `engine`:
-    the engine that runs the ONNX graphs (ort, or openvino); other kinds run on theirs.
+    `inputs`: token batches (default: seeded random ones over several shapes); `text`: a text file instead, encoded
+    with the checkpoint's tokenizer and cut into windows of its context (verify.inputs.text_windows). Given tokens
+    (either) are decoded too, and every pair reports the perplexity both its models give them. `tolerances`:
+    overrides {"rtol", "min_top1", "max_kl", "max_ppl_ratio"} applied to every judged pair; `threads`: CPU threads
+    for the torch reference and ONNX Runtime; `on_progress(done, total, description)` is called before each model
+    run; `engine`: the engine that runs the ONNX graphs (ort, or openvino); other kinds run on theirs.
     """
+    if inputs is not None and text is not None:
+        raise TaperfoldError("pass token batches or a text, not both")
+    text_bytes = read_text(text) if text is not None else None
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     graph_engine = ENGINES.get(engine)
@@ -142,8 +148,13 @@ def verify_export(
     ckpt = _load_reference_checkpoint(manifest)
     cfg, forced = ckpt.config, manifest.forced_gate0
     checkpoint_path, stored_gate = ckpt.path, ckpt.gate
+    if text_bytes is not None:
+        try:
+            inputs = text_windows(str(text), ckpt.encode_text(text_bytes), cfg.max_seq_len)
+        except UnicodeDecodeError as e:
+            raise TaperfoldError(f"{text}: not UTF-8 text, which the checkpoint's tokenizer reads ({e})") from None
     batches = inputs if inputs is not None else random_inputs(cfg.vocab_size, cfg.max_seq_len, seed)
-    id_arrays = [checked_ids(b, cfg.vocab_size, cfg.max_seq_len, cfg.tokenizer) for b in batches]
+    id_arrays = [checked_ids(b, cfg.vocab_size, cfg.max_seq_len) for b in batches]
 
     reference = "checkpoint@g=0" if forced else "checkpoint"
     at_gate = f"checkpoint@g={stored_gate:g}" if forced else None
@@ -170,9 +181,10 @@ def verify_export(
         reference=reference,
         at_gate=at_gate,
         engine=engine,
+        user_tokens=inputs is not None,
     )
     plan = make_plan(ctx)
-    judge = Judge(plan.pairs, given=set(overrides))
+    judge = Judge(plan.pairs, given=set(overrides), scored=plan.scored)
     torch_threads = torch.get_num_threads()
     try:
         if threads:

@@ -1,6 +1,6 @@
 """The token batches verify runs every model on: seeded random ones far from the shape the exporter traced (batch 1
 and 4, sequence 1 to the model's longest; export.TRACE_SHAPE is batch 2, sequence 8), a user's ids or text, and the
-decode cases (a prompt, then DECODE_STEPS KV-cached steps)."""
+decode cases (a prompt, then DECODE_STEPS KV-cached steps: of the user's own tokens when given)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,19 @@ from taperfold.errors import TaperfoldError
 BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
 DECODE_STEPS = 4  # KV-cached steps after each prompt, fewer where the cache holds fewer (decode_steps)
+# The user's tokens are decoded for longer: each step's logits score one more token (a genai folder's or a
+# --logits last decoder's only scored rows)
+USER_DECODE_STEPS = 64
+# A text is scored in windows of at most this many tokens (the model's context where shorter), four to a batch, and
+# at most MAX_TEXT_WINDOWS of them: 16 k tokens measure a perplexity to a fraction of a percent
+TEXT_WINDOW = 1024
+MAX_TEXT_WINDOWS = 16
 
 
 @dataclass
 class InputBatch:
     label: str  # names the batch in the report, and the file in errors
     ids: np.ndarray  # [batch, sequence] token ids
-    tokenizer: str | None = None  # set when the ids were encoded here: must match the checkpoint's
 
 
 def random_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
@@ -74,8 +80,8 @@ def _ids_from_text(path: Path) -> np.ndarray:
     return np.array(rows[0] if len(rows) == 1 else rows, dtype=object)
 
 
-def tokens_from_text(path: str | Path) -> list[InputBatch]:
-    """A text file encoded with taperfold's byte-level tokenizer (its UTF-8 bytes), as one sequence."""
+def read_text(path: str | Path) -> bytes:
+    """A text file's bytes (--text), or one line naming it."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -83,15 +89,31 @@ def tokens_from_text(path: str | Path) -> list[InputBatch]:
         raise TaperfoldError(f"{path}: cannot read text file ({e.strerror or e})") from None
     if not data:
         raise TaperfoldError(f"{path}: is empty")
-    return [InputBatch(str(path), np.frombuffer(data, dtype=np.uint8).astype(np.int64)[None, :], tokenizer="bytes")]
+    return data
 
 
-def checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer: str) -> np.ndarray:
-    if batch.tokenizer is not None and batch.tokenizer != tokenizer:
-        raise TaperfoldError(
-            f"{batch.label}: encoded with the {batch.tokenizer!r} tokenizer, but the checkpoint "
-            f"uses {tokenizer!r}; pass token ids with --tokens"
-        )
+def text_windows(label: str, ids: np.ndarray, max_seq_len: int) -> list[InputBatch]:
+    """A text's token ids cut into windows of the model's context (at most TEXT_WINDOW tokens), four to a batch, at
+    most MAX_TEXT_WINDOWS; a text shorter than one window is one sequence, and a shorter last window its own batch."""
+    window = min(max_seq_len, TEXT_WINDOW)
+    if len(ids) < 2:
+        raise TaperfoldError(f"{label}: encodes to {len(ids)} token(s); a text needs 2 or more")
+    starts = list(range(0, len(ids), window))[:MAX_TEXT_WINDOWS]
+    pieces = [ids[start : start + window] for start in starts]
+    full = [p for p in pieces if len(p) == window]
+    groups = [full[i : i + max(BATCH_SIZES)] for i in range(0, len(full), max(BATCH_SIZES))]
+    groups += [[p] for p in pieces if len(p) < window and len(p) >= 2]
+    used = sum(len(p) for group in groups for p in group)
+    of = f" of {len(ids)}" if used < len(ids) else ""
+    batches, first = [], 0
+    for group in groups:
+        tokens = f"tokens {first}-{first + sum(len(p) for p in group) - 1}{of}" if len(groups) > 1 or of else ""
+        batches.append(InputBatch(f"{label} {tokens}".strip(), np.stack(group).astype(np.int64)))
+        first += sum(len(p) for p in group)
+    return batches
+
+
+def checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int) -> np.ndarray:
     ids = batch.ids
     if ids.ndim != 2 or ids.size == 0:
         raise TaperfoldError(
@@ -111,10 +133,22 @@ def checked_ids(batch: InputBatch, vocab_size: int, max_seq_len: int, tokenizer:
     return ids.astype(np.int64)
 
 
-def decode_steps(max_seq_len: int) -> int:
-    """The KV-cached steps a decode case takes in a context (or static cache) of `max_seq_len` positions:
-    DECODE_STEPS, or half a cache too short for them and a prompt (export --max-cache 4: a 2-token prompt, 2 steps)."""
-    return min(DECODE_STEPS, max_seq_len // 2)
+def decode_steps(max_seq_len: int, wanted: int = DECODE_STEPS) -> int:
+    """The KV-cached steps a decode case takes in a context (or static cache) of `max_seq_len` positions: `wanted`,
+    or half a cache too short for them and a prompt (export --max-cache 4: a 2-token prompt, 2 steps)."""
+    return min(wanted, max_seq_len // 2)
+
+
+def next_token_ids(ids: np.ndarray, end: int, logits_shape: tuple[int, ...]) -> np.ndarray:
+    """The token each row of a call's logits predicts: `ids` [batch, sequence] the call's tokens and those after,
+    `end` the number of them fed so far, the logits [batch, vocab] (the last position) or [batch, positions, vocab]
+    (the last `positions`); -1 where the token lies past `ids`. Row-major, as the logits' rows."""
+    positions = 1 if len(logits_shape) == 2 else logits_shape[1]
+    following = np.arange(end - positions, end) + 1  # the index of the token each position predicts
+    known = following < ids.shape[1]
+    out = np.full((ids.shape[0], positions), -1, dtype=np.int64)
+    out[:, known] = ids[:, following[known]]
+    return out.reshape(-1)
 
 
 def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:

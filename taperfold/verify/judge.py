@@ -5,19 +5,23 @@ keeps only the logits a pair still waits for, and pools each pair's metrics over
 A pair of two graphs (unfolded -> folded, baseline-decomposed -> baseline) is judged after its `anchor`, the pair
 holding its first graph to the torch model: that graph's own distance from the torch model may widen its bound
 (compare.between_graphs), unless the user set the bound.
+
+On the user's own tokens (`scored` cases) each row of logits whose next token is known is scored too: both models'
+negative log-likelihood of it, pooled into their perplexities (compare.Metrics).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from taperfold.compare import Metrics, between_graphs, compare_logits, violations
+from taperfold.verify.inputs import next_token_ids
 from taperfold.verify.report import PairResult
-from taperfold.verify.run import ModelOutputs
+from taperfold.verify.run import Case, ModelOutputs
 
 
 @dataclass
@@ -39,9 +43,10 @@ class Judge:
     """Compares pairs as their models' outputs arrive (`take`), then concludes them (`results`). `given`: the bounds
     the user set (rtol, max_kl), never widened."""
 
-    def __init__(self, pairs: list[PlannedPair], given: Collection[str] = ()):
+    def __init__(self, pairs: list[PlannedPair], given: Collection[str] = (), scored: Mapping[str, Case] | None = None):
         self.pairs = pairs
         self.given = given
+        self.scored = scored or {}  # the cases of the user's tokens, by label: their next tokens are known
         self._waiting = [p for p in pairs if p.result.status != "skipped"]
         self._logits: dict[tuple[str, str], list[np.ndarray]] = {}
         self._by_name = {p.result.name: p for p in pairs}
@@ -84,17 +89,25 @@ class Judge:
         for case in pair.cases:
             references = self._logits[(result.reference, case)]
             candidates = self._logits[(result.candidate, case)]
+            scored = self.scored.get(case)
+            ends = scored.ends(len(references)) if scored else []
             for step, (reference, candidate) in enumerate(zip(references, candidates)):
                 label = case if len(references) == 1 else f"{case} {'prompt' if step == 0 else f'step {step}'}"
-                _compare_one(result, label, reference, candidate, pair.metrics)
+                next_ids = next_token_ids(scored.ids, ends[step], reference.shape) if scored else None
+                _compare_one(result, label, reference, candidate, pair.metrics, next_ids)
 
 
 def _compare_one(
-    pair: PairResult, label: str, reference: np.ndarray, candidate: np.ndarray, collected: list[Metrics]
+    pair: PairResult,
+    label: str,
+    reference: np.ndarray,
+    candidate: np.ndarray,
+    collected: list[Metrics],
+    next_ids: np.ndarray | None = None,
 ) -> None:
     rtol = pair.tolerance.tie_margin if pair.tolerance else 0.0
     try:
-        metrics = compare_logits(reference, candidate, rtol)
+        metrics = compare_logits(reference, candidate, rtol, next_ids)
     except ValueError as e:  # shapes differ: the export is broken for this input
         pair.status, pair.reason = "fail", f"{e} on input {label}"
         pair.per_input.append({"input": label, "metrics": None, "violations": [str(e)]})

@@ -6,8 +6,9 @@ Every artifact the manifest records is verified as its kind says (taperfold.arti
   ONNX Runtime, TensorRT plans on TensorRT), and is held to its variant's torch model: the checkpoint for the tapered
   variants (at g = 0 when the export forced it), the checkpoint with plain norms for the baselines. A prefill graph
   runs the input batches; a decoder graph decodes the decode cases (a growing decoder and a static one alike, against
-  the torch model decoding with a growing cache). Where its engine cannot run here (no TensorRT, no GPU), a bf16
-  decoder (numpy cannot feed it) or a cache too short for a case, the pair is skipped with the reason;
+  the torch model decoding with a growing cache; the decode cases are the user's own tokens when given). Where its
+  engine cannot run here (no TensorRT, no GPU), a bf16 decoder (numpy cannot feed it) or a cache too short for a
+  case, the pair is skipped with the reason;
 - a CHECKED kind is checked by the kind itself.
 
 And three pairs that isolate one step: unfolded -> folded (the fold alone), baseline-decomposed -> baseline (the
@@ -42,7 +43,7 @@ from taperfold.exportdir import (
     Graph,
 )
 from taperfold.manifest import Manifest
-from taperfold.verify.inputs import InputBatch, decode_cases, decode_steps
+from taperfold.verify.inputs import USER_DECODE_STEPS, InputBatch, decode_cases, decode_steps
 from taperfold.verify.judge import PlannedPair
 from taperfold.verify.report import CHECK, COST, EXPORT, FOLD, FUSE, PairResult
 from taperfold.verify.run import Case, ModelRun
@@ -58,6 +59,7 @@ class Plan:
     pairs: list[PlannedPair]
     models: list[ModelRun]  # in the order they run
     checked: list[PairResult] = field(default_factory=list)  # CHECKED kinds, judged when the plan was made
+    scored: dict[str, Case] = field(default_factory=dict)  # the cases of the user's tokens, by label (perplexity)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class PlanContext:
     reference: str  # the checkpoint's torch model: "checkpoint", or "checkpoint@g=0" for a forced export
     at_gate: str | None  # the checkpoint at its stored gate (a forced export), or None
     engine: str = "ort"  # the engine of the kind it runs (the ONNX graphs); other kinds run on their first engine
+    user_tokens: bool = False  # the batches are the user's text or tokens (not random): decode them, score them
 
     def engine_of(self, kind: str) -> Engine | None:
         """The engine that runs artifacts of `kind` here, or None where none does."""
@@ -103,7 +106,7 @@ def make_plan(ctx: PlanContext) -> Plan:
     pairs: list[PlannedPair] = []
     checked: list[PairResult] = []
     runs: dict[tuple[str, str], ModelRun] = {}  # (model name, graph) -> its run, cases added as pairs need them
-    prefill_cases = [Case(batch.label, ids) for batch, ids in ctx.batches]
+    prefill_cases = [Case(batch.label, ids, scored=ctx.user_tokens) for batch, ids in ctx.batches]
     manifest = ctx.manifest
 
     def graph_run(record: ArtifactRecord, engine_name: str, cases: list[Case]) -> None:
@@ -136,7 +139,7 @@ def make_plan(ctx: PlanContext) -> Plan:
                 ctx.cfg,
             )
         known = {c.label for c in run.cases}  # torch decodes every case with a growing cache
-        run.cases += [Case(c.label, c.ids, c.decode, c.steps) for c in cases if c.label not in known]
+        run.cases += [Case(c.label, c.ids, c.decode, c.steps, scored=c.scored) for c in cases if c.label not in known]
 
     for record in sorted(manifest.records(), key=_report_order):
         if not is_registered(record.kind):
@@ -176,7 +179,8 @@ def make_plan(ctx: PlanContext) -> Plan:
 
     pairs = _with_step_pairs(ctx, pairs, prefill_cases, torch_cases)
     models = _run_order(list(runs.values()), ctx)
-    return Plan(pairs, models, checked)
+    scored = {case.label: case for run in models for case in run.cases if case.scored}
+    return Plan(pairs, models, checked, scored)
 
 
 def _report_order(record: ArtifactRecord) -> tuple[int, int, int]:
@@ -185,10 +189,20 @@ def _report_order(record: ArtifactRecord) -> tuple[int, int, int]:
 
 
 def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
-    """The decode cases of a decoder graph: for a static one, those that fit its cache."""
+    """The decode cases of a decoder graph: the user's tokens (as much of each batch as its cache holds), or random
+    ones that fit its cache."""
     cfg = ctx.cfg
     cache_len = None if record.graph == GROWING else (ctx.manifest.max_cache or cfg.max_seq_len)
     length = cache_len or cfg.max_seq_len
+    if ctx.user_tokens:
+        cases = []
+        for batch, ids in ctx.batches:
+            ids = ids[:, :length]
+            steps = decode_steps(ids.shape[1], USER_DECODE_STEPS)
+            if steps:
+                label = f"decode {batch.label} {ids.shape[0]}x{ids.shape[1] - steps}+{steps}"
+                cases.append(Case(label, ids, decode=True, steps=steps, cache_len=cache_len, scored=True))
+        return cases
     steps = decode_steps(length)
     return [
         Case(c.label, c.ids, decode=True, steps=steps, cache_len=cache_len)

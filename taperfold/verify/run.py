@@ -30,6 +30,13 @@ class Case:
     decode: bool = False
     steps: int = 0  # a decode case's KV-cached steps
     cache_len: int | None = None  # a static decoder's cache length; None: a growing cache (or a prefill)
+    scored: bool = False  # the ids are the user's text or tokens: each known next token is scored for perplexity
+
+    def ends(self, calls: int) -> list[int]:
+        """How many of `ids`' columns had been fed when each of `calls` calls returned its logits: a prefill's one
+        call all of them; a decode case's prompt, then one more per step."""
+        prompt = self.ids.shape[1] - self.steps
+        return [prompt + k for k in range(calls)] if self.decode else [self.ids.shape[1]] * calls
 
 
 @dataclass
