@@ -163,15 +163,16 @@ UNLISTED = ("cohere", "persimmon", "starcoder2", "olmoe", "granitemoe", "gpt_oss
             "gemma4_text", "minicpm3", "nemotron")
 
 
-def tapered_tiny_model(model_type: str):
-    """A tiny Internal-Taper model at g = 0 with norm parameters away from their defaults (no training needed)."""
+def tapered_tiny_model(model_type: str, **changes):
+    """A tiny Internal-Taper model at g = 0 with norm parameters away from their defaults (no training needed);
+    `changes` set on its tiny config."""
     import torch
     import transformers
 
     from taperfold.hf import taper_model
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **changes)).eval()
     tapering = taper_model(model, "internal")
     with torch.no_grad():
         for norm in tapering.norms.values():

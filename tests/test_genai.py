@@ -399,3 +399,23 @@ def test_builder_route_refuses_a_source_the_builder_does_not_read(genai_export, 
     result = run_cli("export", ckpt, "-o", tmp_path / "out", "--genai", "--genai-route", "builder")
     one_line(result, "builder reads a Hugging Face directory", "--genai-route traced")
     assert not (tmp_path / "out").exists()
+
+
+def test_builder_route_takes_a_byte_level_directory_and_gives_its_folder_a_byte_tokenizer(tmp_path):
+    """A directory with no tokenizer (taperfold's byte-level models, `train --from` of one): the builder needs a
+    tokenizer, so the plain directory it reads gets the byte tokenizer, and genai's own Tokenizer in the folder encodes
+    text to its bytes."""
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    config = dict(hidden_size=64, intermediate_size=128, head_dim=16)  # GQA on the CPU: head size 16
+    source = save_hf_directory(tapered_tiny_model("llama", **config), tmp_path / "tapered")
+    assert not any(p.name.startswith("tokenizer") for p in source.iterdir())
+    result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--no-baseline", "--genai-route", "builder")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "out" / "genai" / "folded"
+    assert transformers and (folder / "tokenizer.json").is_file()
+    text = "héllo, wörld\n\t€"
+    assert og.Tokenizer(og.Model(str(folder))).encode(text).tolist() == list(text.encode())

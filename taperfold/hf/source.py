@@ -45,7 +45,7 @@ from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.model import HFCausalLM, HFModelInfo, cached_heads, position_table_context
 from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_recorded
-from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer
+from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer, save_byte_tokenizer
 from taperfold.hf.trace import check_family_paths, traced_family
 from taperfold.hf.weights import read_weights, to_model_names, weights_file
 from taperfold.models import assign_weights, parameters_on_meta
@@ -171,7 +171,8 @@ class HFCheckpoint(ModelSource):
 
     def write_plain_directory(self, out: Path, replace: dict[str, torch.Tensor] | None = None) -> None:
         """save_pretrained of the directory's plain model (its own norms, no taperfold block), with `replace`'s
-        tensors in place of the parameters they name, and the directory's generation config and tokenizer files."""
+        tensors in place of the parameters they name, and the directory's generation config and tokenizer files (a
+        byte-level model without any: its byte tokenizer, which onnxruntime-genai's builder needs)."""
         model = self.hf_model(tapered=False)
         state = model.state_dict()
         for name, tensor in (replace or {}).items():
@@ -187,6 +188,8 @@ class HFCheckpoint(ModelSource):
         for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
             if (self.path / name).is_file():
                 shutil.copyfile(self.path / name, out / name)
+        if self.config.tokenizer == "bytes":
+            save_byte_tokenizer(out)
 
     def manifest_block(self) -> dict:
         return {

@@ -31,3 +31,19 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - tokenizer loaders raise many types; one line names the directory
         raise TaperfoldError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """A tokenizer of a byte-level model (token id = byte value, taperfold's "bytes" tokenizer) as transformers saves
+    one, for tools that need a tokenizer beside the weights (onnxruntime-genai's builder and its Tokenizer): byte-level
+    BPE with no merges, each byte one token, spelled with GPT-2's printable stand-ins for bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    spelling = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tokenizer = Tokenizer(models.BPE({spelling[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
