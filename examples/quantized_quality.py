@@ -3,8 +3,8 @@ the same way (docs/benchmarks.md).
 
     python examples/quantized_quality.py [--workdir runs/quantized-quality] [--steps 600] [--threads 2]
 
-Builds a small byte-level Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, SwiGLU 768, context 256, vocab 256;
-random initialisation, nothing downloaded), then trains it twice on the Python standard library's sources (taperfold
+Builds a small byte-level Llama (hidden 192, 4 layers, 6 heads / 2 KV heads, SwiGLU 512, context 256, vocab 256;
+random initialisation, nothing downloaded; hidden 256 would put it past the builder, see docs/deployment.md), then trains it twice on the Python standard library's sources (taperfold
 train's default corpus, its first 4 MB) with the same loop, data order and learning rate: through the taper
 (Internal-Taper, +aux) and plain (--taper none). Each is exported with --genai --quantize int4,int8 (the builder route:
 onnxruntime-genai's builder makes the decoders, MatMulNBits blocks of 32) and verified on held-out text (the standard
@@ -24,11 +24,11 @@ from pathlib import Path
 
 SHAPE = dict(
     vocab_size=256,
-    hidden_size=256,
-    intermediate_size=768,
+    hidden_size=192,
+    intermediate_size=512,
     num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
     max_position_embeddings=256,
     tie_word_embeddings=True,
     bos_token_id=1,

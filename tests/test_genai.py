@@ -419,3 +419,21 @@ def test_builder_route_takes_a_byte_level_directory_and_gives_its_folder_a_byte_
     assert transformers and (folder / "tokenizer.json").is_file()
     text = "héllo, wörld\n\t€"
     assert og.Tokenizer(og.Model(str(folder))).encode(text).tolist() == list(text.encode())
+
+
+def test_builder_route_refuses_a_model_with_a_linear_layer_as_wide_as_the_vocabulary(tmp_path):
+    """onnxruntime-genai 0.18's builder takes every linear layer with vocab_size outputs for the LM head: a byte-level
+    model of hidden size 256 (q_proj 256 -> 256) came out wrong at every length (verify caught it). The builder route
+    refuses it in one line; auto takes the traced route instead."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    model = tapered_tiny_model("llama", hidden_size=256, intermediate_size=64, head_dim=64)
+    source = save_hf_directory(model, tmp_path / "tapered")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--genai-route", "builder")
+    one_line(result, "model.layers.0.self_attn.q_proj has vocab_size (256) outputs", "--genai-route traced")
+    assert not (tmp_path / "out").exists()
+    result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--no-baseline")
+    assert result.exit_code == 0, result.stderr
+    assert {r.details["route"] for r in read_manifest(tmp_path / "out").records("genai")} == {"traced"}

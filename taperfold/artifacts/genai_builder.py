@@ -69,6 +69,14 @@ def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
             f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
             "needs on the CPU; use --genai-route traced"
         )
+    vocab_wide = [
+        name for name, m in tapered.network.named_modules() if _linear_with_outputs(m, tapered.cfg.vocab_size)
+    ]
+    if len(vocab_wide) > 1:  # onnxruntime-genai 0.18's builder: every such layer is its LM head, the last one wins
+        raise NotBuildable(
+            f"{origin}: {vocab_wide[0]} has vocab_size ({tapered.cfg.vocab_size}) outputs, and the builder takes every "
+            "linear layer of that width for the LM head (its graph would be wrong); use --genai-route traced"
+        )
     scales = {}
     for path, norm in tapering.norms.items():
         prefix = node_prefix(path)
@@ -80,6 +88,10 @@ def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
             )
         scales[prefix] = constant.scale.detach()
     return scales
+
+
+def _linear_with_outputs(module: torch.nn.Module, width: int) -> bool:
+    return isinstance(module, torch.nn.Linear) and module.out_features == width
 
 
 class BuilderRoute:
