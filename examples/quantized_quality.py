@@ -3,7 +3,7 @@ the same way (docs/benchmarks.md).
 
     python examples/quantized_quality.py [--workdir runs/quantized-quality] [--steps 600] [--threads 2]
 
-Builds a small byte-level Llama (hidden 192, 4 layers, 6 heads / 2 KV heads, SwiGLU 512, context 256, vocab 256;
+Builds a small byte-level Llama (hidden 192, 4 layers, 6 heads / 2 KV heads, SwiGLU 512, context 128, vocab 256;
 random initialisation, nothing downloaded; hidden 256 would put it past the builder, see docs/deployment.md), then trains it twice on the Python standard library's sources (taperfold
 train's default corpus, its first 4 MB) with the same loop, data order and learning rate: through the taper
 (Internal-Taper, +aux) and plain (--taper none). Each is exported with --genai --quantize int4,int8 (the builder route:
@@ -29,7 +29,7 @@ SHAPE = dict(
     num_hidden_layers=4,
     num_attention_heads=6,
     num_key_value_heads=2,
-    max_position_embeddings=256,
+    max_position_embeddings=128,  # the length it trains at: verify's windows stay within it
     tie_word_embeddings=True,
     bos_token_id=1,
     eos_token_id=2,
@@ -70,12 +70,16 @@ def table(reports: dict[str, Path]) -> None:
     for model, path in reports.items():
         for pair in json.loads(path.read_text())["pairs"]:
             m = pair["metrics"]
-            if pair["kind"] != "export" or not m or not m["scored"]:
+            quantized = any(f".{precision}" in pair["candidate"] for precision in ("int4", "int8"))
+            if pair["kind"] != "export" or not m or not (m["scored"] or quantized):
                 continue
-            ref, cand = math.exp(m["nll_reference"]), math.exp(m["nll_candidate"])
+            perplexity, ratio = "", ""  # a prefill graph of last-position logits scores no token
+            if m["scored"]:
+                ref, cand = math.exp(m["nll_reference"]), math.exp(m["nll_candidate"])
+                perplexity, ratio = f"{ref:.4f} -> {cand:.4f}", f"{cand / ref:.4f}"
             print(
                 f"| {model} | {pair['candidate']} | {m['top1']:.4f} | {m['top1_decisive']:.4f} | {m['kl']:.3g} | "
-                f"{ref:.4f} -> {cand:.4f} | {cand / ref:.4f} | {m['scored']} |"
+                f"{perplexity} | {ratio} | {m['scored']} |"
             )
 
 

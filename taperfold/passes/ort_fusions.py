@@ -7,6 +7,14 @@ SkipSimplifiedLayerNormalization, RoPE as RotaryEmbedding, GELU. TensorRT's pars
 runs it for the ONNX Runtime target only. What it fused is read from the graph, not from the rules' counts: a rule
 that matched can be undone by a later one that did not (onnxscript inlines what no fusion consumed).
 
+onnxscript's GroupQueryAttention rule matches only genai's layout (a mask built from a model input named
+attention_mask, the rotary of transformers 4), so on taperfold's graphs its fusions end at MultiHeadAttention over
+K/V repeated to every query head (Unsqueeze, Expand, Reshape). One rule of taperfold's own goes on from there
+(`MhaToGqa`): such an attention under a plain causal mask becomes GroupQueryAttention, which reads the KV heads as
+they are and writes the cache (present.*) itself. ONNX Runtime's CPU kernel then refuses a call of batch > 1 with
+more than one new token and a past (a chunked prefill of a batch); a prompt with an empty past and single-token
+steps, what generation runs, are unrestricted.
+
 At opset 23 the exporter writes ONNX's own Attention, RMSNormalization and RotaryEmbedding, which ONNX Runtime runs
 as fused kernels and onnxscript's rules do not take: the pass leaves such a graph as it is.
 """
@@ -15,7 +23,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.rewriter import pattern
 
 from taperfold.opsets import FUSING_OPSET
 
@@ -43,6 +54,107 @@ class OrtFusionsPass(ir.passes.InPlacePass):
 
         before = contrib_ops(model)
         optimize_for_ort(model)  # in place
+        if pattern.RewriteRuleSet([_MHA_TO_GQA, _MHA_TO_GQA_NO_PAST]).apply_to_model(model):
+            common_passes.RemoveUnusedNodesPass()(model)  # the causal mask the attention built is read no more
         after = contrib_ops(model)
         self.fused = {op: n - before[op] for op, n in sorted(after.items()) if n > before[op]}
         return ir.passes.PassResult(model, modified=True)
+
+
+def _repeated_to_query_heads(op, kv_heads_bhsd):
+    """repeat_kv as the exporter writes it, then MultiHeadAttention's [B, S, H*D] layout."""
+    repeated = op.Reshape(op.Expand(op.Unsqueeze(kv_heads_bhsd, [2]), pattern.ANY_VALUE), pattern.ANY_VALUE)
+    return op.Reshape(op.Transpose(repeated, perm=[0, 2, 1, 3]), pattern.ANY_VALUE)
+
+
+class MhaToGqa(pattern.RewriteRuleClassBase):
+    """MultiHeadAttention over K/V repeated to every query head, under a plain causal mask -> GroupQueryAttention
+    on the KV heads, with the cache (the Concat of past and new K/V, `present.*`) written by it. `with_past`: the
+    decoder's form (a past to extend); else a prefill graph's."""
+
+    def __init__(self, with_past: bool):
+        super().__init__(f"MhaOverRepeatedKvToGqa{'' if with_past else 'NoPast'}")
+        self.with_past = with_past
+
+    def pattern(self, op, query, key, value, mask, past_key, past_value):
+        keys = op.Concat(past_key, key, axis=-2) if self.with_past else key
+        values = op.Concat(past_value, value, axis=-2) if self.with_past else value
+        attention = op.MultiHeadAttention(
+            query,
+            _repeated_to_query_heads(op, keys),
+            _repeated_to_query_heads(op, values),
+            None,  # bias
+            None,  # key padding mask
+            mask,
+            num_heads=pattern.AttrVar("num_heads"),
+            scale=pattern.AttrVar("scale", can_match_none=True),
+            _domain=CONTRIB_DOMAIN,
+        )
+        return (attention, keys, values) if self.with_past else attention
+
+    def check(self, op, *args, **bound) -> pattern.MatchResult:  # type: ignore[name-defined]
+        result, key, mask = pattern.MatchResult(), bound["key"], bound["mask"]
+        shape = key.shape
+        if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            return result.fail("key is not [batch, KV heads, sequence, head size] with known heads and size", key)
+        why = _not_plain_causal(mask)
+        return result.fail(why, mask) if why else result
+
+    def rewrite(self, op, query, key, value, num_heads, past_key=None, past_value=None, scale=None, **_):
+        flat = op.Constant(value_ints=[0, 0, -1])
+        key_bsd = op.Reshape(op.Transpose(key, perm=[0, 2, 1, 3]), flat)
+        value_bsd = op.Reshape(op.Transpose(value, perm=[0, 2, 1, 3]), flat)
+        total = op.Shape(query, start=1, end=2)  # every row attends to all it has: past + new tokens
+        if self.with_past:
+            total = op.Add(op.Shape(past_key, start=2, end=3), total)
+        total = op.Cast(total, to=ir.DataType.INT32)
+        last = op.Sub(total, op.Constant(value=ir.tensor(np.array([1], dtype=np.int32))))
+        seqlens_k = op.Expand(last, op.Shape(query, start=0, end=1))  # the last position of each row
+        total_scalar = op.Squeeze(total, op.Constant(value_ints=[0]))
+        attributes = {"num_heads": num_heads.value, "kv_num_heads": key.shape[1]}
+        if scale is not None:
+            attributes["scale"] = scale.value
+        outputs = op.GroupQueryAttention(
+            query, key_bsd, value_bsd, past_key, past_value, seqlens_k, total_scalar,
+            **attributes, _domain=CONTRIB_DOMAIN, _outputs=3,
+        )  # fmt: skip
+        return outputs if self.with_past else outputs[0]
+
+
+def _not_plain_causal(mask: ir.Value) -> str | None:
+    """Why `mask` (an additive attention bias) is not the plain causal one the exporter writes, key position <= query
+    position and nothing else (no window, no padding): Where(LessOrEqual(keys, queries), 0, very negative), broadcast
+    by Expands. None when it is."""
+    node = _through_expands(mask)
+    if node is None or node.op_type != "Where":
+        return "the mask is not a Where of a comparison"
+    allowed, blocked = (_constant(v) for v in node.inputs[1:])
+    if allowed is None or blocked is None or np.any(allowed != 0) or np.any(blocked > -1e30):
+        return "the mask's Where does not choose between 0 and a very negative constant"
+    compare = _through_expands(node.inputs[0])
+    if compare is None or compare.op_type != "LessOrEqual":
+        return "the mask's condition is not key position <= query position alone (a window, padding, ...)"
+    keys, queries = compare.inputs
+    if keys is None or queries is None or keys.shape is None or queries.shape is None:
+        return "the mask's positions have no known shapes"
+    if keys.shape[-1] == 1 or queries.shape[-1] != 1:  # keys along the last axis, queries along the one before
+        return "the mask does not compare key positions (columns) with query positions (rows)"
+    return None
+
+
+def _through_expands(value: ir.Value | None) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type == "Expand" and node.domain == "":
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
+
+
+_MHA_TO_GQA = MhaToGqa.rule(with_past=True)
+_MHA_TO_GQA_NO_PAST = MhaToGqa.rule(with_past=False)
