@@ -371,6 +371,12 @@ def inspect(checkpoint, as_json):
     "MultiHeadAttention, SkipSimplifiedLayerNormalization, ...), baseline-decomposed aside; --target ort only "
     "(docs/deployment.md).",
 )
+@click.option(
+    "--trace-every-layer",
+    is_flag=True,
+    help="Trace each decoder layer. By default a model whose layers are alike is traced from its first three "
+    "and the others are stamped out from them (docs/design.md, section Tracing).",
+)
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
 @click.option(
     "--trt-seq", metavar="MIN/OPT/MAX", help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]"
@@ -396,6 +402,7 @@ def export(
     baseline,
     fuse_projections,
     ort_fusions,
+    trace_every_layer,
     trt_batch,
     trt_seq,
     as_json,
@@ -432,6 +439,7 @@ def export(
         baseline=baseline,
         fuse_projections=fuse_projections,
         ort_fusions=ort_fusions,
+        stamp_layers=not trace_every_layer,
         artifacts=artifacts,
     )
     check_options(opts)

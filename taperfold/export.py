@@ -78,6 +78,7 @@ from taperfold.exportdir import (
     torch_dtype,
 )
 from taperfold.fsutil import atomic_dir
+from taperfold.layer_trace import MIN_LAYERS, few_layer_model, why_trace_every_layer
 from taperfold.manifest import Manifest, new_manifest, read_manifest
 from taperfold.nn import TaperedNorm
 from taperfold.norms import is_norm_module, norm_kinds, tapered_kind
@@ -94,6 +95,7 @@ from taperfold.passes.cleanup import check
 from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
 from taperfold.passes.ort_fusions import OrtFusionsPass
 from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
+from taperfold.passes.stamp_layers import TRACED, StampLayersPass, StampRefused
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 from taperfold.traced_lengths import check_lengths
@@ -137,6 +139,8 @@ class ExportOptions:
     # every graph but baseline-decomposed (its norms stay written out): ONNX Runtime's own LLM fusions, last
     # (passes/ort_fusions.py); for the ONNX Runtime target only
     ort_fusions: bool = False
+    # trace three decoder layers and stamp out the others where the layers are alike (taperfold.layer_trace)
+    stamp_layers: bool = True
     # artifacts built from the graphs once they are written: kind name -> that kind's options (taperfold.artifacts),
     # e.g. {"tensorrt-plan": {"batch": "1/4/8"}} for `export --trt`
     artifacts: dict[str, dict] = field(default_factory=dict)
@@ -364,6 +368,46 @@ def _export_any_attention(
                 raise ExporterFailed(f"{failed}; with eager attention: {again}") from None
 
 
+@dataclass(frozen=True)
+class HowTraced:
+    """How a graph was traced, where the manifest says so: with eager attention (why), or three of its layers."""
+
+    eager_attention: str | None = None  # why the trace took the plain MatMul and Softmax form (None: it did not)
+    traced_layers: int | None = None  # layers traced, the others stamped out from them (None: every layer traced)
+
+    def details(self) -> dict:
+        return {
+            **({"eager_attention": self.eager_attention} if self.eager_attention else {}),
+            **({"traced_layers": self.traced_layers} if self.traced_layers else {}),
+        }
+
+
+def _trace(
+    model: TaperedLM, opts: ExportOptions, graph: Graph, opset: int, name: str, on_stage, clock: StageClock
+) -> tuple[ir.Model, HowTraced]:
+    """Graph `graph` of `model`: traced from its first three layers and the rest stamped out where its layers are alike
+    (taperfold.layer_trace, passes/stamp_layers.py; the stage says so, and why not where they differ), else traced
+    whole."""
+    why = why_trace_every_layer(model) if opts.stamp_layers else "--trace-every-layer"
+    if why is None:
+        scope = ("" if graph == PREFILL else _Decoder.prefix) + str(model.layers_path)
+        few, layers = few_layer_model(model, scope)
+        with clock("torch_export_s"):
+            model_ir, eager = _export_any_attention(few, opts, graph, opset, name, on_stage)
+        try:
+            with clock("stamp_layers_s"):
+                StampLayersPass(layers)(model_ir)
+            on_stage(f"{name}: traced {TRACED} of {layers.count} layers, the others stamped out from them")
+            return model_ir, HowTraced(eager, TRACED)
+        except StampRefused as refused:
+            why = str(refused)
+    if model.cfg.n_layers >= MIN_LAYERS:
+        on_stage(f"{name}: tracing every layer ({why})")
+    with clock("torch_export_s"):
+        model_ir, eager = _export_any_attention(model, opts, graph, opset, name, on_stage)
+    return model_ir, HowTraced(eager)
+
+
 def _check_dynamic(model: ir.Model, ids: torch.Tensor) -> None:
     """The graph takes any batch and sequence length: where the model's code branches on a length (Qwen3-Next's
     chunked linear attention), torch.export fixes it to the traced one instead of failing, and the graph would run on
@@ -567,11 +611,11 @@ def graph_details(
     choice: OpsetChoice,
     passes: GraphPasses | None,
     projections: dict | None,
-    eager_attention: str | None = None,
+    traced: HowTraced | None = None,
 ) -> dict:
     """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
-    norms export fused, its fused projections (None: not asked for), ONNX Runtime's fusions (where they ran) and why
-    it was traced with eager attention (where it was)."""
+    norms export fused, its fused projections (None: not asked for), ONNX Runtime's fusions (where they ran), and how
+    it was traced where that differs from the plain trace of every layer."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
     return {
         **choice.to_dict(),
@@ -580,7 +624,7 @@ def graph_details(
         "projections": projections,
         # only where they ran: a manifest without the option reads as before it existed
         **({"ort_fusions": passes.ort_fused} if passes and passes.ort_fused is not None else {}),
-        **({"eager_attention": eager_attention} if eager_attention else {}),
+        **(traced.details() if traced else {}),
     }
 
 
@@ -631,15 +675,14 @@ def export_graphs(
             if variant == BASELINE and derived:
                 continue
             on_stage(f"exporting {name} (opset {choice.opset})")
-            with clock("torch_export_s"):
-                model_ir, eager = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
-                if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
-                    choice = fallback  # and for the rest of this group: every variant shares the RoPE
-                    on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
-                    model_ir, eager = _export_any_attention(model, opts, graph, choice.opset, name, on_stage)
+            model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
+            if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
+                choice = fallback  # and for the rest of this group: every variant shares the RoPE
+                on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
+                model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
             prefix = _network_prefix(model, graph)
             if variant == BASELINE:
-                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix, eager)
+                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix, traced)
                 continue
             # written aside first: the folded graph is made from the unfolded one in place, and the unfolded
             # graph then read back (its weights lazily) for its own passes; two copies are never held
@@ -653,7 +696,7 @@ def export_graphs(
                     restore(baseline_ir)
                 if not restore.missing:
                     on_stage(f"{graph_key(BASELINE, graph)}: made from {name}, its norms restored (no trace)")
-                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix, eager)
+                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix, traced)
                     for record in records:
                         record.built_from = name
                     out.records += records
@@ -666,14 +709,14 @@ def export_graphs(
             folding.run(model_ir, clock)
             assert folding.fold is not None
             report = _network_names(folding.fold.to_json(), prefix)
-            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix), eager)
+            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix), traced)
             with clock("write_s"):
                 folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)
             folded.built_from, folded.reports["fold"] = name, report
             unfolded_ir = _load(staged)
             passes = graph_passes(opts)
             passes.run(unfolded_ir, clock)
-            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix), eager)
+            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix), traced)
             with clock("write_s"):
                 unfolded = ONNX_GRAPH.write(unfolded_ir, folder, UNFOLDED, graph, opts.dtype, details)
                 for path in (staged, staged.with_name(staged.name + ".data")):
@@ -765,10 +808,10 @@ def _write_baselines(
     opts: ExportOptions,
     clock: StageClock,
     prefix: str,
-    eager_attention: str | None,
+    traced: HowTraced,
 ) -> list[ArtifactRecord]:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
-    baseline.decomposed.onnx with those (`eager_attention`: why the trace took that form, or None).
+    baseline.decomposed.onnx with those (`traced`: how the graph was traced).
 
     Below opset 23 the export holds RMSNorm as plain ops, fused afterwards (for ONNX Runtime; TensorRT's parser
     takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused it,
@@ -781,7 +824,7 @@ def _write_baselines(
     projections = shared.projections_report(prefix)
 
     def write(variant: str, passes: GraphPasses | None = None) -> None:
-        details = graph_details(model_ir, choice, passes, projections, eager_attention)
+        details = graph_details(model_ir, choice, passes, projections, traced)
         with clock("write_s"):
             records.append(ONNX_GRAPH.write(model_ir, folder, variant, graph, opts.dtype, details))
 

@@ -171,6 +171,30 @@ class TaperedLM(nn.Module, abc.ABC):
         """(cross-entropy on next-token `targets`, the scale-anchoring loss)."""
 
     @property
+    def layers_path(self) -> str | None:
+        """Module path of the list of decoder layers (None: unknown, and export traces every layer)."""
+        return None
+
+    def layer_types(self) -> list[str] | None:
+        """Each layer's kind where the model's config names one (transformers' `layer_types`), else None."""
+        return None
+
+    def with_first_layers(self, count: int) -> TaperedLM:
+        """A copy that runs its first `count` layers only, its modules copied and its weights shared (export's
+        two-layer trace, taperfold.layer_trace)."""
+        assert self.layers_path is not None
+        model = self.copy(shared=True)
+        parent, _, name = self.layers_path.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, name, nn.ModuleList(list(getattr(holder, name))[:count]))
+        model._count_layers(count)
+        return model
+
+    def _count_layers(self, count: int) -> None:
+        """Say in the model's config that it has `count` layers (with_first_layers cut the list)."""
+        raise NotImplementedError
+
+    @property
     def gate(self) -> TaperGate:
         """The shared gate; a plain model computes its norms, as a tapered one at g = 1."""
         return self.tapering.gate if self.tapering is not None else TaperGate(1.0)

@@ -145,9 +145,16 @@ def print_export(manifest: Manifest, out_dir) -> None:
     t = manifest.get("timings")
     built = "".join(f", building {kind} {seconds:.1f} s" for kind, seconds in (t.get("build_s") or {}).items())
     ort = f", ONNX Runtime fusions {t['ort_fusions_s']:.1f} s" if "ort_fusions_s" in t else ""
+    traced = {n for n in (record.details.get("traced_layers") for record in manifest.records()) if n is not None}
+    stamped = (
+        f" ({'/'.join(map(str, sorted(traced)))} of {manifest.config().n_layers} layers traced, the others stamped out "
+        f"in {t.get('stamp_layers_s', 0.0):.1f} s)"
+        if traced
+        else ""
+    )
     out.print(
-        f"torch export {t['torch_export_s']:.1f} s, passes {t['passes_s']:.2f} s{ort}, writing {t['write_s']:.2f} s"
-        f"{built}"
+        f"torch export {t['torch_export_s']:.1f} s{stamped}, passes {t['passes_s']:.2f} s{ort}, "
+        f"writing {t['write_s']:.2f} s{built}"
     )
 
 

@@ -21,7 +21,7 @@ import copy
 import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import torch.nn.functional as F
@@ -195,6 +195,21 @@ class HFCausalLM(TaperedLM, nn.Module):
 
     def copy(self, shared: bool = False) -> HFCausalLM:
         return HFCausalLM(copy.deepcopy(self.hf, shared_parameters(self.hf) if shared else None), self.cfg, self.family)
+
+    @property
+    def layers_path(self) -> str:
+        return f"hf.{self.family.layers}"
+
+    def layer_types(self) -> list[str] | None:
+        types = config_value(language_config(self.hf.config), "layer_types")
+        return list(types) if isinstance(types, (list, tuple)) else None
+
+    def _count_layers(self, count: int) -> None:
+        config = language_config(self.hf.config)  # the copy's own: with_first_layers copied the model
+        config.num_hidden_layers = count
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:count]
+        self.cfg = replace(self.cfg, n_layers=count)
 
     def loss(self, input_ids, targets):
         """Cross-entropy of transformers' forward on next-token `targets`, and the scale-anchoring loss on the

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import abc
 import copy
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taperfold.families import family_for
 from taperfold.models.config import ModelConfig
 from taperfold.norms import norm_kind
 from taperfold.taper import TaperedLM, Tapering, shared_parameters
@@ -122,6 +124,13 @@ class CausalLM(TaperedLM):
 
     def copy(self, shared: bool = False) -> CausalLM:
         return copy.deepcopy(self, shared_parameters(self) if shared else None)
+
+    @property
+    def layers_path(self) -> str:
+        return family_for(self.cfg.arch, "config").layers
+
+    def _count_layers(self, count: int) -> None:
+        self.cfg = dataclasses.replace(self.cfg, n_layers=count)
 
     def _logits(self, h, logits: str):
         if logits == "last":
