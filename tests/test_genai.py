@@ -17,7 +17,9 @@ from taperfold.manifest import read_manifest
 from taperfold.models import baseline_of, random_gate0_model
 from taperfold.runners.torch_runner import TorchRunner
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
+og = pytest.importorskip(
+    "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')"
+)
 
 pytestmark = pytest.mark.slow
 
@@ -225,8 +227,16 @@ def builder_export(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("genai-builder")
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=48, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=48,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )  # fmt: skip  (head size 16: ONNX Runtime's GroupQueryAttention on the CPU takes multiples of 16)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -424,7 +434,7 @@ def test_builder_route_takes_a_byte_level_directory_and_gives_its_folder_a_byte_
 def test_builder_route_refuses_a_model_with_a_linear_layer_as_wide_as_the_vocabulary(tmp_path):
     """onnxruntime-genai 0.18's builder takes every linear layer with vocab_size outputs for the LM head: a byte-level
     model of hidden size 256 (q_proj 256 -> 256) came out wrong at every length (verify caught it). The builder route
-    refuses it in one line; auto takes the traced route instead."""
+    refuses it in one line; auto takes the traced route instead, and bench --against genai-builder refuses it."""
     from hf_models import tapered_tiny_model
 
     from taperfold.hf import save_hf_directory
@@ -437,3 +447,6 @@ def test_builder_route_refuses_a_model_with_a_linear_layer_as_wide_as_the_vocabu
     result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--no-baseline")
     assert result.exit_code == 0, result.stderr
     assert {r.details["route"] for r in read_manifest(tmp_path / "out").records("genai")} == {"traced"}
+    # nor is the builder's own graph of it a contender: bench --against refuses before any timing
+    result = run_cli("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder")
+    one_line(result, "model.layers.0.self_attn.q_proj has vocab_size outputs", "would be wrong")

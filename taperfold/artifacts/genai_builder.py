@@ -69,9 +69,7 @@ def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
             f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
             "needs on the CPU; use --genai-route traced"
         )
-    vocab_wide = [
-        name for name, m in tapered.network.named_modules() if _linear_with_outputs(m, tapered.cfg.vocab_size)
-    ]
+    vocab_wide = vocab_wide_layers(tapered)
     if len(vocab_wide) > 1:  # onnxruntime-genai 0.18's builder: every such layer is its LM head, the last one wins
         raise NotBuildable(
             f"{origin}: {vocab_wide[0]} has vocab_size ({tapered.cfg.vocab_size}) outputs, and the builder takes every "
@@ -90,8 +88,13 @@ def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
     return scales
 
 
-def _linear_with_outputs(module: torch.nn.Module, width: int) -> bool:
-    return isinstance(module, torch.nn.Linear) and module.out_features == width
+def vocab_wide_layers(model) -> list[str]:
+    """The linear layers of `model` (a TaperedLM) with vocab_size outputs: onnxruntime-genai 0.18's builder takes each
+    for the LM head, the last one winning, so a model with two gets a wrong graph."""
+    width = model.cfg.vocab_size
+    return [
+        name for name, m in model.network.named_modules() if isinstance(m, torch.nn.Linear) and m.out_features == width
+    ]
 
 
 class BuilderRoute:

@@ -61,6 +61,15 @@ class GenaiBuilder:
             raise TaperfoldError(
                 f"--against genai-builder: the builder builds fp32, fp16, int4 or int8, not {precision}"
             )
+        from taperfold.artifacts.genai_builder import vocab_wide_layers
+        from taperfold.sources import open_source
+
+        wide = vocab_wide_layers(open_source(manifest.checkpoint).build_baseline())
+        if len(wide) > 1:
+            raise TaperfoldError(
+                f"--against genai-builder: {wide[0]} has vocab_size outputs, and the builder takes every linear layer "
+                "of that width for the LM head: its graph of this model would be wrong"
+            )
 
     def version(self) -> str:
         import onnxruntime_genai
