@@ -10,6 +10,7 @@ layers 1 and 2 are copies holding distinct random values (passes/stamp_layers.py
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from typing import cast
 
@@ -42,7 +43,11 @@ def _settings(module: nn.Module) -> dict:
     for key, value in vars(module).items():
         if key.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
             continue
-        out[key] = value.__func__ if isinstance(value, types.MethodType) else value  # bound to this module
+        if isinstance(value, types.MethodType):  # bound to this module: compare what it runs
+            value = value.__func__
+        elif isinstance(value, functools.partial):  # made per module (transformers' activations): compare its parts
+            value = (value.func, value.args, value.keywords)
+        out[key] = value
     return out
 
 
