@@ -87,6 +87,7 @@ from taperfold.opsets import (
     OpsetChoice,
     choose_opset,
     fuses_norms,
+    rotary_fallback,
     runs_contrib_ops,
     without_fused_rotary,
 )
@@ -665,8 +666,11 @@ def export_graphs(
     out = ExportedGraphs()
     clock = out.clock
     models = dict(sources)
+    rope_fused = False  # a trace fused the model's RoPE: the RoPE is the model's, so every later group's would be
     for graph in (PREFILL, *opts.decoders):
         choice = choose_opset(opts.target, opset_graph(graph), opts.opset)
+        if rope_fused:
+            choice = rotary_fallback(choice) or choice
         # the unfolded model first: the baseline's graph is made from its trace where the norms allow
         restorable = _baseline_norms(models, graph, opts)
         derived = False
@@ -677,7 +681,7 @@ def export_graphs(
             on_stage(f"exporting {name} (opset {choice.opset})")
             model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
             if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
-                choice = fallback  # and for the rest of this group: every variant shares the RoPE
+                choice, rope_fused = fallback, True  # for the rest of this group and the groups after it
                 on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
                 model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
             prefix = _network_prefix(model, graph)

@@ -78,16 +78,21 @@ def choose_opset(target: str, graph: str, override: int | None = None) -> OpsetC
 
 ROTARY_FALLBACK_OPSET = 20
 ROTARY_REASON = (
-    "docs/opsets.md#rotary: at opset 23 the exporter fused RoPE into RotaryEmbedding, which ONNX Runtime "
-    "1.31 rejects on shapes other than the traced one; re-exported at opset 20"
+    "docs/opsets.md#rotary: at opset 23 the exporter fuses this model's RoPE into RotaryEmbedding, which ONNX "
+    "Runtime 1.31 rejects on shapes other than the traced one; exported at opset 20"
 )
 
 
 def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice | None:
     """The opset to export again at when a graph exported at the table's opset came out with a fused
-    `RotaryEmbedding` (transformers' RoPE; taperfold's own RoPE is never fused), else None. An --opset
-    override is kept as given: verify then shows whether the graph runs on other shapes."""
-    if choice.source != "table" or choice.opset < FUSING_OPSET or "RotaryEmbedding" not in op_types:
+    `RotaryEmbedding` (transformers' RoPE; taperfold's own RoPE is never fused), else None."""
+    return rotary_fallback(choice) if "RotaryEmbedding" in op_types else None
+
+
+def rotary_fallback(choice: OpsetChoice) -> OpsetChoice | None:
+    """The opset that keeps RoPE as plain ops in place of `choice`, where `choice` is one at which the exporter fuses
+    it, else None. An --opset override is kept as given: verify then shows whether the graph runs on other shapes."""
+    if choice.source != "table" or choice.opset < FUSING_OPSET:
         return None
     return OpsetChoice(ROTARY_FALLBACK_OPSET, "table", ROTARY_REASON)
 

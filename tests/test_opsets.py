@@ -16,7 +16,7 @@ import torch
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import TRACE_PAST, TRACE_SHAPE, ExportOptions, export_checkpoint
-from taperfold.exportdir import ALL_VARIANTS, GROWING, PREFILL
+from taperfold.exportdir import ALL_VARIANTS, GROWING, PREFILL, STATIC
 from taperfold.manifest import read_manifest
 from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
 from taperfold.passes.fuse_norm import match_rms_norm
@@ -119,6 +119,28 @@ def test_manifest_records_the_table_choice_per_artifact(llama_table):
         opset, reason = TABLE[("ort", graph)]
         assert (entry["opset"], entry["opset_source"], entry["opset_reason"]) == (opset, "table", reason), key
         assert graph_opset(llama_table / entry["path"]) == opset, key
+
+
+def test_a_fused_rope_sends_every_graph_to_the_fallback_opset_retracing_once(tmp_path):
+    """A Hugging Face Llama's RoPE fuses at opset 23: the prefill group is traced again at 20, and the decoders,
+    sharing the model's RoPE, go there straight (one wasted trace, not one per group)."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+    from taperfold.opsets import ROTARY_FALLBACK_OPSET, ROTARY_REASON
+
+    source = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "llama")
+    stages: list[str] = []
+    options = ExportOptions(decoders=(GROWING, STATIC))
+    out = export_checkpoint(source, tmp_path / "out", options, on_stage=stages.append).out_dir
+    assert sum("fused RotaryEmbedding avoided" in stage for stage in stages) == 1, stages
+    artifacts = read_manifest(out).to_json()["artifacts"]
+    assert {key.partition(".")[2] for key in artifacts} == {"", "decoder", "static"}
+    for key, entry in artifacts.items():
+        assert (entry["opset"], entry["opset_reason"]) == (ROTARY_FALLBACK_OPSET, ROTARY_REASON), key
+        assert graph_opset(out / entry["path"]) == ROTARY_FALLBACK_OPSET, key
+        assert "RotaryEmbedding" not in {node.op_type for node in onnx.load(out / entry["path"]).graph.node}, key
+    assert verify_export(out).passed
 
 
 def test_manifest_records_the_override(llama_20):
