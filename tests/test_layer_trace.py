@@ -47,9 +47,19 @@ def _run(model_ir, seed=0):
     return [o.name for o in session.get_outputs()], session.run(None, feeds)
 
 
-@pytest.mark.parametrize("graph", [PREFILL, GROWING, STATIC])
-def test_stamped_graph_computes_what_a_trace_of_every_layer_computes(tmp_path, graph):
-    _, model = _model("llama", tmp_path)
+@pytest.mark.parametrize(
+    "family,graph",
+    [
+        ("llama", PREFILL),
+        ("llama", GROWING),
+        ("llama", STATIC),
+        ("gemma", PREFILL),  # each norm's gain 1 + γ: a constant the optimizer folds from a weight and the number 1
+        ("gemma", GROWING),
+        ("falcon", PREFILL),  # constants folded from a tensor of layer 0's, one for every layer
+    ],
+)
+def test_stamped_graph_computes_what_a_trace_of_every_layer_computes(tmp_path, family, graph):
+    _, model = _model(family, tmp_path)
     opset = 20
     stamped, how = _trace(model, ExportOptions(), graph, opset, graph, lambda stage: None, StageClock())
     whole, how_whole = _trace(
@@ -71,6 +81,7 @@ def test_stamped_graph_computes_what_a_trace_of_every_layer_computes(tmp_path, g
         ("qwen2", ()),  # q/k/v biases
         ("olmo2", ()),  # post-norms, per-layer q/k norms
         ("mixtral", ("growing",)),  # experts and a router per layer
+        ("gemma", ("growing",)),  # gains 1 + γ
     ],
 )
 def test_stamped_export_verifies_against_the_torch_model(tmp_path, family, decoders):
@@ -112,6 +123,31 @@ def test_a_trace_whose_layers_differ_is_refused_and_left_as_it_was(tmp_path):
     softmax.attributes["axis"] = ir.Attr("axis", ir.AttributeType.INT, 0)
     before = [n.name for n in traced.graph]
     with pytest.raises(StampRefused, match=r"\(Softmax\) differs"):
+        StampLayersPass(layers)(traced)
+    assert [n.name for n in traced.graph] == before
+
+
+def test_a_constant_made_from_a_weight_other_than_by_adding_a_number_is_refused(tmp_path):
+    import ast
+
+    import onnx_ir as ir
+
+    from taperfold.export import export_to_ir
+    from taperfold.passes.stamp_layers import FOLDED_FROM
+
+    _, model = _model("gemma", tmp_path)
+    few, layers = few_layer_model(model, "hf.model.layers")
+    traced = export_to_ir(few, ExportOptions(), PREFILL, opset=20)
+    gain = next(  # layer 2's first 1 + γ
+        v
+        for v in traced.graph.initializers.values()
+        if len(ast.literal_eval(v.metadata_props.get(FOLDED_FROM, "[]"))) == 2
+        and ast.literal_eval(v.metadata_props[FOLDED_FROM])[0].startswith("hf.model.layers.2.")
+    )
+    array = gain.const_value.numpy()
+    gain.const_value = ir.tensor(array * np.linspace(1, 2, array.size, dtype=array.dtype).reshape(array.shape))
+    before = [n.name for n in traced.graph]
+    with pytest.raises(StampRefused, match=rf"constant {gain.name} is .* changed in a way not stamped"):
         StampLayersPass(layers)(traced)
     assert [n.name for n in traced.graph] == before
 

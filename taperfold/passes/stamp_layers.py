@@ -11,7 +11,8 @@ shares work with what comes before the layers: a mask reads its cache's length);
   alike (rotary tables, masks, input ids, work layer 0 did for all) is shared, and a graph input or output one layer
   has (its cache, past_key_values.1.key) each layer has, named by its index;
 - each constant that differs between the two is traced to the weight of its layer it was made from, by its name or
-  the optimizer's `folded_from`, and to how (as is, or transposed), checked against that weight's traced value;
+  the optimizer's `folded_from`, and to how (as is, transposed, or plus a number: Gemma's norms scale by 1 + γ),
+  checked bit for bit against that weight's traced value;
 - layers 3 .. count - 1 are copies of layer 2 on their own weights, what follows the layers reads the last one, and
   layers 1 and 2 get their real weights back.
 
@@ -38,7 +39,7 @@ FIRST, TEMPLATE = 1, 2  # matched node for node; layers 3 and on are copies of T
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"}
 
 # how a layer's constant is made from its weight
-AS_IS, TRANSPOSED = "as is", "transposed"
+AS_IS, TRANSPOSED, OFFSET = "as is", "transposed", "plus a number"
 
 
 class StampRefused(Exception):
@@ -58,7 +59,22 @@ class LayerWeights:
 @dataclasses.dataclass(frozen=True)
 class _Weight:
     path: str  # in the layer
-    made: str  # AS_IS or TRANSPOSED
+    made: str  # AS_IS, TRANSPOSED or OFFSET
+    offset: float = 0.0  # OFFSET's number, added in the weight's dtype as the optimizer folded it
+
+    def of(self, weight: ir.TensorProtocol) -> ir.TensorProtocol:
+        """The constant made from `weight` as this one was made from the weight the trace ran with."""
+        array = _array(weight)
+        if self.made == TRANSPOSED:
+            return ir.tensor(np.ascontiguousarray(array.swapaxes(-1, -2)))
+        if self.made == OFFSET:
+            return ir.tensor(array + np.asarray(self.offset, array.dtype))
+        return weight
+
+    @property
+    def suffix(self) -> str:
+        """What the stamped constant's name adds to the weight's."""
+        return {AS_IS: "", TRANSPOSED: "_transposed", OFFSET: f"_plus_{self.offset:g}"}[self.made]
 
 
 def _layer_of(node: ir.Node, scope: str) -> int | None:
@@ -81,10 +97,6 @@ def _const(value: ir.Value) -> ir.TensorProtocol:
 
 def _array(tensor: ir.TensorProtocol) -> np.ndarray:
     return np.asarray(tensor.numpy())
-
-
-def _transposed(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
-    return ir.tensor(np.ascontiguousarray(_array(tensor).swapaxes(-1, -2)))
 
 
 def _same_attributes(a: ir.Node, b: ir.Node) -> bool:
@@ -145,11 +157,14 @@ class _Plan:
         for a, b in zip(self.first, self.template, strict=True):
             try:
                 self._check_inputs(a, b, a.inputs)
-            except StampRefused:
+            except StampRefused as straight:
                 # the tracer orders a sum of two lengths by its symbols' names, which differ by layer
                 if not (a.domain == "" and a.op_type in COMMUTATIVE and len(a.inputs) == 2):
                     raise
-                self._check_inputs(a, b, a.inputs[::-1])
+                try:
+                    self._check_inputs(a, b, a.inputs[::-1])
+                except StampRefused:
+                    raise straight from None  # why the operands in their own order differ
         self._check_readers(graph)
 
     def _check_inputs(self, a: ir.Node, b: ir.Node, inputs) -> None:
@@ -238,28 +253,41 @@ class _Plan:
             self.weights[FIRST, x1], self.weights[TEMPLATE, x2] = w1, w2
 
     def _weight(self, value: ir.Value, layer: int) -> _Weight | None:
-        """The weight of `layer` that `value` (a constant) was made from, and how; None: made of no layer's weight."""
+        """The weight of `layer` that `value` (a constant) was made from, and how; None: made of no layer's weight.
+        Besides that weight, the optimizer's `folded_from` may name constants made before the layers (Gemma's 1)."""
         named = [value.name or ""]
         if FOLDED_FROM in value.metadata_props:
             named = ast.literal_eval(value.metadata_props[FOLDED_FROM])
         prefix = self.layers.scope + "."
         ours = [name for name in named if name.startswith(prefix)]
-        if not ours:
-            return None
-        if len(named) != 1 or not ours[0].startswith(f"{prefix}{layer}."):
+        if not any(name.startswith(f"{prefix}{layer}.") for name in ours):
+            return None  # made before the layers or in layer 0 (Falcon's constants, one for all): shared, if alike
+        if len(ours) != 1:
             raise StampRefused(f"constant {value.name} of layer {layer} is made from {named}")
         path = ours[0].removeprefix(f"{prefix}{layer}.")
         try:
-            traced = _array(self.layers.traced(layer, path))
+            traced = self.layers.traced(layer, path)
         except (AttributeError, KeyError) as e:
             raise StampRefused(f"constant {value.name}: no weight {path} in layer {layer}") from e
         array = _array(_const(value))
-        if array.shape == traced.shape and array.tobytes() == traced.tobytes():
-            return _Weight(path, AS_IS)
-        flipped = np.ascontiguousarray(traced.swapaxes(-1, -2)) if traced.ndim >= 2 else traced
-        if array.shape == flipped.shape and array.tobytes() == flipped.tobytes():
-            return _Weight(path, TRANSPOSED)
+        for weight in self._ways(path, traced, array, alone=len(named) == 1):
+            made = _array(weight.of(traced))
+            if made.dtype == array.dtype and made.shape == array.shape and made.tobytes() == array.tobytes():
+                return weight
         raise StampRefused(f"constant {value.name} is {path} of layer {layer}, changed in a way not stamped")
+
+    @staticmethod
+    def _ways(path: str, traced: ir.TensorProtocol, array: np.ndarray, alone: bool) -> list[_Weight]:
+        """How a constant `array` may have been made from weight `traced`: as is or transposed where the weight is
+        all it was made from; plus the number the two differ by (in the weight's dtype) where it was made with other
+        constants too."""
+        if alone:
+            return [_Weight(path, AS_IS), _Weight(path, TRANSPOSED)]
+        weight = _array(traced)
+        if not np.issubdtype(weight.dtype, np.floating) or weight.shape != array.shape:
+            return []
+        difference = np.median(array.astype(np.float64) - weight.astype(np.float64))
+        return [_Weight(path, OFFSET, float(np.asarray(difference, weight.dtype)))]
 
     def _check_readers(self, graph: ir.Graph) -> None:
         """Layer FIRST's values are read by it or the next layer, or are its cache outputs; layer TEMPLATE's are read
@@ -306,10 +334,8 @@ class StampLayersPass(ir.passes.InPlacePass):
 
         def weight(layer: int, w: _Weight) -> ir.Value:
             if (layer, w) not in made:
-                tensor = layers.real(layer, w.path)
-                if w.made == TRANSPOSED:
-                    tensor = _transposed(tensor)
-                name = f"{layers.scope}.{layer}.{w.path}" + ("" if w.made == AS_IS else "_transposed")
+                tensor = w.of(layers.real(layer, w.path))
+                name = f"{layers.scope}.{layer}.{w.path}{w.suffix}"
                 made[layer, w] = value = ir.Value(
                     name=name,
                     shape=ir.Shape(tensor.shape.numpy()),
