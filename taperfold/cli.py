@@ -374,8 +374,8 @@ def inspect(checkpoint, as_json):
 @click.option(
     "--trace-every-layer",
     is_flag=True,
-    help="Trace each decoder layer. By default a model whose layers are alike is traced from its first three "
-    "and the others are stamped out from them (docs/design.md, section Tracing).",
+    help="Trace each decoder layer. By default a model whose layers are alike is traced from its first three (and "
+    "any first layers unlike the rest) and the others are stamped out from them (docs/design.md, section Tracing).",
 )
 @click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
 @click.option(

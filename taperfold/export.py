@@ -96,7 +96,7 @@ from taperfold.passes.cleanup import check
 from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
 from taperfold.passes.ort_fusions import OrtFusionsPass
 from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
-from taperfold.passes.stamp_layers import TRACED, StampLayersPass, StampRefused
+from taperfold.passes.stamp_layers import StampLayersPass, StampRefused
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
 from taperfold.taper import TaperedLM
 from taperfold.traced_lengths import check_lengths
@@ -140,7 +140,7 @@ class ExportOptions:
     # every graph but baseline-decomposed (its norms stay written out): ONNX Runtime's own LLM fusions, last
     # (passes/ort_fusions.py); for the ONNX Runtime target only
     ort_fusions: bool = False
-    # trace three decoder layers and stamp out the others where the layers are alike (taperfold.layer_trace)
+    # trace the first decoder layers and stamp out the others where those after them are alike (taperfold.layer_trace)
     stamp_layers: bool = True
     # artifacts built from the graphs once they are written: kind name -> that kind's options (taperfold.artifacts),
     # e.g. {"tensorrt-plan": {"batch": "1/4/8"}} for `export --trt`
@@ -371,7 +371,7 @@ def _export_any_attention(
 
 @dataclass(frozen=True)
 class HowTraced:
-    """How a graph was traced, where the manifest says so: with eager attention (why), or three of its layers."""
+    """How a graph was traced, where the manifest says so: with eager attention (why), or its first layers alone."""
 
     eager_attention: str | None = None  # why the trace took the plain MatMul and Softmax form (None: it did not)
     traced_layers: int | None = None  # layers traced, the others stamped out from them (None: every layer traced)
@@ -386,7 +386,7 @@ class HowTraced:
 def _trace(
     model: TaperedLM, opts: ExportOptions, graph: Graph, opset: int, name: str, on_stage, clock: StageClock
 ) -> tuple[ir.Model, HowTraced]:
-    """Graph `graph` of `model`: traced from its first three layers and the rest stamped out where its layers are alike
+    """Graph `graph` of `model`: traced from its first layers and the rest stamped out where its layers are alike
     (taperfold.layer_trace, passes/stamp_layers.py; the stage says so, and why not where they differ), else traced
     whole."""
     why = why_trace_every_layer(model) if opts.stamp_layers else "--trace-every-layer"
@@ -398,8 +398,8 @@ def _trace(
         try:
             with clock("stamp_layers_s"):
                 StampLayersPass(layers)(model_ir)
-            on_stage(f"{name}: traced {TRACED} of {layers.count} layers, the others stamped out from them")
-            return model_ir, HowTraced(eager, TRACED)
+            on_stage(f"{name}: traced {layers.in_trace} of {layers.count} layers, the others stamped out from them")
+            return model_ir, HowTraced(eager, layers.in_trace)
         except StampRefused as refused:
             why = str(refused)
     if model.cfg.n_layers >= MIN_LAYERS:

@@ -21,10 +21,11 @@ from taperfold.verify import verify_export
 LAYERS = 6
 
 
-def _model(family, tmp_path):
-    """A tiny tapered model of `family` with LAYERS layers (its config's pattern of layer types repeated), saved."""
+def _model(family, tmp_path, **changes):
+    """A tiny tapered model of `family` with LAYERS layers (its config's pattern of layer types repeated) and
+    `changes` to its config, saved."""
     types = getattr(tiny_config(family), "layer_types", None)
-    changes = {"layer_types": [types[i % len(types)] for i in range(LAYERS)]} if types else {}
+    changes = ({"layer_types": [types[i % len(types)] for i in range(LAYERS)]} if types else {}) | changes
     folder = save_hf_directory(tapered_tiny_model(family, num_hidden_layers=LAYERS, **changes), tmp_path / family)
     return folder, open_source(folder).build(gate=0.0)
 
@@ -48,24 +49,26 @@ def _run(model_ir, seed=0):
 
 
 @pytest.mark.parametrize(
-    "family,graph",
+    "family,graph,changes,traced",
     [
-        ("llama", PREFILL),
-        ("llama", GROWING),
-        ("llama", STATIC),
-        ("gemma", PREFILL),  # each norm's gain 1 + γ: a constant the optimizer folds from a weight and the number 1
-        ("gemma", GROWING),
-        ("falcon", PREFILL),  # constants folded from a tensor of layer 0's, one for every layer
+        ("llama", PREFILL, {}, 3),
+        ("llama", GROWING, {}, 3),
+        ("llama", STATIC, {}, 3),
+        ("gemma", PREFILL, {}, 3),  # each norm's gain 1 + γ: a constant the optimizer folds from a weight and the 1
+        ("gemma", GROWING, {}, 3),
+        ("falcon", PREFILL, {}, 3),  # constants folded from a tensor of layer 0's, one for every layer
+        ("deepseek_v3", PREFILL, {"first_k_dense_replace": 2}, 4),  # two dense layers, then MoE ones
     ],
 )
-def test_stamped_graph_computes_what_a_trace_of_every_layer_computes(tmp_path, family, graph):
-    _, model = _model(family, tmp_path)
+def test_stamped_graph_computes_what_a_trace_of_every_layer_computes(tmp_path, family, graph, changes, traced):
+    folder, model = _model(family, tmp_path, **changes)
     opset = 20
-    stamped, how = _trace(model, ExportOptions(), graph, opset, graph, lambda stage: None, StageClock())
-    whole, how_whole = _trace(
-        model, ExportOptions(stamp_layers=False), graph, opset, graph, lambda stage: None, StageClock()
-    )
-    assert (how.traced_layers, how_whole.traced_layers) == (3, None)
+    with open_source(folder).export_context():
+        stamped, how = _trace(model, ExportOptions(), graph, opset, graph, lambda stage: None, StageClock())
+        whole, how_whole = _trace(
+            model, ExportOptions(stamp_layers=False), graph, opset, graph, lambda stage: None, StageClock()
+        )
+    assert (how.traced_layers, how_whole.traced_layers) == (traced, None)
     names, outputs = _run(stamped)
     whole_names, whole_outputs = _run(whole)
     assert names == whole_names  # present.0.key ... present.5.value in layer order, as decoder_io_names
@@ -101,7 +104,16 @@ def test_layers_of_several_types_are_traced_each(tmp_path):
 def test_a_layer_whose_settings_differ_is_named(tmp_path):
     _, model = _model("llama", tmp_path)
     model.get_submodule(model.layers_path)[4].self_attn.scaling = 0.5
-    assert why_trace_every_layer(model) == "layer 4 differs from layer 0 in the settings of self_attn"
+    assert why_trace_every_layer(model) == "layer 4 differs from layer 1 in the settings of self_attn"
+
+
+def test_layers_unlike_the_rest_are_traced_only_where_they_come_first(tmp_path):
+    _, model = _model("deepseek_v3", tmp_path, first_k_dense_replace=2)  # dense layers 0 and 1, then MoE ones
+    assert why_trace_every_layer(model) is None
+    assert few_layer_model(model, "hf.model.layers")[1].in_trace == 4
+    layers = model.get_submodule(model.layers_path)
+    layers[4] = layers[1]  # a dense layer among the MoE ones
+    assert why_trace_every_layer(model) == "layer 4 differs from layer 2 in its modules (mlp.act_fn)"
 
 
 def test_few_layers_are_traced_each(tmp_path):

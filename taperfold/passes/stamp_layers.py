@@ -1,20 +1,22 @@
-"""A whole model's graph from a trace of its first three decoder layers (export's layer stamping).
+"""A whole model's graph from a trace of its first few decoder layers (export's layer stamping).
 
 Tracing is most of an export's time, and it grows with the layers; yet every layer of a model whose layers are alike
 exports to the same nodes. So export traces the model cut to its first three layers, layers 1 and 2 holding distinct
 random weights (so that no optimizer merges two of them, or drops a multiply by one: each of their constants then
 comes from one weight), and this pass makes the whole model's graph from that trace. Layer 0 stays as traced (it
-shares work with what comes before the layers: a mask reads its cache's length); layers 1 and 2 are the pattern:
+shares work with what comes before the layers: a mask reads its cache's length); layers 1 and 2 are the pattern,
+`first` and `template` below. A model whose first layers differ from the rest (DeepSeek-V3's dense layers before its
+MoE ones) has those traced as they are too, and the two after them are the pattern:
 
 - their nodes are matched one to one (same ops, attributes and wiring; a commutative op's operands either way);
-  what layer 2 reads from layer 1 and layer 1 from layer 0 is the chain from one layer to the next, what both read
-  alike (rotary tables, masks, input ids, work layer 0 did for all) is shared, and a graph input or output one layer
-  has (its cache, past_key_values.1.key) each layer has, named by its index;
+  what `template` reads from `first` and `first` from the layer before is the chain from one layer to the next, what
+  both read alike (rotary tables, masks, input ids, work layer 0 did for all) is shared, and a graph input or output
+  one layer has (its cache, past_key_values.1.key) each layer has, named by its index;
 - each constant that differs between the two is traced to the weight of its layer it was made from, by its name or
   the optimizer's `folded_from`, and to how (as is, transposed, or plus a number: Gemma's norms scale by 1 + γ),
   checked bit for bit against that weight's traced value;
-- layers 3 .. count - 1 are copies of layer 2 on their own weights, what follows the layers reads the last one, and
-  layers 1 and 2 get their real weights back.
+- the layers after `template` are copies of it on their own weights, what follows the layers reads the last one,
+  and `first` and `template` get their real weights back.
 
 Anything else (a layer reading two layers back, a constant made of two weights, layers that differ) raises
 StampRefused, with why, before the graph is touched; export then traces every layer.
@@ -33,8 +35,6 @@ import onnx_ir as ir
 from taperfold.passes.detect import scopes
 
 FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"  # the onnxscript optimizer's note on a constant it computed
-TRACED = 3  # layers in the trace: layer 0 as the model has it, layers 1 and 2 with random weights
-FIRST, TEMPLATE = 1, 2  # matched node for node; layers 3 and on are copies of TEMPLATE
 
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"}
 
@@ -54,6 +54,18 @@ class LayerWeights:
     count: int  # layers of the model
     traced: Callable[[int, str], ir.TensorProtocol]  # (layer, path in the layer) -> the weight the trace ran with
     real: Callable[[int, str], ir.TensorProtocol]  # (layer, path in the layer) -> the model's weight
+    # the first of the two layers matched node for node (random weights), the other its template; the layers before
+    # it stay as traced: layer 0, and the layers unlike the rest before them (DeepSeek-V3's dense first layers)
+    first: int = 1
+
+    @property
+    def template(self) -> int:
+        """The layer the copies are made from: the last traced."""
+        return self.first + 1
+
+    @property
+    def in_trace(self) -> int:
+        return self.first + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +131,10 @@ class _Plan:
 
     def __init__(self, graph: ir.Graph, layers: LayerWeights):
         self.layers = layers
+        self.first, self.template = layers.first, layers.template
         nodes = list(graph)
-        self.per_layer_inputs = _per_layer(graph.inputs)
-        self.per_layer_outputs = _per_layer(graph.outputs)
+        self.per_layer_inputs = _per_layer(graph.inputs, layers.in_trace)
+        self.per_layer_outputs = _per_layer(graph.outputs, layers.in_trace)
         where = {node: _layer_of(node, layers.scope) for node in nodes}
         for node in nodes:  # a node an optimizer's rule made has no module path: it is where what it reads is
             if "namespace" not in node.metadata_props:
@@ -130,18 +143,21 @@ class _Plan:
                 if len(made_in) == 1:
                     where[node] = made_in.pop()
         found = sorted({i for i in where.values() if i is not None})
-        if found != list(range(TRACED)):
-            raise StampRefused(f"the trace has layers {found} under {layers.scope}, not {list(range(TRACED))}")
+        if found != list(range(layers.in_trace)):
+            raise StampRefused(f"the trace has layers {found} under {layers.scope}, not {list(range(layers.in_trace))}")
         self._own_cache_work(nodes, where)
         for node in self._shared_work(nodes, where):
             where[node] = None  # computed once for every layer, as before the layers
         self.where = where
-        self.first = [n for n in nodes if where[n] == FIRST]
-        self.template = [n for n in nodes if where[n] == TEMPLATE]
-        if len(self.first) != len(self.template):
-            raise StampRefused(f"layer {FIRST} has {len(self.first)} nodes, layer {TEMPLATE} {len(self.template)}")
-        self.counterpart: dict[ir.Value, ir.Value] = {}  # an output of layer FIRST -> layer TEMPLATE's
-        for a, b in zip(self.first, self.template, strict=True):
+        self.first_nodes = [n for n in nodes if where[n] == self.first]
+        self.template_nodes = [n for n in nodes if where[n] == self.template]
+        if len(self.first_nodes) != len(self.template_nodes):
+            raise StampRefused(
+                f"layer {self.first} has {len(self.first_nodes)} nodes, "
+                f"layer {self.template} {len(self.template_nodes)}"
+            )
+        self.counterpart: dict[ir.Value, ir.Value] = {}  # an output of layer `first` -> layer `template`'s
+        for a, b in zip(self.first_nodes, self.template_nodes, strict=True):
             if (a.domain, a.op_type, a.overload, len(a.inputs), len(a.outputs)) != (
                 b.domain,
                 b.op_type,
@@ -150,11 +166,11 @@ class _Plan:
                 len(b.outputs),
             ) or not _same_attributes(a, b):
                 raise StampRefused(
-                    f"layer {FIRST}'s node {a.name} ({a.op_type}) differs from layer {TEMPLATE}'s {b.name}"
+                    f"layer {self.first}'s node {a.name} ({a.op_type}) differs from layer {self.template}'s {b.name}"
                 )
             self.counterpart.update(zip(a.outputs, b.outputs, strict=True))
         self.weights: dict[tuple[int, ir.Value], _Weight] = {}  # (layer, constant) -> its weight
-        for a, b in zip(self.first, self.template, strict=True):
+        for a, b in zip(self.first_nodes, self.template_nodes, strict=True):
             try:
                 self._check_inputs(a, b, a.inputs)
             except StampRefused as straight:
@@ -190,8 +206,8 @@ class _Plan:
                 where[node] = layer
 
     def _shared_work(self, nodes: list[ir.Node], where: dict) -> list[ir.Node]:
-        """Layer FIRST's nodes that the exporter's optimizer kept for both it and layer TEMPLATE (common
-        subexpressions): they read no activation, cache input or weight of their layer, and layer TEMPLATE reads
+        """Layer `first`'s nodes that the exporter's optimizer kept for both it and layer `template` (common
+        subexpressions): they read no activation, cache input or weight of their layer, and layer `template` reads
         them (or what it reads is made from them)."""
         varying = set(self.per_layer_inputs)
         independent = []
@@ -201,17 +217,17 @@ class _Plan:
                 continue
             if any(x in varying or self._is_weight(x, layer) for x in node.inputs if x is not None):
                 varying.update(node.outputs)
-            elif layer == FIRST:
+            elif layer == self.first:
                 independent.append(node)
         shared: set[ir.Node] = set()
         for node in reversed(independent):
-            if any(where[user] == TEMPLATE or user in shared for out in node.outputs for user, _ in out.uses()):
+            if any(where[user] == self.template or user in shared for out in node.outputs for user, _ in out.uses()):
                 shared.add(node)
         return [node for node in independent if node in shared]
 
     def _is_weight(self, value: ir.Value, layer: int) -> bool:
         return (
-            layer in (FIRST, TEMPLATE)
+            layer in (self.first, self.template)
             and value.const_value is not None
             and value.producer() is None
             and self._weight(value, layer) is not None
@@ -222,20 +238,22 @@ class _Plan:
         return self.where.get(producer) if producer is not None else None
 
     def _check_input(self, a: ir.Node, b: ir.Node, slot: int, x1: ir.Value | None, x2: ir.Value | None) -> None:
-        differs = StampRefused(f"layer {TEMPLATE}'s node {b.name} reads input {slot} unlike layer {FIRST}'s {a.name}")
+        differs = StampRefused(
+            f"layer {self.template}'s node {b.name} reads input {slot} unlike layer {self.first}'s {a.name}"
+        )
         if x1 is None or x2 is None:
             if x1 is not x2:
                 raise differs
             return
         made_in = self._made_in(x2)
-        if made_in == TEMPLATE:  # within the layer
+        if made_in == self.template:  # within the layer
             if self.counterpart.get(x1) is not x2:
                 raise differs
-        elif made_in == FIRST:  # the chain: what each layer reads from the one before
-            if self._made_in(x1) != FIRST - 1:
+        elif made_in == self.first:  # the chain: what each layer reads from the one before
+            if self._made_in(x1) != self.first - 1:
                 raise differs
         elif x2 in self.per_layer_inputs:  # its cache, named by its index
-            if x1 not in self.per_layer_inputs or _renamed(x2.name or "", TEMPLATE, FIRST) != x1.name:
+            if x1 not in self.per_layer_inputs or _renamed(x2.name or "", self.template, self.first) != x1.name:
                 raise differs
         elif x2.const_value is not None and x2.producer() is None:
             self._check_constant(b, x1, x2, differs)
@@ -243,14 +261,16 @@ class _Plan:
             raise differs
 
     def _check_constant(self, b: ir.Node, x1: ir.Value, x2: ir.Value, differs: StampRefused) -> None:
-        w1, w2 = self._weight(x1, FIRST), self._weight(x2, TEMPLATE)
+        w1, w2 = self._weight(x1, self.first), self._weight(x2, self.template)
         if w1 is None and w2 is None:
             if x1 is not x2 and not np.array_equal(_array(_const(x1)), _array(_const(x2))):
                 raise differs
         elif w1 is None or w2 is None or w1 != w2:
-            raise StampRefused(f"layer {TEMPLATE}'s node {b.name} reads a weight unlike layer {FIRST}'s ({w1} / {w2})")
+            raise StampRefused(
+                f"layer {self.template}'s node {b.name} reads a weight unlike layer {self.first}'s ({w1} / {w2})"
+            )
         else:
-            self.weights[FIRST, x1], self.weights[TEMPLATE, x2] = w1, w2
+            self.weights[self.first, x1], self.weights[self.template, x2] = w1, w2
 
     def _weight(self, value: ir.Value, layer: int) -> _Weight | None:
         """The weight of `layer` that `value` (a constant) was made from, and how; None: made of no layer's weight.
@@ -290,38 +310,40 @@ class _Plan:
         return [_Weight(path, OFFSET, float(np.asarray(difference, weight.dtype)))]
 
     def _check_readers(self, graph: ir.Graph) -> None:
-        """Layer FIRST's values are read by it or the next layer, or are its cache outputs; layer TEMPLATE's are read
-        by it or what follows the layers, or are its cache outputs, as layer FIRST's are."""
+        """Layer `first`'s values are read by it or the next layer, or are its cache outputs; layer `template`'s are
+        read by it or what follows the layers, or are its cache outputs, as layer `first`'s are."""
         for v1, v2 in self.counterpart.items():
             if (v1 in self.per_layer_outputs) != (v2 in self.per_layer_outputs) or (
-                v2 in self.per_layer_outputs and _renamed(v2.name or "", TEMPLATE, FIRST) != v1.name
+                v2 in self.per_layer_outputs and _renamed(v2.name or "", self.template, self.first) != v1.name
             ):
                 raise StampRefused(f"graph output {v2.name or v1.name} of one layer has no counterpart in the other")
             if v2 in graph.outputs and v2 not in self.per_layer_outputs:
-                raise StampRefused(f"graph output {v2.name} is made in layer {TEMPLATE}")
+                raise StampRefused(f"graph output {v2.name} is made in layer {self.template}")
             for user, _ in v1.uses():
-                if self.where.get(user) not in (FIRST, TEMPLATE):
-                    raise StampRefused(f"node {user.name} outside layers {FIRST} and {TEMPLATE} reads {v1.name}")
+                if self.where.get(user) not in (self.first, self.template):
+                    raise StampRefused(
+                        f"node {user.name} outside layers {self.first} and {self.template} reads {v1.name}"
+                    )
             for user, _ in v2.uses():
-                if self.where.get(user) in range(TEMPLATE):
-                    raise StampRefused(f"node {user.name} of an earlier layer reads layer {TEMPLATE}'s {v2.name}")
+                if self.where.get(user) in range(self.template):
+                    raise StampRefused(f"node {user.name} of an earlier layer reads layer {self.template}'s {v2.name}")
 
 
-def _per_layer(values) -> dict[ir.Value, int]:
+def _per_layer(values, traced: int) -> dict[ir.Value, int]:
     """The graph inputs or outputs one per layer (a cache: past_key_values.3.key), by their layer."""
     names = {v.name for v in values}
     out = {}
     for v in values:
         for match in re.finditer(r"(?<![^.])(\d+)(?=\.)", v.name or ""):
             layer = int(match.group(1))
-            if any(_renamed(v.name or "", layer, other) in names for other in range(TRACED) if other != layer):
+            if any(_renamed(v.name or "", layer, other) in names for other in range(traced) if other != layer):
                 out[v] = layer
                 break
     return out
 
 
 class StampLayersPass(ir.passes.InPlacePass):
-    """The whole model's graph from a trace of its first three layers (see the module docstring)."""
+    """The whole model's graph from a trace of its first layers (see the module docstring)."""
 
     def __init__(self, layers: LayerWeights):
         super().__init__()
@@ -349,16 +371,16 @@ class StampLayersPass(ir.passes.InPlacePass):
             graph.initializers.pop(old.name or "", None)
         inputs = _by_layer(plan.per_layer_inputs)
         outputs = _by_layer(plan.per_layer_outputs)
-        template_inputs = inputs.get(TEMPLATE, [])
-        previous = {v: v for v in plan.counterpart.values()}  # layer TEMPLATE's values, as the last layer's
+        template_inputs = inputs.get(plan.template, [])
+        previous = {v: v for v in plan.counterpart.values()}  # layer `template`'s values, as the last layer's
         copies: list[ir.Node] = []
-        for layer in range(TRACED, layers.count):
+        for layer in range(layers.in_trace, layers.count):
             current: dict[ir.Value, ir.Value] = {}
             cache = {
-                x: ir.Value(name=_renamed(x.name or "", TEMPLATE, layer), shape=x.shape, type=x.type)
+                x: ir.Value(name=_renamed(x.name or "", plan.template, layer), shape=x.shape, type=x.type)
                 for x in template_inputs
             }
-            for node in plan.template:
+            for node in plan.template_nodes:
                 copy = ir.Node(
                     node.domain,
                     node.op_type,
@@ -372,7 +394,7 @@ class StampLayersPass(ir.passes.InPlacePass):
                 )
                 for old, new in zip(node.outputs, copy.outputs, strict=True):
                     new.name = (
-                        _renamed(old.name or "", TEMPLATE, layer)
+                        _renamed(old.name or "", plan.template, layer)
                         if old in plan.per_layer_outputs
                         else f"{old.name}_layer{layer}"
                     )
@@ -380,7 +402,7 @@ class StampLayersPass(ir.passes.InPlacePass):
                     current[old] = new
                 copies.append(copy)
             inputs[layer] = [cache[x] for x in template_inputs]
-            outputs[layer] = [current[v] for v in outputs.get(TEMPLATE, [])]
+            outputs[layer] = [current[v] for v in outputs.get(plan.template, [])]
             previous = current
         for (layer, old), w in plan.weights.items():
             for user, slot in list(old.uses()):
@@ -388,26 +410,26 @@ class StampLayersPass(ir.passes.InPlacePass):
         copied = set(copies)
         for v2, last in previous.items():  # what follows the layers reads the last one
             for user, slot in list(v2.uses()):
-                if last is not v2 and plan.where.get(user) != TEMPLATE and user not in copied:
+                if last is not v2 and plan.where.get(user) != plan.template and user not in copied:
                     user.replace_input_with(slot, last)
-        graph.insert_after(plan.template[-1], copies)
+        graph.insert_after(plan.template_nodes[-1], copies)
         self._order(graph.inputs, inputs)
         self._order(graph.outputs, outputs)
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
     def _input(x, layer, plan, current, previous, cache, weight) -> ir.Value | None:
-        """What a copy of layer TEMPLATE's node reads in layer `layer` where the template reads `x`."""
+        """What a copy of layer `template`'s node reads in layer `layer` where the template reads `x`."""
         if x is None:
             return None
         if x in current:
             return current[x]
-        if plan._made_in(x) == FIRST:  # the chain
+        if plan._made_in(x) == plan.first:  # the chain
             return previous[plan.counterpart[x]]
         if x in cache:
             return cache[x]
-        if (TEMPLATE, x) in plan.weights:
-            return weight(layer, plan.weights[TEMPLATE, x])
+        if (plan.template, x) in plan.weights:
+            return weight(layer, plan.weights[plan.template, x])
         return x
 
     @staticmethod
@@ -419,8 +441,10 @@ class StampLayersPass(ir.passes.InPlacePass):
         values.extend(ordered)
 
     def _moved(self, text: str, layer: int) -> str:
-        """Node metadata naming layer TEMPLATE's modules, naming layer `layer`'s."""
-        return re.sub(rf"{re.escape(self.layers.scope)}\.{TEMPLATE}(?![0-9])", f"{self.layers.scope}.{layer}", text)
+        """Node metadata naming layer `template`'s modules, naming layer `layer`'s."""
+        return re.sub(
+            rf"{re.escape(self.layers.scope)}\.{self.layers.template}(?![0-9])", f"{self.layers.scope}.{layer}", text
+        )
 
 
 def _by_layer(per_layer: dict[ir.Value, int]) -> dict[int, list[ir.Value]]:
