@@ -676,8 +676,9 @@ def _engine_options(command):
 @click.option(
     "--against",
     metavar="TOOL",
-    help="Also time the untapered model as another tool builds it, in the same rounds: genai-builder "
-    "(onnxruntime-genai's model builder, in the precision timed; --mode decode). Comma-separated for several.",
+    help="Also time the untapered model as another tool builds it, in the same rounds (--mode decode, the precision "
+    "timed): genai-builder (onnxruntime-genai's model builder), optimum-intel (its OpenVINO export; its optimum-cli "
+    "on PATH, scripts/setup-optimum-intel). Comma-separated for several.",
 )
 @click.option(
     "--precision",
@@ -764,6 +765,7 @@ def bench(
       taperfold bench out/ --engine ort --mode decode --kv-cache growing
       taperfold bench out/ --engine ort --mode decode --precision int4
       taperfold bench out/ --engine genai --mode decode --against genai-builder
+      taperfold bench out/ --engine openvino --mode decode --against optimum-intel
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead

@@ -392,7 +392,7 @@ def test_bench_against_genai_builder_times_the_builders_own_untapered_model(buil
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["--mode", "decode", "--against", "genai-builder"], ["reads a Hugging Face directory"]),
+        (["--mode", "decode", "--against", "genai-builder"], ["builds from a Hugging Face directory"]),
         (["--against", "genai-builder"], ["--against genai-builder runs whole generations", "--mode decode"]),
         (["--mode", "decode", "--against", "llama.cpp"], ["--against must be one of", "genai-builder"]),
     ],

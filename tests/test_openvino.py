@@ -82,3 +82,71 @@ def test_bench_engine_openvino(cached_export, tmp_path, args):
 def test_openvino_refuses_a_gpu_in_one_line(cached_export):
     result = run_cli("verify", cached_export[0], "--engine", "openvino", "--device", "cuda")
     one_line(result, "--engine openvino runs on the CPU")
+
+
+@pytest.fixture(scope="module")
+def hf_export(tmp_path_factory):
+    """A tiny tapered Hugging Face Llama exported with its growing decoders (optimum-intel reads its plain weights)."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    root = tmp_path_factory.mktemp("optimum-intel")
+    source = save_hf_directory(tapered_tiny_model("llama"), root / "tapered")
+    result = run_cli("export", source, "-o", root / "out", "--kv-cache", "growing")
+    assert result.exit_code == 0, result.stderr
+    return root / "out", source
+
+
+def test_bench_against_optimum_intel_refusals_are_one_line(cached_export, hf_export, monkeypatch):
+    args = ("--engine", "openvino", "--mode", "decode", "--against", "optimum-intel")
+    one_line(run_cli("bench", cached_export[0], *args), "builds from a Hugging Face directory")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    one_line(run_cli("bench", hf_export[0], *args), "optimum-cli is not on PATH", "scripts/setup-optimum-intel")
+    assert not (cached_export[0] / "against").exists() and not (hf_export[0] / "against").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("optimum-cli") is None,
+    reason="optimum-cli is not on PATH (optimum-intel pins transformers < 5.6: scripts/setup-optimum-intel)",
+)
+def test_bench_against_optimum_intel_times_its_stateful_export_of_the_untapered_model(hf_export, tmp_path):
+    """`--against optimum-intel`: optimum-cli's OpenVINO export of the source's plain model, built once into
+    DIR/against/ and timed in the same rounds; its stateful runner gives the plain model's logits."""
+    import torch
+    import transformers
+
+    from taperfold.runners.openvino import StatefulOpenVinoRunner
+    from taperfold.sources import open_source
+
+    out, source = hf_export
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    args = (
+        "bench", copy, "--engine", "openvino", "--mode", "decode", "--against", "optimum-intel", "--variants",
+        "baseline,folded", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1", "--iters", "2",
+        "--rounds", "1", "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {row["variant"] for row in report["results"]} == {"baseline", "folded", "optimum-intel"}
+    (made,) = report["against"]
+    assert made["tool"] == "optimum-intel OpenVINO export" and made["precision"] == "fp32"
+    assert "export openvino" in made["command"] and "--weight-format fp32" in made["command"]
+    folder = copy / "against" / "optimum-intel-fp32"
+    stamp = (folder / "openvino_model.xml").stat().st_mtime_ns
+    assert run_cli(*args).exit_code == 0 and (folder / "openvino_model.xml").stat().st_mtime_ns == stamp  # built once
+
+    plain = tmp_path / "plain"
+    open_source(source).write_plain_directory(plain)
+    model = transformers.AutoModelForCausalLM.from_pretrained(plain).eval()
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 9), dtype=np.int64)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids)).logits.numpy()
+    with StatefulOpenVinoRunner(folder, threads=1) as runner:
+        steps = runner.decode_logits(ids, 3, None, "fp32")
+        generation = runner.generate(ids[:, :6], 3, None, "fp32")
+    for k, logits in enumerate(steps):
+        np.testing.assert_allclose(logits, expected[:, 5 + k], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(generation.tokens[:, 0], expected[:, 5].argmax(-1))

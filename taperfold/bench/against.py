@@ -8,6 +8,10 @@ version, the precision and the command (BenchReport.against).
 
     genai-builder   onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder ... -e cpu`),
                     run by onnxruntime-genai's own generation loop (the genai engine's runner)
+    optimum-intel   optimum-intel's OpenVINO export (`optimum-cli export openvino --weight-format ...`), a stateful
+                    IR run by OpenVINO as optimum-intel's OVModelForCausalLM runs it (taperfold.runners.openvino).
+                    optimum-intel pins transformers < 5.6, so it lives in an environment of its own: its
+                    `optimum-cli` is found on PATH and run as a command (scripts/setup-optimum-intel)
 
 Adding a contender is a class with `build` and `runner`, and one entry in CONTENDERS.
 """
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,6 +45,33 @@ class Contender:
     info: dict[str, Any]  # tool, version, precision, command, build_s: what the report records
 
 
+def _run_on_plain_model(
+    name: str, tool: str, manifest: Manifest, folder: Path, command: Callable[[Path, Path], list[str]]
+) -> None:
+    """`command(plain, scratch)` run offline, `plain` the source's plain save_pretrained directory (its untapered
+    weights) in a scratch folder beside `folder`; one line naming the tool's last error line when it fails."""
+    from taperfold.sources import open_source
+
+    with tempfile.TemporaryDirectory(prefix=".against-", dir=folder.parent) as scratch:
+        plain = Path(scratch) / "plain-hf"
+        open_source(manifest.checkpoint).write_plain_directory(plain)
+        run = subprocess.run(
+            command(plain, Path(scratch)), capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+    if run.returncode != 0:
+        lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit code {run.returncode}"
+        raise TaperfoldError(f"--against {name}: {tool} failed ({why})")
+
+
+def _plain_huggingface(name: str, manifest: Manifest) -> None:
+    if (manifest.get("source") or {}).get("format") != "huggingface":
+        raise TaperfoldError(
+            f"--against {name} builds from a Hugging Face directory, and {manifest.checkpoint} (the export's "
+            "source) is none"
+        )
+
+
 class GenaiBuilder:
     name: ClassVar[str] = "genai-builder"
     title: ClassVar[str] = "onnxruntime-genai model builder"
@@ -52,11 +85,7 @@ class GenaiBuilder:
             raise TaperfoldError(
                 "--against genai-builder: onnxruntime-genai is not installed (pip install 'taperfold[genai]')"
             )
-        if (manifest.get("source") or {}).get("format") != "huggingface":
-            raise TaperfoldError(
-                f"--against genai-builder: the builder reads a Hugging Face directory, and {manifest.checkpoint} "
-                "(the export's source) is none"
-            )
+        _plain_huggingface(self.name, manifest)
         if precision not in ("fp32", "fp16", "int4", "int8"):
             raise TaperfoldError(
                 f"--against genai-builder: the builder builds fp32, fp16, int4 or int8, not {precision}"
@@ -80,23 +109,16 @@ class GenaiBuilder:
         """The builder on the source's plain model into `folder` (empty); what made it."""
         from taperfold.artifacts.genai_builder import builder_command
         from taperfold.quantize import BITS, Quantization
-        from taperfold.sources import open_source
 
         extra = Quantization(precision).builder_options() if precision in BITS else []
         started = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix=".against-", dir=folder.parent) as scratch:
-            plain = Path(scratch) / "plain-hf"
-            open_source(manifest.checkpoint).write_plain_directory(plain)
-            run = subprocess.run(
-                builder_command(plain, folder, precision, Path(scratch) / "cache", extra),
-                capture_output=True,
-                text=True,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-        if run.returncode != 0:
-            lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
-            why = lines[-1] if lines else f"exit code {run.returncode}"
-            raise TaperfoldError(f"--against genai-builder: the builder failed ({why})")
+        _run_on_plain_model(
+            self.name,
+            "the builder",
+            manifest,
+            folder,
+            lambda plain, scratch: builder_command(plain, folder, precision, scratch / "cache", extra),
+        )
         # as a user types it: the source's plain save_pretrained directory in, the folder out
         shown = builder_command(Path("PLAIN_HF_DIR"), Path("OUT"), precision, Path("CACHE"), extra)
         return {"command": " ".join(["python", *shown[1:]]), "build_s": round(time.perf_counter() - started, 1)}
@@ -107,10 +129,87 @@ class GenaiBuilder:
         return GenaiRunner(folder, threads=threads, name=label)
 
 
-CONTENDERS = {GenaiBuilder.name: GenaiBuilder()}
+class OptimumIntel:
+    name: ClassVar[str] = "optimum-intel"
+    title: ClassVar[str] = "optimum-intel OpenVINO export"
+    decodes_only: ClassVar[bool] = True  # a stateful IR: whole generations, its cache growing in the state
+    keeps_last_token: ClassVar[bool] = False
+    PRECISIONS: ClassVar[tuple[str, ...]] = ("fp32", "int8", "int4")  # --weight-format; run at f32 precision
+    SETUP: ClassVar[str] = (
+        "optimum-intel pins transformers < 5.6: make it an environment of its own (scripts/setup-optimum-intel DIR) "
+        "and put DIR/bin on PATH"
+    )
+
+    def cli(self) -> Path:
+        found = shutil.which("optimum-cli")
+        if found is None:
+            raise TaperfoldError(f"--against {self.name}: optimum-cli is not on PATH ({self.SETUP})")
+        return Path(found)
+
+    def check(self, manifest: Manifest, precision: str) -> None:
+        from taperfold.runners.openvino import openvino
+
+        try:
+            openvino()
+        except TaperfoldError:
+            raise TaperfoldError(
+                f"--against {self.name}: openvino, which runs its export here, is not installed "
+                "(pip install 'taperfold[openvino]')"
+            ) from None
+        _plain_huggingface(self.name, manifest)
+        if precision not in self.PRECISIONS:
+            raise TaperfoldError(
+                f"--against {self.name}: bench times its {', '.join(self.PRECISIONS)} weights, not {precision}"
+            )
+        self.version()
+
+    def version(self) -> str:
+        """optimum-intel's version, asked of the Python its optimum-cli runs on (the first line of the script)."""
+        cli = self.cli()
+        with cli.open("rb") as script:
+            first = script.readline(4096).decode(errors="replace")
+        words = first[2:].split() if first.startswith("#!") else []
+        if words and Path(words[0]).name == "env":
+            words = words[1:]
+        ask = "from importlib.metadata import version; print(version('optimum-intel'), version('openvino'))"
+        try:
+            run = subprocess.run([*words[:1], "-c", ask], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            run = None
+        if run is None or run.returncode != 0 or len(run.stdout.split()) != 2:
+            raise TaperfoldError(
+                f"--against {self.name}: {cli} does not run in an environment with optimum-intel and openvino "
+                f"({self.SETUP})"
+            )
+        optimum, openvino = run.stdout.split()
+        return f"{optimum} (openvino {openvino})"
+
+    def command(self, plain: Path, folder: Path, precision: str) -> list[str]:
+        task = ["--task", "text-generation-with-past", "--weight-format", precision]
+        return [str(self.cli()), "export", "openvino", "-m", str(plain), *task, str(folder)]
+
+    def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]:
+        """optimum-cli on the source's plain model into `folder` (empty); what made it."""
+        started = time.perf_counter()
+        _run_on_plain_model(
+            self.name, "optimum-cli", manifest, folder, lambda plain, scratch: self.command(plain, folder, precision)
+        )
+        shown = ["optimum-cli", *self.command(Path("PLAIN_HF_DIR"), Path("OUT"), precision)[1:]]
+        return {"command": " ".join(shown), "build_s": round(time.perf_counter() - started, 1)}
+
+    def runner(self, folder: Path, threads: int | None, label: str) -> Runner:
+        from taperfold.runners.openvino import StatefulOpenVinoRunner
+
+        return StatefulOpenVinoRunner(folder, threads=threads, name=label)
 
 
-def contender(name: str) -> GenaiBuilder:
+CONTENDERS: dict[str, GenaiBuilder | OptimumIntel] = {
+    GenaiBuilder.name: GenaiBuilder(),
+    OptimumIntel.name: OptimumIntel(),
+}
+
+
+def contender(name: str) -> GenaiBuilder | OptimumIntel:
     if name not in CONTENDERS:
         raise TaperfoldError(f"--against must be one of {', '.join(CONTENDERS)}, got {name!r}")
     return CONTENDERS[name]
