@@ -186,6 +186,10 @@ class OptimumIntel:
 
     def command(self, plain: Path, folder: Path, precision: str) -> list[str]:
         task = ["--task", "text-generation-with-past", "--weight-format", precision]
+        if (
+            precision == "int4"
+        ):  # its groups of 128 where they divide a layer's width, smaller where not (576 = 4.5·128)
+            task += ["--group-size-fallback", "adjust"]
         return [str(self.cli()), "export", "openvino", "-m", str(plain), *task, str(folder)]
 
     def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]:
