@@ -98,12 +98,16 @@ def hf_export(tmp_path_factory):
     return root / "out", source
 
 
-def test_bench_against_optimum_intel_refusals_are_one_line(cached_export, hf_export, monkeypatch):
-    args = ("--engine", "openvino", "--mode", "decode", "--against", "optimum-intel")
-    one_line(run_cli("bench", cached_export[0], *args), "builds from a Hugging Face directory")
-    monkeypatch.setenv("PATH", "/nonexistent")
-    one_line(run_cli("bench", hf_export[0], *args), "optimum-cli is not on PATH", "scripts/setup-optimum-intel")
-    assert not (cached_export[0] / "against").exists() and not (hf_export[0] / "against").exists()
+def test_bench_against_optimum_intel_refusals_are_one_line(cached_export, tmp_path, monkeypatch):
+    """optimum-cli missing from PATH, then (an optimum-cli on PATH) a source that is no Hugging Face directory."""
+    args = ("bench", cached_export[0], "--engine", "openvino", "--mode", "decode", "--against", "optimum-intel")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    one_line(run_cli(*args), "optimum-cli is not on PATH", "scripts/setup-optimum-intel")
+    cli = tmp_path / "optimum-cli"
+    cli.write_text("#!/bin/sh\nexit 1\n")
+    cli.chmod(0o755)
+    one_line(run_cli(*args), "builds from a Hugging Face directory")
+    assert not (cached_export[0] / "against").exists()
 
 
 @pytest.mark.skipif(

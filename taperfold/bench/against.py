@@ -156,6 +156,7 @@ class OptimumIntel:
                 f"--against {self.name}: openvino, which runs its export here, is not installed "
                 "(pip install 'taperfold[openvino]')"
             ) from None
+        self.cli()
         _plain_huggingface(self.name, manifest)
         if precision not in self.PRECISIONS:
             raise TaperfoldError(
