@@ -13,7 +13,7 @@ version, the precision and the command (BenchReport.against).
                     optimum-intel pins transformers < 5.6, so it lives in an environment of its own: its
                     `optimum-cli` is found on PATH and run as a command (scripts/setup-optimum-intel)
 
-Adding a contender is a class with `build` and `runner`, and one entry in CONTENDERS.
+Adding a contender is a class that is a `Tool`, and one entry in CONTENDERS.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_dir, read_json_object
@@ -43,6 +43,23 @@ class Contender:
     name: str  # how the report labels its rows: the tool's name
     folder: Path
     info: dict[str, Any]  # tool, version, precision, command, build_s: what the report records
+
+
+class Tool(Protocol):
+    """What bench asks of a contender's tool."""
+
+    name: ClassVar[str]  # --against's value, and the label of its rows
+    title: ClassVar[str]  # what the report calls the tool
+    decodes_only: ClassVar[bool]  # runs whole generations only (bench --mode decode)
+    keeps_last_token: ClassVar[bool]  # its generations count the last chosen token in the context
+
+    def check(self, manifest: Manifest, precision: str) -> None: ...  # one line for what it cannot build or run
+
+    def version(self) -> str: ...
+
+    def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]: ...  # command, build_s
+
+    def runner(self, folder: Path, threads: int | None, label: str) -> Runner: ...
 
 
 def _run_on_plain_model(
@@ -187,9 +204,8 @@ class OptimumIntel:
 
     def command(self, plain: Path, folder: Path, precision: str) -> list[str]:
         task = ["--task", "text-generation-with-past", "--weight-format", precision]
-        if (
-            precision == "int4"
-        ):  # its groups of 128 where they divide a layer's width, smaller where not (576 = 4.5·128)
+        if precision == "int4":
+            # its groups of 128 where they divide a layer's width, smaller where not (576 = 4.5·128)
             task += ["--group-size-fallback", "adjust"]
         return [str(self.cli()), "export", "openvino", "-m", str(plain), *task, str(folder)]
 
@@ -208,13 +224,13 @@ class OptimumIntel:
         return StatefulOpenVinoRunner(folder, threads=threads, name=label)
 
 
-CONTENDERS: dict[str, GenaiBuilder | OptimumIntel] = {
+CONTENDERS: dict[str, Tool] = {
     GenaiBuilder.name: GenaiBuilder(),
     OptimumIntel.name: OptimumIntel(),
 }
 
 
-def contender(name: str) -> GenaiBuilder | OptimumIntel:
+def contender(name: str) -> Tool:
     if name not in CONTENDERS:
         raise TaperfoldError(f"--against must be one of {', '.join(CONTENDERS)}, got {name!r}")
     return CONTENDERS[name]
