@@ -292,6 +292,14 @@ def inspect(checkpoint, as_json):
     "the builder where it applies (docs/deployment.md).",
 )
 @click.option(
+    "--openvino",
+    "to_openvino",
+    is_flag=True,
+    help="Also write an OpenVINO stateful IR per variant (openvino/VARIANT/openvino_model.xml: the growing-cache "
+    "decoder, its KV cache in the model's state, attention as ScaledDotProductAttention), converted from the torch "
+    "model; fp32 exports (docs/deployment.md).",
+)
+@click.option(
     "--quantize",
     metavar="int4|int8",
     help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
@@ -388,6 +396,7 @@ def export(
     to_trt,
     genai,
     genai_route,
+    to_openvino,
     quantize,
     block_size,
     out_dir,
@@ -428,6 +437,8 @@ def export(
         artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
     if genai:
         artifacts["genai"] = {"route": genai_route, "precisions": (dtype, *precisions), "block_size": block_size}
+    if to_openvino:
+        artifacts["openvino"] = {}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,

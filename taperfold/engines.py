@@ -269,6 +269,18 @@ ENGINES: dict[str, Engine] = {
             options=(),
             module="taperfold.runners.openvino",
         ),
+        Engine(
+            "openvino-ir",
+            "OpenVINO (stateful IR)",
+            "openvino",
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=True,
+            options=(),
+            module="taperfold.runners.openvino_ir",
+            caches=(GROWING,),
+            prefills=False,
+        ),
     )
 }
 

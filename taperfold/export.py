@@ -284,18 +284,29 @@ def _initializer(graph, name: str, array):
     return value
 
 
-def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, opset: int | None = None):
-    """torch model → onnx_ir.Model of `graph` (prefill, or a decoder) with dynamic batch and sequence (and past)
-    axes, at `opset` (default: the one `opts` chooses for this graph)."""
-    opset = opset or choose_opset(opts.target, opset_graph(graph), opts.opset).opset
+@dataclass
+class TraceCall:
+    """What one graph is traced from: the module, its example arguments, the dynamic axes torch.export takes for
+    them, and the graph's input and output names."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    shapes: Any  # per input: the dynamic axes torch.export takes
+    inputs: list[str]
+    outputs: list[str]
+    ids: torch.Tensor  # the example input_ids
+    max_sequence: int  # the sequence axis' upper bound
+
+
+def trace_call(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL) -> TraceCall:
+    """The call `graph` (prefill, or a decoder) of `model` is traced from, with dynamic batch and sequence (and past)
+    axes."""
     cfg = model.cfg
     batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_seq_len)
     seq_len, past_len = trace_lengths(cfg.max_seq_len)
     ids = torch.randint(0, cfg.vocab_size, (TRACE_SHAPE[0], seq_len))
-    module: nn.Module
-    args: tuple
-    kwargs: dict[str, Any] = {}
     shapes: Any  # per input: the dynamic axes torch.export takes
     if graph == STATIC:
         cache_len = static_cache_length(cfg, opts)
@@ -305,30 +316,37 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, cache_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers, STATIC)
-        module, args = _StaticDecoder(model), (ids, torch.arange(seq_len), past)
         shapes = ({0: batch, 1: seq}, {0: seq}, [{0: batch}] * len(past))
-    elif graph == GROWING:
+        return TraceCall(
+            _StaticDecoder(model), (ids, torch.arange(seq_len), past), {}, shapes, inputs, outputs, ids, seq.max
+        )
+    if graph == GROWING:
         past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
         kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, past_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
         past = [kv.clone() for _ in range(2 * cfg.n_layers)]
         inputs, outputs = decoder_io_names(cfg.n_layers, GROWING)
-        module, args = _Decoder(model), (ids, past)
         shapes = ({0: batch, 1: seq}, [{0: batch, 2: past_dim}] * len(past))
-    else:
-        module, args, kwargs = model, (ids,), {"logits": opts.logits}
-        inputs, outputs = [INPUT], [OUTPUT]
-        shapes = {INPUT: {0: batch, 1: seq}, OUTPUT: None}
+        return TraceCall(_Decoder(model), (ids, past), {}, shapes, inputs, outputs, ids, seq.max)
+    shapes = {INPUT: {0: batch, 1: seq}, OUTPUT: None}
+    return TraceCall(model, (ids,), {"logits": opts.logits}, shapes, [INPUT], [OUTPUT], ids, seq.max)
+
+
+def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, opset: int | None = None):
+    """torch model → onnx_ir.Model of `graph` (prefill, or a decoder) with dynamic batch and sequence (and past)
+    axes, at `opset` (default: the one `opts` chooses for this graph)."""
+    opset = opset or choose_opset(opts.target, opset_graph(graph), opts.opset).opset
+    call = trace_call(model, opts, graph)
     with _quiet():
         try:
             program = torch.onnx.export(
-                module,
-                args,
-                kwargs=kwargs,
+                call.module,
+                call.args,
+                kwargs=call.kwargs,
                 dynamo=True,
                 opset_version=opset,
-                input_names=inputs,
-                output_names=outputs,
-                dynamic_shapes=shapes,
+                input_names=call.inputs,
+                output_names=call.outputs,
+                dynamic_shapes=call.shapes,
                 optimize=False,
                 verbose=False,
                 custom_translation_table=(
@@ -343,9 +361,11 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
-    _check_dynamic(program.model, ids)
+    _check_dynamic(program.model, call.ids)
     if program.exported_program is not None:  # what torch.export traced, kept by the dynamo exporter
-        check_lengths(program.exported_program, {0: ("batch", MAX_EXPORT_BATCH), 1: ("sequence", seq.max)}, INPUT)
+        check_lengths(
+            program.exported_program, {0: ("batch", MAX_EXPORT_BATCH), 1: ("sequence", call.max_sequence)}, INPUT
+        )
     return program.model
 
 

@@ -120,7 +120,7 @@ def test_bench_against_optimum_intel_times_its_stateful_export_of_the_untapered_
     import torch
     import transformers
 
-    from taperfold.runners.openvino import StatefulOpenVinoRunner
+    from taperfold.runners.openvino_ir import StatefulOpenVinoRunner
     from taperfold.sources import open_source
 
     out, source = hf_export

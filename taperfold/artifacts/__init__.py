@@ -8,6 +8,7 @@ Shipped kinds (each module imported on first use, so that `taperfold --help` loa
     onnx            ONNX graphs of the variants (prefill and decoders), written by `taperfold export`   onnx_graph.py
     tensorrt-plan   TensorRT engines built from the ONNX graphs (`export --trt`, `bench --engine trt`)  tensorrt_plan.py
     genai           onnxruntime-genai folders of the growing-cache decoders (`export --genai`)        genai_folder.py
+    openvino        OpenVINO stateful IR folders of the torch variants (`export --openvino`)         openvino_ir.py
 
 A kind from outside the package: `register_kind(MyKind())` (examples/plugin_artifact.py).
 """
@@ -19,11 +20,12 @@ import importlib
 from taperfold.artifacts.base import ArtifactKind
 from taperfold.errors import TaperfoldError
 
-ONNX, TENSORRT_PLAN, GENAI = "onnx", "tensorrt-plan", "genai"
+ONNX, TENSORRT_PLAN, GENAI, OPENVINO = "onnx", "tensorrt-plan", "genai", "openvino"
 _SHIPPED = {
     ONNX: "taperfold.artifacts.onnx_graph",
     TENSORRT_PLAN: "taperfold.artifacts.tensorrt_plan",
     GENAI: "taperfold.artifacts.genai_folder",
+    OPENVINO: "taperfold.artifacts.openvino_ir",
 }
 _KINDS: dict[str, ArtifactKind] = {}
 

@@ -192,7 +192,7 @@ class GenaiFolder(ArtifactKind):
     def _write_folder(self, manifest: Export, decoder: ArtifactRecord) -> ArtifactRecord:
         assert decoder.variant is not None  # a decoder is a variant's
         folder = f"{FOLDER}/{folder_name(decoder.variant, decoder.precision, manifest.dtype)}"
-        tokenizer = _tokenizer_files(manifest)
+        tokenizer = tokenizer_files(manifest)
         with atomic_dir(manifest.directory / folder) as tmp:
             _write_decoder(manifest.file(decoder), tmp / decoder.path)
             if decoder.external_data:
@@ -387,7 +387,7 @@ def manifest_shape(manifest: Export) -> dict[str, int]:
     }
 
 
-def _tokenizer_files(manifest: Export) -> list[Path]:
+def tokenizer_files(manifest: Export) -> list[Path]:
     """The source's tokenizer files the export recorded (manifest `source.tokenizer_files`), read from the source
     directory; one line naming a file that is gone."""
     names = (manifest.get("source") or {}).get("tokenizer_files") or []

@@ -219,7 +219,7 @@ class OptimumIntel:
         return {"command": " ".join(shown), "build_s": round(time.perf_counter() - started, 1)}
 
     def runner(self, folder: Path, threads: int | None, label: str) -> Runner:
-        from taperfold.runners.openvino import StatefulOpenVinoRunner
+        from taperfold.runners.openvino_ir import StatefulOpenVinoRunner
 
         return StatefulOpenVinoRunner(folder, threads=threads, name=label)
 

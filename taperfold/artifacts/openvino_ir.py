@@ -1,0 +1,401 @@
+"""OpenVINO stateful IR folders: the form OpenVINO's CPU plugin decodes fastest, made from the torch variants
+(`export --openvino`: the folded model and the baseline; `bench --engine openvino-ir` builds what it times).
+
+    openvino/folded/openvino_model.xml   the growing-cache decoder, its KV cache held in the model's state
+    openvino/folded/openvino_model.bin   its weights (fp32)
+    openvino/folded/tokenizer.json ...   the source's tokenizer files, when it has them
+
+OpenVINO reads taperfold's ONNX decoders as they are, but runs their attention as MatMul and Softmax and takes the
+whole cache in and out at every step (docs/benchmarks.md, "OpenVINO against optimum-intel"). This kind converts the
+variant's torch model instead, as optimum-intel does for the untapered one: torch.export of the same decoder the
+ONNX export traces (taperfold.export.trace_call), `openvino.convert_model`, whose PyTorch frontend keeps
+scaled_dot_product_attention as one ScaledDotProductAttention op, then the form the CPU plugin's stateful attention
+fusion matches:
+
+- each past key/value becomes a variable of the model's state (OpenVINO's make-stateful transformation), zeros of
+  the prompt's batch to start; `reset_state` starts a new sequence;
+- a `beam_idx` input (int32 [batch]) picks the rows of the cache each step continues (Gather), as optimum-intel's
+  IR has it: the fusion matches the Gather, and arange(batch) keeps every row;
+- a boolean attention mask becomes the additive one (0 or float32's lowest) the fused kernel runs fast.
+
+The decoder's inputs are `input_ids` and `beam_idx`; its positions follow the cache's length, as the ONNX decoders'
+do. The manifest records how many attention layers became ScaledDotProductAttention (`attention`): fewer than the
+model's layers means OpenVINO runs the others decomposed (a model whose attention torch.export traces as MatMul).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from taperfold.artifacts import OPENVINO, register_kind
+from taperfold.artifacts.base import EXPORT, LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
+from taperfold.artifacts.genai_folder import tokenizer_files
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant
+from taperfold.fsutil import atomic_dir
+
+if TYPE_CHECKING:
+    from taperfold.taper import TaperedLM
+
+FOLDER = "openvino"  # the folders' parent in the export directory
+MODEL = "openvino_model.xml"  # optimum-intel's name for it
+BEAM_IDX = "beam_idx"
+DTYPE = "fp32"
+DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
+SDPA = "ScaledDotProductAttention"
+
+
+class OpenVinoIR(ArtifactKind):
+    name = OPENVINO
+    title = "OpenVINO stateful IR"
+    built_from = EXPORT
+    verified = LOGITS
+    suffix = "openvino"
+    fields = MappingProxyType(
+        {
+            "attention": Field(
+                (int,),
+                required=True,
+                help="attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)",
+            ),
+            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+        }
+    )
+
+    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+        import importlib.util
+
+        from taperfold.runners.openvino import INSTALL
+
+        if importlib.util.find_spec("openvino") is None:  # before the export's work
+            raise TaperfoldError(f"--openvino: openvino is not installed ({INSTALL})")
+        if export.dtype != DTYPE:
+            raise TaperfoldError(f"--openvino: the stateful IR is made from an fp32 export, not {export.dtype}")
+
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
+        """A folder per variant in `variants` (default: the folded model and the baseline, those the export holds),
+        each converted from the variant's torch model, built afresh from the export's source."""
+        from taperfold.sources import open_source
+
+        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+        self.check_request(options, manifest)
+        wanted = options.get("variants")
+        if wanted:
+            variants = [canonical_variant(v) for v in wanted]
+        else:
+            variants = [v for v in DEFAULT_VARIANTS if manifest.find(v) is not None]
+        source = open_source(manifest.checkpoint)
+        models = _torch_variants(source, variants, str(manifest.path))
+        tokenizer = tokenizer_files(manifest)
+        records = []
+        with contextlib.ExitStack() as stack:  # every folder, or none
+            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / v)) for v in variants}
+            attention = {}
+            for variant, folder in folders.items():
+                on_stage(f"converting {variant} to a stateful OpenVINO IR")
+                with source.export_context():
+                    attention[variant] = write_stateful_ir(
+                        models.pop(variant), folder / MODEL, str(manifest.path), on_stage
+                    )
+                for file in tokenizer:
+                    shutil.copyfile(file, folder / file.name)
+        for variant in variants:
+            model = f"{FOLDER}/{variant}/{MODEL}"
+            weights = Path(model).with_suffix(".bin").as_posix()
+            records.append(
+                ArtifactRecord(
+                    key=self.key(variant, GROWING),
+                    kind=self.name,
+                    path=model,
+                    variant=variant,
+                    graph=GROWING,
+                    precision=DTYPE,
+                    bytes=(manifest.directory / model).stat().st_size,
+                    external_data=weights,
+                    external_data_bytes=(manifest.directory / weights).stat().st_size,
+                    details={"attention": attention[variant], "tokenizer": [p.name for p in tokenizer]},
+                )
+            )
+        return records
+
+    def files(
+        self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
+        """The IR of each of `variants`, converted first where the export has none yet (bench times the unfolded
+        model too)."""
+        if graph != GROWING:
+            raise TaperfoldError(f"an OpenVINO stateful IR holds a growing KV cache, not a {graph} graph")
+        if precision not in (None, DTYPE):
+            raise TaperfoldError(f"the OpenVINO stateful IR is {DTYPE}; there is no {precision} form of it")
+        missing = [v for v in variants if manifest.find(v, GROWING, self.name) is None]
+        if missing:
+            manifest.build(self.name, variants=missing)
+        return super().files(manifest, variants, graph, None)
+
+
+def _torch_variants(source: Any, variants: list[str], origin: str) -> dict[str, TaperedLM]:
+    """The variants' torch models at g = 0 in fp32 (the folded one folded in float64), sharing their weights."""
+    import torch
+
+    from taperfold.variants import build_variants
+
+    if not source.tapered:
+        other = [v for v in variants if v != BASELINE]
+        if other:
+            raise TaperfoldError(f"{origin}: the export's model is untapered; it has no {other[0]} variant")
+        return {BASELINE: source.build_baseline().to(torch.float32).eval()}
+    return build_variants(source, variants, torch.float32)
+
+
+def write_stateful_ir(model: TaperedLM, path: Path, origin: str, on_stage: Callable[[str], None]) -> int:
+    """Convert `model`'s growing-cache decoder to a stateful OpenVINO IR at `path` (its weights beside it, .bin);
+    the number of attention layers it runs as ScaledDotProductAttention."""
+    import openvino as ov
+
+    converted = _converted(_exported_decoder(model, origin), origin, on_stage)
+    cfg = model.cfg
+    _name_ports(converted, cfg.n_layers)
+    converted.reshape(
+        {
+            name: ov.PartialShape([-1, cfg.kv_heads, -1, cfg.head_dim])
+            for name in (p.get_any_name() for p in converted.inputs)
+            if name.startswith(PAST)
+        }
+    )
+    attention = _additive_masks(converted)
+    _cache_in_state(converted)
+    ov.save_model(converted, str(path), compress_to_fp16=False)
+    return attention
+
+
+def _converted(program: Any, origin: str, on_stage: Callable[[str], None]) -> Any:
+    """OpenVINO's model of a torch.export program. `openvino.convert_model(program)` first decomposes the program to
+    core ATen ops (a second trace: 80 s of a 135M Llama's 90 s here); the frontend reads most of the program's own
+    ops, and `_frontend_ops` rewrites the few it misses in a Llama-like model, so the program goes to it directly,
+    decomposed only where the frontend still misses an op (one line says so)."""
+    import openvino as ov
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return ov.convert_model(TorchFXPythonDecoder(_frontend_ops(program.module()), dynamic_shapes=True))
+        except Exception as missed:  # noqa: BLE001 - the frontend's own types; its report names every op it missed
+            on_stage(f"OpenVINO reads the decoder's program decomposed ({_frontend_summary(missed)})")
+        try:
+            return ov.convert_model(program)
+        except Exception as e:  # noqa: BLE001 - as above
+            raise TaperfoldError(f"{origin}: OpenVINO cannot convert the decoder ({_frontend_summary(e)})") from None
+
+
+def _frontend_summary(error: Exception) -> str:
+    """The lines of OpenVINO's conversion report that name what it missed (its first line names only its source)."""
+    text = str(error)
+    summary = text.split("Summary:", 1)[1] if "Summary:" in text else ""
+    lines = [line.strip(" -") for line in summary.splitlines() if line.strip(" -")]
+    return "; ".join(lines) if lines else first_line(error)
+
+
+def _frontend_ops(module: Any) -> Any:
+    """`module` (torch.export's graph) with the ops OpenVINO's frontend has no rule for written as ones it has: reshape
+    as view (one op to OpenVINO), & as bitwise_and, the casts (to, type_as) as _to_copy(dtype) (the CPU alone), softmax
+    as _softmax, dropout (an inference graph's: off) and contiguous dropped, and max of two lengths (a sliding
+    window's start) as a maximum of two scalars."""
+    import torch
+
+    aten = torch.ops.aten
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target, args = node.target, node.args
+        if target is aten.reshape.default:
+            node.target = aten.view.default
+        elif target is aten.__and__.Tensor:
+            node.target = aten.bitwise_and.Tensor
+        elif target in (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.type_as.default):
+            dtype = _cast_dtype(node)
+            if dtype is None:
+                node.replace_all_uses_with(args[0])
+                graph.erase_node(node)
+            else:
+                node.target, node.args, node.kwargs = aten._to_copy.default, (args[0],), {"dtype": dtype}
+        elif target is aten.softmax.int and len(args) == 2 and not node.kwargs:
+            node.target, node.args = aten._softmax.default, (*args, False)
+        elif target is aten.contiguous.default or (target is aten.dropout.default and not args[2]):
+            node.replace_all_uses_with(args[0])
+            graph.erase_node(node)
+        elif target is torch.sym_max:
+            with graph.inserting_before(node):
+                scalars = [graph.call_function(aten.scalar_tensor.default, (a,), {"dtype": torch.int64}) for a in args]
+                node.target, node.args = aten.maximum.default, tuple(scalars)
+    module.recompile()
+    return module
+
+
+def _cast_dtype(node: Any) -> Any:
+    """The dtype a cast node (to(dtype), to(device, dtype), to(dtype=...), type_as) casts to; None: none."""
+    import torch
+
+    aten = torch.ops.aten
+    if node.target is aten.to.dtype:
+        return node.args[1]
+    if node.target is aten.to.device:
+        return node.args[2]
+    if node.target is aten.type_as.default:
+        return node.args[1].meta["val"].dtype
+    return node.kwargs.get("dtype")
+
+
+def _exported_decoder(model: TaperedLM, origin: str):
+    """torch.export's program of the growing-cache decoder the ONNX export traces: non-strict, else as torch.onnx
+    captures it (its strategies in turn: size-oblivious, the dynamic axes refined by torch.export's own suggested
+    fixes, strict; what a model that ties two lengths, as Mistral's sliding window does, needs); with the model's
+    plain MatMul and Softmax attention where its fused form fails to trace."""
+    import torch
+
+    from taperfold.export import ExportOptions, trace_call
+
+    call = trace_call(model, ExportOptions(dtype=DTYPE), GROWING)
+
+    def export():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.export's notes on its own deprecations
+            try:
+                return torch.export.export(
+                    call.module, call.args, call.kwargs, dynamic_shapes=call.shapes, strict=False
+                )
+            except Exception as plain:  # torch.export raises many types
+                from torch.onnx._internal.exporter._capture_strategies import CAPTURE_STRATEGIES
+
+                for strategy in CAPTURE_STRATEGIES:
+                    result = strategy(verbose=False)(call.module, call.args, call.kwargs, call.shapes)
+                    if result.exported_program is not None:
+                        return result.exported_program
+                raise plain
+
+    try:
+        program = export()
+    except Exception as e:  # noqa: BLE001 - torch.export raises many types, each with a long banner
+        eager = model.eager_attention()
+        if eager is None:
+            raise TaperfoldError(f"{origin}: torch.export failed on the decoder ({first_line(e)})") from None
+        with eager:
+            try:
+                program = export()
+            except Exception as again:  # noqa: BLE001 - as above
+                raise TaperfoldError(f"{origin}: torch.export failed on the decoder ({first_line(again)})") from None
+    _drop_empty_concat_inputs(program)
+    return program
+
+
+def _drop_empty_concat_inputs(program) -> None:
+    """torch.cat skips 1-D empty tensors, and transformers' DynamicLayer starts its cache as one (then concatenates
+    the past onto it); OpenVINO's frontend refuses to concatenate such a tensor with 4-D ones. The same cat without
+    them computes the same."""
+    import torch
+
+    graph = program.graph_module.graph
+    changed = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        tensors = list(node.args[0])
+        kept = [t for t in tensors if not _empty_vector(t)]
+        if kept and len(kept) < len(tensors):
+            node.args = (kept, *node.args[1:])
+            changed = True
+    if changed:
+        graph.eliminate_dead_code()
+        program.graph_module.recompile()
+
+
+def _empty_vector(node: Any) -> bool:
+    value = getattr(node, "meta", {}).get("val")
+    return value is not None and tuple(value.shape) == (0,)
+
+
+def _name_ports(model: Any, n_layers: int) -> None:
+    """The decoder's inputs and outputs get the names the ONNX decoders have (exportdir.decoder_io_names)."""
+    from taperfold.exportdir import decoder_io_names
+
+    inputs, outputs = decoder_io_names(n_layers, GROWING)
+    if len(model.inputs) != len(inputs) or len(model.outputs) != len(outputs):
+        raise TaperfoldError(
+            f"the converted decoder has {len(model.inputs)} inputs and {len(model.outputs)} outputs, "
+            f"not {len(inputs)} and {len(outputs)}"
+        )
+    for port, name in zip(model.inputs, inputs, strict=True):
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, outputs, strict=True):
+        port.get_tensor().set_names({name})
+
+
+def _additive_masks(model: Any) -> int:
+    """Each ScaledDotProductAttention's boolean mask becomes the additive one (0 where it attends, float32's lowest
+    where not: no row is all masked, so no NaN); one Select per mask, shared by the layers that share it. The
+    number of ScaledDotProductAttention ops."""
+    from openvino import opset13
+
+    additive: dict[Any, Any] = {}
+    count = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != SDPA:
+            continue
+        count += 1
+        if op.get_input_size() < 4:
+            continue
+        mask = op.input_value(3)
+        if mask.get_element_type().is_real():
+            continue
+        key = (mask.get_node().get_name(), mask.get_index())
+        if key not in additive:
+            lowest = np.float32(np.finfo(np.float32).min)
+            additive[key] = opset13.select(mask, np.float32(0.0), lowest).output(0)
+        op.input(3).replace_source_output(additive[key])
+    model.validate_nodes_and_infer_types()
+    return count
+
+
+def _cache_in_state(model: Any) -> None:
+    """Pasts and presents become the model's state (OpenVINO's make-stateful transformation), behind a beam_idx
+    Gather on the path each past is concatenated on (the other readers of a past take its shape alone), as
+    optimum-intel's stateful IR has them; each variable starts as zeros of the prompt's batch."""
+    import openvino as ov
+    from openvino import opset13
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    beam = opset13.parameter([-1], ov.Type.i32, name=BEAM_IDX)
+    beam.output(0).get_tensor().set_names({BEAM_IDX})
+    pasts = [p for p in model.inputs if p.get_any_name().startswith(PAST)]
+    for past in pasts:
+        for reader in list(past.get_target_inputs()):
+            if reader.get_node().get_type_name() == "Concat":
+                reader.replace_source_output(opset13.gather(past, beam, np.int64(0)).output(0))
+    model.add_parameters([beam])
+    names = [p.get_any_name() for p in pasts]
+    apply_make_stateful_transformation(model, {name: name.replace(PAST, "present.") for name in names})
+    ids = model.input("input_ids")
+    batch = opset13.gather(opset13.shape_of(ids, output_type="i64"), np.array([0], dtype=np.int64), np.int64(0))
+    for op in model.get_ops():
+        if op.get_type_name() != "ReadValue":
+            continue
+        shape = op.get_output_partial_shape(0)
+        dims = [batch] + [np.array([d.get_length() if d.is_static else 0], dtype=np.int64) for d in list(shape)[1:]]
+        zero = opset13.constant(0.0, dtype=op.get_output_element_type(0))
+        op.set_arguments([opset13.broadcast(zero, opset13.concat(dims, 0))])
+    model.validate_nodes_and_infer_types()
+    if OUTPUT not in model.output(0).get_names():
+        raise TaperfoldError(f"the stateful decoder's first output is not {OUTPUT!r}")
+
+
+OPENVINO_IR = OpenVinoIR()
+register_kind(OPENVINO_IR)
