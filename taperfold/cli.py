@@ -303,14 +303,15 @@ def inspect(checkpoint, as_json):
     "--quantize",
     metavar="int4|int8",
     help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
-    "...) and, with --genai, of each folder; int4, int8 or int4,int8 (docs/deployment.md).",
+    "...) and, with --genai or --openvino, of each folder; int4, int8 or int4,int8 (docs/deployment.md).",
 )
 @click.option(
     "--block-size",
     type=int,
     default=DEFAULT_BLOCK_SIZE,
     show_default=True,
-    help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}).",
+    help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}); --openvino's "
+    "int4 groups are NNCF's 128 unless this is given.",
 )
 @click.option(
     "-o",
@@ -437,8 +438,9 @@ def export(
         artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
     if genai:
         artifacts["genai"] = {"route": genai_route, "precisions": (dtype, *precisions), "block_size": block_size}
-    if to_openvino:
-        artifacts["openvino"] = {}
+    if to_openvino:  # NNCF's int4 groups unless --block-size sets them
+        groups = {"group_size": block_size} if block_size != DEFAULT_BLOCK_SIZE else {}
+        artifacts["openvino"] = {"precisions": (dtype, *precisions), **groups}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,

@@ -46,7 +46,9 @@ def test_stateful_ir_of_each_variant_decodes_as_its_torch_model(family, tmp_path
     ScaledDotProductAttention and the cache in the model's state."""
     from hf_models import tapered_tiny_model
 
-    from taperfold.artifacts.openvino_ir import _torch_variants, write_stateful_ir
+    import openvino
+
+    from taperfold.artifacts.openvino_ir import _torch_variants, stateful_ir
     from taperfold.hf import save_hf_directory
     from taperfold.runners.openvino_ir import StatefulOpenVinoRunner
     from taperfold.sources import open_source
@@ -55,9 +57,9 @@ def test_stateful_ir_of_each_variant_decodes_as_its_torch_model(family, tmp_path
     models = _torch_variants(source, ["folded", "baseline"], "test")
     for variant, model in models.items():
         path = tmp_path / variant / "openvino_model.xml"
-        path.parent.mkdir()
         with source.export_context():
-            attention = write_stateful_ir(model, path, "test", lambda stage: None)
+            converted, attention = stateful_ir(model, "test", lambda stage: None)
+        openvino.save_model(converted, str(path), compress_to_fp16=False)
         assert attention == model.cfg.n_layers
         with StatefulOpenVinoRunner(path, threads=1) as runner:
             _decodes_as(runner, model)
@@ -130,3 +132,38 @@ def test_export_openvino_refuses_a_half_precision_export_before_the_work(tmp_pat
     ckpt = save_checkpoint(checkpoint_from_model(model, step=0), tmp_path / "tiny.pt")
     one_line(run_cli("export", ckpt, "-o", tmp_path / "out", "--openvino", "--dtype", "fp16"), "--openvino", "fp32")
     assert not (tmp_path / "out").exists()
+
+
+def test_compressed_ir_is_built_on_demand_and_judged_as_quantized(builtin_export, tmp_path):
+    """`bench --precision int4` makes the int4 IR it times (NNCF, optimum-intel's settings, recorded); verify then
+    holds it to the checkpoint with the int4 bounds (top-1 agreement, KL), beside the exact fp32 pairs."""
+    pytest.importorskip("nncf", reason="nncf is not installed (pip install 'taperfold[openvino]')")
+    copy = tmp_path / "out"
+    shutil.copytree(builtin_export[0], copy)
+    result = run_cli(
+        "bench", copy, "--engine", "openvino-ir", "--mode", "decode", "--precision", "int4", "--variants", "folded",
+        "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1", "--iters", "2", "--rounds", "1",
+        "--threads", "1", "--json", "-",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    record = read_manifest(copy).record("folded.decoder.int4.openvino")
+    assert record.path == "openvino/folded-int4/openvino_model.xml" and record.precision == "int4"
+    assert record.reports["quantize"]["mode"] == "int4_asym" and record.reports["quantize"]["ratio"] == 1.0
+    fp32 = read_manifest(copy).record("folded.decoder.openvino")
+    assert record.external_data_bytes < fp32.external_data_bytes / 2
+    result = run_cli("verify", copy, "--threads", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    pair = next(p for p in json.loads(result.stdout)["pairs"] if p["candidate"] == "folded.decoder.int4.openvino")
+    assert pair["status"] == "pass" and pair["tolerance"].get("rtol") is None
+
+
+def test_openvino_kind_refuses_int4_groups_that_are_no_positive_number():
+    from taperfold.artifacts import artifact_kind
+    from taperfold.errors import TaperfoldError
+
+    with pytest.raises(TaperfoldError, match="int4 groups of 0"):
+        artifact_kind("openvino").check_request({"precisions": ["fp32", "int4"], "group_size": 0}, _Fp32())
+
+
+class _Fp32:
+    dtype, logits = "fp32", "last"

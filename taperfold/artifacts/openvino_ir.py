@@ -4,6 +4,7 @@
     openvino/folded/openvino_model.xml   the growing-cache decoder, its KV cache held in the model's state
     openvino/folded/openvino_model.bin   its weights (fp32)
     openvino/folded/tokenizer.json ...   the source's tokenizer files, when it has them
+    openvino/folded-int4/ ...            the same, weights compressed (`export --openvino --quantize int4`)
 
 OpenVINO reads taperfold's ONNX decoders as they are, but runs their attention as MatMul and Softmax and takes the
 whole cache in and out at every step (docs/benchmarks.md, "OpenVINO against optimum-intel"). This kind converts the
@@ -18,6 +19,11 @@ fusion matches:
   IR has it: the fusion matches the Gather, and arange(batch) keeps every row;
 - a boolean attention mask becomes the additive one (0 or float32's lowest) the fused kernel runs fast.
 
+int8 and int4 forms are OpenVINO's own weight compression (NNCF's `compress_weights`) with the settings optimum-intel's
+`--weight-format int8 | int4` passes it: int8 asymmetric per output channel; int4 asymmetric in groups of 128 (a
+width no multiple of it takes the nearest group size that divides it), every layer int4 but the embedding and the
+LM head, which stay int8.
+
 The decoder's inputs are `input_ids` and `beam_idx`; its positions follow the cache's length, as the ONNX decoders'
 do. The manifest records how many attention layers became ScaledDotProductAttention (`attention`): fewer than the
 model's layers means OpenVINO runs the others decomposed (a model whose attention torch.export traces as MatMul).
@@ -26,9 +32,11 @@ model's layers means OpenVINO runs the others decomposed (a model whose attentio
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -51,6 +59,44 @@ BEAM_IDX = "beam_idx"
 DTYPE = "fp32"
 DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
 SDPA = "ScaledDotProductAttention"
+COMPRESSED = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 128  # NNCF's int4 groups, and optimum-intel's
+
+
+@dataclass(frozen=True)
+class WeightCompression:
+    """One compressed form of the IR, as optimum-intel's `--weight-format` asks NNCF for it."""
+
+    precision: str  # int8 | int4
+    group_size: int = DEFAULT_GROUP_SIZE  # int4 only: int8 is per output channel
+
+    def to_json(self) -> dict:
+        import importlib.metadata
+
+        int4 = self.precision == "int4"
+        return {
+            "precision": self.precision,
+            "mode": f"{self.precision}_asym",
+            "group_size": self.group_size if int4 else -1,
+            "ratio": 1.0,
+            **({"group_size_fallback": "adjust"} if int4 else {}),
+            "tool": f"nncf {importlib.metadata.version('nncf')} compress_weights",
+        }
+
+    def apply(self, model: Any) -> Any:
+        import nncf
+
+        if self.precision == "int8":
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ratio=1.0)
+        return nncf.compress_weights(
+            model,
+            mode=nncf.CompressWeightsMode.INT4_ASYM,
+            ratio=1.0,
+            group_size=self.group_size,
+            advanced_parameters=nncf.AdvancedCompressionParameters(
+                group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST
+            ),
+        )
 
 
 class OpenVinoIR(ArtifactKind):
@@ -71,18 +117,18 @@ class OpenVinoIR(ArtifactKind):
     )
 
     def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
-        import importlib.util
-
         from taperfold.runners.openvino import INSTALL
 
         if importlib.util.find_spec("openvino") is None:  # before the export's work
             raise TaperfoldError(f"--openvino: openvino is not installed ({INSTALL})")
         if export.dtype != DTYPE:
             raise TaperfoldError(f"--openvino: the stateful IR is made from an fp32 export, not {export.dtype}")
+        _compressions(options)
 
     def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """A folder per variant in `variants` (default: the folded model and the baseline, those the export holds),
-        each converted from the variant's torch model, built afresh from the export's source."""
+        """A folder per variant in `variants` (default: the folded model and the baseline, those the export holds)
+        and per precision in `precisions` (default: fp32; int8 / int4: weights compressed, `group_size` int4's
+        groups), each converted from the variant's torch model, built afresh from the export's source."""
         from taperfold.sources import open_source
 
         on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
@@ -92,36 +138,49 @@ class OpenVinoIR(ArtifactKind):
             variants = [canonical_variant(v) for v in wanted]
         else:
             variants = [v for v in DEFAULT_VARIANTS if manifest.find(v) is not None]
+        precisions = list(dict.fromkeys(options.get("precisions") or [DTYPE]))
+        compressions = {c.precision: c for c in _compressions(options)}
         source = open_source(manifest.checkpoint)
         models = _torch_variants(source, variants, str(manifest.path))
         tokenizer = tokenizer_files(manifest)
-        records = []
+        names = {(v, p): folder_name(v, p) for v in variants for p in precisions}
+        attention = {}
         with contextlib.ExitStack() as stack:  # every folder, or none
-            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / v)) for v in variants}
-            attention = {}
-            for variant, folder in folders.items():
+            folders = {
+                key: stack.enter_context(atomic_dir(manifest.directory / FOLDER / n)) for key, n in names.items()
+            }
+            for variant in variants:
                 on_stage(f"converting {variant} to a stateful OpenVINO IR")
                 with source.export_context():
-                    attention[variant] = write_stateful_ir(
-                        models.pop(variant), folder / MODEL, str(manifest.path), on_stage
-                    )
-                for file in tokenizer:
-                    shutil.copyfile(file, folder / file.name)
-        for variant in variants:
-            model = f"{FOLDER}/{variant}/{MODEL}"
+                    converted, attention[variant] = stateful_ir(models.pop(variant), str(manifest.path), on_stage)
+                for precision in precisions:
+                    folder = folders[(variant, precision)]
+                    if precision in compressions:
+                        on_stage(f"compressing {variant}'s weights to {precision} (NNCF)")
+                        _save(compressions[precision].apply(converted.clone()), folder / MODEL)
+                    else:
+                        _save(converted, folder / MODEL)
+                    for file in tokenizer:
+                        shutil.copyfile(file, folder / file.name)
+                del converted
+        records = []
+        for (variant, precision), name in names.items():
+            model = f"{FOLDER}/{name}/{MODEL}"
             weights = Path(model).with_suffix(".bin").as_posix()
+            compression = compressions.get(precision)
             records.append(
                 ArtifactRecord(
-                    key=self.key(variant, GROWING),
+                    key=self.key(variant, GROWING, None if precision == DTYPE else precision),
                     kind=self.name,
                     path=model,
                     variant=variant,
                     graph=GROWING,
-                    precision=DTYPE,
+                    precision=precision,
                     bytes=(manifest.directory / model).stat().st_size,
                     external_data=weights,
                     external_data_bytes=(manifest.directory / weights).stat().st_size,
                     details={"attention": attention[variant], "tokenizer": [p.name for p in tokenizer]},
+                    reports={"quantize": compression.to_json()} if compression else {},
                 )
             )
         return records
@@ -133,12 +192,44 @@ class OpenVinoIR(ArtifactKind):
         model too)."""
         if graph != GROWING:
             raise TaperfoldError(f"an OpenVINO stateful IR holds a growing KV cache, not a {graph} graph")
-        if precision not in (None, DTYPE):
-            raise TaperfoldError(f"the OpenVINO stateful IR is {DTYPE}; there is no {precision} form of it")
-        missing = [v for v in variants if manifest.find(v, GROWING, self.name) is None]
+        precision = precision or DTYPE
+        if precision not in (DTYPE, *COMPRESSED):
+            raise TaperfoldError(f"the OpenVINO stateful IR is {DTYPE}, int8 or int4, not {precision}")
+        missing = [v for v in variants if manifest.find(v, GROWING, self.name, precision) is None]
         if missing:
-            manifest.build(self.name, variants=missing)
-        return super().files(manifest, variants, graph, None)
+            manifest.build(self.name, variants=missing, precisions=[precision])
+        return super().files(manifest, variants, graph, precision)
+
+
+def folder_name(variant: str, precision: str) -> str:
+    """openvino/folded for fp32, openvino/folded-int4 for a compressed form."""
+    return variant if precision == DTYPE else f"{variant}-{precision}"
+
+
+def _compressions(options: dict[str, Any]) -> list[WeightCompression]:
+    """The compressed forms a build request names (`precisions` beside fp32, `group_size`); one line naming what
+    is wrong, or NNCF missing."""
+    from taperfold.runners.openvino import INSTALL
+
+    unknown = [p for p in options.get("precisions") or () if p not in (DTYPE, *COMPRESSED)]
+    if unknown:
+        raise TaperfoldError(f"--openvino: the stateful IR is {DTYPE}, int8 or int4, not {unknown[0]}")
+    group_size = options.get("group_size")
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if not isinstance(group_size, int) or group_size < 1:
+        raise TaperfoldError(f"--openvino: int4 groups of {group_size!r} weights: give a positive whole number")
+    wanted = [WeightCompression(p, group_size) for p in options.get("precisions") or () if p in COMPRESSED]
+    if wanted and importlib.util.find_spec("nncf") is None:
+        raise TaperfoldError(
+            f"--openvino --quantize: NNCF compresses OpenVINO's weights and is not installed ({INSTALL})"
+        )
+    return wanted
+
+
+def _save(model: Any, path: Path) -> None:
+    import openvino as ov
+
+    ov.save_model(model, str(path), compress_to_fp16=False)
 
 
 def _torch_variants(source: Any, variants: list[str], origin: str) -> dict[str, TaperedLM]:
@@ -155,9 +246,9 @@ def _torch_variants(source: Any, variants: list[str], origin: str) -> dict[str, 
     return build_variants(source, variants, torch.float32)
 
 
-def write_stateful_ir(model: TaperedLM, path: Path, origin: str, on_stage: Callable[[str], None]) -> int:
-    """Convert `model`'s growing-cache decoder to a stateful OpenVINO IR at `path` (its weights beside it, .bin);
-    the number of attention layers it runs as ScaledDotProductAttention."""
+def stateful_ir(model: TaperedLM, origin: str, on_stage: Callable[[str], None]) -> tuple[Any, int]:
+    """`model`'s growing-cache decoder converted to a stateful OpenVINO model, and the number of attention layers it
+    runs as ScaledDotProductAttention."""
     import openvino as ov
 
     converted = _converted(_exported_decoder(model, origin), origin, on_stage)
@@ -172,8 +263,7 @@ def write_stateful_ir(model: TaperedLM, path: Path, origin: str, on_stage: Calla
     )
     attention = _additive_masks(converted)
     _cache_in_state(converted)
-    ov.save_model(converted, str(path), compress_to_fp16=False)
-    return attention
+    return converted, attention
 
 
 def _converted(program: Any, origin: str, on_stage: Callable[[str], None]) -> Any:
