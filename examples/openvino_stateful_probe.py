@@ -6,7 +6,8 @@ two required to choose the same tokens.
 
     python examples/openvino_stateful_probe.py runs/openvino-bench/out/model.decoder.onnx
 
-A probe, not an artifact: taperfold writes no stateful IR yet.
+A probe of the first half of the fix: taperfold's stateful IR (`export --openvino`, taperfold.artifacts.openvino_ir)
+holds the cache so and runs attention as ScaledDotProductAttention too.
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ def export(
     as_json,
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
-    with --trt, a TensorRT engine of model.onnx too."""
+    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino, those runtimes' folders."""
     from taperfold import interrupts
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
@@ -778,7 +778,8 @@ def bench(
       taperfold bench out/ --engine ort --mode decode --kv-cache growing
       taperfold bench out/ --engine ort --mode decode --precision int4
       taperfold bench out/ --engine genai --mode decode --against genai-builder
-      taperfold bench out/ --engine openvino --mode decode --against optimum-intel
+      taperfold bench out/ --engine openvino-ir --mode decode --against optimum-intel
+      taperfold bench out/ --engine openvino-ir --mode decode --precision int4
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead

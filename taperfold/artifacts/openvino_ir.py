@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
+import logging
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -84,8 +87,15 @@ class WeightCompression:
         }
 
     def apply(self, model: Any) -> Any:
+        """`model` with its weights compressed. NNCF's statistics table and progress bar (stdout, stderr) are kept
+        out of taperfold's output: the manifest records the settings."""
         import nncf
 
+        nncf.set_log_level(logging.ERROR)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return self._compress(nncf, model)
+
+    def _compress(self, nncf: Any, model: Any) -> Any:
         if self.precision == "int8":
             return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ratio=1.0)
         return nncf.compress_weights(
@@ -141,7 +151,7 @@ class OpenVinoIR(ArtifactKind):
         precisions = list(dict.fromkeys(options.get("precisions") or [DTYPE]))
         compressions = {c.precision: c for c in _compressions(options)}
         source = open_source(manifest.checkpoint)
-        models = _torch_variants(source, variants, str(manifest.path))
+        models = _torch_variants(source, variants, str(manifest.checkpoint))
         tokenizer = tokenizer_files(manifest)
         names = {(v, p): folder_name(v, p) for v in variants for p in precisions}
         attention = {}
@@ -152,7 +162,7 @@ class OpenVinoIR(ArtifactKind):
             for variant in variants:
                 on_stage(f"converting {variant} to a stateful OpenVINO IR")
                 with source.export_context():
-                    converted, attention[variant] = stateful_ir(models.pop(variant), str(manifest.path), on_stage)
+                    converted, attention[variant] = stateful_ir(models.pop(variant), str(manifest.checkpoint), on_stage)
                 for precision in precisions:
                     folder = folders[(variant, precision)]
                     if precision in compressions:
@@ -288,7 +298,7 @@ def _converted(program: Any, origin: str, on_stage: Callable[[str], None]) -> An
 
 def _frontend_summary(error: Exception) -> str:
     """The lines of OpenVINO's conversion report that name what it missed (its first line names only its source)."""
-    text = str(error)
+    text = re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", str(error))  # a Python function the graph calls
     summary = text.split("Summary:", 1)[1] if "Summary:" in text else ""
     lines = [line.strip(" -") for line in summary.splitlines() if line.strip(" -")]
     return "; ".join(lines) if lines else first_line(error)
