@@ -167,3 +167,14 @@ def test_openvino_kind_refuses_int4_groups_that_are_no_positive_number():
 
 class _Fp32:
     dtype, logits = "fp32", "last"
+
+
+def test_a_damaged_ir_is_one_line_saying_what_openvino_read(builtin_export, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(builtin_export[0], copy)
+    model = copy / "openvino" / "folded" / "openvino_model.xml"
+    model.write_text(model.read_text()[:300])
+    args = ("--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "2", "--iters", "1", "--rounds", "1")
+    result = run_cli("bench", copy, "--engine", "openvino-ir", *args)
+    one_line(result, "folded", "OpenVINO cannot compile it")
+    assert "Exception from src" not in result.stderr  # OpenVINO's reason, not the source file it was raised in

@@ -65,7 +65,7 @@ class OpenVinoRunner(Runner):
             try:
                 results = request.infer(prepared, share_inputs=True, share_outputs=False)
             except RuntimeError as e:
-                raise self.error(f"OpenVINO run failed ({first_line(e)})") from None
+                raise self.error(f"OpenVINO run failed ({openvino_reason(e)})") from None
             return {o.any_name: results[o] for o in outputs}
 
         return run
@@ -86,7 +86,13 @@ def compile_for_cpu(runner: Runner, path: Path, threads: int | None) -> Any:
         core = ov.Core()
         return core.compile_model(core.read_model(str(path)), "CPU", config)
     except RuntimeError as e:
-        raise runner.error(f"OpenVINO cannot compile it ({first_line(e)})") from None
+        raise runner.error(f"OpenVINO cannot compile it ({openvino_reason(e)})") from None
+
+
+def openvino_reason(error: Exception) -> str:
+    """What OpenVINO says went wrong: the last line of its message (the first ones name its own source files)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else first_line(error)
 
 
 # ---- the engine (taperfold.engines' "openvino" row) ----------------------------------------------------------

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from taperfold.errors import TaperfoldError, first_line
+from taperfold.errors import TaperfoldError
 from taperfold.exportdir import INPUT, OUTPUT
 from taperfold.runners.base import Generation, Runner
-from taperfold.runners.openvino import compile_for_cpu, openvino
+from taperfold.runners.openvino import compile_for_cpu, openvino, openvino_reason
 
 MODEL = "openvino_model.xml"  # a folder's model, as optimum-intel and taperfold name it
 BEAM_IDX = "beam_idx"
@@ -73,7 +73,7 @@ class StatefulOpenVinoRunner(Runner):
         try:
             logits = np.asarray(self._request.infer(feeds, share_inputs=True, share_outputs=False)[self._logits])
         except RuntimeError as e:
-            raise self.error(f"OpenVINO run failed ({first_line(e)})") from None
+            raise self.error(f"OpenVINO run failed ({openvino_reason(e)})") from None
         return (logits[:, -1, :] if logits.ndim == 3 else logits).astype(np.float32)
 
     def _growing_only(self, cache_len: int | None) -> None:
