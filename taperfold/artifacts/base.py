@@ -267,3 +267,16 @@ def describe_file(folder: Path, name: str) -> tuple[int, str | None, int]:
     path = folder / name
     data = folder / (name + ".data")
     return path.stat().st_size, data.name if data.is_file() else None, data.stat().st_size if data.is_file() else 0
+
+
+def tokenizer_files(manifest: Export) -> list[Path]:
+    """The source's tokenizer files the export recorded (manifest `source.tokenizer_files`), read from the source
+    directory; one line naming a file that is gone."""
+    names = (manifest.get("source") or {}).get("tokenizer_files") or []
+    files = [manifest.checkpoint / name for name in names]
+    for path in files:
+        if not path.is_file():
+            raise TaperfoldError(
+                f"{path}: missing ({manifest.path} records it as a tokenizer file of the source the export came from)"
+            )
+    return files

@@ -26,7 +26,15 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from taperfold.artifacts import GENAI, ONNX, register_kind
-from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
+from taperfold.artifacts.base import (
+    LOGITS,
+    ArtifactKind,
+    ArtifactRecord,
+    Export,
+    ExportRequest,
+    Field,
+    tokenizer_files,
+)
 from taperfold.artifacts.onnx_graph import QUANTIZED_FROM
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
@@ -385,19 +393,6 @@ def manifest_shape(manifest: Export) -> dict[str, int]:
         "num_hidden_layers": shape.n_layers,
         "num_key_value_heads": shape.kv_heads,
     }
-
-
-def tokenizer_files(manifest: Export) -> list[Path]:
-    """The source's tokenizer files the export recorded (manifest `source.tokenizer_files`), read from the source
-    directory; one line naming a file that is gone."""
-    names = (manifest.get("source") or {}).get("tokenizer_files") or []
-    files = [manifest.checkpoint / name for name in names]
-    for path in files:
-        if not path.is_file():
-            raise TaperfoldError(
-                f"{path}: missing ({manifest.path} records it as a tokenizer file of the source the export came from)"
-            )
-    return files
 
 
 def _write_decoder(source: Path, dest: Path) -> None:

@@ -47,8 +47,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from taperfold.artifacts import OPENVINO, register_kind
-from taperfold.artifacts.base import EXPORT, LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
-from taperfold.artifacts.genai_folder import tokenizer_files
+from taperfold.artifacts.base import (
+    EXPORT,
+    LOGITS,
+    ArtifactKind,
+    ArtifactRecord,
+    Export,
+    ExportRequest,
+    Field,
+    tokenizer_files,
+)
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant
 from taperfold.fsutil import atomic_dir

@@ -24,11 +24,11 @@ from taperfold.runners.base import InputSpec, Runner
 INSTALL = "pip install 'taperfold[openvino]'"
 
 
-def openvino():
+def openvino(engine: str = "openvino"):
     try:
         import openvino as ov
     except ImportError:
-        raise TaperfoldError(f"--engine openvino: openvino is not installed ({INSTALL})") from None
+        raise TaperfoldError(f"--engine {engine}: openvino is not installed ({INSTALL})") from None
     return ov
 
 
@@ -102,9 +102,9 @@ def open_runner(path, *, device, threads, graph, logits, name, shapes=None) -> O
     return OpenVinoRunner(path, device=device, threads=threads)
 
 
-def unavailable(device: str) -> str | None:
+def unavailable(device: str, engine: str = "openvino") -> str | None:
     try:
-        openvino()
+        openvino(engine)
     except TaperfoldError as e:
         return str(e)
-    return None if device == "cpu" else f"--engine openvino runs on the CPU here, not {device}"
+    return None if device == "cpu" else f"--engine {engine} runs on the CPU here, not {device}"

@@ -22,7 +22,8 @@ import numpy as np
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import INPUT, OUTPUT
 from taperfold.runners.base import Generation, Runner
-from taperfold.runners.openvino import compile_for_cpu, openvino, openvino_reason
+from taperfold.runners.openvino import compile_for_cpu, openvino_reason
+from taperfold.runners.openvino import unavailable as openvino_unavailable
 
 MODEL = "openvino_model.xml"  # a folder's model, as optimum-intel and taperfold name it
 BEAM_IDX = "beam_idx"
@@ -124,8 +125,4 @@ def open_runner(path, *, device, threads, graph, logits, name, shapes=None) -> S
 
 
 def unavailable(device: str) -> str | None:
-    try:
-        openvino()
-    except TaperfoldError as e:
-        return str(e).replace("--engine openvino:", "--engine openvino-ir:")
-    return None if device == "cpu" else f"--engine openvino-ir runs on the CPU here, not {device}"
+    return openvino_unavailable(device, "openvino-ir")
