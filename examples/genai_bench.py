@@ -1,6 +1,7 @@
 """onnxruntime-genai decode speed of the builder route on SmolLM2-135M's shape (docs/benchmarks.md).
 
     python examples/genai_bench.py [--workdir runs/genai-bench] [--threads 2] [--quantize int4]
+    python examples/genai_bench.py --route traced --ort-fusions --iters 5 --rounds 5
 
 Builds a random-weight Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, SwiGLU 1536, vocab
 49152, tied embeddings; nothing downloaded), tapers it (Internal-Taper) with random c and γ̃ at g = 0, writes it as a
@@ -11,6 +12,11 @@ process and printed as it runs:
     taperfold bench OUT --engine genai --mode decode --against genai-builder
                                        baseline, unfolded, folded and the builder's own folder, in alternating rounds
     with --quantize, the same bench with --precision int4, and verify on 4 random 64-token prompts
+
+`--route traced` makes the folders from taperfold's traced growing-cache decoders instead (`--genai-route traced`,
+with `--ort-fusions` ONNX Runtime's fusions on them: GroupQueryAttention with the rotary fused) into OUT-traced[-fused],
+and times their unfolded and folded models against the builder's graph of the untapered model: the traced decoder
+beside the builder's form of it.
 
 The export's stage timings, the bench reports (copied to OUT/bench-decode-PRECISION.json) and verify.json are what
 docs/benchmarks.md records.
@@ -75,19 +81,27 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/genai-bench"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantize", choices=["int4", "int8"], help="also quantize, and time and verify that form")
+    parser.add_argument("--route", choices=["builder", "traced"], default="builder", help="how export makes folders")
+    parser.add_argument("--ort-fusions", action="store_true", help="the traced route's decoders with --ort-fusions")
+    parser.add_argument("--iters", type=int, default=15, help="generations per contender and round")
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    source, out = args.workdir / "smollm2-135m-shape", args.workdir / "out"
+    traced = args.route == "traced"
+    suffix = ("-traced" + ("-fused" if args.ort_fusions else "")) if traced else ""
+    source, out = args.workdir / "smollm2-135m-shape", args.workdir / f"out{suffix}"
     if not source.is_dir():
         make_directory(source)
     taperfold = [sys.executable, "-m", "taperfold.cli"]
     quantize = ["--quantize", args.quantize] if args.quantize else []
-    run(*taperfold, "export", str(source), "-o", str(out), "--genai", "--no-baseline", "--overwrite", *quantize)
+    route = ["--genai-route", "traced"] + (["--ort-fusions"] if args.ort_fusions else []) if traced else []
+    run(*taperfold, "export", str(source), "-o", str(out), "--genai", *route, "--no-baseline", "--overwrite", *quantize)
+    variants = ["--variants", "unfolded,folded"] if traced else []  # the traced route exports no baseline decoder
     for precision in ["fp32"] + ([args.quantize] if args.quantize else []):
         quantized = ["--precision", precision] if precision != "fp32" else []
         run(
             *taperfold, "bench", str(out), "--engine", "genai", "--mode", "decode", "--batch", "1,4", "--prompt",
-            "128", "--new-tokens", "64", "--warmup", "3", "--iters", "15", "--rounds", "15", "--threads",
-            str(args.threads), "--against", "genai-builder", *quantized,
+            "128", "--new-tokens", "64", "--warmup", "3", "--iters", str(args.iters), "--rounds", str(args.rounds),
+            "--threads", str(args.threads), "--against", "genai-builder", *variants, *quantized,
         )  # fmt: skip
         shutil.copyfile(out / "bench-decode.json", out / f"bench-decode-{precision}.json")
     if args.quantize:

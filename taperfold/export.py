@@ -617,6 +617,11 @@ class GraphPasses:
         """The contrib ops ONNX Runtime's fusions made, by type; None: not asked for."""
         return dict(self.ort_fusions.fused) if self.ort_fusions else None
 
+    @property
+    def ort_fusions_skipped(self) -> str | None:
+        """Why ONNX Runtime's fusions left the graph as traced, where they chose to."""
+        return self.ort_fusions.skipped if self.ort_fusions else None
+
     def projections_report(self, prefix: str) -> dict | None:
         """What FuseProjectionsPass fused (None: not asked for), modules named as paths in the model's network (without
         what the export wrappers put in front, `prefix`)."""
@@ -645,6 +650,7 @@ def graph_details(
         "projections": projections,
         # only where they ran: a manifest without the option reads as before it existed
         **({"ort_fusions": passes.ort_fused} if passes and passes.ort_fused is not None else {}),
+        **({"ort_fusions_skipped": passes.ort_fusions_skipped} if passes and passes.ort_fusions_skipped else {}),
         **(traced.details() if traced else {}),
     }
 

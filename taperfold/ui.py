@@ -135,6 +135,8 @@ def print_export(manifest: Manifest, out_dir) -> None:
         norms = ", ".join(f"{op} ×{n}" for op, n in (details.get("norm_ops") or {}).items())
         ort = details.get("ort_fusions")
         fusions = "–" if ort is None else ", ".join(f"{op} ×{n}" for op, n in ort.items()) or "none matched"
+        if details.get("ort_fusions_skipped"):
+            fusions = f"left as traced: {details['ort_fusions_skipped']}"
         table.add_row(record.key, record.path, f"{size:.2f}", opset, norms, *((fusions,) if fused else ()))
     out.print(table)
     if manifest.get("note"):

@@ -2,6 +2,7 @@
 every graph of a transformers model's export, after the fold; each fused graph verified against the checkpoint."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
@@ -45,31 +46,29 @@ def test_every_graph_but_the_decomposed_baseline_runs_onnx_runtimes_attention(fu
     assert manifest["timings"]["ort_fusions_s"] > 0
 
 
-def _traced_decoder(root, model_type: str):
-    """The folded growing-cache decoder of a tapered tiny `model_type`, exported without the fusions."""
-    source = save_hf_directory(tapered_tiny_model(model_type), root / "tapered", step=1)
+def _traced_decoder(root, model_type: str, **changes):
+    """The folded growing-cache decoder of a tapered tiny `model_type` (`changes` set on its config), exported
+    without the fusions."""
+    source = save_hf_directory(tapered_tiny_model(model_type, **changes), root / "tapered", step=1)
     options = ExportOptions(decoders=(GROWING,), baseline=False)
     out = export_checkpoint(source, root / "export", options).out_dir
     return out / json.loads((out / "manifest.json").read_text())["artifacts"]["folded.decoder"]["path"]
 
 
-def test_the_grouped_attention_decoder_is_the_traced_one_on_every_call_onnx_runtime_takes(tmp_path):
-    """The traced decoder and the pass's GroupQueryAttention form of it, side by side in ONNX Runtime: prompts (an
-    empty past) of batch 1 and 4, single-token steps after a past, and a chunk of tokens after a past at batch 1
-    (ONNX Runtime's kernel refuses that chunk at batch > 1, docs/deployment.md)."""
+# (batch, new tokens, past length): prompts (an empty past) of batch 1 and 4, single-token steps after a past, and a
+# chunk of tokens after a past at batch 1 (ONNX Runtime's kernel refuses that chunk at batch > 1, docs/deployment.md)
+CALLS = [(1, 7, 0), (4, 9, 0), (4, 1, 9), (2, 1, 20), (1, 5, 3)]
+
+
+def _fused_runs_as_traced(model: ir.Model, traced_path, calls=CALLS) -> None:
+    """`model` (fused) gives the traced graph's logits and cache on every call of `calls`."""
     import onnxruntime as ort
 
-    path = _traced_decoder(tmp_path, "llama")
-    model = ir.load(path)
-    fusions = OrtFusionsPass()
-    fusions(model)
-    layers = 2
-    assert fusions.fused == {"GroupQueryAttention": layers, "SkipSimplifiedLayerNormalization": 1}
-    fused_path = path.with_name("fused.onnx")
+    fused_path = traced_path.with_name("fused.onnx")
     ir.save(model, fused_path, external_data="fused.onnx.data")
-    fused, traced = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (fused_path, path))
+    fused, traced = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (fused_path, traced_path))
     rng = np.random.default_rng(0)
-    for batch, new, past in [(1, 7, 0), (4, 9, 0), (4, 1, 9), (2, 1, 20), (1, 5, 3)]:
+    for batch, new, past in calls:
         feeds = {"input_ids": rng.integers(0, 256, size=(batch, new), dtype=np.int64)}
         for arg in traced.get_inputs()[1:]:
             feeds[arg.name] = rng.normal(size=[batch, arg.shape[1], past, arg.shape[3]]).astype(np.float32)
@@ -77,13 +76,77 @@ def test_the_grouped_attention_decoder_is_the_traced_one_on_every_call_onnx_runt
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_sliding_window_mask_keeps_its_attention_as_it_is(tmp_path):
-    """Mistral's window (16 tokens here) is in its mask: GroupQueryAttention without the window would attend to
-    tokens the model does not see, so the rule leaves such an attention to onnxscript's MultiHeadAttention."""
-    model = ir.load(_traced_decoder(tmp_path, "mistral"))
+@pytest.mark.parametrize(
+    "head_size, rotary",
+    [
+        (16, {"RotaryEmbedding in GroupQueryAttention": 2}),  # the attention rotates query and key itself
+        (8, {"RotaryEmbedding": 4}),  # ONNX Runtime's attention rotates multiples of 16 dims only
+    ],
+)
+def test_the_grouped_attention_decoder_is_the_traced_one_on_every_call_onnx_runtime_takes(tmp_path, head_size, rotary):
+    """The traced decoder and the pass's GroupQueryAttention form of it, transformers 5's RoPE fused, side by side
+    in ONNX Runtime on every call in CALLS."""
+    path = _traced_decoder(tmp_path, "llama", hidden_size=4 * head_size, head_dim=head_size)
+    model = ir.load(path)
     fusions = OrtFusionsPass()
     fusions(model)
-    assert "GroupQueryAttention" not in fusions.fused and fusions.fused.get("MultiHeadAttention") == 2
+    layers = 2
+    expected = {"GroupQueryAttention": layers, "SkipSimplifiedLayerNormalization": 1, **rotary}
+    assert {op: n for op, n in fusions.fused.items() if op != "FusedMatMul"} == expected  # FusedMatMul: the tied head
+    ops = Counter(n.op_type for n in model.graph)
+    assert "Neg" not in ops and ops["Cos"] == ops["Sin"] == 1  # RoPE as traced gone; one cache for every layer
+    _fused_runs_as_traced(model, path)
+
+
+def _shift_positions(path, readers: str):
+    """The decoder at `path` with the positions (past length + 0..S-1) moved on by 5 where `readers` read them:
+    "rope" (the rotary embedding alone) or "all" (its mask too); saved beside it, and loaded."""
+    model = ir.load(path)
+    positions = next(n for n in model.graph if n.op_type == "Add" and n.inputs[0].producer().op_type == "Range")
+    five = ir.val("five", ir.DataType.INT64, ir.Shape([]), const_value=ir.tensor(np.int64(5)))
+    model.graph.register_initializer(five)
+    shifted = ir.node("Add", [positions.outputs[0], five], num_outputs=1)
+    model.graph.insert_after(positions, shifted)
+    uses = list(positions.outputs[0].uses())
+    rope = next(u for u in uses if u.node.outputs[0].uses()[0].node.op_type == "Cast")  # Unsqueeze -> Cast -> angles
+    for use in [rope] if readers == "rope" else [u for u in uses if u.node is not shifted]:
+        use.node.replace_input_with(use.idx, shifted.outputs[0])
+    changed = path.with_name(f"shifted-{readers}.onnx")
+    ir.save(model, changed, external_data=changed.name + ".data")
+    return ir.load(changed), changed
+
+
+def test_rope_at_positions_the_attention_does_not_count_keeps_its_own_rotary_embedding(tmp_path):
+    """GroupQueryAttention rotates by the past's length + 0..S-1. A decoder whose RoPE reads other positions keeps
+    RotaryEmbedding apart from the attention, and its outputs."""
+    model, path = _shift_positions(_traced_decoder(tmp_path, "llama", hidden_size=64, head_dim=16), "rope")
+    fusions = OrtFusionsPass()
+    fusions(model)
+    assert "RotaryEmbedding in GroupQueryAttention" not in fusions.fused
+    assert fusions.fused["GroupQueryAttention"] == 2 and fusions.fused["RotaryEmbedding"] == 4
+    _fused_runs_as_traced(model, path)
+
+
+def test_a_causal_mask_over_other_positions_keeps_multi_head_attention(tmp_path):
+    """GroupQueryAttention's causal mask is that of the past's length + 0..S-1 over the keys 0..past + S - 1; a
+    mask comparing other positions (its rows moved on by 5) is not, and the attention stays as onnxscript fused it."""
+    model, path = _shift_positions(_traced_decoder(tmp_path, "llama", hidden_size=64, head_dim=16), "all")
+    fusions = OrtFusionsPass()
+    fusions(model)
+    assert "GroupQueryAttention" not in fusions.fused and fusions.fused["MultiHeadAttention"] == 2
+    _fused_runs_as_traced(model, path)
+
+
+def test_a_decoder_that_crops_its_cache_is_left_as_traced(tmp_path):
+    """Mistral's sliding window (16 tokens here) crops the past before attention; onnxscript's attention rules lose
+    the crop (their MultiHeadAttention takes the whole mask and fails past the window), so the pass leaves the
+    graph as it is, and says why."""
+    model = ir.load(_traced_decoder(tmp_path, "mistral"))
+    nodes = [n.op_type for n in model.graph]
+    fusions = OrtFusionsPass()
+    assert not fusions(model).modified
+    assert fusions.fused == {} and "past_key_values.0.key is cropped" in fusions.skipped
+    assert [n.op_type for n in model.graph] == nodes
 
 
 def test_fused_graphs_verify_against_the_checkpoint(fused_export):

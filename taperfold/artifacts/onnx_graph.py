@@ -47,6 +47,9 @@ class OnnxGraph(ArtifactKind):
                 (dict, type(None)),
                 help="ONNX Runtime's contrib ops --ort-fusions made, by type; absent where they did not run",
             ),
+            "ort_fusions_skipped": Field(
+                (str,), help="why --ort-fusions left the graph as traced (a cropped cache); absent where it did not"
+            ),
             "eager_attention": Field(
                 (str,),
                 help="why the graph was traced with the model's eager attention (MatMul, Softmax): torch.onnx's "

@@ -13,7 +13,9 @@ K/V repeated to every query head (Unsqueeze, Expand, Reshape). One rule of taper
 (`MhaToGqa`): such an attention under a plain causal mask becomes GroupQueryAttention, which reads the KV heads as
 they are and writes the cache (present.*) itself. ONNX Runtime's CPU kernel then refuses a call of batch > 1 with
 more than one new token and a past (a chunked prefill of a batch); a prompt with an empty past and single-token
-steps, what generation runs, are unrestricted.
+steps, what generation runs, are unrestricted. onnxscript's rotary rules take transformers 4's RoPE only; two more
+rules of taperfold's own (passes/ort_rotary.py) make transformers 5's RotaryEmbedding, and move it into a
+GroupQueryAttention where the positions allow.
 
 At opset 23 the exporter writes ONNX's own Attention, RMSNormalization and RotaryEmbedding, which ONNX Runtime runs
 as fused kernels and onnxscript's rules do not take: the pass leaves such a graph as it is.
@@ -28,14 +30,21 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import pattern
 
+from taperfold.exportdir import PAST
 from taperfold.opsets import FUSING_OPSET
+from taperfold.passes.ort_rotary import CONTRIB_DOMAIN, ROPE_RULES, ROTARY_INTO_GQA_RULES, not_counted
 
-CONTRIB_DOMAIN = "com.microsoft"
+ROTARY_IN_ATTENTION = "RotaryEmbedding in GroupQueryAttention"
 
 
 def contrib_ops(model: ir.Model) -> Counter:
-    """ONNX Runtime's contrib ops in the main graph, by type."""
-    return Counter(node.op_type for node in model.graph if node.domain == CONTRIB_DOMAIN)
+    """ONNX Runtime's contrib ops in the main graph, by type; GroupQueryAttentions that rotate their query and key
+    counted again as ROTARY_IN_ATTENTION."""
+    ops = Counter(node.op_type for node in model.graph if node.domain == CONTRIB_DOMAIN)
+    rotating = sum(
+        1 for node in model.graph if node.op_type == "GroupQueryAttention" and node.attributes.get_int("do_rotary")
+    )
+    return ops + Counter({ROTARY_IN_ATTENTION: rotating})
 
 
 class OrtFusionsPass(ir.passes.InPlacePass):
@@ -45,20 +54,45 @@ class OrtFusionsPass(ir.passes.InPlacePass):
     def __init__(self):
         super().__init__()
         self.fused: dict[str, int] = {}
+        self.skipped: str | None = None  # why the last call left the graph as it was, where it chose to
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused = {}
+        self.fused, self.skipped = {}, None
         if model.opset_imports.get("", 0) >= FUSING_OPSET:
+            return ir.passes.PassResult(model, modified=False)
+        if (cropped := _cropped_past(model)) is not None:
+            self.skipped = (
+                f"{cropped.name} is cropped before attention (a sliding-window cache), which onnxscript's "
+                "attention rules lose"
+            )
             return ir.passes.PassResult(model, modified=False)
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
         before = contrib_ops(model)
         optimize_for_ort(model)  # in place
-        if pattern.RewriteRuleSet([_MHA_TO_GQA, _MHA_TO_GQA_NO_PAST]).apply_to_model(model):
+        changed = pattern.RewriteRuleSet([_MHA_TO_GQA, _MHA_TO_GQA_NO_PAST]).apply_to_model(model)
+        if changed:
             common_passes.RemoveUnusedNodesPass()(model)  # the causal mask the attention built is read no more
+        if ROPE_RULES.apply_to_model(model):  # after the attention rules: ort_rotary.py says why
+            common_passes.RemoveUnusedNodesPass()(model)  # the RoPE as traced, which the rules leave
+            ROTARY_INTO_GQA_RULES.apply_to_model(model)
         after = contrib_ops(model)
         self.fused = {op: n - before[op] for op, n in sorted(after.items()) if n > before[op]}
         return ir.passes.PassResult(model, modified=True)
+
+
+def _cropped_past(model: ir.Model) -> ir.Value | None:
+    """The first cache input the graph slices (a sliding-window cache, cropped to the window before attention:
+    onnxscript's MultiHeadAttention then takes the mask of every position with the cropped keys, and fails once the
+    past is longer than the window)."""
+    return next(
+        (
+            value
+            for value in model.graph.inputs
+            if (value.name or "").startswith(PAST) and any(use.node.op_type == "Slice" for use in value.uses())
+        ),
+        None,
+    )
 
 
 def _repeated_to_query_heads(op, kv_heads_bhsd):
@@ -97,19 +131,22 @@ class MhaToGqa(pattern.RewriteRuleClassBase):
         shape = key.shape
         if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
             return result.fail("key is not [batch, KV heads, sequence, head size] with known heads and size", key)
-        why = _not_plain_causal(mask)
+        sequence = bound["query"].shape[1] if bound["query"].shape else None
+        past = bound.get("past_key")
+        why = _not_plain_causal(mask, sequence, past.shape[2] if past is not None and past.shape else None)
         return result.fail(why, mask) if why else result
 
     def rewrite(self, op, query, key, value, num_heads, past_key=None, past_value=None, scale=None, **_):
         flat = op.Constant(value_ints=[0, 0, -1])
         key_bsd = op.Reshape(op.Transpose(key, perm=[0, 2, 1, 3]), flat)
         value_bsd = op.Reshape(op.Transpose(value, perm=[0, 2, 1, 3]), flat)
-        total = op.Shape(query, start=1, end=2)  # every row attends to all it has: past + new tokens
+        # the lengths read off the new values, which later rules leave (RotaryIntoGqa replaces the query and key)
+        total = op.Shape(value, start=2, end=3)  # every row attends to all it has: past + new tokens
         if self.with_past:
             total = op.Add(op.Shape(past_key, start=2, end=3), total)
         total = op.Cast(total, to=ir.DataType.INT32)
         last = op.Sub(total, op.Constant(value=ir.tensor(np.array([1], dtype=np.int32))))
-        seqlens_k = op.Expand(last, op.Shape(query, start=0, end=1))  # the last position of each row
+        seqlens_k = op.Expand(last, op.Shape(value, start=0, end=1))  # the last position of each row
         total_scalar = op.Squeeze(total, op.Constant(value_ints=[0]))
         attributes = {"num_heads": num_heads.value, "kv_num_heads": key.shape[1]}
         if scale is not None:
@@ -121,10 +158,11 @@ class MhaToGqa(pattern.RewriteRuleClassBase):
         return outputs if self.with_past else outputs[0]
 
 
-def _not_plain_causal(mask: ir.Value) -> str | None:
+def _not_plain_causal(mask: ir.Value, sequence, past) -> str | None:
     """Why `mask` (an additive attention bias) is not the plain causal one the exporter writes, key position <= query
     position and nothing else (no window, no padding): Where(LessOrEqual(keys, queries), 0, very negative), broadcast
-    by Expands. None when it is."""
+    by Expands, the keys' positions 0..past + S - 1 and the queries' past..past + S - 1 (`sequence`: the query's S,
+    `past`: the past's length, None where there is none). None when it is."""
     node = _through_expands(mask)
     if node is None or node.op_type != "Where":
         return "the mask is not a Where of a comparison"
@@ -139,7 +177,8 @@ def _not_plain_causal(mask: ir.Value) -> str | None:
         return "the mask's positions have no known shapes"
     if keys.shape[-1] == 1 or queries.shape[-1] != 1:  # keys along the last axis, queries along the one before
         return "the mask does not compare key positions (columns) with query positions (rows)"
-    return None
+    tokens, before = [(1, sequence)], [(2, past)] if past is not None else []
+    return not_counted(keys, count=tokens + before, offset=[]) or not_counted(queries, count=tokens, offset=before)
 
 
 def _through_expands(value: ir.Value | None) -> ir.Node | None:
