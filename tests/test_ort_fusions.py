@@ -98,6 +98,19 @@ def test_the_grouped_attention_decoder_is_the_traced_one_on_every_call_onnx_runt
     _fused_runs_as_traced(model, path)
 
 
+def test_every_layer_fuses_where_export_stamps_layers_out(tmp_path):
+    """Export traces three layers and stamps the others out of the last; torch.export names the past + new length
+    in another order there ("sequence + past_sequence_length"), which onnxscript's rules, binding dims by name, took
+    for another length: only the first two layers were fused until the pass wrote each such sum one way."""
+    path = _traced_decoder(tmp_path, "llama", hidden_size=64, head_dim=16, num_hidden_layers=5)
+    assert json.loads((path.parent / "manifest.json").read_text())["artifacts"]["folded.decoder"]["traced_layers"] == 3
+    model = ir.load(path)
+    fusions = OrtFusionsPass()
+    fusions(model)
+    assert fusions.fused["GroupQueryAttention"] == fusions.fused["RotaryEmbedding in GroupQueryAttention"] == 5
+    _fused_runs_as_traced(model, path, calls=CALLS[:3])
+
+
 def _shift_positions(path, readers: str):
     """The decoder at `path` with the positions (past length + 0..S-1) moved on by 5 where `readers` read them:
     "rope" (the rotary embedding alone) or "all" (its mask too); saved beside it, and loaded."""
