@@ -517,6 +517,7 @@ def export_checkpoint(
 ) -> ExportResult:
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`, then build the
     artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing."""
+    started = time.perf_counter()
     check_options(opts)
     ckpt_path = Path(ckpt_path)
     source = open_source(ckpt_path)
@@ -549,6 +550,8 @@ def export_checkpoint(
         for kind, options in opts.artifacts.items():
             on_stage(f"building {artifact_kind(kind).title}")
             manifest.build(kind, **options, on_stage=on_stage)
+        manifest.record_time("total_s", time.perf_counter() - started)
+        manifest.write()
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
 
 

@@ -187,6 +187,10 @@ class Manifest:
         self.write()
         return records
 
+    def record_time(self, stage: str, seconds: float) -> None:
+        """Set `timings.STAGE` to `seconds` (written with the next write())."""
+        self._data.setdefault("timings", {})[stage] = round(seconds, 3)
+
     def report(self, key: str, name: str) -> dict | None:
         """What a stage reported about artifact `key` (e.g. "fold": the passes that made the folded graph)."""
         record = self._records.get(key)

@@ -154,9 +154,13 @@ def print_export(manifest: Manifest, out_dir) -> None:
         if traced
         else ""
     )
+    builds = t.get("build_s") or {}
+    counted = sum(v for k, v in t.items() if k != "total_s" and isinstance(v, (int, float))) + sum(builds.values())
+    total, rest = (f"export {t['total_s']:.1f} s: ", f", the rest {t['total_s'] - counted:.1f} s (reading the model, "
+                   "the manifest)") if "total_s" in t else ("", "")  # fmt: skip
     out.print(
-        f"torch export {t['torch_export_s']:.1f} s{stamped}, passes {t['passes_s']:.2f} s{ort}, "
-        f"writing {t['write_s']:.2f} s{built}"
+        f"{total}torch export {t['torch_export_s']:.1f} s{stamped}, passes {t['passes_s']:.2f} s{ort}, "
+        f"writing {t['write_s']:.2f} s{built}{rest}"
     )
 
 

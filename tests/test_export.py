@@ -125,7 +125,7 @@ def test_manifest(tiny_export, tiny_checkpoint):
     for art in manifest["artifacts"].values():
         assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
     assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]  # Internal-Taper
-    assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s"}
+    assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s", "total_s"}
 
 
 def test_the_baseline_graphs_are_made_from_the_unfolded_trace_with_real_norms(tiny_export):
