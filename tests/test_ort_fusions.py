@@ -115,7 +115,7 @@ def _shift_positions(path, readers: str):
     """The decoder at `path` with the positions (past length + 0..S-1) moved on by 5 where `readers` read them:
     "rope" (the rotary embedding alone) or "all" (its mask too); saved beside it, and loaded."""
     model = ir.load(path)
-    positions = next(n for n in model.graph if n.op_type == "Add" and n.inputs[0].producer().op_type == "Range")
+    positions = next(n for n in model.graph if n.op_type == "Add" and getattr(n.inputs[0].producer(), "op_type", "") == "Range")
     five = ir.val("five", ir.DataType.INT64, ir.Shape([]), const_value=ir.tensor(np.int64(5)))
     model.graph.register_initializer(five)
     shifted = ir.node("Add", [positions.outputs[0], five], num_outputs=1)

@@ -83,42 +83,26 @@ class OrtFusionsPass(ir.passes.InPlacePass):
 
 
 def _canonical_lengths(model: ir.Model) -> None:
-    """Each symbolic dim that is a sum written with its terms in one order. torch.export names one length differently
-    from layer to layer ("sequence + past_sequence_length" in one, "past_sequence_length + sequence" in the next, and
-    the layers export stamps out copy their template's), and onnxscript's rules, which bind dims by name, then fuse
-    only the layers whose names agree with the mask's."""
-    values = [
-        *model.graph.inputs,
-        *(v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.outputs),
-    ]
-    for value in values:
-        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value for d in value.shape):
-            dims = [ir.SymbolicDim(_sorted_sum(d.value)) if isinstance(d, ir.SymbolicDim) and d.value else d
-                    for d in value.shape]  # fmt: skip
-            if dims != list(value.shape):
-                value.shape = ir.Shape(dims)
+    """Each symbolic dim of a computed value written in SymPy's one form of it. torch.export names one length
+    differently from layer to layer ("sequence + past_sequence_length" in one, "past_sequence_length + sequence" in
+    the next, and the layers export stamps out copy their template's), and onnxscript's rules, which bind dims by
+    name, then fuse only the layers whose names agree with the mask's. The graph's inputs keep their names."""
+    canonical: dict[str, ir.SymbolicDim] = {}
 
+    def simplified(dim):
+        if not isinstance(dim, ir.SymbolicDim) or dim.value is None or dim.value.isidentifier():
+            return dim
+        if dim.value not in canonical:  # onnx_ir parses the text itself (no eval); unparsed, it is kept as written
+            simpler = dim.simplify()
+            canonical[dim.value] = simpler if simpler.value is not None else dim
+        return canonical[dim.value]
 
-def _sorted_sum(text: str) -> str:
-    """`text` (a sum of terms, each with its sign) with its top-level terms sorted; what is in brackets as it was."""
-    terms: list[tuple[str, str]] = []
-    sign, term, depth = "+", "", 0
-    for char in text:
-        depth += (char in "([") - (char in ")]")
-        if depth == 0 and char in "+-":
-            if term.strip():
-                terms.append((term.strip(), sign))
-                sign, term = char, ""
-            else:  # a sign before a term
-                sign = "-" if (sign == "-") != (char == "-") else "+"
-            continue
-        term += char
-    terms.append((term.strip(), sign))
-    if len(terms) < 2:
-        return text
-    ordered = sorted(terms)
-    head = ("-" if ordered[0][1] == "-" else "") + ordered[0][0]
-    return head + "".join(f" {sign} {term}" for term, sign in ordered[1:])
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            if value.shape is not None:
+                dims = [simplified(d) for d in value.shape]
+                if any(new is not old for new, old in zip(dims, value.shape)):
+                    value.shape = ir.Shape(dims)
 
 
 def _cropped_past(model: ir.Model) -> ir.Value | None:

@@ -59,8 +59,12 @@ class RopeToRotaryEmbedding(pattern.RewriteRuleClassBase):
             return result.fail("x is not split into two halves of its last axis", x)
         if second_half.shape is None or second_half.shape[-1] != shape[3] - half:
             return result.fail("the second half does not run to the end of x", second_half)
-        if positions.shape is None or len(positions.shape) != 1:
-            return result.fail("the positions are not one row for the whole batch", positions)
+        if positions.dtype != ir.DataType.INT64 or positions.shape is None or len(positions.shape) != 1:
+            return result.fail("the positions are not one row of int64 for the whole batch", positions)
+        if _unknown(positions.shape[0]) or positions.shape[0] != shape[2]:
+            return result.fail("the positions are not one per token of x", positions)
+        if _size(position_axes) < 1:
+            return result.fail("the positions' unsqueeze axes are not constant", position_axes)
         rank = 1 + _size(position_axes)
         if _axes(position_axes, rank) != set(range(rank)) - {rank - 2}:
             return result.fail("the positions are not unsqueezed to [1.., sequence, 1]", position_axes)
@@ -70,7 +74,7 @@ class RopeToRotaryEmbedding(pattern.RewriteRuleClassBase):
         for unsqueeze in (cos_axes, sin_axes):  # [1.., sequence, dims] -> [1, 1, sequence, dims]
             if rank + _size(unsqueeze) != 4 or not _axes(unsqueeze, 4) <= {0, 1}:
                 return result.fail("cos/sin are not unsqueezed to [1, 1, sequence, dims]", unsqueeze)
-        if self.scaled and _size(scale) != 1:
+        if self.scaled and (_size(scale) != 1 or const_array(scale).ndim > 1):  # type: ignore[union-attr]
             return result.fail("the attention scaling is not a constant scalar", scale)
         return result
 
@@ -98,7 +102,11 @@ class RopeToRotaryEmbedding(pattern.RewriteRuleClassBase):
     def _position_ids(op, x, positions):
         """[batch, sequence]: the positions, one row per sequence of the batch."""
         transpose = x.producer()  # the batch read before the heads went first: RotaryIntoGqa removes that Transpose
-        if transpose is not None and transpose.op_type == "Transpose" and transpose.attributes.get_ints("perm")[0] == 0:
+        if (
+            transpose is not None
+            and transpose.op_type == "Transpose"
+            and (transpose.attributes.get_ints("perm") or [1])[0] == 0
+        ):
             x = transpose.inputs[0]
         batch_by_sequence = op.Concat(op.Shape(x, start=0, end=1), op.Shape(positions), axis=0)
         return op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[0])), batch_by_sequence)
@@ -122,7 +130,15 @@ class RotaryIntoGqa(pattern.RewriteRuleClassBase):
     def pattern(self, op, query_bshd, key_bshd, value, past_key, past_value, seqlens_k, total, position_ids, cos, sin):
         def rotated(heads_last):
             heads_first = op.Transpose(heads_last, perm=TO_HEADS_FIRST)
-            embedded = op.RotaryEmbedding(heads_first, position_ids, cos, sin, _domain=CONTRIB_DOMAIN, interleaved=0)
+            embedded = op.RotaryEmbedding(
+                heads_first,
+                position_ids,
+                cos,
+                sin,
+                interleaved=0,
+                _domain=CONTRIB_DOMAIN,
+                _allow_other_attributes=False,
+            )  # RopeToRotaryEmbedding's: no partial rotation, no scale of its own
             return op.Reshape(op.Transpose(embedded, perm=TO_HEADS_FIRST), pattern.ANY_VALUE)
 
         return op.GroupQueryAttention(
@@ -210,6 +226,10 @@ def _dims_read(value: ir.Value | None) -> Dims | None:
     return [(axis, source.shape[axis])]
 
 
+def _unknown(dim) -> bool:
+    return dim is None or (isinstance(dim, ir.SymbolicDim) and dim.value is None)
+
+
 def _producer(value: ir.Value | None) -> ir.Node | None:
     return value.producer() if value is not None else None
 
@@ -221,7 +241,9 @@ def _scalar(value: ir.Value | None) -> int | None:
 
 
 def _same_dims(got: Dims | None, want: Dims) -> bool:
-    if got is None or any(dim is None for _, dim in want):
+    """`got` and `want` name the same dims; an unknown dim (None, or a symbolic one without a name) is never the
+    same as anything."""
+    if got is None or any(_unknown(dim) for _, dim in [*got, *want]):
         return False
     return len(got) == len(want) and all(g == w for g, w in zip(sorted(got, key=str), sorted(want, key=str)))
 
