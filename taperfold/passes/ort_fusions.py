@@ -61,10 +61,8 @@ class OrtFusionsPass(ir.passes.InPlacePass):
         if model.opset_imports.get("", 0) >= FUSING_OPSET:
             return ir.passes.PassResult(model, modified=False)
         if (cropped := _cropped_past(model)) is not None:
-            self.skipped = (
-                f"{cropped.name} is cropped before attention (a sliding-window cache), which onnxscript's "
-                "attention rules lose"
-            )
+            # onnxscript's attention rules lose the crop (_cropped_past says how)
+            self.skipped = f"{cropped.name} is cropped before attention (a sliding-window cache)"
             return ir.passes.PassResult(model, modified=False)
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
