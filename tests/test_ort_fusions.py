@@ -191,3 +191,23 @@ def test_ort_fusions_for_tensorrt_is_one_line_before_any_work(cli, tmp_path, tin
     assert result.exit_code == 2
     assert "--ort-fusions writes ONNX Runtime's own ops (com.microsoft), which --target trt cannot run" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_an_attention_whose_rows_may_be_padded_keeps_its_rotary_embedding(tmp_path):
+    """GroupQueryAttention rotates row b's tokens from seqlens_k[b]: where those are not total - 1 for every row (a
+    padded batch), its positions are not the model's, and RotaryIntoGqa leaves the rotation apart."""
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    from taperfold.passes.ort_fusions import _MHA_TO_GQA
+    from taperfold.passes.ort_rotary import ROPE_RULES, ROTARY_INTO_GQA_RULES
+
+    model = ir.load(_traced_decoder(tmp_path, "llama", hidden_size=64, head_dim=16))
+    optimize_for_ort(model)
+    assert _MHA_TO_GQA.apply_to_model(model) == 2 and ROPE_RULES.apply_to_model(model) == 4
+    first = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    padded = ir.val("padded_seqlens", ir.DataType.INT32, ir.Shape([1]), const_value=ir.tensor(np.array([0], np.int32)))
+    model.graph.register_initializer(padded)
+    first.replace_input_with(5, padded)
+    assert ROTARY_INTO_GQA_RULES.apply_to_model(model) == 1  # the other layer's attention
+    reader = next(use.node for use in padded.uses())
+    assert reader.op_type == "GroupQueryAttention" and not reader.attributes.get_int("do_rotary")

@@ -147,7 +147,9 @@ class RotaryIntoGqa(pattern.RewriteRuleClassBase):
             _domain=CONTRIB_DOMAIN, _outputs=["attention", "present_key", "present_value"],
         )  # fmt: skip
 
-    def check(self, op, query_bshd, key_bshd, position_ids, attention, past_key=None, **_) -> pattern.MatchResult:  # type: ignore[name-defined]
+    def check(
+        self, op, query_bshd, key_bshd, position_ids, seqlens_k, total, attention, past_key=None, **_
+    ) -> pattern.MatchResult:  # type: ignore[name-defined]
         result = pattern.MatchResult()
         attributes = attention.producer().attributes
         if attributes.get_int("do_rotary"):
@@ -156,6 +158,10 @@ class RotaryIntoGqa(pattern.RewriteRuleClassBase):
             shape = heads_last.shape
             if shape is None or len(shape) != 4 or not isinstance(shape[3], int) or shape[3] % 16:
                 return result.fail("not [batch, sequence, heads, head size a multiple of 16]", heads_last)
+        if not _every_row_full(seqlens_k, total):
+            return result.fail(
+                "the attention's rows may hold padding (seqlens_k is not total - 1 for every row)", seqlens_k
+            )
         why = _not_gqa_positions(position_ids, query_bshd, past_key)
         return result.fail(why, position_ids) if why else result
 
@@ -168,6 +174,16 @@ class RotaryIntoGqa(pattern.RewriteRuleClassBase):
             op.Reshape(query_bshd, flat), op.Reshape(key_bshd, flat), value, past_key, past_value, seqlens_k, total,
             cos, sin, **attributes, do_rotary=1, rotary_interleaved=0, _domain=CONTRIB_DOMAIN, _outputs=3,
         )  # fmt: skip
+
+
+def _every_row_full(seqlens_k: ir.Value, total: ir.Value) -> bool:
+    """seqlens_k is total - 1 for every row of the batch, as MhaToGqa writes them (Expand(Sub(t, 1)) and Squeeze(t) of
+    one t): no row padded, so GroupQueryAttention rotates row b's token i at total - S + i, the model's position."""
+    expand, squeeze = _producer(seqlens_k), _producer(total)
+    sub = _producer(expand.inputs[0]) if expand is not None and expand.op_type == "Expand" else None
+    if sub is None or sub.op_type != "Sub" or _scalar(sub.inputs[1]) != 1:
+        return False
+    return squeeze is not None and squeeze.op_type == "Squeeze" and squeeze.inputs[0] is sub.inputs[0]
 
 
 def _not_gqa_positions(position_ids: ir.Value, query_bshd: ir.Value, past_key: ir.Value | None) -> str | None:
