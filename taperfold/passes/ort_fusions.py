@@ -32,6 +32,7 @@ from onnxscript.rewriter import pattern
 
 from taperfold.exportdir import PAST
 from taperfold.opsets import FUSING_OPSET
+from taperfold.passes._graph import const_array
 from taperfold.passes.ort_rotary import CONTRIB_DOMAIN, ROPE_RULES, ROTARY_INTO_GQA_RULES, not_counted
 
 ROTARY_IN_ATTENTION = "RotaryEmbedding in GroupQueryAttention"
@@ -188,7 +189,7 @@ def _not_plain_causal(mask: ir.Value, sequence, past) -> str | None:
     node = _through_expands(mask)
     if node is None or node.op_type != "Where":
         return "the mask is not a Where of a comparison"
-    allowed, blocked = (_constant(v) for v in node.inputs[1:])
+    allowed, blocked = (const_array(v) for v in node.inputs[1:])
     if allowed is None or blocked is None or np.any(allowed != 0) or np.any(blocked > -1e30):
         return "the mask's Where does not choose between 0 and a very negative constant"
     compare = _through_expands(node.inputs[0])
@@ -208,13 +209,6 @@ def _through_expands(value: ir.Value | None) -> ir.Node | None:
     while node is not None and node.op_type == "Expand" and node.domain == "":
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
     return node
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 _MHA_TO_GQA = MhaToGqa.rule(with_past=True)
