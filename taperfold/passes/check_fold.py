@@ -243,10 +243,10 @@ def check_fold(
     shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
     threads: int | None = None,
-    name: str | os.PathLike | None = None,
+    folded_name: str | os.PathLike | None = None,
 ) -> FoldCheck:
     """Run `src` and `dst` on the same generated inputs and compare every output; errors call the folded model
-    `name` (the path it will have: `dst` may be its temporary)."""
+    `folded_name` (the path it will have: `dst` may be its temporary)."""
     from taperfold.engines import ENGINES, open_runners
     from taperfold.passes.onnx_io import load_model
 
@@ -256,7 +256,7 @@ def check_fold(
         "input": ort.runner(src, device="cpu", threads=threads),
         "folded": ort.runner(dst, device="cpu", threads=threads),
     }
-    runners["folded"].model_name = str(name if name is not None else dst)
+    runners["folded"].model_name = str(folded_name if folded_name is not None else dst)
     with open_runners(runners):
         results = [runner.infer(feeds) for runner in runners.values()]
     reference, candidate = results
@@ -293,7 +293,7 @@ def fold_and_check(
         src,
         dst,
         report_path,
-        before_commit=lambda written: checks.append(check_fold(src, written, shapes, seed, name=dst)),
+        before_commit=lambda written: checks.append(check_fold(src, written, shapes, seed, folded_name=dst)),
         **fold_options,
     )
     return report, checks[0]

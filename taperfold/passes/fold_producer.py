@@ -137,11 +137,9 @@ def folded_producer_weight(producer: Producer, match: NormMatch) -> np.ndarray:
     return w
 
 
-def folded_producer_bias(producer: Producer, match: NormMatch) -> np.ndarray | None:
-    """The producer's bias once the norm moved in, (b, centered: minus its mean)·diag(scale) + β, as float64 in its own
-    bias's shape (none: [n]); None when it writes none."""
-    if not writes_bias(producer, match):
-        return None
+def folded_producer_bias(producer: Producer, match: NormMatch) -> np.ndarray:
+    """The producer's bias once the norm moved in (where `writes_bias`), (b, centered: minus its mean)·diag(scale) + β,
+    as float64 in its own bias's shape (none: [n])."""
     n, node, at = producer.shape[1], producer.node, producer.bias
     old = _old_bias(producer)
     b = np.zeros(n) if old is None else np.broadcast_to(old.astype(np.float64).reshape(-1), (n,)).copy()
@@ -188,8 +186,8 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
         effects.copied.append(f"{producer.root.name} -> {new.name} (also read by {describe(others[0])})")
     effects.bytes_rewritten += tensor.nbytes
 
-    if (b := folded_producer_bias(producer, match)) is not None:
-        bias_tensor = ir.tensor(b.astype(producer_bias_dtype(producer).numpy()))
+    if writes_bias(producer, match):
+        bias_tensor = ir.tensor(folded_producer_bias(producer, match).astype(producer_bias_dtype(producer).numpy()))
         at, index = producer.bias or new_bias_slot(graph, node)
         output = at.outputs[0] if producer.bias is None else output
         current = at.inputs[index] if producer.bias is not None else None
