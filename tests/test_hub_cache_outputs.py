@@ -91,7 +91,7 @@ def test_the_cache_reached_through_a_link_is_refused(hub, tmp_path, cli):
 
 @pytest.mark.parametrize("output", [dict(sidecars=(".data",)), dict(stream=True), dict(directory="taperfold export")])
 def test_check_outputs_refuses_every_kind_of_output_in_a_hub_cache(hub, output):
-    with pytest.raises(TaperfoldError, match="--csv .*: is inside the Hugging Face Hub cache"):
+    with pytest.raises(TaperfoldError, match=r"--csv .*: is inside the Hugging Face Hub cache"):
         check_outputs([Output(hub[0] / "out", "--csv", **output)])
 
 
