@@ -94,7 +94,7 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
     """
     from taperfold.fsutil import Output, check_outputs, onnx_external_files
     from taperfold.passes import fold_onnx_file
-    from taperfold.passes.check_fold import check_fold, check_inputs, parse_shapes
+    from taperfold.passes.check_fold import check_inputs, fold_and_check, parse_shapes
     from taperfold.ui import err, out, print_fold_check, print_fold_report
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
@@ -106,10 +106,12 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
         raise click.UsageError("--json and --report - both write to stdout; pass one")
     if verify_fold:
         check_inputs(src, wanted)  # an input --verify cannot generate fails before anything is written
-    report = fold_onnx_file(
-        src, dst, report_path, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections
-    )
-    check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
+    options = {"merge_norm_weights": merge_norm_weights, "fuse_projections": fuse_projections}
+    check = None
+    if verify_fold:  # checked before it is put in place: a refusal leaves no output
+        report, check = fold_and_check(src, dst, report_path, wanted, seed, **options)
+    else:
+        report = fold_onnx_file(src, dst, report_path, **options)
     if as_json:
         _print_json({**report.to_json(), **({"verify": check.to_dict()} if check else {})})
     else:

@@ -129,6 +129,7 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
             if not o.stream:
                 raise TaperfoldError(f"{o.option} -: stdout is only for text and JSON outputs; name a file")
             continue
+        refuse_hub_cache(path, f"{o.option} {path}", whole=bool(o.directory))
         if o.directory:
             _check_directory(o, path, sources)
             continue
@@ -153,6 +154,49 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
                     )
             targets.append((file, who))
     return OutputPlan([o for o, _ in requested])
+
+
+_CACHED_REPO = re.compile(r"(models|datasets|spaces)--.+")  # huggingface_hub's folder of one cached repository
+
+
+def hub_caches() -> list[Path]:
+    """The Hugging Face Hub caches huggingface_hub may use here: HF_HUB_CACHE (its older name too), HF_HOME/hub, and
+    the default under XDG_CACHE_HOME or ~/.cache, read from the environment now (not when huggingface_hub was
+    imported)."""
+    env = os.environ
+    homes = [env.get("HF_HOME"), os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")]
+    found = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"), *(h and os.path.join(h, "hub") for h in homes)]
+    return [Path(os.path.abspath(os.path.expanduser(p))) for p in found if p]
+
+
+def _cached_repo_holding(path: Path) -> Path | None:
+    """The folder of a cached repository holding `path`, wherever it is: a `models--org--name` folder with a
+    snapshots/ or blobs/ folder, huggingface_hub's layout (a snapshot's files are links into blobs/)."""
+    for folder in (path, *path.parents):
+        if _CACHED_REPO.fullmatch(folder.name) and any((folder / d).is_dir() for d in ("snapshots", "blobs")):
+            return folder
+    return None
+
+
+def refuse_hub_cache(path: str | os.PathLike, name: str, whole: bool = False) -> None:
+    """Refuse an output inside a Hugging Face Hub cache (or, `whole`: a directory replaced whole that holds one): a
+    write there would change a cached model, through a snapshot's links into blobs/ shared by every revision.
+    `name` is how the error names the output. The path is taken as written and with links followed."""
+    paths = {Path(os.path.abspath(path)), resolve(path)}
+    for cache in hub_caches():
+        pairs = [(p, c) for p in paths for c in (cache, resolve(cache))]
+        inside, holding = any(_inside(p, c) for p, c in pairs), whole and any(_inside(c, p) for p, c in pairs)
+        if inside or holding:
+            raise TaperfoldError(
+                f"{name}: {'is inside' if inside else 'holds'} the Hugging Face Hub cache {cache}; writing there "
+                "would change the models it holds; choose a path outside it"
+            )
+    for p in paths:
+        if (repo := _cached_repo_holding(p)) is not None:
+            raise TaperfoldError(
+                f"{name}: is inside {repo}, a Hugging Face Hub cache's model folder; writing there would change the "
+                "cached model; choose a path outside it"
+            )
 
 
 def _check_file(o: Output, path: str | os.PathLike) -> Path | None:
