@@ -118,7 +118,9 @@ class VllmCheckpoint(ArtifactKind):
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The default's, and each weights file the record names present."""
         folder = (manifest.directory / record.path).parent
-        missing = [f"{FOLDER}/{FOLDED}/{name}: missing" for name in record.details["weights"] if not (folder / name).is_file()]
+        missing = [
+            f"{FOLDER}/{FOLDED}/{name}: missing" for name in record.details["weights"] if not (folder / name).is_file()
+        ]
         return super().check(manifest, record) + missing
 
 
@@ -163,7 +165,8 @@ class FoldedWeights:
         self.source = {
             name: tensor
             for name, tensor in state.items()
-            if not any(name.startswith(f"{norm}.") for norm in self.folded_norms) and (name not in tied or name in self.untied)
+            if not any(name.startswith(f"{norm}.") for norm in self.folded_norms)
+            and (name not in tied or name in self.untied)
         }
         self._pending: dict[str, torch.Tensor] = {}  # a folded layer's tensors not yet asked for
 
@@ -223,7 +226,11 @@ def _write_file(path: Path, shard: dict[str, tuple[torch.Size, torch.dtype]], we
     offset = 0
     for name, (shape, dtype) in shard.items():
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -233,7 +240,9 @@ def _write_file(path: Path, shard: dict[str, tuple[torch.Size, torch.dtype]], we
         for name, (shape, dtype) in shard.items():
             tensor = weights.tensor(name)
             if tensor.shape != shape or tensor.dtype != dtype:  # a fold that changed a layer's form
-                raise TaperfoldError(f"{path}: {name} is {list(tensor.shape)} {tensor.dtype}, planned {list(shape)} {dtype}")
+                raise TaperfoldError(
+                    f"{path}: {name} is {list(tensor.shape)} {tensor.dtype}, planned {list(shape)} {dtype}"
+                )
             out.write(_raw_bytes(tensor))
 
 

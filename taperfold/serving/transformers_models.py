@@ -32,7 +32,9 @@ def _folded_classes(served: ServedFamily) -> tuple[type, type]:
         for path in getattr(config, CONFIG_KEY):
             self.set_submodule(path, nn.Identity())
 
-    model = type(served.architecture, (base_model,), {"config_class": config, "__init__": __init__, "__module__": __name__})
+    model = type(
+        served.architecture, (base_model,), {"config_class": config, "__init__": __init__, "__module__": __name__}
+    )
     return config, model
 
 
