@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -168,6 +173,57 @@ def test_stock_vllm_refuses_the_folded_checkpoint(exported):
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     error = next(line for line in run.stdout.splitlines() if line.startswith("ERROR:"))
     assert "taperfold_llama" in error and "does not recognize this architecture" in error, error
+
+
+@needs_vllm
+def test_vllms_openai_server_answers_with_the_checkpoints_greedy_tokens(exported, reference, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server` (the CPU package's `vllm` command cannot start) on 127.0.0.1,
+    one completion request, then the server and its engine process stopped."""
+    folder = exported[1] / "vllm" / "folded"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "64"]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(server, f"http://127.0.0.1:{port}/health", tmp_path / "server.log")
+        request = {"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0,
+                   "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        answer = urllib.request.urlopen(
+            urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=json.dumps(request).encode(),
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=120,
+        )
+        choice = json.loads(answer.read())["choices"][0]
+        assert choice["token_ids"] == reference[0]["tokens"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and the engine process it started
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}): {log.read_text()[-3000:]}")
+        try:
+            if urllib.request.urlopen(url, timeout=5).status == 200:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(2)
+    pytest.fail(f"the server was not healthy within {timeout_s:g} s: {log.read_text()[-3000:]}")
 
 
 @pytest.fixture

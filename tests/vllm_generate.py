@@ -1,5 +1,6 @@
 """Run by tests/test_vllm.py with .venv-vllm's Python: vLLM's offline `LLM` on MODEL, greedy, each prompt's tokens
-and their logprobs printed as one JSON line; a failure to load is one line `ERROR: ...` (vLLM's message, its lines joined) and exit 1.
+and their logprobs printed as one JSON line; a failure to load is one line `ERROR: ...` (vLLM's message, its lines
+joined) and exit 1.
 
     vllm_generate.py MODEL PROMPTS_JSON MAX_TOKENS
 
@@ -18,7 +19,7 @@ if __name__ == "__main__":
     except Exception as e:  # noqa: BLE001 - the test reads what vLLM says, whatever its type
         print("ERROR:", type(e).__name__, " ".join(str(e).split()))
         sys.exit(1)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = [
         {

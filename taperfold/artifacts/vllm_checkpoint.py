@@ -28,9 +28,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from taperfold.artifacts import VLLM, register_kind
 from taperfold.artifacts.base import EXPORT, ArtifactKind, ArtifactRecord, Export, Field, tokenizer_files
@@ -40,6 +41,9 @@ from taperfold.fsutil import atomic_dir
 from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
 from taperfold.taper import fold_target, stored_in_out
 from taperfold.variants import fold_into_reader
+
+if TYPE_CHECKING:
+    from taperfold.hf.source import HFCheckpoint
 
 FOLDER = "vllm"  # the folders' parent in the export directory
 CONFIG = "config.json"
@@ -79,9 +83,9 @@ class VllmCheckpoint(ArtifactKind):
         from taperfold.sources import open_source
 
         on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
-        source = open_source(manifest.checkpoint)
-        tapered = source.build(gate=0.0)  # holds the source's tensors, no copy
-        served = _served(source, tapered)
+        plain_source = open_source(manifest.checkpoint)
+        tapered = plain_source.build(gate=0.0)  # holds the source's tensors, no copy
+        source, served = _served(plain_source, tapered)
         dtype = torch_dtype(manifest.dtype)
         tokenizer = tokenizer_files(manifest)
         folder = manifest.directory / FOLDER / FOLDED
@@ -124,11 +128,14 @@ class VllmCheckpoint(ArtifactKind):
         return super().check(manifest, record) + missing
 
 
-def _served(source: Any, tapered: Any) -> ServedFamily:
-    """The served family of `source` (a taperfold.sources model source; `tapered` its tapered torch model at g = 0, None
-    for a plain one), or one line saying why the plugin cannot serve its folded form."""
+def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
+    """`source` (a taperfold.sources model source; `tapered` its tapered torch model at g = 0, None for a plain one) as
+    the Hugging Face directory it must be, and its served family; or one line saying why the plugin cannot serve its
+    folded form."""
+    from taperfold.hf.source import HFCheckpoint
+
     origin = str(source.path)
-    if source.manifest_block().get("source", {}).get("format") != "huggingface":
+    if not isinstance(source, HFCheckpoint):
         raise TaperfoldError(
             f"{origin}: --vllm writes the folded form of a Hugging Face directory (save_pretrained); this is a "
             "taperfold checkpoint, whose architecture no serving engine knows"
@@ -145,7 +152,7 @@ def _served(source: Any, tapered: Any) -> ServedFamily:
             f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
             "(TaperNorm), which leave only the residual add behind"
         )
-    return served
+    return source, served
 
 
 class FoldedWeights:
@@ -188,7 +195,9 @@ class FoldedWeights:
         """The tensors of layer `target` once its norm's map is folded in (float64, then cast once)."""
         norm = self.network.get_submodule(self.norm_of[target])
         constant = self.tapering.kind.constant_map(norm)
-        layer = copy.deepcopy(fold_target(self.network, target)).double()  # this layer only
+        reader = fold_target(self.network, target)
+        assert isinstance(reader, nn.Module)  # the served families' readers are linear layers, not bare weights
+        layer = copy.deepcopy(reader).double()  # this layer only
         fold_into_reader(layer, constant, stored_in_out(self.network, target, len(constant.scale)))
         return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
 
@@ -248,8 +257,7 @@ def _write_file(path: Path, shard: dict[str, tuple[torch.Size, torch.dtype]], we
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, little-endian as safetensors stores them (bfloat16 has no NumPy type: viewed as bytes)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, dtype: torch.dtype) -> dict:
