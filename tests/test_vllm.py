@@ -109,6 +109,7 @@ def test_the_folded_checkpoint_names_taperfolds_architecture_and_holds_no_folded
         config["architectures"][0],
     )
     assert record.details["weights"] == ["model.safetensors"] and record.details["folded_norms"] == 4
+    assert record.details["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
 
 
 def test_stock_transformers_refuses_the_folded_checkpoint(exported):

@@ -100,7 +100,7 @@ class VllmCheckpoint(ArtifactKind):
                     shutil.copyfile(file, tmp / file.name)
             if not tokenizer and source.config.tokenizer == "bytes":  # what vLLM's tokenizer and server need
                 save_byte_tokenizer(tmp)
-            tokenizer_names = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("tokenizer", "special")))
+            tokenizer_names = sorted({p.name for p in tmp.iterdir()} - {CONFIG, GENERATION_CONFIG, *files})
         path = f"{FOLDER}/{FOLDED}/{CONFIG}"
         record = ArtifactRecord(
             key=self.key(FOLDED, None),
@@ -121,10 +121,9 @@ class VllmCheckpoint(ArtifactKind):
 
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The default's, and each weights file the record names present."""
-        folder = (manifest.directory / record.path).parent
-        missing = [
-            f"{FOLDER}/{FOLDED}/{name}: missing" for name in record.details["weights"] if not (folder / name).is_file()
-        ]
+        folder = Path(record.path).parent.as_posix()
+        names = [f"{folder}/{name}" for name in record.details["weights"]]
+        missing = [f"{name}: missing" for name in names if not (manifest.directory / name).is_file()]
         return super().check(manifest, record) + missing
 
 
