@@ -302,6 +302,14 @@ def inspect(checkpoint, as_json):
     "model; fp32 exports (docs/deployment.md).",
 )
 @click.option(
+    "--vllm",
+    "to_vllm",
+    is_flag=True,
+    help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's plugin "
+    "(vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face sources of "
+    "the Llama-like families (docs/deployment.md, Serving with vLLM).",
+)
+@click.option(
     "--quantize",
     metavar="int4|int8",
     help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
@@ -400,6 +408,7 @@ def export(
     genai,
     genai_route,
     to_openvino,
+    to_vllm,
     quantize,
     block_size,
     out_dir,
@@ -420,7 +429,7 @@ def export(
     as_json,
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
-    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino, those runtimes' folders."""
+    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
     from taperfold import interrupts
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
@@ -443,6 +452,8 @@ def export(
     if to_openvino:  # NNCF's int4 groups unless --block-size sets them
         groups = {"group_size": block_size} if block_size != DEFAULT_BLOCK_SIZE else {}
         artifacts["openvino"] = {"precisions": (dtype, *precisions), **groups}
+    if to_vllm:
+        artifacts["vllm"] = {}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,
