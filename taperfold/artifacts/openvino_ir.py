@@ -55,6 +55,7 @@ from taperfold.artifacts.base import (
     Export,
     ExportRequest,
     Field,
+    TOKENIZER_FIELD,
     tokenizer_files,
 )
 from taperfold.errors import TaperfoldError, first_line
@@ -130,7 +131,7 @@ class OpenVinoIR(ArtifactKind):
                 required=True,
                 help="attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)",
             ),
-            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "tokenizer": TOKENIZER_FIELD,
         }
     )
 
