@@ -273,6 +273,8 @@ def _check_decoder_graph(config_path: Path, decoder_path: Path, model: dict) -> 
     ):
         pattern = re.compile(re.escape(names[key]).replace("%d", r"(0|[1-9][0-9]*)"))
         found = {int(m[1]) for name in values if (m := pattern.fullmatch(name))}
+        if not found:
+            raise missing(key, kind)
         if found != set(range(layers)):
             raise TaperfoldError(
                 f"{config_path}: key 'model.decoder.num_hidden_layers' is {layers}, and {decoder_path.name} has "
