@@ -37,11 +37,11 @@ MAX_BEAMS = 64
 
 # genai's decoder-only model types (src/models/model_type.h, ModelType::IsLLM): the types that load one decoder and
 # nothing else
-LLM_TYPES = frozenset(
-    "chatglm decoder ernie4_5 gemma gemma2 gemma3_text gemma4_text gpt2 gptoss granite granitemoehybrid hunyuandensev1 "
-    "internlm2 lfm2 llama mistral nemotron olmo phi phimoe phi3 phi3small qwen2 qwen3 qwen3_5_moe_text qwen3_5_text "
-    "smollm3".split()
-)
+LLM_TYPES = frozenset({
+    "chatglm", "decoder", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gpt2", "gptoss", "granite",
+    "granitemoehybrid", "hunyuandensev1", "internlm2", "lfm2", "llama", "mistral", "nemotron", "olmo", "phi",
+    "phimoe", "phi3", "phi3small", "qwen2", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "smollm3",
+})  # fmt: skip
 # genai's defaults for the names a config leaves out (src/config.h)
 DEFAULT_NAMES = {
     "input_ids": "input_ids",
@@ -97,8 +97,8 @@ SCHEMA: dict[str, Any] = {
         "type": Rule(lambda v: v in LLM_TYPES, "a decoder-only model type of onnxruntime-genai"),
         "vocab_size": _count(1, MAX_VOCAB),
         "context_length": _count(1, MAX_CONTEXT),
-        **{key: TOKENS for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
-        **{key: TOKEN for key in ("bot_token_id", "eot_token_id", "bor_token_id", "eor_token_id")},
+        **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"), TOKENS),
+        **dict.fromkeys(("bot_token_id", "eot_token_id", "bor_token_id", "eor_token_id"), TOKEN),
         "decoder": {
             "session_options": {  # what reaches ONNX Runtime: no library, no provider, no path
                 "log_id": NAME,
@@ -260,9 +260,10 @@ def _check_decoder_graph(config_path: Path, decoder_path: Path, model: dict) -> 
             f"{decoder_path.name} does not have"
         )
 
-    for key, values, kind in (("input_ids", inputs, "input"), ("logits", outputs, "output")) + tuple(
-        (key, inputs, "input") for key in ("attention_mask", "position_ids") if key in decoder.get("inputs", {})
-    ):
+    optional = [key for key in ("attention_mask", "position_ids") if key in decoder.get("inputs", {})]
+    for key, values, kind in [("input_ids", inputs, "input"), ("logits", outputs, "output")] + [
+        (key, inputs, "input") for key in optional
+    ]:
         if names[key] not in values:
             raise missing(key, kind)
     for key, values, kind in (

@@ -28,7 +28,6 @@ from typing import Any
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, is_registered
 from taperfold.artifacts.base import COMMON_KEYS, ArtifactRecord
 from taperfold.errors import TaperfoldError
-from taperfold.jsonfields import is_file_name
 from taperfold.exportdir import (
     BASELINE,
     DTYPES,
@@ -47,6 +46,7 @@ from taperfold.exportdir import (
     parse_graph_key,
 )
 from taperfold.fsutil import read_json_object, write_json_atomic
+from taperfold.jsonfields import is_file_name
 
 MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"

@@ -319,7 +319,7 @@ def check_op_domains(model, path: str | Path) -> None:
     library, which a model never gets to name."""
     functions = {(f.domain, f.name) for f in model.functions}
     for owner, top in [("", model.graph.node)] + [(f" in function '{f.name}'", f.node) for f in model.functions]:
-        for node in (n for node in top for n in _nodes_of(node)):
+        for node in (inner for outer in top for inner in _nodes_of(outer)):
             if node.domain not in BUILT_IN_DOMAINS and (node.domain, node.op_type) not in functions:
                 raise TaperfoldError(
                     f"{path}: {_node_name(node)}{owner} is an op of domain '{node.domain}', which no runtime here "

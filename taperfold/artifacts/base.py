@@ -21,8 +21,8 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
-from taperfold.jsonfields import is_file_name
 from taperfold.exportdir import PREFILL, Graph, graph_key
+from taperfold.jsonfields import is_file_name
 
 # What a kind is built from, besides another kind's artifacts (named by that kind's name)
 TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself

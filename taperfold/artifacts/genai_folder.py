@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import (
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
     ExportRequest,
     Field,
-    TOKENIZER_FIELD,
     tokenizer_files,
 )
 from taperfold.artifacts.onnx_graph import QUANTIZED_FROM

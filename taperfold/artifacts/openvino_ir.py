@@ -50,12 +50,12 @@ from taperfold.artifacts import OPENVINO, register_kind
 from taperfold.artifacts.base import (
     EXPORT,
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
     ExportRequest,
     Field,
-    TOKENIZER_FIELD,
     tokenizer_files,
 )
 from taperfold.errors import TaperfoldError, first_line

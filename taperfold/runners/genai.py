@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from taperfold.errors import first_line
-from taperfold.genai_config import check_genai_folder
 from taperfold.exportdir import INPUT, OUTPUT
+from taperfold.genai_config import check_genai_folder
 from taperfold.runners.base import Generation, Runner
 
 INSTALL_HINT = "pip install 'taperfold[genai]'"

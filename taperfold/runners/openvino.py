@@ -103,13 +103,13 @@ def checked_model_files(path: Path) -> tuple[Path, ...]:
     if path.suffix != ".xml":
         check_op_domains(check_onnx_file(path), path)
         return (path,)
-    parser = XMLPullParser(events=("start",))
+    parser: XMLPullParser = XMLPullParser(events=("start",))
     try:
         parser.feed(read_file_head(path, "an OpenVINO IR", 4096))
-        root = next((element for _, element in parser.read_events()), None)
+        started = [event[-1] for event in parser.read_events()]  # ("start", the element) of each tag opened
     except ParseError as e:
         raise TaperfoldError(f"{path}: not an OpenVINO IR (not XML: {e})") from None
-    if root is None or root.tag != "net":
+    if not started or getattr(started[0], "tag", None) != "net":
         raise TaperfoldError(f"{path}: not an OpenVINO IR (its XML is no <net>)")
     weights = path.with_suffix(".bin")
     check_plain_file(weights, "the OpenVINO IR's weights")
