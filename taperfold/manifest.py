@@ -46,6 +46,7 @@ from taperfold.exportdir import (
     parse_graph_key,
 )
 from taperfold.fsutil import read_json_object, write_json_atomic
+from taperfold.jsonfields import is_file_name
 
 MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
@@ -366,6 +367,30 @@ def _check_top(path: Path, data: dict) -> None:
         required=False,
     )
     _typed(path, data, "export.fuse_projections", lambda v: isinstance(v, bool), "true or false", required=False)
+    # what the export recorded of its source, which the folders built later from it read
+    _typed(path, data, "source", lambda v: isinstance(v, dict), "an object", required=False)
+    _typed(path, data, "source.format", lambda v: isinstance(v, str), "a string", required=False)
+    _typed(
+        path,
+        data,
+        "source.tokenizer_files",
+        lambda v: isinstance(v, list) and all(is_file_name(n) for n in v),
+        "a list of file names (no directory part)",
+        required=False,
+    )
+    _typed(
+        path,
+        data,
+        "source.special_tokens",
+        lambda v: isinstance(v, dict) and all(_is_token_ids(ids) for ids in v.values()),
+        "an object of token ids",
+        required=False,
+    )
+
+
+def _is_token_ids(value: Any) -> bool:
+    ids = value if isinstance(value, list) else [value]
+    return all(_is_int(i) and i >= 0 for i in ids)
 
 
 def _inside(name: Any) -> bool:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import (
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
@@ -39,6 +40,7 @@ from taperfold.artifacts.onnx_graph import QUANTIZED_FROM
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
 from taperfold.fsutil import atomic_dir
+from taperfold.jsonfields import is_file_name
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
 
 if TYPE_CHECKING:
@@ -62,9 +64,13 @@ class GenaiFolder(ArtifactKind):
     fields = MappingProxyType(
         {
             "decoder": Field(
-                (str,), required=True, help="the decoder's file in the folder, as genai_config.json names it"
+                (str,),
+                required=True,
+                help="the decoder's file in the folder, as genai_config.json names it",
+                check=is_file_name,
+                expected="a file name in the folder",
             ),
-            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "tokenizer": TOKENIZER_FIELD,
             "route": Field((str,), help="traced (the export's decoder) or builder (onnxruntime-genai's builder)"),
         }
     )

@@ -50,6 +50,7 @@ from taperfold.artifacts import OPENVINO, register_kind
 from taperfold.artifacts.base import (
     EXPORT,
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
@@ -130,7 +131,7 @@ class OpenVinoIR(ArtifactKind):
                 required=True,
                 help="attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)",
             ),
-            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "tokenizer": TOKENIZER_FIELD,
         }
     )
 
