@@ -45,7 +45,7 @@ from taperfold.exportdir import (
     graph_key,
     parse_graph_key,
 )
-from taperfold.fsutil import read_json_object, write_json_atomic
+from taperfold.fsutil import check_inside, read_json_object, write_json_atomic
 from taperfold.jsonfields import is_file_name
 
 MANIFEST = "manifest.json"
@@ -179,6 +179,7 @@ class Manifest:
         """Build the artifacts of `kind` (from what this export holds, as the kind does it), record them, add the
         seconds it took to `timings.build_s.KIND` and rewrite manifest.json; `options` are the kind's (e.g. the
         TensorRT profile)."""
+        check_inside(self.path, self.directory)  # before the work: the manifest will be rewritten after it
         started = time.perf_counter()
         records = artifact_kind(kind).build(self, **options)
         for record in records:
@@ -203,7 +204,9 @@ class Manifest:
         return {**self._data, "artifacts": {key: r.to_json() for key, r in self._records.items()}}
 
     def write(self) -> None:
-        """Rewrite manifest.json atomically (at the current format version)."""
+        """Rewrite manifest.json atomically (at the current format version), in the directory itself: a manifest.json
+        planted as a link is refused, never written through."""
+        check_inside(self.path, self.directory)
         write_json_atomic(self.path, {**self.to_json(), "format_version": FORMAT_VERSION})
 
 

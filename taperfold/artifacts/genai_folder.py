@@ -173,7 +173,10 @@ class GenaiFolder(ArtifactKind):
         extra = quantization.builder_options() if quantization else []
         names = {v: folder_name(v, precision, manifest.dtype) for v in variants}
         with contextlib.ExitStack() as stack:  # every folder, or none
-            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / names[v])) for v in variants}
+            folders = {
+                v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / names[v], manifest.directory))
+                for v in variants
+            }
             builder.build(folders, precision, manifest.directory / FOLDER, on_stage, extra)
         records = []
         for variant in variants:
@@ -207,7 +210,7 @@ class GenaiFolder(ArtifactKind):
         assert decoder.variant is not None  # a decoder is a variant's
         folder = f"{FOLDER}/{folder_name(decoder.variant, decoder.precision, manifest.dtype)}"
         tokenizer = tokenizer_files(manifest)
-        with atomic_dir(manifest.directory / folder) as tmp:
+        with atomic_dir(manifest.directory / folder, manifest.directory) as tmp:
             _write_decoder(manifest.file(decoder), tmp / decoder.path)
             if decoder.external_data:
                 shutil.copyfile(manifest.directory / decoder.external_data, tmp / decoder.external_data)

@@ -166,7 +166,8 @@ class OpenVinoIR(ArtifactKind):
         attention = {}
         with contextlib.ExitStack() as stack:  # every folder, or none
             folders = {
-                key: stack.enter_context(atomic_dir(manifest.directory / FOLDER / n)) for key, n in names.items()
+                key: stack.enter_context(atomic_dir(manifest.directory / FOLDER / n, manifest.directory))
+                for key, n in names.items()
             }
             for variant in variants:
                 on_stage(f"converting {variant} to a stateful OpenVINO IR")

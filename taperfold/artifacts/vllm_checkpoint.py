@@ -89,7 +89,7 @@ class VllmCheckpoint(ArtifactKind):
         dtype = torch_dtype(manifest.dtype)
         tokenizer = tokenizer_files(manifest)
         folder = manifest.directory / FOLDER / FOLDED
-        with atomic_dir(folder) as tmp:
+        with atomic_dir(folder, manifest.directory) as tmp:
             on_stage("writing the folded weights for vLLM")
             weights = FoldedWeights(tapered, dtype)
             files = write_safetensors(tmp, weights, options.get("shard_bytes", SHARD_BYTES))
