@@ -310,6 +310,11 @@ def onnx_external_files(path: str | os.PathLike) -> list[Path]:
 # ---- writing -------------------------------------------------------------------------------------------
 
 
+def is_write_failure(text: str) -> bool:
+    """Whether a message (a library's, a child process's last line) says a write failed: disk full, quota, ..."""
+    return bool(_WRITE_FAILURE.search(text))
+
+
 @contextlib.contextmanager
 def write_errors(dest: str | os.PathLike) -> Iterator[None]:
     """Any failure to write `dest` (disk full, quota, file-size limit, I/O error) → one TaperfoldError."""
@@ -317,6 +322,10 @@ def write_errors(dest: str | os.PathLike) -> Iterator[None]:
         yield
     except (TaperfoldError, KeyboardInterrupt):
         raise
+    except shutil.Error as e:  # copytree's: a list of (source, destination, why), one per file it could not copy
+        failures = e.args[0] if e.args and isinstance(e.args[0], list) else []
+        why = failures[0][2] if failures and len(failures[0]) == 3 else str(e)
+        raise TaperfoldError(f"{dest}: cannot write ({str(why).split('] ', 1)[-1]})") from None
     except OSError as e:
         raise TaperfoldError(f"{dest}: cannot write ({e.strerror or e})") from None
     except Exception as e:
@@ -468,7 +477,7 @@ def atomic_dir(dest: str | os.PathLike, within: str | os.PathLike | None = None)
         raise TaperfoldError(f"{dest}: cannot create a directory in {real.parent} ({e.strerror})") from None
     done = False
     try:
-        with write_errors(dest):
+        with _named_as(tmp, real), write_errors(dest):
             yield tmp
             umask = os.umask(0)
             os.umask(umask)
@@ -486,6 +495,16 @@ def atomic_dir(dest: str | os.PathLike, within: str | os.PathLike | None = None)
         for parent in made if not done else ():  # nearest first; one that holds something else stays
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+@contextlib.contextmanager
+def _named_as(tmp: Path, real: Path) -> Iterator[None]:
+    """A refusal raised while a directory is built names the files as they will be (DIR/...), not the temporary."""
+    try:
+        yield
+    except TaperfoldError as e:
+        e.args = tuple(a.replace(str(tmp), str(real)) if isinstance(a, str) else a for a in e.args)
+        raise
 
 
 def _swap(a: Path, b: Path) -> None:

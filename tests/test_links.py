@@ -230,5 +230,23 @@ def test_a_contender_folder_planted_as_a_link_is_refused(tmp_path, victim, monke
         assert tree(victim) == before
 
 
+
+def test_export_genai_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(tmp_path, monkeypatch, genai_export,
+                                                                              builtin_checkpoint):
+    import errno
+
+    import taperfold.artifacts.genai_folder as genai_folder
+
+    out = _copy(genai_export, tmp_path / "out")
+    before = tree(tmp_path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(genai_folder, "_write_decoder", disk_full)  # the folders' first write
+    one_line(run_cli("export", builtin_checkpoint, "-o", out, "--genai"), f"{out}/genai/", "No space left on device")
+    assert tree(tmp_path) == before  # the earlier export whole, no temporary beside it
+
+
 if sys.platform != "linux":  # links and signals as Linux has them
     pytestmark = pytest.mark.skip(reason="Linux only")

@@ -29,6 +29,7 @@ import torch
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, UNFOLDED
+from taperfold.fsutil import is_write_failure
 
 BUILDER = "onnxruntime_genai.models.builder"
 NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -166,6 +167,8 @@ def _run_builder(source_dir: Path, out: Path, precision: str, cache: Path, origi
     if run.returncode != 0:
         lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
         why = lines[-1] if lines else f"exit code {run.returncode}"
+        if is_write_failure(why):  # the disk, not the model: another route would not help
+            raise TaperfoldError(f"{out}: cannot write (onnxruntime-genai's builder: {why})")
         raise TaperfoldError(
             f"{origin}: onnxruntime-genai's builder failed ({why}); --genai-route traced exports the decoder "
             "taperfold traces instead"
