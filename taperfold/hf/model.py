@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value, context_length, language_config, layer_zero
+from taperfold.hf.config_values import (
+    attention_window,
+    config_value,
+    context_length,
+    language_config,
+    layer_zero,
+)
 from taperfold.taper import TaperedLM, shared_parameters
 
 if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
@@ -114,6 +120,8 @@ class HFModelInfo:
     aux: bool = False
     tokenizer: str = "bytes"  # "bytes" (ids are byte values) or "hf" (the directory's own tokenizer)
     source: str = SOURCE
+    # the fewest keys an attention layer sees (a sliding window, a chunk) where fewer than the context, else None
+    window: int | None = None
 
     @classmethod
     def from_config(
@@ -146,6 +154,7 @@ class HFModelInfo:
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"
             )
+        window = attention_window(config) if heads else None
         return cls(
             arch=config.model_type,
             family=family.name,
@@ -161,6 +170,7 @@ class HFModelInfo:
             tie_embeddings=bool(getattr(language, "tie_word_embeddings", False)),
             aux=aux,
             tokenizer=tokenizer,
+            window=window if window is not None and window < context else None,
         )
 
     @classmethod
