@@ -87,9 +87,10 @@ def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Te
             f"{missing} is in neither config.json nor the tokenizer's files, and the builder "
             + ("stops without it" if missing == "eos_token_id" else "would write 1, a token the model never named"),
         )
+    modules = dict(tapered.network.named_modules())
     for path in tapering.norms:
-        for target in tapering.folds_into(path):
-            if not isinstance(tapered.network.get_submodule(target), torch.nn.Linear):
+        for target in tapering.folds_into(path):  # a module's path, or a parameter's (fused experts)
+            if not isinstance(modules.get(target), torch.nn.Linear):
                 raise NotBuildable(
                     origin,
                     f"{path} is read by {target}, no linear layer (MoE experts), and the builder route "
