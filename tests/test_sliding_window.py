@@ -219,3 +219,16 @@ def test_auto_exports_a_windowed_mistral_by_the_traced_route_with_a_note_and_it_
     report = verify_export(tmp_path / "out", threads=1)
     assert report.passed, report.failure_message()
     assert "checkpoint -> folded.decoder.genai" in {p.name for p in report.pairs}
+
+
+@pytest.mark.parametrize("window", ["32", 0, True, 2.5])
+def test_a_manifest_window_that_is_no_positive_integer_is_refused(window):
+    """The manifest's `config.window` is input (verify reads it back for its decode cases): ValueError, which the
+    manifest turns into one line naming key 'config'."""
+    from taperfold.hf.model import HFModelInfo
+
+    shape = dict(arch="mistral", family="mistral", vocab_size=256, d_model=32, n_layers=2, n_heads=4, kv_heads=2,
+                 head_dim=8, max_seq_len=48, taper="internal", norm_kind="rms", tie_embeddings=False)  # fmt: skip
+    assert HFModelInfo.from_dict({**shape, "window": 8}).window == 8
+    with pytest.raises(ValueError, match="window must be null or a positive integer"):
+        HFModelInfo.from_dict({**shape, "window": window})

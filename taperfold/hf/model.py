@@ -123,6 +123,11 @@ class HFModelInfo:
     # the fewest keys an attention layer sees (a sliding window, a chunk) where fewer than the context, else None
     window: int | None = None
 
+    def __post_init__(self) -> None:
+        window = self.window  # read back from a manifest, which is input
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be null or a positive integer, got {window!r}")
+
     @classmethod
     def from_config(
         cls,
