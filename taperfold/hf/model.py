@@ -329,6 +329,7 @@ def _keeping_every_position(cache, static_length: int | None = None):
         if type(layer) is DynamicSlidingWindowLayer:
             return DynamicLayer()
         if type(layer) is StaticSlidingWindowLayer:
+            assert static_length is not None  # a StaticCache's caller gives its length
             return StaticLayer(max_cache_len=static_length)
         return layer
 
