@@ -219,6 +219,10 @@ def test_auto_exports_a_windowed_mistral_by_the_traced_route_with_a_note_and_it_
     report = verify_export(tmp_path / "out", threads=1)
     assert report.passed, report.failure_message()
     assert "checkpoint -> folded.decoder.genai" in {p.name for p in report.pairs}
+    # nor is the builder's own graph of it a contender: bench --against refuses before any timing
+    result = run_cli("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder")
+    one_line(result, "--against genai-builder: the model attends through a window of 8 tokens")
+    assert not (tmp_path / "out" / "against").exists()
 
 
 @pytest.mark.parametrize("window", ["32", 0, True, 2.5])
