@@ -6,6 +6,13 @@ On a machine with a CUDA GPU (H100 / H200), from the repository root (see docs/b
     python examples/gpu_table3.py render OUT         # OUT/gpu_table3.md and OUT/gpu_table3.png from the JSONs
     python examples/gpu_table3.py plan OUT           # print the commands `run` would run, run nothing
     python examples/gpu_table3.py prepare OUT        # only the checkpoint and exports (e.g. while the GPU is busy)
+    python examples/gpu_table3.py device OUT --budget-s 540 --ort-parts /tmp/ortparts   # all of it within a budget
+
+`device` is the one prepared script for a lent GPU machine, whose device time is short (docs/benchmarks.md, "GPU"):
+onnxruntime-gpu assembled and installed from its parts (../shared/gpu/README.md), then every measurement below in
+the order of what matters most (KV-cached decode first), each bench run given what is left of the budget; a run
+that would start too late is recorded as skipped in OUT/runs.json rather than cut off. `--cpu` runs the same
+steps on the CPU with the tiny preset (no CUDA graphs, no torch.compile, fp32 ORT): the dry run the tests make.
 
 `run` writes a paper-30m checkpoint (random weights at g = 0), exports it in fp16 and bf16 with KV-cached decoders,
 adds the `nonorm` reference (no tapered norm at all) to each export, then runs `taperfold bench` once per
@@ -28,8 +35,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from taperfold.bench.floors import decode_floor, gpu_spec, prefill_floor
 from taperfold.bench.report import FORMAT, check_report, throughput_stats
@@ -107,23 +117,33 @@ def plan(
 
 def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     """Export the `nonorm` reference (taperfold.variants.without_norms) next to the others and list it in
-    manifest.json (artifacts.nonorm, artifacts.nonorm.decoder), as export would with the same options."""
+    manifest.json (artifacts.nonorm, .decoder, .static), for every graph the folded variant has, as export would
+    with the same options."""
     import torch
 
     from taperfold.artifacts.onnx_graph import ONNX_GRAPH
     from taperfold.checkpoint import load_checkpoint
     from taperfold.export import ExportOptions, export_to_ir
-    from taperfold.exportdir import GROWING, NONORM, PREFILL, torch_dtype
+    from taperfold.exportdir import GRAPHS, NONORM, STATIC, torch_dtype
     from taperfold.manifest import read_manifest
     from taperfold.variants import without_norms
 
     manifest = read_manifest(export_dir)
     model = without_norms(load_checkpoint(ckpt).build(gate=0.0)).to(torch_dtype(manifest.dtype)).eval()
     with torch.no_grad():
-        for graph in (PREFILL, GROWING):
-            # the same opset as the folded graph it is compared with (export picks one per graph)
-            opset = manifest.find("folded", graph).details["opset"]
-            opts = ExportOptions(logits=manifest.logits, dtype=manifest.dtype, opset=opset)
+        for graph in GRAPHS:
+            folded = manifest.find("folded", graph)
+            if folded is None:
+                continue
+            opset = folded.details["opset"]  # the same opset as the folded graph it is compared with
+            decoders = (STATIC,) if graph == STATIC else ()
+            opts = ExportOptions(
+                logits=manifest.logits,
+                dtype=manifest.dtype,
+                opset=opset,
+                decoders=decoders,
+                max_cache=manifest.max_cache,
+            )
             model_ir = export_to_ir(model, opts, graph)
             manifest.add_artifact(
                 ONNX_GRAPH.write(model_ir, export_dir, NONORM, graph, manifest.dtype, {"opset": opset})
@@ -198,6 +218,208 @@ def _run_one(out: Path, name: str, argv: list[str], env: dict, index: dict) -> i
     return code
 
 
+# ---- device: everything in one budgeted run -----------------------------------------------------------------
+
+# SmolLM2-135M's shape as taperfold's own Llama (the GPU machine has no transformers): the decode model of
+# docs/benchmarks.md's CPU tables.
+SMOLLM2_135M = dict(
+    vocab_size=49_152,
+    d_model=576,
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    d_ff=1536,
+    max_seq_len=2048,
+    tie_embeddings=True,
+)
+DEVICE_TIMING = ["--iters", "20", "--warmup", "5", "--rounds", "5"]
+SMOLLM2_RUN = "smollm2"  # in the names of the device run's SmolLM2-135M steps
+MIN_RUN_S = 45  # a bench run given less than this is skipped: it would be cut off before writing its JSON
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of the device run; `needs` names the export (a key of device_models) it runs on, if any."""
+
+    name: str
+    argv: list[str]
+    needs: str | None = None
+
+
+def device_models(work: Path, cpu: bool) -> dict[str, tuple[str, dict, str]]:
+    """name -> (preset, config overrides, export dtype): the models the device run builds, in work/."""
+    if cpu:  # the dry run: the same steps on the tiny preset, in the dtype ORT's CPU build runs
+        return {"paper30m": ("tiny", {}, "fp32"), "smollm2": ("tiny", {"n_kv_heads": 2}, "fp32")}
+    return {"paper30m": ("paper-30m", {}, "fp16"), "smollm2": ("paper-30m", SMOLLM2_135M, "fp16")}
+
+
+def device_plan(out: Path, cpu: bool, work: Path | None = None) -> list[Step]:
+    """Every bench run of the device run, most important first: KV-cached decode (the issue's first target), then
+    Table 3's prefill cells, then SmolLM2-135M's decode on ORT, then torch.compile (slow to build)."""
+    work, device = work or out / "work", "cpu" if cpu else "cuda"
+    graph = [] if cpu else ["--cuda-graph"]
+    ckpt = str(work / "paper30m.pt")
+    torch_dtype = "fp32" if cpu else "bf16"
+    decode = ["--mode", "decode", "--batch", "1,4", "--prompt", "128", "--new-tokens", "32"]
+    if cpu:  # the tiny preset's context is 128 tokens
+        decode = ["--mode", "decode", "--batch", "1,4", "--prompt", "32", "--new-tokens", "8"]
+    prefill = ["--batch", "1,4", "--seq", "32,64" if cpu else "128,512"]
+    variants = ["--variants", VARIANTS]
+    torch_src = ["bench", "--checkpoint", ckpt, "--engine", "torch", "--device", device]
+    ort_src = ["bench", str(work / "export-paper30m"), "--engine", "ort", "--device", device]
+    static = ["--kv-cache", "static"]
+    steps = [
+        Step(
+            f"torch-{torch_dtype}-decode-static-graph", [*torch_src, "--dtype", torch_dtype, *decode, *static, *graph]
+        ),
+        Step("ort-decode-static-graph", ort_src + decode + static + graph, "paper30m"),
+        Step(f"torch-{torch_dtype}-prefill-eager-graph", [*torch_src, "--dtype", torch_dtype, *prefill, *graph]),
+        Step("ort-prefill-eager-graph", ort_src + prefill + graph, "paper30m"),
+        Step(
+            "ort-smollm2-decode-static-graph",
+            [
+                "bench",
+                str(work / "export-smollm2"),
+                "--engine",
+                "ort",
+                "--device",
+                device,
+                *decode,
+                *static,
+                *graph,
+                "--variants",
+                "baseline,folded",
+            ],
+            "smollm2",
+        ),
+    ]
+    if not cpu:
+        steps += [
+            Step("torch-fp16-decode-static-graph", [*torch_src, "--dtype", "fp16", *decode, *static, *graph]),
+            Step("torch-fp16-prefill-eager-graph", [*torch_src, "--dtype", "fp16", *prefill, *graph]),
+            Step(
+                "torch-bf16-prefill-compile",
+                [*torch_src, "--dtype", "bf16", *prefill, "--compile", "--compile-mode", "reduce-overhead"],
+            ),
+        ]
+    return [
+        Step(
+            s.name,
+            taperfold_cmd()
+            + s.argv
+            + DEVICE_TIMING
+            + ([] if "--variants" in s.argv else variants)
+            + ["--json", str(out / f"{s.name}.json")],
+            s.needs,
+        )
+        for s in steps
+    ]
+
+
+def install_ort_gpu(parts: Path, site: Path) -> str:
+    """onnxruntime-gpu from the parts ../shared/gpu/ort-gpu-parts writes (part.0*, NAME, SHA256), installed into
+    `site` without an index; returns what happened, in one line."""
+    import hashlib
+
+    name = (parts / "NAME").read_text().strip()
+    wheel = site.parent / name
+    with open(wheel, "wb") as whole:
+        for part in sorted(parts.glob("part.0*")):
+            whole.write(part.read_bytes())
+    want = (parts / "SHA256").read_text().split()[0]
+    got = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if got != want:
+        return f"{name}: sha256 {got[:12]} is not {want[:12]}: parts missing or damaged; ORT runs on the image's build"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site), str(wheel)]
+    done = subprocess.run(pip, capture_output=True, text=True)
+    return f"{name} installed into {site}" if done.returncode == 0 else f"pip failed: {done.stderr.strip()[-200:]}"
+
+
+def write_model(path: Path, preset: str, overrides: dict) -> None:
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.models import random_gate0_model
+
+    model = random_gate0_model(preset, **overrides)
+    save_checkpoint(checkpoint_from_model(model, step=0, meta={"random_weights": True}), path)
+
+
+def device_run(out: Path, budget_s: float, cpu: bool, ort_parts: Path | None, work: Path | None = None) -> dict:
+    """Run device_plan within `budget_s` seconds, each export made when the first run that needs it comes up;
+    OUT/runs.json indexes every step (exit code, seconds, or why it was skipped), OUT/device.json the setting;
+    checkpoints and exports go to `work` (default OUT/work; on the device machine outside $OUT, which comes back)."""
+    deadline = time.monotonic() + budget_s
+    work = work or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    setting: dict[str, Any] = {"budget_s": budget_s, "device": "cpu" if cpu else "cuda"}
+    if ort_parts:
+        site = Path(tempfile.mkdtemp(prefix="ortsite-"))
+        setting["onnxruntime_gpu"] = install_ort_gpu(ort_parts, site)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])  # ahead of the image's CPU build
+    probe = "import onnxruntime as o; print(o.__version__, ','.join(o.get_available_providers()))"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    setting["onnxruntime"] = found.stdout.strip() or found.stderr.strip()[-200:]
+    (out / "device.json").write_text(json.dumps(setting, indent=2))
+    models, exported = device_models(work, cpu), set()
+    index: dict[str, Any] = {}
+    for step in device_plan(out, cpu, work):
+        if not (work / "paper30m.pt").exists():
+            write_model(work / "paper30m.pt", *models["paper30m"][:2])
+        if step.needs and step.needs not in exported:
+            preset, overrides, dtype = models[step.needs]
+            ckpt, export_dir = work / f"{step.needs}.pt", work / f"export-{step.needs}"
+            if not ckpt.exists():
+                write_model(ckpt, preset, overrides)
+            argv = [
+                *taperfold_cmd(),
+                "export",
+                str(ckpt),
+                "-o",
+                str(export_dir),
+                "--dtype",
+                dtype,
+                "--kv-cache",
+                "growing,static",
+            ]
+            if _run_budgeted(out, f"export-{step.needs}", argv, env, index, deadline) != 0:
+                continue  # its bench runs are recorded as failed exports, below
+            if step.needs == "paper30m":
+                add_nonorm(export_dir, ckpt)
+            exported.add(step.needs)
+        if step.needs and step.needs not in exported:
+            index[step.name] = {"skipped": f"export-{step.needs} failed or was skipped"}
+            continue
+        _run_budgeted(out, step.name, step.argv, env, index, deadline)
+    return index
+
+
+def _run_budgeted(out: Path, name: str, argv: list[str], env: dict, index: dict, deadline: float) -> int | None:
+    """One command with what is left of the budget as its time limit (None: skipped, too little left)."""
+    left = deadline - time.monotonic()
+    if left < MIN_RUN_S:
+        index[name] = {"skipped": f"budget: {max(left, 0):.0f} s left"}
+        (out / "runs.json").write_text(json.dumps(index, indent=2))
+        return None
+    print(f"== {name} ({left:.0f} s left)", flush=True)
+    start = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    index[name] = {
+        "command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"),
+        "exit_code": code,
+        "seconds": round(time.time() - start, 1),
+    }
+    (out / "runs.json").write_text(json.dumps(index, indent=2))
+    print(f"   exit {code} in {index[name]['seconds']} s", flush=True)
+    return code
+
+
 # ---- render ---------------------------------------------------------------------------------------------------
 
 
@@ -221,6 +443,8 @@ def measurements(reports: list[dict]) -> dict:
             config = CONFIGS.get(
                 (report["engine"], row.get("execution", "eager")), f"{report['engine']} {row.get('execution', 'eager')}"
             )
+            if report.get("device") == "cpu":  # the dry run
+                config = config.replace("CUDA", "CPU")
             phase = "prompt" if report["mode"] == "decode" and row["phase"] == "prefill" else row["phase"]
             key = (report["dtype"], phase, config, row["batch"], row["seq"], row["variant"])
             table[key] = {
@@ -240,6 +464,10 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
     """The GPU section of docs/benchmarks.md from the reports of one `run`."""
     if not reports:
         return "No taperfold-bench JSON found: nothing has been measured.\n"
+    others = [r for r in reports if SMOLLM2_RUN in r["_file"]]  # another model: a table of its own, at the end
+    reports = [r for r in reports if r not in others]
+    if not reports:
+        return smollm2_markdown(others)
     data = measurements(reports)
     env = reports[0]["environment"]
     gpu_name = env.get("gpu", {}).get("name", "unknown GPU")
@@ -268,7 +496,7 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
     ]
     configs = list(dict.fromkeys(k[2] for k in data))
     targets = {"ratio": [], "residue": [], "gain": []}
-    for dtype in DTYPES:
+    for dtype in (*DTYPES, "fp32"):  # fp32: the CPU dry run
         for phase in ("prefill", "decode"):
             cells = sorted({(k[3], k[4]) for k in data if k[0] == dtype and k[1] == phase})
             here = [c for c in configs if any(k[0] == dtype and k[1] == phase and k[2] == c for k in data)]
@@ -366,8 +594,12 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
         )
     if targets["gain"]:
         lines.append(f"- folded × baseline, as measured: {min(targets['gain']):.3f}–{max(targets['gain']):.3f}×.")
+    if others:
+        lines += ["", smollm2_markdown(others)]
     if runs:
-        failed = {n: r for n, r in runs.items() if r["exit_code"] != 0}
+        failed = {n: r for n, r in runs.items() if r.get("exit_code", 0) != 0}
+        skipped = {n: r["skipped"] for n, r in runs.items() if "skipped" in r}
+        runs = {n: r for n, r in runs.items() if "skipped" not in r}
         lines += [
             "",
             "Commands (each wrote the JSON of the same name; OUT is the folder given to "
@@ -379,7 +611,43 @@ def render_markdown(reports: list[dict], runs: dict | None = None) -> str:
         lines += ["```"]
         if failed:
             lines += ["", "Failed runs (their .log says why): " + ", ".join(failed) + "."]
+        if skipped:
+            lines += ["", "Not run: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def smollm2_markdown(reports: list[dict]) -> str:
+    """SmolLM2-135M's shape decoding (the device run's ORT row): folded against baseline per batch."""
+    lines = ["### SmolLM2-135M's shape, KV-cached decode: tok/s (median), folded × baseline", ""]
+    lines += [
+        "| dtype | configuration | B | baseline | folded | folded × baseline | CV max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, cell in sorted(_pairs(measurements(reports)).items()):
+        dtype, config, batch = key
+        base, fold = cell.get("baseline"), cell.get("folded")
+        if base and fold:
+            ratio = fold["tokens_per_s"] / base["tokens_per_s"]
+            cv = max(base["cv_pct"], fold["cv_pct"])
+            row = [
+                dtype,
+                config,
+                batch,
+                f"{base['tokens_per_s']:,.0f}",
+                f"{fold['tokens_per_s']:,.0f}",
+                f"{ratio:.3f}×",
+            ]
+            lines.append("| " + " | ".join(map(str, row)) + f" | {cv:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def _pairs(data: dict) -> dict:
+    """(dtype, config, batch) -> {variant: measurement} of the decode rows."""
+    pairs: dict = {}
+    for (dtype, phase, config, batch, _, variant), value in data.items():
+        if phase == "decode":
+            pairs.setdefault((dtype, config, batch), {})[variant] = value
+    return pairs
 
 
 def render_plot(reports: list[dict], path: Path) -> None:
@@ -474,6 +742,12 @@ def main() -> None:
             default=BATCHES,
             help="a subset of Table 3's batch sizes (names get a -bN suffix)",
         )
+    p = sub.add_parser("device", help="every measurement within a device-time budget, most important first")
+    p.add_argument("out", type=Path)
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for everything after the start")
+    p.add_argument("--ort-parts", type=Path, help="the folder holding onnxruntime-gpu's parts, NAME and SHA256")
+    p.add_argument("--cpu", action="store_true", help="the dry run: the same steps on the CPU, tiny preset")
+    p.add_argument("--work", type=Path, help="checkpoints and exports (default OUT/work)")
     p = sub.add_parser("render")
     p.add_argument("out", type=Path)
     p.add_argument("--markdown", type=Path)
@@ -484,6 +758,9 @@ def main() -> None:
             print(f"{name}: taperfold {' '.join(argv[3:])}")
     elif args.command == "prepare":
         prepare(args.out, tuple(args.dtypes.split(",")))
+    elif args.command == "device":
+        args.out.mkdir(parents=True, exist_ok=True)
+        device_run(args.out, args.budget_s, args.cpu, args.ort_parts, args.work)
     elif args.command == "run":
         run(args.out, args.iters, args.warmup, args.rounds, args.only, args.batches)
     else:

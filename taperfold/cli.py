@@ -94,7 +94,7 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
     """
     from taperfold.fsutil import Output, check_outputs, onnx_external_files
     from taperfold.passes import fold_onnx_file
-    from taperfold.passes.check_fold import check_fold, check_inputs, parse_shapes
+    from taperfold.passes.check_fold import check_inputs, fold_and_check, parse_shapes
     from taperfold.ui import err, out, print_fold_check, print_fold_report
 
     wanted = parse_shapes(shapes)  # a bad --shapes fails before any work
@@ -106,10 +106,12 @@ def fold_command(src, dst, report_path, as_json, merge_norm_weights, fuse_projec
         raise click.UsageError("--json and --report - both write to stdout; pass one")
     if verify_fold:
         check_inputs(src, wanted)  # an input --verify cannot generate fails before anything is written
-    report = fold_onnx_file(
-        src, dst, report_path, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections
-    )
-    check = check_fold(src, dst, wanted, seed=seed) if verify_fold else None
+    options = {"merge_norm_weights": merge_norm_weights, "fuse_projections": fuse_projections}
+    check = None
+    if verify_fold:  # checked before it is put in place: a refusal leaves no output
+        report, check = fold_and_check(src, dst, report_path, wanted, seed, **options)
+    else:
+        report = fold_onnx_file(src, dst, report_path, **options)
     if as_json:
         _print_json({**report.to_json(), **({"verify": check.to_dict()} if check else {})})
     else:
@@ -300,6 +302,14 @@ def inspect(checkpoint, as_json):
     "model; fp32 exports (docs/deployment.md).",
 )
 @click.option(
+    "--vllm",
+    "to_vllm",
+    is_flag=True,
+    help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's plugin "
+    "(vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face sources of "
+    "the Llama-like families (docs/deployment.md, Serving with vLLM).",
+)
+@click.option(
     "--quantize",
     metavar="int4|int8",
     help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
@@ -398,6 +408,7 @@ def export(
     genai,
     genai_route,
     to_openvino,
+    to_vllm,
     quantize,
     block_size,
     out_dir,
@@ -418,7 +429,7 @@ def export(
     as_json,
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
-    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino, those runtimes' folders."""
+    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
     from taperfold import interrupts
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
@@ -441,6 +452,8 @@ def export(
     if to_openvino:  # NNCF's int4 groups unless --block-size sets them
         groups = {"group_size": block_size} if block_size != DEFAULT_BLOCK_SIZE else {}
         artifacts["openvino"] = {"precisions": (dtype, *precisions), **groups}
+    if to_vllm:
+        artifacts["vllm"] = {}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,

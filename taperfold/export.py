@@ -556,16 +556,18 @@ def export_checkpoint(
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
 
 
+_WIDER_RANGE = {"fp16": "export with --dtype bf16 or fp32", "bf16": "export with --dtype fp32"}
+
+
 def _check_fits(model: nn.Module, dtype: str, ckpt_path: Path) -> None:
-    """Every weight still finite once cast to the export's dtype: a value past fp16's range (a DyT alpha of 1e5)
-    would be written as Inf, which the checkpoint (checked finite when read) did not hold."""
+    """Every weight still finite once cast to the export's dtype: a value past its range (a DyT alpha of 1e5 in fp16,
+    3.4e38 in bf16, a float64 checkpoint's 1e300 in fp32) would be written as Inf, which the checkpoint (checked
+    finite when read) did not hold."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             limit = torch.finfo(tensor.dtype).max
-            raise TaperfoldError(
-                f"{ckpt_path}: '{name}' holds values beyond {dtype}'s range (±{limit:.6g}): export with "
-                f"--dtype {'bf16 or fp32' if dtype == 'fp16' else 'fp32'}"
-            )
+            remedy = _WIDER_RANGE.get(dtype, "no export dtype holds it")
+            raise TaperfoldError(f"{ckpt_path}: '{name}' holds values beyond {dtype}'s range (±{limit:.6g}): {remedy}")
 
 
 class StageClock:

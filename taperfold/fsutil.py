@@ -129,6 +129,7 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
             if not o.stream:
                 raise TaperfoldError(f"{o.option} -: stdout is only for text and JSON outputs; name a file")
             continue
+        refuse_hub_cache(path, f"{o.option} {path}", whole=bool(o.directory))
         if o.directory:
             _check_directory(o, path, sources)
             continue
@@ -153,6 +154,49 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
                     )
             targets.append((file, who))
     return OutputPlan([o for o, _ in requested])
+
+
+_CACHED_REPO = re.compile(r"(models|datasets|spaces)--.+")  # huggingface_hub's folder of one cached repository
+
+
+def hub_caches() -> list[Path]:
+    """The Hugging Face Hub caches huggingface_hub may use here: HF_HUB_CACHE (its older name too), HF_HOME/hub, and
+    the default under XDG_CACHE_HOME or ~/.cache, read from the environment now (not when huggingface_hub was
+    imported)."""
+    env = os.environ
+    homes = [env.get("HF_HOME"), os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")]
+    found = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"), *(h and os.path.join(h, "hub") for h in homes)]
+    return [Path(os.path.abspath(os.path.expanduser(p))) for p in found if p]
+
+
+def _cached_repo_holding(path: Path) -> Path | None:
+    """The folder of a cached repository holding `path`, wherever it is: a `models--org--name` folder with a
+    snapshots/ or blobs/ folder, huggingface_hub's layout (a snapshot's files are links into blobs/)."""
+    for folder in (path, *path.parents):
+        if _CACHED_REPO.fullmatch(folder.name) and any((folder / d).is_dir() for d in ("snapshots", "blobs")):
+            return folder
+    return None
+
+
+def refuse_hub_cache(path: str | os.PathLike, name: str, whole: bool = False) -> None:
+    """Refuse an output inside a Hugging Face Hub cache (or, `whole`: a directory replaced whole that holds one): a
+    write there would change a cached model, through a snapshot's links into blobs/ shared by every revision.
+    `name` is how the error names the output. The path is taken as written and with links followed."""
+    paths = {Path(os.path.abspath(path)), resolve(path)}
+    for cache in hub_caches():
+        pairs = [(p, c) for p in paths for c in (cache, resolve(cache))]
+        inside, holding = any(_inside(p, c) for p, c in pairs), whole and any(_inside(c, p) for p, c in pairs)
+        if inside or holding:
+            raise TaperfoldError(
+                f"{name}: {'is inside' if inside else 'holds'} the Hugging Face Hub cache {cache}; writing there "
+                "would change the models it holds; choose a path outside it"
+            )
+    for p in paths:
+        if (repo := _cached_repo_holding(p)) is not None:
+            raise TaperfoldError(
+                f"{name}: is inside {repo}, a Hugging Face Hub cache's model folder; writing there would change the "
+                "cached model; choose a path outside it"
+            )
 
 
 def _check_file(o: Output, path: str | os.PathLike) -> Path | None:
@@ -208,6 +252,15 @@ def _check_can_create_in(folder: Path, name: str) -> None:
 
 def _check_directory(o: Output, path: str | os.PathLike, sources: list[tuple[str, Path]]) -> None:
     name = f"{o.option} {path}"
+    if Path(path).is_symlink():  # replacing it whole would empty the directory it points to
+        raise TaperfoldError(
+            f"{name}: is a symlink; the {o.directory} directory is replaced whole, never through a "
+            "link: name its target"
+        )
+    if os.path.ismount(path):
+        raise TaperfoldError(
+            f"{name}: is a mount point; the {o.directory} directory is replaced whole: name a directory inside it"
+        )
     real = resolve(path)
     kind = _kind(real)
     if kind is None:
@@ -356,16 +409,64 @@ def _write_stream(real: Path | None, data: bytes) -> None:
         f.write(data)
 
 
+def check_inside(path: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Refuse to build, replace or remove `path` unless it lies in `root` itself: no component from `root` down to
+    `path` (inclusive) may be a symlink, a mount point or another file system, or something other than a directory
+    on the way. A link planted in an export directory (DIR/genai/unfolded -> elsewhere) would otherwise make a build
+    empty or overwrite the directory it points to. `root` itself may be reached through links."""
+    root_real = resolve(root)
+    try:
+        relative = Path(os.path.abspath(path)).relative_to(Path(os.path.abspath(root)))
+    except ValueError:
+        raise TaperfoldError(f"{path}: is not inside {root}; refusing to write there") from None
+    if ".." in relative.parts:
+        raise TaperfoldError(f"{path}: climbs out of {root}; refusing to write there")
+    try:
+        device = os.stat(root_real).st_dev
+    except OSError as e:
+        raise TaperfoldError(f"{root}: cannot stat ({e.strerror})") from None
+    current = root_real
+    for i, part in enumerate(relative.parts):
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return  # made by the build, inside root
+        except OSError as e:
+            raise TaperfoldError(f"{current}: cannot stat ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise TaperfoldError(
+                f"{current}: is a symlink; taperfold builds and replaces files in {root} only, never through a link "
+                "(remove the link)"
+            )
+        if st.st_dev != device or os.path.ismount(current):
+            raise TaperfoldError(f"{current}: is a mount point or another file system; refusing to replace it")
+        if i < len(relative.parts) - 1 and not stat.S_ISDIR(st.st_mode):
+            raise TaperfoldError(f"{current}: is not a directory")
+
+
 @contextlib.contextmanager
-def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(dest: str | os.PathLike, within: str | os.PathLike | None = None) -> Iterator[Path]:
     """Build a directory in a temporary sibling; on success it replaces dest whole (an existing dest's
-    files do not survive). On any exception dest is left as it was and the temporary is removed."""
+    files do not survive). On any exception dest is left as it was and the temporary is removed.
+    dest is never a symlink (its target would be emptied) nor a mount point; `within`: the directory dest must lie
+    in itself (check_inside), e.g. the export directory an artifact folder is built in."""
+    if within is not None:
+        check_inside(dest, within)
+    if Path(dest).is_symlink():
+        raise TaperfoldError(
+            f"{dest}: is a symlink; a directory taperfold replaces whole is never a link (name its target)"
+        )
+    if os.path.ismount(dest):
+        raise TaperfoldError(f"{dest}: is a mount point; refusing to replace it")
     real = resolve(dest)
+    made = [p for p in real.parents if _kind(p) is None]  # the parents this build creates, removed if it fails
     try:
         real.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
     except OSError as e:
         raise TaperfoldError(f"{dest}: cannot create a directory in {real.parent} ({e.strerror})") from None
+    done = False
     try:
         with write_errors(dest):
             yield tmp
@@ -379,8 +480,12 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
                     raise TaperfoldError(f"{dest}: exists and is not a directory")
                 else:
                     _swap(tmp, real)  # tmp now holds the old contents, removed below
+                done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in made if not done else ():  # nearest first; one that holds something else stays
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 def _swap(a: Path, b: Path) -> None:

@@ -30,6 +30,16 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_file_name(value: object) -> bool:
+    """A file's name in a folder a report or manifest describes: no directory part, nothing that climbs out."""
+    return (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and not any(c in value for c in "/\\\0")
+        and value.isprintable()
+    )
+
+
 def _shown(value: object) -> str:
     """A value as an error line shows it: short scalars as written, anything else by its JSON type."""
     if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40):

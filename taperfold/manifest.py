@@ -45,7 +45,8 @@ from taperfold.exportdir import (
     graph_key,
     parse_graph_key,
 )
-from taperfold.fsutil import read_json_object, write_json_atomic
+from taperfold.fsutil import check_inside, read_json_object, write_json_atomic
+from taperfold.jsonfields import is_file_name
 
 MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
@@ -178,6 +179,7 @@ class Manifest:
         """Build the artifacts of `kind` (from what this export holds, as the kind does it), record them, add the
         seconds it took to `timings.build_s.KIND` and rewrite manifest.json; `options` are the kind's (e.g. the
         TensorRT profile)."""
+        check_inside(self.path, self.directory)  # before the work: the manifest will be rewritten after it
         started = time.perf_counter()
         records = artifact_kind(kind).build(self, **options)
         for record in records:
@@ -202,7 +204,9 @@ class Manifest:
         return {**self._data, "artifacts": {key: r.to_json() for key, r in self._records.items()}}
 
     def write(self) -> None:
-        """Rewrite manifest.json atomically (at the current format version)."""
+        """Rewrite manifest.json atomically (at the current format version), in the directory itself: a manifest.json
+        planted as a link is refused, never written through."""
+        check_inside(self.path, self.directory)
         write_json_atomic(self.path, {**self.to_json(), "format_version": FORMAT_VERSION})
 
 
@@ -366,6 +370,30 @@ def _check_top(path: Path, data: dict) -> None:
         required=False,
     )
     _typed(path, data, "export.fuse_projections", lambda v: isinstance(v, bool), "true or false", required=False)
+    # what the export recorded of its source, which the folders built later from it read
+    _typed(path, data, "source", lambda v: isinstance(v, dict), "an object", required=False)
+    _typed(path, data, "source.format", lambda v: isinstance(v, str), "a string", required=False)
+    _typed(
+        path,
+        data,
+        "source.tokenizer_files",
+        lambda v: isinstance(v, list) and all(is_file_name(n) for n in v),
+        "a list of file names (no directory part)",
+        required=False,
+    )
+    _typed(
+        path,
+        data,
+        "source.special_tokens",
+        lambda v: isinstance(v, dict) and all(_is_token_ids(ids) for ids in v.values()),
+        "an object of token ids",
+        required=False,
+    )
+
+
+def _is_token_ids(value: Any) -> bool:
+    ids = value if isinstance(value, list) else [value]
+    return all(_is_int(i) and i >= 0 for i in ids)
 
 
 def _inside(name: Any) -> bool:

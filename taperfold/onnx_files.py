@@ -8,6 +8,7 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from taperfold.errors import TaperfoldError, first_line
+from taperfold.infiles import check_plain_file
 
 MAX_ELEMENTS = 2**40  # elements one tensor may claim: far above any real weight (Llama 405B's largest: 2^31)
 
@@ -157,8 +158,7 @@ def check_onnx_file(path: str | Path):
     from google.protobuf.message import DecodeError
 
     path = Path(path)
-    if not path.is_file():
-        raise TaperfoldError(f"{path}: no such file")
+    check_plain_file(path, "an ONNX model")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError, ValueError) as e:
@@ -305,3 +305,32 @@ def _a_cycle(deps: list[set[int]], stuck: set[int]) -> list[int]:
         path.append(k)
         k = min(d for d in deps[k] if d in stuck)
     return [*path[seen[k] :], k]
+
+
+# The op domains the runtimes implement themselves: ONNX's, and ONNX Runtime's contrib ops (MatMulNBits,
+# GroupQueryAttention, ...; OpenVINO's ONNX frontend reads those too). Any other domain needs a custom-op library
+# loaded into the runtime, and taperfold never loads one.
+BUILT_IN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc"})
+
+
+def check_op_domains(model, path: str | Path) -> None:
+    """One line naming the first node (in the graph or a function of the model) whose op is neither a built-in
+    runtime's (BUILT_IN_DOMAINS) nor a function the model itself defines: running it would take a custom-op
+    library, which a model never gets to name."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    for owner, top in [("", model.graph.node)] + [(f" in function '{f.name}'", f.node) for f in model.functions]:
+        for node in (inner for outer in top for inner in _nodes_of(outer)):
+            if node.domain not in BUILT_IN_DOMAINS and (node.domain, node.op_type) not in functions:
+                raise TaperfoldError(
+                    f"{path}: {_node_name(node)}{owner} is an op of domain '{node.domain}', which no runtime here "
+                    "implements without a custom-op library; taperfold loads none"
+                )
+
+
+def _nodes_of(node):
+    """`node` and the nodes of its subgraphs (If / Loop / Scan bodies), at any depth."""
+    yield node
+    for attr in node.attribute:
+        for subgraph in [attr.g] if attr.HasField("g") else attr.graphs:
+            for inner in subgraph.node:
+                yield from _nodes_of(inner)

@@ -134,6 +134,7 @@ class TaperedLM(nn.Module, abc.ABC):
     """
 
     cfg: ModelShape
+    kept_norms: dict[str, str]  # after fold_in_torch: the norms it left, each with the reason
     network_path = ""  # where `network` sits in the model, as module paths spell it ("": the model itself)
 
     @property

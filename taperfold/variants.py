@@ -18,6 +18,7 @@ passes/fuse_projections.py does in the exported graphs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
 import torch
@@ -44,37 +45,66 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
-def fold_into_reader(reader: nn.Module | nn.Parameter, folded: ConstantMap, in_out: bool = False) -> None:
+@dataclass
+class Write:
+    """One tensor the fold writes: computed in float64 from the stored weights, cast once when written. `into` is
+    the parameter rewritten in place, or None for a bias the layer `owner` does not have yet."""
+
+    what: str  # "weight" or "bias", for the reason a norm is kept
+    value: torch.Tensor  # float64
+    dtype: torch.dtype
+    into: torch.Tensor | None = None
+    owner: nn.Module | None = None
+
+    def past_range(self) -> str | None:
+        """Why the value cannot be written in its dtype (it would be Inf there), or None."""
+        limit = torch.finfo(self.dtype).max
+        reach = float(self.value.abs().max()) if self.value.numel() else 0.0
+        if reach > limit:
+            dtype = str(self.dtype).removeprefix("torch.")
+            return f"the folded {self.what} would reach {reach:.3g}, past {dtype}'s range (±{limit:.4g})"
+        return None
+
+    def apply(self) -> None:
+        if self.into is None:
+            assert self.owner is not None
+            self.owner.bias = nn.Parameter(self.value.to(self.dtype))
+        else:
+            self.into.copy_(self.value.to(self.into.dtype))
+
+
+def reader_writes(reader: nn.Module | nn.Parameter, folded: ConstantMap, in_out: bool = False) -> list[Write]:
     """y = ((h − μ)·diag(s) + β) W + b  →  h W' + b'  with W' = (I − 11ᵀ/d) diag(s) W, b' = b + β W, in float64
-    from the stored weight, cast once. `reader`: an nn.Linear ([out, in]), a GPT-2 style Conv1D ([in, out]), or a
-    weight F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike; [..., in,
-    out] where `in_out`: gpt-oss's experts)."""
+    from the stored weight. `reader`: an nn.Linear ([out, in]), a GPT-2 style Conv1D ([in, out]), or a weight
+    F.linear applies ([..., out, in]: a router's, or MoE experts' stacked matrices, each folded alike; [..., in, out]
+    where `in_out`: gpt-oss's experts)."""
     if isinstance(reader, nn.Parameter):
         if folded.bias is not None:  # fold_in_torch keeps such a norm
             raise ValueError("a shifted norm (LayerNorm β) folds into a layer with a bias, and a bare weight has none")
         w = reader.double() if in_out else reader.double().transpose(-1, -2)  # as [..., in, out]
         w = folded.scale[:, None] * w
         w = w - w.mean(dim=-2, keepdim=True) if folded.centered else w
-        reader.copy_(w if in_out else w.transpose(-1, -2))
-        return
+        return [Write("weight", w if in_out else w.transpose(-1, -2), reader.dtype, reader)]
     conv = not isinstance(reader, nn.Linear)
     weight = reader.get_parameter("weight")
     w = weight.double() if conv else weight.double().T  # as [in, out]
     new_w = folded.scale[:, None] * w
     if folded.centered:
         new_w = new_w - new_w.mean(dim=0, keepdim=True)
+    writes = [Write("weight", new_w if conv else new_w.T, weight.dtype, weight)]
     if folded.bias is not None:
         shift = folded.bias @ w
         bias = _bias(reader)
         if bias is None:
-            bias = reader.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=weight.dtype, device=w.device))
-        bias.copy_((bias.double() + shift).to(bias.dtype))
-    weight.copy_((new_w if conv else new_w.T).to(weight.dtype))
+            writes.append(Write("bias", shift, weight.dtype, owner=reader))
+        else:
+            writes.append(Write("bias", bias.double() + shift, bias.dtype, bias))
+    return writes
 
 
-def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
+def producer_writes(producer: nn.Module, folded: ConstantMap) -> list[Write]:
     """z = h W + b, then (z − μ_z)·diag(s) + β  →  h W' + b'  with W' = W (I − 11ᵀ/d) diag(s),
-    b' = (b − mean(b))·s + β: the post-norm's map moves into the producer's output columns (float64, cast once)."""
+    b' = (b − mean(b))·s + β: the post-norm's map moves into the producer's output columns (float64)."""
     conv = not isinstance(producer, nn.Linear)
     weight, bias = producer.get_parameter("weight"), _bias(producer)
     w = weight.double() if conv else weight.double().T  # as [in, out]
@@ -84,11 +114,12 @@ def fold_into_producer(producer: nn.Module, folded: ConstantMap) -> None:
     new_w, new_b = w * folded.scale[None, :], b * folded.scale
     if folded.bias is not None:
         new_b = new_b + folded.bias
-    weight.copy_((new_w if conv else new_w.T).to(weight.dtype))
-    if bias is None and (folded.centered or folded.bias is not None):
-        bias = producer.bias = nn.Parameter(torch.zeros(w.shape[1], dtype=weight.dtype, device=w.device))
+    writes = [Write("weight", new_w if conv else new_w.T, weight.dtype, weight)]
     if bias is not None:
-        bias.copy_(new_b.to(bias.dtype))
+        writes.append(Write("bias", new_b, bias.dtype, bias))
+    elif folded.centered or folded.bias is not None:
+        writes.append(Write("bias", new_b, weight.dtype, owner=producer))
+    return writes
 
 
 def _shares_weight(network: nn.Module, path: str, weight: torch.Tensor) -> bool:
@@ -116,7 +147,8 @@ def _own_tensors(network: nn.Module, path: str, layer: nn.Module | nn.Parameter)
 def fold_in_torch(model: TaperedLM) -> TaperedLM:
     """The 'folded' variant: every g = 0 tapered norm folded into its readers (or producer) and replaced by what
     its kind leaves in its place (nothing; DyT's tanh). The copy holds `model`'s parameters except those the fold
-    rewrites (its own copies of those): `model` is left as it was."""
+    rewrites (its own copies of those): `model` is left as it was. A norm whose fold would write a value past its
+    layer's dtype (an Inf) stays, with the reason in the copy's `kept_norms`, as the ONNX fold keeps it."""
     tapering = model.tapering  # the copy's has the same paths
     if tapering is None:
         raise ValueError("nothing to fold: the model has no tapered norms")
@@ -125,6 +157,7 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
     folded = model.copy(shared=True)
     network, kind = folded.network, tapering.kind
     owned = set()  # targets given their own tensors already (a layer may read one norm and produce another)
+    kept: dict[str, str] = {}
     for path in tapering.norms:
         targets = tapering.folds_into(path)
         if not targets:
@@ -137,19 +170,26 @@ def fold_in_torch(model: TaperedLM) -> TaperedLM:
             # A bare weight (MoE experts' stack) is applied by the family's own forward with no bias to take β·W:
             # this variant keeps the norm at g = 0 (the ONNX fold adds the bias per expert after the layer).
             continue
+        writes = []
         for target in targets:
             layer = fold_target(network, target)
-            if target not in owned:
+            if target not in owned:  # copies, so that the writes leave `model` as it was
                 layer = _own_tensors(network, target, layer)
                 owned.add(target)
             if path in tapering.readers:
-                fold_into_reader(layer, constant, stored_in_out(network, target, len(constant.scale)))
+                writes += reader_writes(layer, constant, stored_in_out(network, target, len(constant.scale)))
             elif isinstance(layer, nn.Module):
-                fold_into_producer(layer, constant)
+                writes += producer_writes(layer, constant)
             else:
                 raise ValueError(f"{target}: a post-norm folds into the module producing its input, not a bare weight")
+        if reason := next(filter(None, (w.past_range() for w in writes)), None):
+            kept[path] = reason
+            continue
+        for write in writes:
+            write.apply()
         network.set_submodule(path, kind.residue(norm))
     folded.forget_tapering()
+    folded.kept_norms = kept
     return folded
 
 

@@ -2,7 +2,7 @@
 folder: the shell commands (`$ taperfold ...`, `$ python -c ...`, and the bare `taperfold ...` lines of the overview)
 and the Python blocks. What a block names but does not make is made first: `your_model.onnx` / `my_model.onnx` (any
 ONNX model: the export's unfolded graph), `plain-dir` (a plain tiny Llama), `corpus.txt` (text) and, for the
-deployment guide, `tiny.safetensors`.
+deployment guide, `tiny.safetensors` and `tapered/` (a tapered tiny Hugging Face Llama).
 `./scripts/demo` and `./scripts/test` are left out: tests/test_demo.py runs the demo, and this is the suite.
 Training runs the steps the docs print; this module is the slowest of the suite (about three minutes on a quiet
 2-core machine, 20 under load), one class per document so that they can run on three workers. A command is limited only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not
@@ -141,10 +141,14 @@ class TestDeploymentGuide:
         pytest.importorskip(
             "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')"
         )
+        from hf_models import tapered_tiny_model
+
         from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+        from taperfold.hf import save_hf_directory
         from taperfold.models import random_gate0_model
 
         save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.safetensors")
+        save_hf_directory(tapered_tiny_model("llama"), tmp_path / "tapered")  # what `export --vllm` takes
         _run_as_printed("docs/deployment.md", tmp_path)
 
 

@@ -152,3 +152,19 @@ def test_dyt_command_line_refusals(cli, tmp_path):
     r = cli("train", "--norm", "dyt", "--from", tmp_path, "-o", tmp_path / "o")
     assert r.exit_code == 2 and "--from" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value, model_dtype, dtype, remedy", [
+    (3.4e38, torch.float32, "bf16", "±3.38953e+38): export with --dtype fp32"),  # past bf16's max, within fp32's
+    (1e300, torch.float64, "fp32", "±3.40282e+38): no export dtype holds it"),  # a float64 checkpoint
+])
+def test_a_value_past_bf16s_or_fp32s_range_is_refused_before_any_graph(tmp_path, cli, value, model_dtype, dtype,
+                                                                       remedy):
+    model = random_gate0_model("tiny", norm="dyt", taper="all", n_layers=1).to(model_dtype)
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.alpha.fill_(value)
+    path = save_checkpoint(checkpoint_from_model(model, 7), tmp_path / "dyt.safetensors")
+    r = cli("export", path, "-o", tmp_path / "out", "--dtype", dtype)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"'model.layers.0.input_layernorm.alpha' holds values beyond {dtype}'s range ({remedy}" in r.stderr
+    assert not (tmp_path / "out").exists()

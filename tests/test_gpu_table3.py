@@ -4,6 +4,7 @@ test_bench_floors.py."""
 
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,10 @@ FIXTURE = ROOT / "tests" / "data" / "gpu_table3"
 def table3():
     spec = importlib.util.spec_from_file_location("gpu_table3", ROOT / "examples" / "gpu_table3.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_table3"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
+    yield module
+    del sys.modules["gpu_table3"]
 
 
 def test_markdown_from_fixture_reports(table3):
@@ -55,12 +58,51 @@ def test_plan_covers_every_configuration(table3, tmp_path):
     assert argv[-2:] == ["--json", str(tmp_path / "torch-bf16-prefill-compile.json")]
 
 
-def test_every_planned_command_parses(table3, tmp_path, cli):
-    """No GPU here, so each command stops at its first check of the machine or files, never at click's parsing."""
+def _parse_bench(argv):
+    """click's parse of a planned `taperfold bench ...` without running it: a wrong option or value raises."""
+    from taperfold.cli import cli as taperfold_cli
+
+    assert argv[3] == "bench", argv
+    command = taperfold_cli.commands["bench"]
+    with command.make_context("bench", list(argv[4:]), resilient_parsing=False) as ctx:
+        return ctx.params
+
+
+def test_every_planned_command_parses(table3, tmp_path):
     for name, argv in table3.plan(tmp_path, 50, 10, 5):
-        r = cli(*argv[3:])
-        assert r.exit_code == 2 and r.stderr.startswith("taperfold: error: "), (name, r.stderr)
-        assert "No such option" not in r.stderr and r.stderr.count("\n") == 1, (name, r.stderr)
+        params = _parse_bench(argv)
+        assert params["device"] == "cuda" and params["json_path"] == str(tmp_path / f"{name}.json"), name
+
+
+def test_every_device_step_parses_as_it_runs_on_the_gpu(table3, tmp_path):
+    steps = table3.device_plan(tmp_path, cpu=False)
+    assert [s.name for s in steps[:2]] == ["torch-bf16-decode-static-graph", "ort-decode-static-graph"]  # decode first
+    for step in steps:
+        params = _parse_bench(step.argv)
+        assert params["device"] == "cuda" and params["json_path"] == str(tmp_path / f"{step.name}.json"), step.name
+        assert params["cuda_graph"] or params["compile"], step.name  # every GPU row also times a graph or compile
+
+
+def test_device_run_out_of_budget_skips_every_step_and_says_so(table3, tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(table3, "write_model", lambda path, *a: ran.append(path))
+    index = table3.device_run(tmp_path, budget_s=10, cpu=True, ort_parts=None)  # under MIN_RUN_S: nothing starts
+    assert index and all(r.get("skipped", "").startswith(("budget", "export-")) for r in index.values()), index
+    assert not list(tmp_path.glob("*.log"))
+    assert (tmp_path / "device.json").is_file()
+
+
+@pytest.mark.slow
+def test_device_dry_run_on_the_cpu_writes_every_report(table3, tmp_path):
+    """The device script end to end on the CPU (tiny preset): checkpoints, exports with the nonorm reference in every
+    graph, every bench run exiting 0 and writing its JSON in the report format that render reads."""
+    index = table3.device_run(tmp_path, budget_s=900, cpu=True, ort_parts=None)
+    failed = {n: (tmp_path / f"{n}.log").read_text()[-300:] for n, r in index.items() if r.get("exit_code") != 0}
+    assert not failed, failed
+    steps = [s.name for s in table3.device_plan(tmp_path, cpu=True)]
+    assert [r["_file"] for r in table3.load_reports(tmp_path)] == sorted(f"{n}.json" for n in steps)
+    markdown = table3.render_markdown(table3.load_reports(tmp_path), index)
+    assert "### decode, fp32" in markdown and "| 4 | 32 | – | " in markdown and "| fp32 | ORT CPU | 4 |" in markdown
 
 
 @pytest.mark.slow

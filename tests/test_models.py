@@ -70,6 +70,35 @@ def test_torch_fold_is_exact_and_leaves_embedding_alone(arch, taper):
     assert (folded.lm_head.weight is embed.weight) == (taper == "internal")  # All-Taper unties the head
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_fold_keeps_a_norm_whose_folded_weight_would_pass_the_dtypes_range(dtype):
+    """q/k/v's column 0 scaled by c·γ̃₀ past the dtype's largest value: the fold leaves that norm (no Inf written),
+    says why, folds the others, and the model computes what the unfolded one does."""
+    model = random_tapered("llama", "internal").to(dtype)
+    path, top = "model.layers.0.input_layernorm", torch.finfo(dtype).max
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        norm = model.get_submodule(path)
+        norm.c.fill_(2.0)
+        norm.weight_tilde[0] = top / 4  # scale 0.5·max: representable, but not times a weight of 10
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.weight[:, 0] = 10.0
+        model.model.embed_tokens.weight[:, 0] = 8 / top  # h·c·γ̃₀ = 8: the unfolded model stays finite
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    folded = fold_in_torch(model)
+    assert list(folded.kept_norms) == [path]
+    assert f"past {str(dtype).removeprefix('torch.')}'s range" in folded.kept_norms[path]
+    assert isinstance(folded.get_submodule(path), TaperNorm)
+    tapered = [p for p in model.tapered_norms() if p != path]
+    assert not any(isinstance(folded.get_submodule(p), TaperNorm) for p in tapered)  # the others folded
+    assert all(torch.isfinite(p).all() for p in folded.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the source untouched
+    ids = torch.randint(0, 256, (2, 16))
+    want = model(ids, logits="all").float()
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(folded(ids, logits="all").float(), want, rtol=0.05, atol=0.05)
+
+
 def test_fold_refuses_nonzero_gate():
     model = random_tapered("llama", "internal")
     model.set_gate(0.5)

@@ -9,6 +9,7 @@ Shipped kinds (each module imported on first use, so that `taperfold --help` loa
     tensorrt-plan   TensorRT engines built from the ONNX graphs (`export --trt`, `bench --engine trt`)  tensorrt_plan.py
     genai           onnxruntime-genai folders of the growing-cache decoders (`export --genai`)        genai_folder.py
     openvino        OpenVINO stateful IR folders of the torch variants (`export --openvino`)         openvino_ir.py
+    vllm            a folded Hugging Face-style checkpoint vLLM serves (`export --vllm`)          vllm_checkpoint.py
 
 A kind from outside the package: `register_kind(MyKind())` (examples/plugin_artifact.py).
 """
@@ -20,12 +21,13 @@ import importlib
 from taperfold.artifacts.base import ArtifactKind
 from taperfold.errors import TaperfoldError
 
-ONNX, TENSORRT_PLAN, GENAI, OPENVINO = "onnx", "tensorrt-plan", "genai", "openvino"
+ONNX, TENSORRT_PLAN, GENAI, OPENVINO, VLLM = "onnx", "tensorrt-plan", "genai", "openvino", "vllm"
 _SHIPPED = {
     ONNX: "taperfold.artifacts.onnx_graph",
     TENSORRT_PLAN: "taperfold.artifacts.tensorrt_plan",
     GENAI: "taperfold.artifacts.genai_folder",
     OPENVINO: "taperfold.artifacts.openvino_ir",
+    VLLM: "taperfold.artifacts.vllm_checkpoint",
 }
 _KINDS: dict[str, ArtifactKind] = {}
 

@@ -14,7 +14,7 @@ and whatever a later stage or a plug-in adds. Each kind says
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import PREFILL, Graph, graph_key
+from taperfold.jsonfields import is_file_name
 
 # What a kind is built from, besides another kind's artifacts (named by that kind's name)
 TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself
@@ -53,11 +54,13 @@ class Field:
     types: tuple[type, ...]
     required: bool = False
     help: str = ""
+    check: Callable[[Any], bool] | None = None  # what a value of those types must be besides (a file name, ...)
+    expected: str = ""  # what `check` asks, as an error line says it
 
     def accepts(self, value: Any) -> bool:
         if isinstance(value, bool) and bool not in self.types:  # JSON true is no number
             return False
-        return isinstance(value, self.types)
+        return isinstance(value, self.types) and (self.check is None or self.check(value))
 
 
 @dataclass
@@ -256,10 +259,19 @@ class ArtifactKind:
                     raise TaperfoldError(f"{origin}: missing key '{key}.{name}'")
                 continue
             if not spec.accepts(entry[name]):
-                names = " or ".join("null" if t is type(None) else t.__name__ for t in spec.types)
+                names = spec.expected or " or ".join("null" if t is type(None) else t.__name__ for t in spec.types)
                 raise TaperfoldError(
                     f"{origin}: key '{key}.{name}': expected {names}, got {type(entry[name]).__name__}"
                 )
+
+
+# The source's tokenizer files a folder holds (genai, OpenVINO IR), by name
+TOKENIZER_FIELD = Field(
+    (list,),
+    help="the source's tokenizer files copied into the folder",
+    check=lambda names: all(is_file_name(n) for n in names),
+    expected="a list of file names in the folder",
+)
 
 
 def describe_file(folder: Path, name: str) -> tuple[int, str | None, int]:

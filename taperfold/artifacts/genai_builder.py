@@ -172,6 +172,12 @@ class BuilderRoute:
         tapering = tapered.tapering
         self.scales = builder_scales(tapered, origin, Path(source.path))
         folded = fold_in_torch(tapered)
+        if folded.kept_norms:  # the builder's graph has every norm node replaced: a kept one would be lost
+            path, reason = next(iter(folded.kept_norms.items()))
+            raise TaperfoldError(
+                f"{origin}: {path} cannot be folded ({reason}); the genai builder route needs every "
+                "norm folded: use --genai-route traced"
+            )
         self.folded_weights: dict[str, torch.Tensor] = {}
         for path in tapering.norms:
             for target in tapering.folds_into(path):

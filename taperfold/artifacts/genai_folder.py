@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import (
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
@@ -39,6 +40,7 @@ from taperfold.artifacts.onnx_graph import QUANTIZED_FROM
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
 from taperfold.fsutil import atomic_dir
+from taperfold.jsonfields import is_file_name
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
 
 if TYPE_CHECKING:
@@ -62,9 +64,13 @@ class GenaiFolder(ArtifactKind):
     fields = MappingProxyType(
         {
             "decoder": Field(
-                (str,), required=True, help="the decoder's file in the folder, as genai_config.json names it"
+                (str,),
+                required=True,
+                help="the decoder's file in the folder, as genai_config.json names it",
+                check=is_file_name,
+                expected="a file name in the folder",
             ),
-            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "tokenizer": TOKENIZER_FIELD,
             "route": Field((str,), help="traced (the export's decoder) or builder (onnxruntime-genai's builder)"),
             "builder_declined": Field(
                 (str,), help="why the auto route took the traced route for a model the builder would have read"
@@ -173,7 +179,10 @@ class GenaiFolder(ArtifactKind):
         extra = quantization.builder_options() if quantization else []
         names = {v: folder_name(v, precision, manifest.dtype) for v in variants}
         with contextlib.ExitStack() as stack:  # every folder, or none
-            folders = {v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / names[v])) for v in variants}
+            folders = {
+                v: stack.enter_context(atomic_dir(manifest.directory / FOLDER / names[v], manifest.directory))
+                for v in variants
+            }
             builder.build(folders, precision, manifest.directory / FOLDER, on_stage, extra)
         records = []
         for variant in variants:
@@ -207,7 +216,7 @@ class GenaiFolder(ArtifactKind):
         assert decoder.variant is not None  # a decoder is a variant's
         folder = f"{FOLDER}/{folder_name(decoder.variant, decoder.precision, manifest.dtype)}"
         tokenizer = tokenizer_files(manifest)
-        with atomic_dir(manifest.directory / folder) as tmp:
+        with atomic_dir(manifest.directory / folder, manifest.directory) as tmp:
             _write_decoder(manifest.file(decoder), tmp / decoder.path)
             if decoder.external_data:
                 shutil.copyfile(manifest.directory / decoder.external_data, tmp / decoder.external_data)

@@ -50,6 +50,7 @@ from taperfold.artifacts import OPENVINO, register_kind
 from taperfold.artifacts.base import (
     EXPORT,
     LOGITS,
+    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
@@ -130,7 +131,7 @@ class OpenVinoIR(ArtifactKind):
                 required=True,
                 help="attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)",
             ),
-            "tokenizer": Field((list,), help="the source's tokenizer files copied into the folder"),
+            "tokenizer": TOKENIZER_FIELD,
         }
     )
 
@@ -165,7 +166,8 @@ class OpenVinoIR(ArtifactKind):
         attention = {}
         with contextlib.ExitStack() as stack:  # every folder, or none
             folders = {
-                key: stack.enter_context(atomic_dir(manifest.directory / FOLDER / n)) for key, n in names.items()
+                key: stack.enter_context(atomic_dir(manifest.directory / FOLDER / n, manifest.directory))
+                for key, n in names.items()
             }
             for variant in variants:
                 on_stage(f"converting {variant} to a stateful OpenVINO IR")

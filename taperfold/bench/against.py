@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_dir, read_json_object
+from taperfold.fsutil import atomic_dir, check_inside, read_json_object
 from taperfold.manifest import Manifest
 from taperfold.runners.base import Runner
 
@@ -59,6 +59,8 @@ class Tool(Protocol):
 
     def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]: ...  # command, build_s
 
+    def check_built(self, folder: Path) -> None: ...  # one line unless `folder` holds what the runner reads
+
     def runner(self, folder: Path, threads: int | None, label: str) -> Runner: ...
 
 
@@ -79,6 +81,15 @@ def _run_on_plain_model(
         lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
         why = lines[-1] if lines else f"exit code {run.returncode}"
         raise TaperfoldError(f"--against {name}: {tool} failed ({why})")
+
+
+def _built_as_expected(name: str, tool: str, folder: Path, check: Callable[[], Any]) -> None:
+    """One line when a tool that exited 0 left in `folder` (the temporary one) nothing its runner can read."""
+    try:
+        check()
+    except TaperfoldError as e:
+        why = str(e).replace(f"{folder}{os.sep}", "")  # the file's name; the temporary folder is gone
+        raise TaperfoldError(f"--against {name}: {tool} exited 0 but wrote no usable model ({why})") from None
 
 
 def _plain_huggingface(name: str, manifest: Manifest) -> None:
@@ -149,6 +160,11 @@ class GenaiBuilder:
         # as a user types it: the source's plain save_pretrained directory in, the folder out
         shown = builder_command(Path("PLAIN_HF_DIR"), Path("OUT"), precision, Path("CACHE"), extra)
         return {"command": " ".join(["python", *shown[1:]]), "build_s": round(time.perf_counter() - started, 1)}
+
+    def check_built(self, folder: Path) -> None:
+        from taperfold.genai_config import check_genai_folder
+
+        _built_as_expected(self.name, "the builder", folder, lambda: check_genai_folder(folder))
 
     def runner(self, folder: Path, threads: int | None, label: str) -> Runner:
         from taperfold.runners.genai import GenaiRunner
@@ -228,6 +244,12 @@ class OptimumIntel:
         shown = ["optimum-cli", *self.command(Path("PLAIN_HF_DIR"), Path("OUT"), precision)[1:]]
         return {"command": " ".join(shown), "build_s": round(time.perf_counter() - started, 1)}
 
+    def check_built(self, folder: Path) -> None:
+        from taperfold.runners.openvino import checked_model_files
+        from taperfold.runners.openvino_ir import MODEL
+
+        _built_as_expected(self.name, "optimum-cli", folder, lambda: checked_model_files(folder / MODEL))
+
     def runner(self, folder: Path, threads: int | None, label: str) -> Runner:
         from taperfold.runners.openvino_ir import StatefulOpenVinoRunner
 
@@ -261,6 +283,7 @@ def prepare_contender(name: str, manifest: Manifest, precision: str) -> Contende
     """The contender's folder in the export directory, built when missing or made by another version."""
     tool = contender(name)
     folder = manifest.directory / FOLDER / f"{name}-{precision}"
+    check_inside(folder, manifest.directory)  # DIR/against or its folder planted as a link: refused, never followed
     wanted = {
         "tool": tool.title,
         "version": tool.version(),
@@ -272,7 +295,8 @@ def prepare_contender(name: str, manifest: Manifest, precision: str) -> Contende
         made = read_json_object(record)
         if {k: made.get(k) for k in wanted} == wanted:
             return Contender(name, folder, made)
-    with atomic_dir(folder) as tmp:
+    with atomic_dir(folder, manifest.directory) as tmp:
         info = {**wanted, **tool.build(manifest, precision, tmp)}
+        tool.check_built(tmp)  # a tool that exits 0 having written nothing, or garbage: refused, nothing kept
         (tmp / RECORD).write_text(json.dumps(info, indent=2) + "\n")
     return Contender(name, folder, info)

@@ -310,6 +310,12 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     fused = fused_projections(chosen, source, opts.fuse_projections)
+    contenders = []  # built before the variants' artifacts: a contender's tool that fails leaves the export as it was
+    for name in opts.against:
+        if cache != GROWING:
+            raise TaperfoldError(f"--against {name} decodes with a growing cache: add --kv-cache growing")
+        assert source.manifest is not None  # check_contenders said so otherwise
+        contenders.append(prepare_contender(name, source.manifest, opts.precision or dtype))
     runners, groups = make_runners(
         chosen,
         source,
@@ -324,12 +330,8 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         precision=opts.precision,
     )
     against = []
-    for name in opts.against:
-        if cache != GROWING:
-            raise TaperfoldError(f"--against {name} decodes with a growing cache: add --kv-cache growing")
-        assert source.manifest is not None  # check_contenders said so otherwise
-        made = prepare_contender(name, source.manifest, opts.precision or dtype)
-        runners[made.name] = contender(name).runner(made.folder, threads, f"{made.name} ({made.folder})")
+    for made in contenders:
+        runners[made.name] = contender(made.name).runner(made.folder, threads, f"{made.name} ({made.folder})")
         against.append({"name": made.name, "folder": str(made.folder), **made.info})
     known = {name: n for name, n in groups.items() if n is not None}
     reported: bool | None = fused

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from taperfold.errors import TaperfoldError
-from taperfold.fsutil import atomic_dir
+from taperfold.fsutil import atomic_dir, refuse_hub_cache
 from taperfold.hf.hub import TOKENIZER_FILES
 from taperfold.hf.progress import no_progress_bars
 from taperfold.hf.source import CONFIG
@@ -34,6 +34,7 @@ def save_hf_directory(
     Refuses, writing nothing, what load_hf_directory would refuse to read back: NaN or Inf in a parameter or
     buffer, a block out of range."""
     out_dir = Path(out_dir)
+    refuse_hub_cache(out_dir, str(out_dir), whole=True)
     _check_finite(model, out_dir)
     if not plain:
         block = TaperBlock.of(tapering_of(model), step, schedule)

@@ -14,6 +14,8 @@ optional `FoldReport`, which only observes. `fold_model` composes them; nothing 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import onnx_ir as ir
 
@@ -90,18 +92,20 @@ def fold_onnx_file(
     report_path: str | os.PathLike | None = None,
     merge_norm_weights: bool = False,
     fuse_projections: bool = False,
+    before_commit: Callable[[Path], None] | None = None,
 ) -> FoldReport:
     """Fold the model at `src` into `dst` (weights in `dst`.data), optionally writing the report as JSON.
 
     When no pass changed any weight, `dst` is the model exactly as loaded (not the constant-folded graph),
-    so its outputs are bit-identical to the input's.
+    so its outputs are bit-identical to the input's. `before_commit` (fold --verify's check) is given the written
+    model under its temporary name: what it raises leaves neither `dst`, its data nor the report.
     """
     model = load_model(src)
     report = fold_model(model, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections)
     if not report.changed_weights:
         model = load_model(src)
         report.nodes_after = len(model.graph)
-    save_model(model, dst)
+    save_model(model, dst, before_commit)
     report.source, report.output = str(src), str(dst)
     if report_path is not None:
         write_json_atomic(report_path, report.to_json())

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeGuard
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -160,19 +161,21 @@ def derived_tensor(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape:
     return ir.LazyTensor(lambda: ir.tensor(compute().astype(dtype.numpy())), dtype=dtype, shape=ir.Shape(shape))
 
 
-def past_range(compute: Callable[[], np.ndarray], dtype: ir.DataType) -> str | None:
-    """Why a folded weight cannot be cast to `dtype`: the values `compute` gives (float64) reach past its range, so the
-    cast would write an Inf the input did not hold; None when they fit. Only float16 is checked (its range ends at
-    65504, where c·γ̃·W can go); bfloat16 and wider share float32's range, which a checked model's weights times
-    their norm's scale do not reach in practice.
-    The check computes the weight once more, in float64, and lets it go."""
-    if dtype != ir.DataType.FLOAT16:
+def past_range(compute: Callable[[], np.ndarray], dtype: ir.DataType, what: str = "weight") -> str | None:
+    """Why a folded `what` (weight, bias) cannot be cast to `dtype`: the values `compute` gives (float64) reach past
+    its range, so the cast would write an Inf (a NaN in formats without one) the input did not hold; None when they
+    fit. Every float dtype has its limit: float16's 65504; float32's and bfloat16's near 3.4e38 (a scale of 1e20 on a
+    weight of 1e20 passes it); float64's, past which the float64 product is itself Inf.
+    The check computes the values once more, in float64, and lets them go."""
+    if not dtype.is_floating_point():
         return None
-    largest = float(np.abs(compute()).max(initial=0.0))
-    limit = float(np.finfo(np.float16).max)
+    with np.errstate(over="ignore", invalid="ignore"):  # an Inf here is the answer, not a warning
+        largest = float(np.abs(compute()).max(initial=0.0))
+    limit = float(ml_dtypes.finfo(dtype.numpy()).max)  # numpy's finfo knows no bfloat16 or float8
     if largest <= limit:
         return None
-    return f"the folded weight would reach {largest:.4g}, past float16's range (±{limit:g})"
+    name = np.dtype(dtype.numpy()).name
+    return f"the folded {what} would reach {largest:.4g}, past {name}'s range (±{limit:g})"
 
 
 def add_initializer(graph: ir.Graph, base: str, tensor: ir.TensorProtocol, suffix: str = ".folded") -> ir.Value:

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from taperfold.compare import Metrics, Tolerance, compare_logits, default_tolerance, violations
 from taperfold.errors import TaperfoldError
+from taperfold.passes.report import FoldReport
 
 _DTYPE_NAMES = {
     ir.DataType.FLOAT: "fp32",
@@ -242,8 +243,10 @@ def check_fold(
     shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
     threads: int | None = None,
+    folded_name: str | os.PathLike | None = None,
 ) -> FoldCheck:
-    """Run `src` and `dst` on the same generated inputs and compare every output."""
+    """Run `src` and `dst` on the same generated inputs and compare every output; errors call the folded model
+    `folded_name` (the path it will have: `dst` may be its temporary)."""
     from taperfold.engines import ENGINES, open_runners
     from taperfold.passes.onnx_io import load_model
 
@@ -253,6 +256,7 @@ def check_fold(
         "input": ort.runner(src, device="cpu", threads=threads),
         "folded": ort.runner(dst, device="cpu", threads=threads),
     }
+    runners["folded"].model_name = str(folded_name if folded_name is not None else dst)
     with open_runners(runners):
         results = [runner.infer(feeds) for runner in runners.values()]
     reference, candidate = results
@@ -269,3 +273,27 @@ def check_fold(
             metrics = compare_logits(ref, got, tolerance.tie_margin)
             checks.append(OutputCheck(name, metrics, tolerance, violations(metrics, tolerance)))
     return FoldCheck({k: list(v.shape) for k, v in feeds.items()}, checks)
+
+
+def fold_and_check(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    report_path: str | os.PathLike | None = None,
+    shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+    **fold_options: bool,
+) -> tuple[FoldReport, FoldCheck]:
+    """`fold --verify`: fold `src` into `dst` and check the written model before it is put in place, so that a model
+    the check cannot run (the input, or its fold: a scale that broadcasts over an input whose last dimension is run at
+    1) is refused with no output, data or report left; a mismatch is a result, and the fold stays written."""
+    from taperfold.passes import fold_onnx_file
+
+    checks: list[FoldCheck] = []
+    report = fold_onnx_file(
+        src,
+        dst,
+        report_path,
+        before_commit=lambda written: checks.append(check_fold(src, written, shapes, seed, folded_name=dst)),
+        **fold_options,
+    )
+    return report, checks[0]

@@ -121,6 +121,8 @@ def producer_of(match: NormMatch) -> Producer | None:
         ):
             raise Blocked(f"{describe(bias[0])} adds a bias of shape {list(b.shape)}, not one per channel")
     why = past_range(lambda: folded_producer_weight(producer, match), producer.tensor.dtype)
+    if not why and writes_bias(producer, match):
+        why = past_range(lambda: folded_producer_bias(producer, match), producer_bias_dtype(producer), "bias")
     if why:
         raise Blocked(f"{describe(node)}: {why}")
     return producer
@@ -135,12 +137,41 @@ def folded_producer_weight(producer: Producer, match: NormMatch) -> np.ndarray:
     return w
 
 
+def folded_producer_bias(producer: Producer, match: NormMatch) -> np.ndarray:
+    """The producer's bias once the norm moved in (where `writes_bias`), (b, centered: minus its mean)·diag(scale) + β,
+    as float64 in its own bias's shape (none: [n])."""
+    n, node, at = producer.shape[1], producer.node, producer.bias
+    old = _old_bias(producer)
+    b = np.zeros(n) if old is None else np.broadcast_to(old.astype(np.float64).reshape(-1), (n,)).copy()
+    gemm_beta = node.attributes.get_float("beta", 1.0) if at is not None and at[0] is node else 1.0  # adds beta·C
+    if match.centered:
+        b -= b.mean()
+    b *= match.scale
+    if match.bias is not None:
+        b += match.bias / gemm_beta
+    return b if old is None else b.reshape(*old.shape[:-1], n)
+
+
+def writes_bias(producer: Producer, match: NormMatch) -> bool:
+    """Whether the fold writes the producer a bias: it has one, or the norm centers or shifts."""
+    return producer.bias is not None or match.centered or match.bias is not None
+
+
+def producer_bias_dtype(producer: Producer) -> ir.DataType:
+    """The dtype of the bias the fold writes: the producer's own bias's, else its weight's."""
+    old = _old_bias(producer)
+    return producer.tensor.dtype if old is None else ir.DataType.from_numpy(old.dtype)
+
+
+def _old_bias(producer: Producer) -> np.ndarray | None:
+    return None if producer.bias is None else const_array(producer.bias[0].inputs[producer.bias[1]])
+
+
 def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) -> tuple[Effects, ir.Value]:
     """Rewrite the producer's weight columns and bias to compute the norm's output; return what was written and the
     value that now holds the norm's output before any Cast of the chain: the norm's input, or a new bias Add's output
     (the match's nodes are left for the caller to remove once nothing reads them)."""
-    effects, node, centered, scale = Effects(), producer.node, match.centered, match.scale
-    output = match.input
+    effects, node, output = Effects(), producer.node, match.input
 
     def compute() -> np.ndarray:
         w = folded_producer_weight(producer, match)
@@ -155,22 +186,12 @@ def move_into_producer(graph: ir.Graph, match: NormMatch, producer: Producer) ->
         effects.copied.append(f"{producer.root.name} -> {new.name} (also read by {describe(others[0])})")
     effects.bytes_rewritten += tensor.nbytes
 
-    if producer.bias is not None or centered or match.bias is not None:
+    if writes_bias(producer, match):
+        bias_tensor = ir.tensor(folded_producer_bias(producer, match).astype(producer_bias_dtype(producer).numpy()))
         at, index = producer.bias or new_bias_slot(graph, node)
         output = at.outputs[0] if producer.bias is None else output
         current = at.inputs[index] if producer.bias is not None else None
-        old = const_array(current)
-        b = np.zeros(n) if old is None else np.broadcast_to(old.astype(np.float64).reshape(-1), (n,)).copy()
-        gemm_beta = node.attributes.get_float("beta", 1.0) if at is node else 1.0  # Gemm adds beta·C
-        if centered:
-            b -= b.mean()
-        b *= scale
-        if match.bias is not None:
-            b += match.bias / gemm_beta
-        shape = (n,) if old is None else (*old.shape[:-1], n)
-        dtype = old.dtype if old is not None else producer.tensor.dtype.numpy()
-        bias_tensor = ir.tensor(b.reshape(shape).astype(dtype))
-        base = current.name if current is not None and old is not None else None
+        base = current.name if current is not None else None
         write_const(graph, at, index, bias_tensor, base=base or f"{node.name}.bias")
         effects.bytes_rewritten += bias_tensor.nbytes
     return effects, output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -43,13 +44,16 @@ def _point_external_data_at(path: Path, location: str) -> None:
     onnx.save(proto, path)
 
 
-def save_model(model: ir.Model, dst: str | os.PathLike) -> None:
+def save_model(model: ir.Model, dst: str | os.PathLike, before_commit: Callable[[Path], None] | None = None) -> None:
     """Write dst and its weights to dst + '.data' as temporary files, renamed into place once both are
-    complete: a failure leaves any earlier dst as it was."""
+    complete: a failure leaves any earlier dst as it was. `before_commit` is given the complete temporary model
+    (its weights beside it) before the renames: what it raises leaves nothing written either."""
     dst = Path(dst)
     try:
         with atomic_path(dst, sidecars=(".data",)) as tmp:
             ir.save(model, tmp, format="protobuf", external_data=tmp.name + ".data")
+            if before_commit is not None:
+                before_commit(tmp)
             _point_external_data_at(tmp, dst.name + ".data")
     except OSError as e:
         raise TaperfoldError(f"{dst}: cannot write ({e.strerror or first_line(e)})") from None

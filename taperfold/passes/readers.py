@@ -155,6 +155,28 @@ class LinearReader(WeightView, Reader):
         w = self.weight()
         return _joined(match.bias, w.shape[-2]) @ w
 
+    def new_bias(self, match: NormMatch) -> np.ndarray:
+        """The bias the fold writes (float64): a stack's or a column's (bias_per_matrix) is β·W alone; a single row is
+        the layer's own bias (none: zeros) plus β·W, times alpha/beta for a Gemm (which adds beta·C; a C the fold
+        adds comes with beta 1)."""
+        shift = self.folded_bias(match)
+        if self.bias_per_matrix:
+            return shift
+        if self.node.op_type == "Gemm":
+            beta = self.node.attributes.get_float("beta", 1.0) if self.bias is not None else 1.0
+            shift *= self.node.attributes.get_float("alpha", 1.0) / beta
+        old = self._old_bias()
+        return shift if old is None else old.astype(np.float64) + shift
+
+    @property
+    def bias_dtype(self) -> ir.DataType:
+        """The dtype of the bias the fold writes: the layer's own bias's, else its weight's."""
+        old = None if self.bias_per_matrix else self._old_bias()
+        return self.tensor.dtype if old is None else ir.DataType.from_numpy(old.dtype)
+
+    def _old_bias(self) -> np.ndarray | None:
+        return None if self.bias is None else const_array(self.bias[0].inputs[self.bias[1]])
+
     def _fold_weight(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         # Written where the node reads its weight, or, for a selection, where the Gather reads the whole stack.
         at, index, as_nd = (
@@ -188,26 +210,19 @@ class LinearReader(WeightView, Reader):
             self._add_bias_per_matrix(graph, match, effects)
             return
         node = self.node
+        tensor = ir.tensor(self.new_bias(match).astype(self.bias_dtype.numpy()))
         at, index = self.bias or new_bias_slot(graph, node)
-        shift = self.folded_bias(match)
-        if node.op_type == "Gemm":
-            shift *= node.attributes.get_float("alpha", 1.0) / node.attributes.get_float("beta", 1.0)
         bias = at.inputs[index]
-        old = const_array(bias)
-        if bias is None or old is None:
-            tensor, base = ir.tensor(shift.astype(self.tensor.dtype.numpy())), f"{node.name}.bias"
-        else:
-            tensor = ir.tensor((old.astype(np.float64) + shift).astype(old.dtype))
-            base = bias.name or node.name or "bias"
+        base = f"{node.name}.bias" if self.bias is None or bias is None else bias.name or node.name or "bias"
         write_const(graph, at, index, tensor, base=base)
         effects.bytes_rewritten += tensor.nbytes
 
     def _add_bias_per_matrix(self, graph: ir.Graph, match: NormMatch, effects: Effects) -> None:
         """β·W_e for every matrix of the stack, as rows [1, n] (columns [n, 1] for MatMul(W, x)) that broadcast over
         the layer's output like the matrices do; for a selection of matrices, selected by the same indices."""
-        shift = self.folded_bias(match)  # [stack..., n]
+        shift = self.new_bias(match)  # [stack..., n]
         shift = shift[..., None, :] if self.index == 0 else shift[..., :, None]
-        tensor = ir.tensor(shift.astype(self.tensor.dtype.numpy()))
+        tensor = ir.tensor(shift.astype(self.bias_dtype.numpy()))
         add, slot = new_bias_slot(graph, self.node)
         bias = add_initializer(graph, self.root.name or self.node.name or "weight", tensor, suffix=".folded_bias")
         if self.gather is not None:
@@ -387,11 +402,13 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
             )
     elif match.bias is not None:
         reader.bias = _bias_of(node, n)
-    folds: list[Callable[[NormMatch], np.ndarray]] = [reader.folded_weight]
+    written: list[tuple[str, Callable[[NormMatch], np.ndarray], ir.DataType]] = [
+        ("weight", reader.folded_weight, reader.tensor.dtype)
+    ]
     if match.bias is not None:
-        folds.append(reader.folded_bias)
-    for folded in folds:
-        why = past_range(functools.partial(folded, match), reader.tensor.dtype)
+        written.append(("bias", reader.new_bias, reader.bias_dtype))
+    for what, folded, dtype in written:
+        why = past_range(functools.partial(folded, match), dtype, what)
         if why:
             raise Blocked(f"read by {describe(node)}: {why}")
     return reader

@@ -21,6 +21,7 @@ import numpy as np
 
 from taperfold.errors import first_line
 from taperfold.exportdir import INPUT, OUTPUT
+from taperfold.genai_config import check_genai_folder
 from taperfold.runners.base import Generation, Runner
 
 INSTALL_HINT = "pip install 'taperfold[genai]'"
@@ -44,6 +45,7 @@ class GenaiRunner(Runner):
 
     def _load(self) -> None:
         og = _genai()
+        check_genai_folder(self.folder)  # before genai reads a word of it: no library, provider or path it names runs
         overlay: dict[str, Any] = {"model": {"eos_token_id": []}}
         if self.threads:
             overlay["model"]["decoder"] = {"session_options": {"intra_op_num_threads": self.threads}}
@@ -69,7 +71,10 @@ class GenaiRunner(Runner):
     def _generator(self, batch: int, length: int):
         og = _genai()
         params = og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, batch_size=batch, max_length=length)
+        # greedy, one sequence a row, whatever search the folder's config defaults to
+        params.set_search_options(
+            do_sample=False, num_beams=1, num_return_sequences=1, batch_size=batch, max_length=length
+        )
         return og.Generator(self.model, params)
 
     def _genai_call(self, what: str, call: Callable[[], Any]) -> Any:

@@ -82,11 +82,38 @@ def compile_for_cpu(runner: Runner, path: Path, threads: int | None) -> Any:
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
+    files = checked_model_files(path)
     try:
         core = ov.Core()
-        return core.compile_model(core.read_model(str(path)), "CPU", config)
+        return core.compile_model(core.read_model(*map(str, files)), "CPU", config)
     except RuntimeError as e:
         raise runner.error(f"OpenVINO cannot compile it ({openvino_reason(e)})") from None
+
+
+def checked_model_files(path: Path) -> tuple[Path, ...]:
+    """The files OpenVINO is to read for the model at `path`, checked before it opens one: an IR's .xml and its .bin
+    beside it, regular files (a FIFO would block the reader), the .xml an IR's XML (`<net>`: anything else OpenVINO
+    hands to each of its frontends in turn, some of which print to the terminal); an ONNX graph with its data beside
+    it and only built-in ops (taperfold.onnx_files)."""
+    from xml.etree.ElementTree import ParseError, XMLPullParser
+
+    from taperfold.infiles import check_plain_file, read_file_head
+    from taperfold.onnx_files import check_onnx_file, check_op_domains
+
+    if path.suffix != ".xml":
+        check_op_domains(check_onnx_file(path), path)
+        return (path,)
+    parser: XMLPullParser = XMLPullParser(events=("start",))
+    try:
+        parser.feed(read_file_head(path, "an OpenVINO IR", 4096))
+        started = [event[-1] for event in parser.read_events()]  # ("start", the element) of each tag opened
+    except ParseError as e:
+        raise TaperfoldError(f"{path}: not an OpenVINO IR (not XML: {e})") from None
+    if not started or getattr(started[0], "tag", None) != "net":
+        raise TaperfoldError(f"{path}: not an OpenVINO IR (its XML is no <net>)")
+    weights = path.with_suffix(".bin")
+    check_plain_file(weights, "the OpenVINO IR's weights")
+    return path, weights
 
 
 def openvino_reason(error: Exception) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 from taperfold.engines import OPTIMIZATION_LEVELS
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import CACHE_POSITION, PAST, shared_cache_buffers
-from taperfold.onnx_files import check_onnx_file
+from taperfold.onnx_files import check_onnx_file, check_op_domains
 from taperfold.runners.base import InputSpec, Runner, RunnerError
 
 DEVICES = ("cpu", "cuda")
@@ -130,6 +130,7 @@ def open_session(
     ort.set_default_logger_severity(4)  # ONNX Runtime's own lines (a provider library it cannot load) stay quiet
 
     header = check_onnx_file(path)
+    check_op_domains(header, path)
     try:
         session = ort.InferenceSession(
             str(path), sess_options=session_options(optimization, threads), providers=providers_for(device, cuda_graph)

@@ -19,7 +19,7 @@ import torch
 
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.families import Family, family_for
-from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object
+from taperfold.fsutil import Output, atomic_dir, atomic_path, read_json_object, refuse_hub_cache
 from taperfold.models import CausalLM, ModelConfig, baseline_of, build_model, build_with_weights
 from taperfold.numeric import is_finite_number
 from taperfold.sources.base import ModelSource, SourceKind, read_safetensors
@@ -93,6 +93,7 @@ def save_checkpoint(ckpt: Checkpoint, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
+    refuse_hub_cache(path, str(path), whole=path.suffix not in (".pt", ".safetensors"))
     tensors, header = _tensors_for_saving(ckpt), _header(ckpt)
     if path.suffix == ".pt":
         with atomic_path(path) as tmp:

@@ -4,12 +4,15 @@ decode cases (a prompt, then DECODE_STEPS KV-cached steps: of the user's own tok
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from taperfold.errors import TaperfoldError
+from taperfold.errors import TaperfoldError, first_line
+from taperfold.infiles import check_plain_file, read_plain_file
 
 BATCH_SIZES = (1, 4)  # the export traces batch 2
 SHORT_SEQUENCE = 16  # and sequence 8
@@ -21,6 +24,12 @@ USER_DECODE_STEPS = 64
 # at most MAX_TEXT_WINDOWS of them: 16 k tokens measure a perplexity to a fraction of a percent
 TEXT_WINDOW = 1024
 MAX_TEXT_WINDOWS = 16
+# The most a --text or --tokens file may hold, checked before it is read: far above what verify scores (16 k tokens
+# of text; a batch of sequences no longer than the model's context of at most 2^20 tokens), far below what would
+# exhaust memory or time (/dev/zero, a sparse file of a terabyte)
+MAX_INPUT_BYTES = 16 << 20
+MAX_TOKEN_IDS = 1 << 24  # ids a .npy token file may hold
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}")  # plain ASCII decimal: int() would take '٣', '1_0' and '+5' as well
 
 
 @dataclass
@@ -44,32 +53,55 @@ def tokens_from_file(path: str | Path) -> list[InputBatch]:
     """A .npy integer array, or text with whitespace-separated ids, one sequence per line.
     1-D (or one line) is one sequence; 2-D (or several lines of equal length) is a batch."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise TaperfoldError(f"{path}: no such token file")
     if path.suffix == ".npy":
+        _check_npy_header(path)
         try:
             ids = np.load(path, allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:
             raise TaperfoldError(f"{path}: not a readable .npy array ({e})") from None
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TaperfoldError(f"{path}: holds {ids.dtype} values; token ids must be integers")
     else:
         ids = _ids_from_text(path)
     return [InputBatch(str(path), ids[None, :] if ids.ndim == 1 else ids)]
 
 
-def _ids_from_text(path: Path) -> np.ndarray:
+def _check_npy_header(path: Path) -> None:
+    """A .npy file's header, read before its array: integers, at most MAX_TOKEN_IDS of them, and exactly as many
+    bytes after the header as they take (a header may claim 10^18 elements of a 100-byte file)."""
+    size = check_plain_file(path, "a .npy token file", MAX_TOKEN_IDS * 8 + 65536)
     try:
-        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f, max_header_size=65536)
+            offset = f.tell()
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise TaperfoldError(f"{path}: not a readable .npy array ({first_line(e)})") from None
+    if not np.issubdtype(dtype, np.integer):
+        raise TaperfoldError(f"{path}: holds {dtype} values; token ids must be integers")
+    count = math.prod(shape)
+    if count > MAX_TOKEN_IDS:
+        raise TaperfoldError(f"{path}: its header claims {count} token ids; verify takes at most {MAX_TOKEN_IDS}")
+    if size - offset != count * dtype.itemsize:
+        raise TaperfoldError(
+            f"{path}: its header claims shape {list(shape)} ({count * dtype.itemsize} bytes of {dtype}), and the "
+            f"file holds {size - offset} bytes after it"
+        )
+
+
+def _ids_from_text(path: Path) -> np.ndarray:
+    data = read_plain_file(path, "a --tokens file", MAX_INPUT_BYTES)
+    try:
+        lines = [line.split() for line in data.decode().splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
         raise TaperfoldError(f"{path}: not a readable token file ({e}); use .npy or whitespace-separated ids") from None
     rows = []
     for number, words in enumerate(lines, 1):
-        try:
-            rows.append([int(w) for w in words])
-        except ValueError:
-            bad = next(w for w in words if not w.lstrip("+-").isdigit())
+        bad = next((w for w in words if not _TOKEN_ID.fullmatch(w)), None)
+        if bad is not None:
             raise TaperfoldError(f"{path}: line {number}: {bad!r} is not an integer token id") from None
+        rows.append([int(w) for w in words])
     if not rows:
         raise TaperfoldError(f"{path}: holds no token ids")
     if len({len(r) for r in rows}) > 1:
@@ -82,11 +114,7 @@ def _ids_from_text(path: Path) -> np.ndarray:
 
 def read_text(path: str | Path) -> bytes:
     """A text file's bytes (--text), or one line naming it."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise TaperfoldError(f"{path}: cannot read text file ({e.strerror or e})") from None
+    data = read_plain_file(path, "a --text file", MAX_INPUT_BYTES)
     if not data:
         raise TaperfoldError(f"{path}: is empty")
     return data

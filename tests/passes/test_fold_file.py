@@ -178,3 +178,33 @@ def test_fold_report_on_a_narrow_terminal_is_a_list_not_a_squeezed_table(tiny_ex
     # one norm a line, whole: q, k and v read it, or their one fused projection (export fuses by default)
     fused = json.loads((tiny_export / "manifest.json").read_text())["export"]["fuse_projections"]
     assert f"  model.layers.0.input_layernorm: rms, folded, {1 if fused else 3} reader(s)" in lines
+
+
+# ---- a refusal after the fold's work leaves nothing ---------------------------------------------------------
+
+
+def _scale_over_a_dynamic_last_dim(path):
+    """x [2, d] -> Mul(s [8]) -> MatMul(W [8, 4]): the scale broadcasts over x when d is run at 1, which the input
+    graph takes and its fold (x · diag(s)W) cannot; at d = 16 (--verify's default) neither runs."""
+    from _graphs import F32, build, n
+
+    model = build([n("Mul", ["x", "s"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [("x", F32, [2, "d"])],
+                  [("y", F32, [2, 4])], {"s": rand(D), "W": rand(D, 4)})
+    ir.save(model, path, external_data=path.name + ".data")
+    return path
+
+
+@pytest.mark.parametrize("shapes, refused", [([], "m.onnx: onnxruntime run failed"),
+                                             (["--shapes", "x:2x1"], "o.onnx: onnxruntime run failed")],
+                         ids=["the input cannot run", "its fold cannot run"])
+def test_a_verify_refusal_leaves_no_output_data_or_report_and_keeps_an_earlier_one(tmp_path, cli, shapes, refused):
+    src = _scale_over_a_dynamic_last_dim(tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "o.onnx").write_bytes(b"an earlier fold")
+    (out / "o.onnx.data").write_bytes(b"its weights")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = cli("fold", src, "-o", out / "o.onnx", "--report", out / "report.json", "--verify", *shapes)
+    one_line(result, refused)
+    assert ".tmp" not in result.stderr  # the folded model is named by its output path, not its temporary
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

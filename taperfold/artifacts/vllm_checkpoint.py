@@ -1,0 +1,283 @@
+"""Folded checkpoints that serving engines read (`export --vllm`): a Hugging Face-style directory of the folded model,
+which vLLM serves through taperfold's plugin and transformers loads through taperfold's registration
+(taperfold.serving).
+
+    vllm/folded/config.json             the source's config, its model type and architecture taperfold's own
+                                        (`taperfold_llama`, `TaperfoldLlamaForCausalLM`), the folded norms' paths
+                                        (`taperfold_folded_norms`)
+    vllm/folded/model.safetensors       the folded weights in the export's dtype, or model-0000i-of-0000n.safetensors
+                                        and model.safetensors.index.json past 2 GB; no folded norm's weight in them
+    vllm/folded/tokenizer.json ...      the source's tokenizer files (a byte-level source: its byte tokenizer)
+
+A stock tool must refuse the directory, never build the stock model with the missing norms initialised to ones and
+normalize: transformers and vLLM do not know the model type. The untapered model needs no folder of its own: stock
+vLLM serves the source directory itself.
+
+The weights are written tensor by tensor, each folded reader (q/k/v, gate/up) folded in float64 from the source's
+weights and cast once just before it is written, so the export holds no second copy of the model. Served: Hugging
+Face sources of the families in taperfold.serving.SERVED whose tapered norms are RMS norms (TaperNorm): what each
+leaves in its place is the residual add. Anything else is refused in one line before the export's work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from taperfold.artifacts import VLLM, register_kind
+from taperfold.artifacts.base import EXPORT, ArtifactKind, ArtifactRecord, Export, Field, tokenizer_files
+from taperfold.errors import TaperfoldError
+from taperfold.exportdir import FOLDED, Graph, torch_dtype
+from taperfold.fsutil import atomic_dir
+from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
+from taperfold.taper import fold_target, stored_in_out
+from taperfold.variants import Write, reader_writes
+
+if TYPE_CHECKING:
+    from taperfold.hf.source import HFCheckpoint
+
+FOLDER = "vllm"  # the folders' parent in the export directory
+CONFIG = "config.json"
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # save_pretrained's names
+GENERATION_CONFIG = "generation_config.json"
+SHARD_BYTES = 2 * 1024**3  # the largest shard
+SERVED_NORM = "rms"  # the norm kind whose fold leaves nothing but the residual add behind
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+class VllmCheckpoint(ArtifactKind):
+    name = VLLM
+    title = "folded checkpoint for vLLM"
+    built_from = EXPORT
+    suffix = "vllm"
+    fields = MappingProxyType(
+        {
+            "architecture": Field((str,), required=True, help="config.json's architecture, taperfold's own class"),
+            "weights": Field((list,), required=True, help="the safetensors files (and index) in the folder"),
+            "folded_norms": Field((int,), help="the norms folded away (config.json lists their paths)"),
+            "tokenizer": Field((list,), help="the tokenizer files in the folder"),
+        }
+    )
+
+    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
+        """None: the folder is written from the source itself. A source the plugin cannot serve is refused here,
+        before the export's work."""
+        _served(source, tapered)
+        return ()
+
+    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
+        """The folded model's folder (`shard_bytes`: the largest weights file, default 2 GB)."""
+        from taperfold.hf.tokenizer import save_byte_tokenizer
+        from taperfold.sources import open_source
+
+        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+        plain_source = open_source(manifest.checkpoint)
+        tapered = plain_source.build(gate=0.0)  # holds the source's tensors, no copy
+        source, served = _served(plain_source, tapered)
+        dtype = torch_dtype(manifest.dtype)
+        tokenizer = tokenizer_files(manifest)
+        folder = manifest.directory / FOLDER / FOLDED
+        with atomic_dir(folder, manifest.directory) as tmp:
+            on_stage("writing the folded weights for vLLM")
+            weights = FoldedWeights(tapered, dtype)
+            files = write_safetensors(tmp, weights, options.get("shard_bytes", SHARD_BYTES))
+            config = _config(source.hf_config_dict, served, weights, dtype)
+            (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            for file in [*tokenizer, source.path / GENERATION_CONFIG]:
+                if file.is_file():
+                    shutil.copyfile(file, tmp / file.name)
+            if not tokenizer and source.config.tokenizer == "bytes":  # what vLLM's tokenizer and server need
+                save_byte_tokenizer(tmp)
+            tokenizer_names = sorted({p.name for p in tmp.iterdir()} - {CONFIG, GENERATION_CONFIG, *files})
+        path = f"{FOLDER}/{FOLDED}/{CONFIG}"
+        record = ArtifactRecord(
+            key=self.key(FOLDED, None),
+            kind=self.name,
+            path=path,
+            variant=FOLDED,
+            graph=None,
+            precision=manifest.dtype,
+            bytes=(manifest.directory / path).stat().st_size,
+            details={
+                "architecture": served.architecture,
+                "weights": files,
+                "folded_norms": len(weights.folded_norms),
+                "tokenizer": tokenizer_names,
+            },
+        )
+        return [record]
+
+    def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
+        """The default's, and each weights file the record names present."""
+        folder = Path(record.path).parent.as_posix()
+        names = [f"{folder}/{name}" for name in record.details["weights"]]
+        missing = [f"{name}: missing" for name in names if not (manifest.directory / name).is_file()]
+        return super().check(manifest, record) + missing
+
+
+def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
+    """`source` (a taperfold.sources model source; `tapered` its tapered torch model at g = 0, None for a plain one) as
+    the Hugging Face directory it must be, and its served family; or one line saying why the plugin cannot serve its
+    folded form."""
+    from taperfold.hf.source import HFCheckpoint
+
+    origin = str(source.path)
+    if not isinstance(source, HFCheckpoint):
+        raise TaperfoldError(
+            f"{origin}: --vllm writes the folded form of a Hugging Face directory (save_pretrained); this is a "
+            "taperfold checkpoint, whose architecture no serving engine knows"
+        )
+    tapering = tapered.tapering if tapered is not None else None
+    if tapering is None:
+        raise TaperfoldError(
+            f"{origin}: --vllm: the model is untapered, so there is nothing to fold; stock vLLM serves the directory "
+            f"itself (python -m vllm.entrypoints.openai.api_server --model {origin})"
+        )
+    served = served_family(source.family.name, origin)
+    if tapering.kind.name != SERVED_NORM:
+        raise TaperfoldError(
+            f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
+            "(TaperNorm), which leave only the residual add behind"
+        )
+    return source, served
+
+
+class FoldedWeights:
+    """The folded model's tensors under the source's names, made one at a time: what a reader of a folded norm holds
+    after the fold (float64, cast once), every other tensor as the source has it, cast to `dtype`; the folded norms'
+    own tensors and a tied head's copy left out (a head a fold rewrites is written, untied)."""
+
+    def __init__(self, tapered: Any, dtype: torch.dtype):
+        self.network, self.dtype = tapered.network, dtype
+        tapering = tapered.tapering
+        self.tapering = tapering
+        self.folded_norms = [path for path in tapering.norms if tapering.folds_into(path)]
+        self.norm_of = {target: path for path in self.folded_norms for target in tapering.folds_into(path)}
+        state = self.network.state_dict()
+        tied = set(getattr(self.network, "all_tied_weights_keys", None) or {})
+        self.untied = {name for name in tied if name.rpartition(".")[0] in self.norm_of}
+        self.source = {
+            name: tensor
+            for name, tensor in state.items()
+            if not any(name.startswith(f"{norm}.") for norm in self.folded_norms)
+            and (name not in tied or name in self.untied)
+        }
+        self._pending: dict[str, torch.Tensor] = {}  # a folded layer's tensors not yet asked for
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Each tensor's shape and stored dtype, in the order they are written."""
+        return {name: (t.shape, self._stored_dtype(t)) for name, t in self.source.items()}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        layer = name.rpartition(".")[0]
+        if layer not in self.norm_of:
+            tensor = self.source[name]
+            return tensor.to(self._stored_dtype(tensor))
+        if name not in self._pending:
+            self._pending.update(self._folded(layer))
+        return self._pending.pop(name)
+
+    @torch.no_grad()
+    def _folded(self, target: str) -> dict[str, torch.Tensor]:
+        """The tensors of layer `target` once its norm's map is folded in (float64, then cast once)."""
+        norm = self.network.get_submodule(self.norm_of[target])
+        constant = self.tapering.kind.constant_map(norm)
+        reader = fold_target(self.network, target)
+        assert isinstance(reader, nn.Module)  # the served families' readers are linear layers, not bare weights
+        layer = copy.deepcopy(reader).double()  # this layer only
+        for write in reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale))):
+            if reason := Write(write.what, write.value, self.dtype).past_range():  # in the dtype it is stored in
+                raise TaperfoldError(f"--vllm: {self.norm_of[target]} cannot be folded into {target} ({reason})")
+            write.apply()
+        return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
+
+    def _stored_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if tensor.is_floating_point() else tensor.dtype
+
+
+def write_safetensors(folder: Path, weights: FoldedWeights, shard_bytes: int) -> list[str]:
+    """Write `weights` into `folder` as save_pretrained does (one model.safetensors, or shards of at most
+    `shard_bytes` and their index), each tensor made just before it is written; the files written."""
+    shards: list[dict[str, tuple[torch.Size, torch.dtype]]] = [{}]
+    sizes = [0]
+    for name, (shape, dtype) in weights.shapes().items():
+        size = math.prod(shape) * dtype.itemsize
+        if shards[-1] and sizes[-1] + size > shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = (shape, dtype)
+        sizes[-1] += size
+    if len(shards) == 1:
+        _write_file(folder / WEIGHTS, shards[0], weights)
+        return [WEIGHTS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        _write_file(folder / name, shard, weights)
+    weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, INDEX]
+
+
+def _write_file(path: Path, shard: dict[str, tuple[torch.Size, torch.dtype]], weights: FoldedWeights) -> None:
+    """One safetensors file: its header (each tensor's dtype, shape and byte range), then the tensors one by one."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in shard.items():
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for name, (shape, dtype) in shard.items():
+            tensor = weights.tensor(name)
+            if tensor.shape != shape or tensor.dtype != dtype:  # a fold that changed a layer's form
+                raise TaperfoldError(
+                    f"{path}: {name} is {list(tensor.shape)} {tensor.dtype}, planned {list(shape)} {dtype}"
+                )
+            out.write(_raw_bytes(tensor))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, little-endian as safetensors stores them (bfloat16 has no NumPy type: viewed as bytes)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, dtype: torch.dtype) -> dict:
+    """The source's config.json as the folded checkpoint's: taperfold's model type and architecture, the folded
+    norms' paths, the weights' dtype; the head untied where a fold rewrote it."""
+    from taperfold.hf.taper_block import BLOCK
+
+    config = {key: value for key, value in source_config.items() if key not in (BLOCK, "torch_dtype")}
+    config.update(
+        model_type=served.model_type,
+        architectures=[served.architecture],
+        dtype=str(dtype).removeprefix("torch."),
+        **{CONFIG_KEY: weights.folded_norms},
+    )
+    if weights.untied:
+        config["tie_word_embeddings"] = False
+    return config
+
+
+VLLM_CHECKPOINT = VllmCheckpoint()
+register_kind(VLLM_CHECKPOINT)

@@ -1,0 +1,66 @@
+"""Serving a folded model where language models are served: the families a folded checkpoint (`export --vllm`,
+taperfold.artifacts.vllm_checkpoint) can be written for, as data.
+
+A folded checkpoint is a Hugging Face directory whose config.json names taperfold's own model type and architecture
+(`taperfold_llama`, `TaperfoldLlamaForCausalLM`), so that a tool that does not know the fold refuses it rather than
+building the stock model with its norms re-initialised to ones. Two registrations read it:
+
+    taperfold.serving.transformers_models   AutoConfig / AutoModelForCausalLM: transformers' own class of the family
+                                            with each folded norm an identity (`register_with_transformers()`)
+    taperfold.serving.vllm_plugin           vLLM's `vllm.general_plugins` entry point: vLLM's own class of the family
+                                            with each folded norm the residual add alone (taperfold.serving.vllm_models)
+
+A family is served where its decoder layers are Llama's as both libraries write them: pre-norm RMSNorms read by
+linear layers (`input_layernorm`, `post_attention_layernorm`), the residual added outside the norm in transformers and
+inside it in vLLM (`norm(x, residual)`), and the same module paths in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from taperfold.errors import TaperfoldError
+
+CONFIG_KEY = "taperfold_folded_norms"  # config.json: the module paths of the norms folded away
+
+
+@dataclass(frozen=True)
+class ServedFamily:
+    family: str  # taperfold's family (taperfold.families)
+    model_class: str  # the family's causal LM class, as transformers and vLLM's registry both name it
+
+    @property
+    def model_type(self) -> str:
+        """config.json's `model_type` of a folded checkpoint: no stock tool knows it."""
+        return f"taperfold_{self.family}"
+
+    @property
+    def architecture(self) -> str:
+        """config.json's `architectures` of a folded checkpoint, and the class names registered for it."""
+        return f"Taperfold{self.model_class}"
+
+    @property
+    def config_class(self) -> str:
+        """transformers' config class of the family."""
+        return self.model_class.replace("ForCausalLM", "Config")
+
+
+SERVED = {
+    served.family: served
+    for served in (
+        ServedFamily("llama", "LlamaForCausalLM"),
+        ServedFamily("mistral", "MistralForCausalLM"),
+        ServedFamily("qwen2", "Qwen2ForCausalLM"),
+        ServedFamily("qwen3", "Qwen3ForCausalLM"),
+    )
+}
+
+
+def served_family(family: str, origin: str) -> ServedFamily:
+    """The served form of taperfold family `family`, or one line saying it is not served yet."""
+    if family not in SERVED:
+        raise TaperfoldError(
+            f"{origin}: --vllm: the {family} family is not served yet (served: {', '.join(SERVED)}); "
+            "export it without --vllm"
+        )
+    return SERVED[family]

@@ -1,0 +1,50 @@
+"""transformers' classes for a folded checkpoint (`export --vllm`): after `register_with_transformers()`,
+`AutoModelForCausalLM.from_pretrained(OUT/vllm/folded)` loads it, without remote code.
+
+For each served family (taperfold.serving.SERVED), a config class of the family's with taperfold's model type
+(`TaperfoldLlamaConfig`), and the family's own causal LM (`TaperfoldLlamaForCausalLM`) with each norm config.json
+lists as folded (`taperfold_folded_norms`) an identity: transformers' decoder layers add the residual outside the norm,
+and the norm's map is in the weights of the layers reading it. The real norms (the final norm, per-head q/k norms)
+stay transformers' own. The classes are this module's attributes, so that processes that pickle a config (vLLM's
+engine) find them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from torch import nn
+
+from taperfold.serving import CONFIG_KEY, SERVED, ServedFamily
+
+
+def _folded_classes(served: ServedFamily) -> tuple[type, type]:
+    """The config and causal LM classes of a folded checkpoint of `served`'s family."""
+    base_config = getattr(transformers, served.config_class)
+    base_model = getattr(transformers, served.model_class)
+    config = type(
+        f"Taperfold{served.config_class}", (base_config,), {"model_type": served.model_type, "__module__": __name__}
+    )
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        base_model.__init__(self, config, *args, **kwargs)
+        for path in getattr(config, CONFIG_KEY):
+            self.set_submodule(path, nn.Identity())
+
+    model = type(
+        served.architecture, (base_model,), {"config_class": config, "__init__": __init__, "__module__": __name__}
+    )
+    return config, model
+
+
+CLASSES = {family: _folded_classes(served) for family, served in SERVED.items()}
+for _config, _model in CLASSES.values():
+    globals()[_config.__name__], globals()[_model.__name__] = _config, _model
+
+
+def register_with_transformers() -> None:
+    """Make every served family's folded checkpoint loadable by AutoConfig and AutoModelForCausalLM (again: no-op)."""
+    for family, (config, model) in CLASSES.items():
+        transformers.AutoConfig.register(SERVED[family].model_type, config, exist_ok=True)
+        transformers.AutoModelForCausalLM.register(config, model, exist_ok=True)

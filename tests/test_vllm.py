@@ -1,0 +1,266 @@
+"""`export --vllm` and the vLLM plugin (taperfold.serving): a tiny tapered Hugging Face Llama exported `--vllm` is a
+checkpoint that stock transformers and stock vLLM refuse, that transformers loads through taperfold's registration with
+the checkpoint's logits, and that vLLM serves through taperfold's entry point with the checkpoint's greedy tokens.
+vLLM runs in .venv-vllm (scripts/setup-vllm), in a child process; those tests are skipped where it is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import one_line, run_cli
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+GENERATE = Path(__file__).with_name("vllm_generate.py")
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.is_file(), reason=f"vLLM's environment {VLLM_PYTHON.parent.parent} is absent (scripts/setup-vllm)"
+)
+PROMPTS = [[5, 17, 33, 90, 120, 7], [200, 3], list(range(40, 60))]
+NEW_TOKENS = 8
+FOLDED_NORMS = [
+    f"model.layers.{i}.{norm}" for i in range(2) for norm in ("input_layernorm", "post_attention_layernorm")
+]
+
+
+def tiny_llama(**changes):
+    """A tiny tapered Llama at g = 0 whose greedy tokens vary (untied head, larger weights) and whose head size vLLM's
+    CPU attention takes (32)."""
+    from hf_models import tapered_tiny_model
+
+    shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                 max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
+    return tapered_tiny_model("llama", **{**shape, **changes})
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(the tapered source directory, the export directory) of `taperfold export SOURCE --vllm`."""
+    from taperfold.hf import save_hf_directory
+
+    root = tmp_path_factory.mktemp("vllm")
+    source = save_hf_directory(tiny_llama(), root / "tapered")
+    result = run_cli("export", source, "-o", root / "out", "--vllm")
+    assert result.exit_code == 0, result.stderr
+    return source, root / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(exported):
+    """The checkpoint's own greedy continuation of each prompt at g = 0 (transformers' forward, taperfold's tapered
+    norms), and the log-probability of each token it chose."""
+    from taperfold.sources import open_source
+
+    model = open_source(exported[0]).build(gate=0.0).network.eval()
+    result = []
+    for prompt in PROMPTS:
+        ids, logprobs = torch.tensor([prompt]), []
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                last = torch.log_softmax(model(ids).logits[0, -1].double(), -1)
+                logprobs.append(last.max().item())
+                ids = torch.cat([ids, last.argmax().view(1, 1)], 1)
+        result.append({"tokens": ids[0, len(prompt) :].tolist(), "logprobs": logprobs})
+    assert len({tuple(r["tokens"]) for r in result}) == len(PROMPTS), "degenerate reference: every prompt alike"
+    return result
+
+
+def run_vllm(model: Path, plugins: str | None = None) -> subprocess.CompletedProcess:
+    """tests/vllm_generate.py on `model` in .venv-vllm (`plugins`: VLLM_PLUGINS, "" loading none)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("VLLM_PLUGINS", None)
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    command = [str(VLLM_PYTHON), str(GENERATE), str(model), json.dumps(PROMPTS), str(NEW_TOKENS)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=model)
+
+
+def test_the_folded_checkpoint_names_taperfolds_architecture_and_holds_no_folded_norm(exported):
+    from taperfold.hf.weights import read_weights
+    from taperfold.manifest import read_manifest
+
+    _, out = exported
+    folder = out / "vllm" / "folded"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "taperfold_llama"
+    assert config["architectures"] == ["TaperfoldLlamaForCausalLM"]
+    assert config["taperfold_folded_norms"] == FOLDED_NORMS
+    assert "taperfold" not in config and config["dtype"] == "float32"
+    tensors, _ = read_weights(folder)
+    assert not [name for name in tensors if name.rpartition(".")[0] in FOLDED_NORMS]
+    assert "model.norm.weight" in tensors and "lm_head.weight" in tensors  # the real final norm, the untied head
+    assert (folder / "tokenizer.json").is_file()  # a byte-level source: its byte tokenizer, which vLLM needs
+    record = read_manifest(out).record("folded.vllm")
+    assert (record.kind, record.variant, record.details["architecture"]) == (
+        "vllm",
+        "folded",
+        config["architectures"][0],
+    )
+    assert record.details["weights"] == ["model.safetensors"] and record.details["folded_norms"] == 4
+    assert record.details["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+
+
+def test_stock_transformers_refuses_the_folded_checkpoint(exported):
+    """In a fresh process: this one may hold taperfold's registration from another test."""
+    folder = exported[1] / "vllm" / "folded"
+    code = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})"
+    run = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "model type `taperfold_llama` but Transformers does not recognize this architecture" in run.stderr
+
+
+def test_transformers_with_taperfolds_registration_gives_the_checkpoints_logits(exported):
+    from taperfold.serving.transformers_models import register_with_transformers
+    from taperfold.sources import open_source
+
+    source, out = exported
+    register_with_transformers()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(out / "vllm" / "folded").eval()
+    assert type(folded).__name__ == "TaperfoldLlamaForCausalLM"
+    assert all(isinstance(folded.get_submodule(path), torch.nn.Identity) for path in FOLDED_NORMS)
+    checkpoint = open_source(source).build(gate=0.0).network.eval()
+    ids = torch.tensor(PROMPTS[2:] * 2)
+    with torch.no_grad():
+        want, got = checkpoint(ids).logits, folded(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(source)  # the norms as real norms: far off
+    with torch.no_grad():
+        assert (stock(ids).logits - want).abs().max() > 1e-2
+
+
+def test_weights_past_the_shard_size_are_sharded_with_an_index_and_read_back_alike(exported, tmp_path):
+    from taperfold.artifacts.vllm_checkpoint import FoldedWeights, write_safetensors
+    from taperfold.hf.weights import read_weights
+    from taperfold.sources import open_source
+
+    source, out = exported
+    files = write_safetensors(tmp_path, FoldedWeights(open_source(source).build(gate=0.0), torch.float32), 64 * 1024)
+    assert len(files) > 2 and files[-1] == "model.safetensors.index.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+    sharded, _ = read_weights(tmp_path)
+    single, _ = read_weights(out / "vllm" / "folded")
+    assert sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[name], single[name]) for name in single)
+
+
+@needs_vllm
+def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(
+    exported, reference
+):
+    run = run_vllm(exported[1] / "vllm" / "folded")
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
+    served = json.loads(lines[-1].removeprefix("RESULT "))
+    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference]
+    for got, want in zip(served, reference):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+@needs_vllm
+def test_stock_vllm_refuses_the_folded_checkpoint(exported):
+    run = run_vllm(exported[1] / "vllm" / "folded", plugins="")
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    error = next(line for line in run.stdout.splitlines() if line.startswith("ERROR:"))
+    assert "taperfold_llama" in error and "does not recognize this architecture" in error, error
+
+
+@needs_vllm
+def test_vllms_openai_server_answers_with_the_checkpoints_greedy_tokens(exported, reference, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server` (the CPU package's `vllm` command cannot start) on 127.0.0.1,
+    one completion request, then the server and its engine process stopped."""
+    folder = exported[1] / "vllm" / "folded"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "64"]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(server, f"http://127.0.0.1:{port}/health", tmp_path / "server.log")
+        request = {"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0,
+                   "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        answer = urllib.request.urlopen(
+            urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=json.dumps(request).encode(),
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=120,
+        )
+        choice = json.loads(answer.read())["choices"][0]
+        assert choice["token_ids"] == reference[0]["tokens"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and the engine process it started
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}): {log.read_text()[-3000:]}")
+        try:
+            if urllib.request.urlopen(url, timeout=5).status == 200:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(2)
+    pytest.fail(f"the server was not healthy within {timeout_s:g} s: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def no_export_work(monkeypatch):
+    """Export's graph work fails the test: a refusal must come before it."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("export started its work before refusing")
+
+    monkeypatch.setattr("taperfold.export.export_graphs", fail)
+
+
+def test_an_unserved_family_is_refused_in_one_line_before_the_work(tmp_path, no_export_work):
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tapered_tiny_model("gemma"), tmp_path / "gemma")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "--vllm: the gemma family is not served yet", "served: llama, mistral, qwen2, qwen3")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_untapered_directory_is_refused_in_one_line_naming_stock_vllm(tmp_path, no_export_work):
+    from hf_models import tiny_config
+
+    plain = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    plain.save_pretrained(tmp_path / "plain")
+    result = run_cli("export", tmp_path / "plain", "-o", tmp_path / "out", "--vllm")
+    one_line(result, "untapered", "stock vLLM serves the directory itself")
+
+
+def test_a_taperfold_checkpoint_is_refused_in_one_line(tmp_path, no_export_work):
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.models import random_gate0_model
+
+    path = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.pt")
+    result = run_cli("export", path, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "--vllm writes the folded form of a Hugging Face directory")
