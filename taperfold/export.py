@@ -31,7 +31,8 @@ use: inputs `input_ids`, `past_key_values.{i}.key|value`, outputs `logits`, `pre
   there (ScatterElements on the past input: onnxruntime-genai's past_present_share_buffer binds present to the past's
   buffer, which ONNX Runtime then updates in place) and masks every position beyond each query's. Every step has
   the same shapes: what CUDA graphs need. taperfold's own models take one, and transformers models as
-  transformers' StaticCache (hf/model.py) unless their cache has sliding-window layers (STATIC_CACHE_REFUSED).
+  transformers' StaticCache (hf/model.py), sliding-window layers keeping every position, unless their cache has
+  layers that hold more than keys and values (an indexer's keys: STATIC_CACHE_REFUSED).
 """
 
 from __future__ import annotations
@@ -193,8 +194,8 @@ class _StaticDecoder(nn.Module):
 
 
 STATIC_CACHE_REFUSED = (
-    "{path}: --kv-cache static: the model's transformers cache has sliding-window layers, which "
-    "keep a window rather than the positions a static cache names; use --kv-cache growing"
+    "{path}: --kv-cache static: the model's transformers cache has layers that hold more than keys and values "
+    "(an indexer's keys), which taperfold's static decoders do not carry; use --kv-cache growing"
 )
 
 

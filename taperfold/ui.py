@@ -141,6 +141,12 @@ def print_export(manifest: Manifest, out_dir) -> None:
     out.print(table)
     if manifest.get("note"):
         out.print(manifest.get("note"), highlight=False)
+    for declined in dict.fromkeys(
+        r.details["builder_declined"] for r in manifest.records() if "builder_declined" in r.details
+    ):
+        out.print(
+            f"note: onnxruntime-genai folders by the traced route, not the builder's: {declined}", highlight=False
+        )
     summary = (manifest.report(FOLDED, "fold") or {}).get("summary", {})
     if summary:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))

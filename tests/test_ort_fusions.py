@@ -150,10 +150,12 @@ def test_a_causal_mask_over_other_positions_keeps_multi_head_attention(tmp_path)
     _fused_runs_as_traced(model, path)
 
 
-def test_a_decoder_that_crops_its_cache_is_left_as_traced(tmp_path):
-    """Mistral's sliding window (16 tokens here) crops the past before attention; onnxscript's attention rules lose
-    the crop (their MultiHeadAttention takes the whole mask and fails past the window), so the pass leaves the
-    graph as it is, and says why."""
+def test_a_decoder_that_crops_its_cache_is_left_as_traced(tmp_path, monkeypatch):
+    """A decoder traced through transformers' own sliding-window cache (Mistral's window, 16 tokens here) crops the
+    past before attention; onnxscript's attention rules lose the crop (their MultiHeadAttention takes the whole mask
+    and fails past the window), so the pass leaves the graph as it is, and says why. (taperfold's decoders keep
+    every position: the test traces with transformers' cache as it is.)"""
+    monkeypatch.setattr("taperfold.hf.model._keeping_every_position", lambda cache, static_length=None: cache)
     model = ir.load(_traced_decoder(tmp_path, "mistral"))
     nodes = [n.op_type for n in model.graph]
     fusions = OrtFusionsPass()
@@ -211,3 +213,15 @@ def test_an_attention_whose_rows_may_be_padded_keeps_its_rotary_embedding(tmp_pa
     assert ROTARY_INTO_GQA_RULES.apply_to_model(model) == 1  # the other layer's attention
     reader = next(use.node for use in padded.uses())
     assert reader.op_type == "GroupQueryAttention" and not reader.attributes.get_int("do_rotary")
+
+
+def test_a_windowed_decoder_keeps_its_past_and_fuses_with_the_window_in_its_mask(tmp_path):
+    """Mistral's window (16 tokens) is shorter than its context (32): the decoder keeps every position of its past
+    and the mask applies the window, so nothing is cropped, the attention fuses (MultiHeadAttention: the window keeps
+    it from GroupQueryAttention) and runs as traced on calls whose past passes the window."""
+    model = ir.load(path := _traced_decoder(tmp_path, "mistral"))
+    fusions = OrtFusionsPass()
+    fusions(model)
+    assert fusions.skipped is None and fusions.fused.get("MultiHeadAttention") == 2
+    assert "GroupQueryAttention" not in fusions.fused
+    _fused_runs_as_traced(model, path, calls=[(1, 1, 15), (1, 4, 14), (2, 1, 20), (1, 3, 27)])

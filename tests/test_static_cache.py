@@ -393,13 +393,15 @@ def test_a_transformers_model_exports_and_verifies_a_static_decoder(tmp_path):
     assert {p.candidate for p in static} == {"unfolded.static", "folded.static"} and report.passed
 
 
-def test_a_transformers_model_with_sliding_window_layers_is_refused_in_one_line(tmp_path, cli):
+def test_a_transformers_model_whose_cache_holds_an_indexers_keys_is_refused_in_one_line(tmp_path, cli):
+    """dots.llm3's indexed-attention layer caches its indexer's keys beside the keys and values, which a static
+    decoder does not carry (sliding-window layers, which keep every position here, take a static cache)."""
     pytest.importorskip("transformers")
     from taperfold.hf import save_hf_directory
     from hf_models import tapered_tiny_model
 
-    folder = save_hf_directory(tapered_tiny_model("gemma2"), tmp_path / "tapered")
+    folder = save_hf_directory(tapered_tiny_model("dots3_note_text"), tmp_path / "tapered")
     r = cli("export", folder, "-o", tmp_path / "out", "--kv-cache", "static")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
-    assert "--kv-cache static: the model's transformers cache has sliding-window layers" in r.stderr
+    assert "--kv-cache static: the model's transformers cache has layers that hold more than keys" in r.stderr
     assert not (tmp_path / "out").exists()

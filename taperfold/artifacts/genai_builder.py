@@ -38,7 +38,11 @@ VARIANTS = (BASELINE, UNFOLDED, FOLDED)
 
 
 class NotBuildable(TaperfoldError):
-    """The model is not one the builder route covers (the traced route still is)."""
+    """The model is not one the builder route covers (the traced route still is): `reason` says why."""
+
+    def __init__(self, origin: str, reason: str):
+        super().__init__(f"{origin}: {reason}; use --genai-route traced")
+        self.reason = reason
 
 
 def builder_missing() -> bool:
@@ -57,24 +61,53 @@ def node_prefix(norm_path: str) -> str | None:
     return f"/model/layers.{match[1]}/{match[2]}" if match else None
 
 
-def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
-    """{the builder's node prefix: c·γ̃} of each tapered norm of `tapered` (a tapered torch model at g = 0), or one
-    line (NotBuildable) saying why the builder's graph has no place for one."""
+def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Tensor]:
+    """{the builder's node prefix: c·γ̃} of each tapered norm of `tapered` (a tapered torch model at g = 0, read from
+    the Hugging Face directory `source_dir`), or one line (NotBuildable) saying why the builder cannot make its
+    folders: what it reads, or a graph with no place for a norm."""
     tapering = tapered.tapering
     if tapering is None:
         raise TaperfoldError(
             f"{origin}: the builder route needs a tapered model (its baseline alone: --genai-route traced)"
         )
+    architecture = type(tapered.network).__name__  # what save_pretrained writes as the plain directory's architecture
+    known = builder_architectures()
+    if known and architecture not in known:
+        raise NotBuildable(origin, f"onnxruntime-genai's builder does not build {architecture}")
+    if tapered.cfg.window is not None:
+        raise NotBuildable(
+            origin,
+            f"the model attends through a window of {tapered.cfg.window} tokens, shorter than its context "
+            f"({tapered.cfg.max_seq_len}), and the builder's folders of such a model fail in onnxruntime-genai once "
+            "the past passes the window",
+        )
+    missing = missing_special_token(tapered.network.config, source_dir)
+    if missing:
+        raise NotBuildable(
+            origin,
+            f"{missing} is in neither config.json nor the tokenizer's files, and the builder "
+            + ("stops without it" if missing == "eos_token_id" else "would write 1, a token the model never named"),
+        )
+    modules = dict(tapered.network.named_modules())
+    for path in tapering.norms:
+        for target in tapering.folds_into(path):  # a module's path, or a parameter's (fused experts)
+            if not isinstance(modules.get(target), torch.nn.Linear):
+                raise NotBuildable(
+                    origin,
+                    f"{path} is read by {target}, no linear layer (MoE experts), and the builder route "
+                    "folds into linear layers only",
+                )
     if tapered.cfg.head_dim % 16:  # ONNX Runtime's GroupQueryAttention on the CPU
         raise NotBuildable(
-            f"{origin}: head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention "
-            "needs on the CPU; use --genai-route traced"
+            origin,
+            f"head size {tapered.cfg.head_dim} is no multiple of 16, which the builder's attention needs on the CPU",
         )
     vocab_wide = vocab_wide_layers(tapered)
     if len(vocab_wide) > 1:  # onnxruntime-genai 0.18's builder: every such layer is its LM head, the last one wins
         raise NotBuildable(
-            f"{origin}: {vocab_wide[0]} has vocab_size ({tapered.cfg.vocab_size}) outputs, and the builder takes every "
-            "linear layer of that width for the LM head (its graph would be wrong); use --genai-route traced"
+            origin,
+            f"{vocab_wide[0]} has vocab_size ({tapered.cfg.vocab_size}) outputs, and the builder takes every "
+            "linear layer of that width for the LM head (its graph would be wrong)",
         )
     scales = {}
     for path, norm in tapering.norms.items():
@@ -82,11 +115,41 @@ def builder_scales(tapered, origin: str) -> dict[str, torch.Tensor]:
         constant = tapering.kind.constant_map(norm)
         if prefix is None or constant.centered or constant.bias is not None:
             raise NotBuildable(
-                f"{origin}: {path} is no pre-norm RMS norm the builder names (input_layernorm, "
-                "post_attention_layernorm); use --genai-route traced"
+                origin, f"{path} is no pre-norm RMS norm the builder names (input_layernorm, post_attention_layernorm)"
             )
         scales[prefix] = constant.scale.detach()
     return scales
+
+
+def builder_architectures() -> set[str]:
+    """The architectures (config.json's `architectures`) the installed builder builds, as its source lists them
+    (`config.architectures[0] == "..."`), read as text; empty where it is not installed or lists none so."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(BUILDER)
+    except ModuleNotFoundError:
+        return set()
+    if spec is None or spec.origin is None:
+        return set()
+    return set(re.findall(r'architectures\[0\] == "(\w+)"', Path(spec.origin).read_text(errors="replace")))
+
+
+def missing_special_token(config, source_dir: Path) -> str | None:
+    """bos_token_id or eos_token_id, where the builder finds neither in the config (or its text config) nor as a
+    token the tokenizer's files name (it would stop on a missing eos id, and write bos id 1 for a missing bos)."""
+    from taperfold.fsutil import read_json_object
+
+    named: dict[str, object] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (source_dir / name).is_file():
+            named.update({k: v for k, v in read_json_object(source_dir / name).items() if v is not None})
+    text_config = getattr(config, "text_config", None)
+    for key in ("bos_token_id", "eos_token_id"):
+        in_config = any(getattr(c, key, None) is not None for c in (config, text_config) if c is not None)
+        if not in_config and not named.get(key.removesuffix("_id")):
+            return key
+    return None
 
 
 def vocab_wide_layers(model) -> list[str]:
@@ -108,7 +171,7 @@ class BuilderRoute:
         self.source, self.origin = source, origin
         tapered = source.build(gate=0.0)
         tapering = tapered.tapering
-        self.scales = builder_scales(tapered, origin)
+        self.scales = builder_scales(tapered, origin, Path(source.path))
         folded = fold_in_torch(tapered)
         if folded.kept_norms:  # the builder's graph has every norm node replaced: a kept one would be lost
             path, reason = next(iter(folded.kept_norms.items()))

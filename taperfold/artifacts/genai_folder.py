@@ -72,6 +72,9 @@ class GenaiFolder(ArtifactKind):
             ),
             "tokenizer": TOKENIZER_FIELD,
             "route": Field((str,), help="traced (the export's decoder) or builder (onnxruntime-genai's builder)"),
+            "builder_declined": Field(
+                (str,), help="why the auto route took the traced route for a model the builder would have read"
+            ),
         }
     )
 
@@ -96,7 +99,7 @@ class GenaiFolder(ArtifactKind):
         if not _takes_builder(route, hf, dtype, tapered is not None, source.path):
             return (GROWING,)
         try:
-            builder_scales(tapered, str(source.path))
+            builder_scales(tapered, str(source.path), Path(source.path))
         except NotBuildable:
             if route == BUILDER:
                 raise
@@ -113,14 +116,16 @@ class GenaiFolder(ArtifactKind):
         _check_export(manifest.dtype, manifest.logits, str(manifest.path))
         variants = [canonical_variant(v) for v in options.get("variants") or DEFAULT_VARIANTS]
         quantizations = _quantizations(options, manifest.dtype)
-        builder = _builder_route(manifest, options.get("route", AUTO))
+        builder, declined = _builder_route(manifest, options.get("route", AUTO))
+        if declined:
+            on_stage(f"onnxruntime-genai folders by the traced route, not the builder's: {declined}")
         records = []
         for precision in dict.fromkeys(options.get("precisions") or [manifest.dtype]):
             quantization = next((q for q in quantizations if q.precision == precision), None)
             if builder is not None:  # built from the source itself, whichever graphs the export holds
                 records += self._build_with_builder(manifest, builder, variants, quantization, on_stage)
             else:
-                records += self._build_traced(manifest, options.get("variants"), quantization, on_stage)
+                records += self._build_traced(manifest, options.get("variants"), quantization, on_stage, declined)
         return records
 
     def _build_traced(
@@ -129,6 +134,7 @@ class GenaiFolder(ArtifactKind):
         wanted: list[str] | None,
         quantization: Quantization | None,
         on_stage: Callable[[str], None],
+        declined: str | None,
     ) -> list[ArtifactRecord]:
         precision = quantization.precision if quantization else manifest.dtype
         variants = [canonical_variant(v) for v in wanted] if wanted is not None else list(DEFAULT_VARIANTS)
@@ -158,7 +164,7 @@ class GenaiFolder(ArtifactKind):
             decoder = manifest.find(variant, GROWING, ONNX, precision)
             assert decoder is not None  # made above
             on_stage(f"writing the onnxruntime-genai folder of {decoder.key}")
-            records.append(self._write_folder(manifest, decoder))
+            records.append(self._write_folder(manifest, decoder, declined))
         return records
 
     def _build_with_builder(
@@ -206,7 +212,7 @@ class GenaiFolder(ArtifactKind):
             )
         return records
 
-    def _write_folder(self, manifest: Export, decoder: ArtifactRecord) -> ArtifactRecord:
+    def _write_folder(self, manifest: Export, decoder: ArtifactRecord, declined: str | None) -> ArtifactRecord:
         assert decoder.variant is not None  # a decoder is a variant's
         folder = f"{FOLDER}/{folder_name(decoder.variant, decoder.precision, manifest.dtype)}"
         tokenizer = tokenizer_files(manifest)
@@ -228,7 +234,12 @@ class GenaiFolder(ArtifactKind):
             precision=decoder.precision,
             bytes=config_path.stat().st_size,
             built_from=decoder.key,
-            details={"decoder": decoder.path, "tokenizer": [p.name for p in tokenizer], "route": TRACED},
+            details={
+                "decoder": decoder.path,
+                "tokenizer": [p.name for p in tokenizer],
+                "route": TRACED,
+                **({"builder_declined": declined} if declined else {}),
+            },
             reports={"quantize": decoder.reports["quantize"]} if "quantize" in decoder.reports else {},
         )
 
@@ -286,20 +297,21 @@ def _recorded_block_size(manifest: Export, precision: str) -> int:
     return DEFAULT_BLOCK_SIZE
 
 
-def _builder_route(manifest: Export, route: str) -> BuilderRoute | None:
+def _builder_route(manifest: Export, route: str) -> tuple[BuilderRoute | None, str | None]:
     """The builder route for `manifest`'s source when `route` asks for it (or, auto, when the source is a Hugging
-    Face directory of a tapered fp32 model whose norms the builder names), else None (traced)."""
+    Face directory of a tapered fp32 model the builder makes right), else None (traced) and, where auto turned the
+    builder down for this model, why."""
     from taperfold.artifacts.genai_builder import BuilderRoute, NotBuildable
     from taperfold.sources import open_source
 
     hf = (manifest.get("source") or {}).get("format") == "huggingface"
     if not _takes_builder(route, hf, manifest.dtype, manifest.find(FOLDED) is not None, manifest.checkpoint):
-        return None
+        return None, None
     try:
-        return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path))
-    except NotBuildable:
+        return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path)), None
+    except NotBuildable as e:
         if route == AUTO:
-            return None
+            return None, e.reason
         raise
 
 

@@ -118,10 +118,20 @@ class GenaiBuilder:
             raise TaperfoldError(
                 f"--against genai-builder: the builder builds fp32, fp16, int4 or int8, not {precision}"
             )
-        from taperfold.artifacts.genai_builder import vocab_wide_layers
+        from taperfold.artifacts.genai_builder import builder_architectures, vocab_wide_layers
         from taperfold.sources import open_source
 
-        wide = vocab_wide_layers(open_source(manifest.checkpoint).build_baseline())
+        window = manifest.config().window
+        if window is not None:
+            raise TaperfoldError(
+                f"--against genai-builder: the model attends through a window of {window} tokens, shorter than its "
+                "context, and the builder's folders of such a model fail in onnxruntime-genai once the past passes it"
+            )
+        plain = open_source(manifest.checkpoint).build_baseline()
+        architecture, known = type(plain.network).__name__, builder_architectures()
+        if known and architecture not in known:
+            raise TaperfoldError(f"--against genai-builder: onnxruntime-genai's builder does not build {architecture}")
+        wide = vocab_wide_layers(plain)
         if len(wide) > 1:
             raise TaperfoldError(
                 f"--against genai-builder: {wide[0]} has vocab_size outputs, and the builder takes every linear layer "

@@ -61,3 +61,15 @@ CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len")
 def context_length(config) -> int | None:
     """The context `config` states (CONTEXT_KEYS), else None."""
     return next((v for k in CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)), None)
+
+
+def attention_window(config) -> int | None:
+    """The fewest keys any attention layer of `config`'s language model sees, where a layer sees a window of them (a
+    sliding window, or a chunk), as transformers' cache reads it: the layers `layer_types` names sliding or chunked
+    (Gemma 2/3, gpt-oss; Qwen2's `use_sliding_window` sets them), or each layer where a config with a `sliding_window`
+    names none (Mistral); else None."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    _, per_layer = get_layer_types_and_kwargs(language_config(config))
+    windows = [k["sliding_window"] for k in per_layer if isinstance(k.get("sliding_window"), int)]
+    return min(windows, default=None)

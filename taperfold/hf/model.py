@@ -5,8 +5,13 @@ use_cache=...)` and read `model.cfg` (vocabulary, context, layers, KV heads). `H
 transformers model that interface and nothing more: every layer runs transformers' own code.
 
 A static KV cache (`cache_position=` with fixed-size buffers, as taperfold's own models take one) runs as
-transformers' StaticCache over the given buffers, updated in place; a model whose cache has sliding-window layers
-takes none (`static_cache` is False).
+transformers' StaticCache over the given buffers, updated in place.
+
+Sliding-window (and chunked) layers keep every position in the cache, as full-attention layers do, and the window
+is applied by the mask alone (transformers' masks take it from the config). transformers' own window layers crop the
+cache to the window and count positions in the cache object, which a cache fed back as tensors loses: positions
+and the mask would restart at the cropped length once the past outgrows the window. Keeping everything costs memory
+past the window, but the decoder's keys are at the positions their index says, for every runtime that feeds them.
 
 Every call is transformers' own forward (`model(input_ids, logits_to_keep=1, ...)`), head included: a family's
 logit softcapping (Gemma 2/3) or scaling (Granite, Cohere) is in the graph because the modeling code does it.
@@ -28,7 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from taperfold.families import Family
-from taperfold.hf.config_values import config_value, context_length, language_config, layer_zero
+from taperfold.hf.config_values import (
+    attention_window,
+    config_value,
+    context_length,
+    language_config,
+    layer_zero,
+)
 from taperfold.taper import TaperedLM, shared_parameters
 
 if TYPE_CHECKING:  # transformers is the [hf] extra, imported where a model is run
@@ -109,6 +120,13 @@ class HFModelInfo:
     aux: bool = False
     tokenizer: str = "bytes"  # "bytes" (ids are byte values) or "hf" (the directory's own tokenizer)
     source: str = SOURCE
+    # the fewest keys an attention layer sees (a sliding window, a chunk) where fewer than the context, else None
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        window = self.window  # read back from a manifest, which is input
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be null or a positive integer, got {window!r}")
 
     @classmethod
     def from_config(
@@ -141,6 +159,7 @@ class HFModelInfo:
             raise ValueError(
                 f"{config.model_type}: no max_position_embeddings, and family {family.name} states no context"
             )
+        window = attention_window(config) if heads else None
         return cls(
             arch=config.model_type,
             family=family.name,
@@ -156,6 +175,7 @@ class HFModelInfo:
             tie_embeddings=bool(getattr(language, "tie_word_embeddings", False)),
             aux=aux,
             tokenizer=tokenizer,
+            window=window if window is not None and window < context else None,
         )
 
     @classmethod
@@ -228,21 +248,27 @@ class HFCausalLM(TaperedLM, nn.Module):
             return ce, ce.new_zeros(())
         return ce, scale_loss.to(seen[0].device)(seen[0], track=self.training and self.gate.calibrating)
 
-    def _cache(self, past_key_values):
+    def _cache(self, past_key_values, use_cache: bool):
+        """The growing cache holding `past_key_values` (empty where None and `use_cache`: the prompt's call)."""
         from transformers import DynamicCache
 
-        if past_key_values is None:
+        if past_key_values is None and not use_cache:
             return None
-        return DynamicCache(ddp_cache_data=[(k, v) for k, v in past_key_values], config=self.hf.config)
+        cache = _keeping_every_position(DynamicCache(config=self.hf.config))
+        for layer, (keys, values) in zip(cache.layers, past_key_values or ()):
+            if keys is not None:  # a layer that shares another's keys (Gemma 4) caches none
+                layer.update(keys, values)
+        return cache
 
     @property
     def static_cache(self) -> bool:
-        """Whether transformers' StaticCache of this model is plain static layers (sliding-window layers keep a
-        window, not the positions `cache_position` names)."""
+        """Whether transformers' StaticCache of this model is plain static layers once its window layers keep every
+        position (`_keeping_every_position`)."""
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
-        return all(type(layer) is StaticLayer for layer in StaticCache(config=self.hf.config, max_cache_len=1).layers)
+        cache = _keeping_every_position(StaticCache(config=self.hf.config, max_cache_len=1), 1)
+        return all(type(layer) is StaticLayer for layer in cache.layers)
 
     @property
     def kv_cache(self) -> bool:
@@ -259,7 +285,8 @@ class HFCausalLM(TaperedLM, nn.Module):
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
-        cache = StaticCache(config=self.hf.config, max_cache_len=past_key_values[0][0].shape[2])
+        length = past_key_values[0][0].shape[2]
+        cache = _keeping_every_position(StaticCache(config=self.hf.config, max_cache_len=length), length)
         # a caller passes cache_position only where `static_cache` holds: every layer is a StaticLayer
         for layer, (keys, values) in zip(cast(list[StaticLayer], cache.layers), past_key_values, strict=True):
             layer.keys, layer.values, layer.device = keys, values, keys.device
@@ -275,7 +302,7 @@ class HFCausalLM(TaperedLM, nn.Module):
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         if cache_position is None:
-            cache = self._cache(past_key_values)
+            cache = self._cache(past_key_values, use_cache)
         else:
             cache = self._static(past_key_values, cache_position)
         out = self.hf(
@@ -290,3 +317,21 @@ class HFCausalLM(TaperedLM, nn.Module):
             return result
         present = tuple((layer.keys, layer.values) for layer in out[self._cache_argument].layers)
         return result, present
+
+
+def _keeping_every_position(cache, static_length: int | None = None):
+    """`cache` (a transformers DynamicCache, or a StaticCache of `static_length` positions) with each sliding-window
+    layer replaced by the full layer of its kind: the cache keeps every position and the mask alone applies the window
+    (the module docstring)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+    def full(layer):
+        if type(layer) is DynamicSlidingWindowLayer:
+            return DynamicLayer()
+        if type(layer) is StaticSlidingWindowLayer:
+            assert static_length is not None  # a StaticCache's caller gives its length
+            return StaticLayer(max_cache_len=static_length)
+        return layer
+
+    cache.layers = [full(layer) for layer in cache.layers]
+    return cache

@@ -54,6 +54,11 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def window(self) -> None:
+        """taperfold's own models attend over the whole context (an HF model's config may state a window)."""
+        return None
+
+    @property
     def norm_kind(self) -> str:
         return family_for(self.arch, "config").norm
 

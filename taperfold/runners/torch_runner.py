@@ -119,8 +119,8 @@ class TorchRunner(Runner):
         self.model, self.compile, self.graph, self.logits = model, compile, check_graph(graph), logits
         if graph == STATIC and not model.static_cache:
             raise self.error(
-                "this model takes no static KV cache (its transformers cache has sliding-window layers); "
-                "use --kv-cache growing"
+                "this model takes no static KV cache (its transformers cache has layers that hold more than keys "
+                "and values); use --kv-cache growing"
             )
         self.compile_mode, self.cuda_graph, self.shapes = compile_mode, cuda_graph, shapes or 8
         self._outputs_in_graph_pool = (

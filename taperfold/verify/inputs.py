@@ -179,16 +179,22 @@ def next_token_ids(ids: np.ndarray, end: int, logits_shape: tuple[int, ...]) -> 
     return out.reshape(-1)
 
 
-def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[InputBatch]:
+def decode_cases(vocab_size: int, max_seq_len: int, seed: int = 0, window: int | None = None) -> list[InputBatch]:
     """Prompts for the decoders (past 0 at the prompt, then `decode_steps` steps), far from the tracing shape
     (batch 2, 8 tokens, past 5): one short prompt at batch 1, and batch 4 up to the model's longest context.
-    The ids hold the prompt and then the token fed at each step (the same for reference and candidate)."""
+    The ids hold the prompt and then the token fed at each step (the same for reference and candidate).
+    A model whose layers attend through a `window` shorter than the context also gets a batch-1 prompt that ends
+    just short of the window, so that its steps cross it: where a cache that crops to the window starts cropping."""
     rng = np.random.default_rng(seed + 1)
     steps = decode_steps(max_seq_len)
     if steps < 1:
         return []
     prompts = sorted({min(SHORT_SEQUENCE, max_seq_len - steps), max_seq_len - steps})
+    cases = list(zip(BATCH_SIZES, prompts))
+    if window is not None and window < max_seq_len:
+        crossing = (min(BATCH_SIZES), max(1, min(window - steps // 2, max_seq_len - steps)))
+        cases += [crossing] if crossing not in cases else []
     return [
         InputBatch(f"decode {b}x{p}+{steps}", rng.integers(0, vocab_size, size=(b, p + steps), dtype=np.int64))
-        for b, p in zip(BATCH_SIZES, prompts)
+        for b, p in cases
     ]

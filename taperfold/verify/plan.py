@@ -206,7 +206,7 @@ def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
     steps = decode_steps(length)
     return [
         Case(c.label, c.ids, decode=True, steps=steps, cache_len=cache_len)
-        for c in decode_cases(cfg.vocab_size, length, ctx.seed)
+        for c in decode_cases(cfg.vocab_size, length, ctx.seed, cfg.window)
     ]
 
 
