@@ -257,7 +257,7 @@ def _check_directory(o: Output, path: str | os.PathLike, sources: list[tuple[str
             f"{name}: is a symlink; the {o.directory} directory is replaced whole, never through a "
             "link: name its target"
         )
-    if os.path.ismount(path):
+    if _is_mount_point(path):
         raise TaperfoldError(
             f"{name}: is a mount point; the {o.directory} directory is replaced whole: name a directory inside it"
         )
@@ -448,10 +448,30 @@ def check_inside(path: str | os.PathLike, root: str | os.PathLike) -> None:
                 f"{current}: is a symlink; taperfold builds and replaces files in {root} only, never through a link "
                 "(remove the link)"
             )
-        if st.st_dev != device or os.path.ismount(current):
+        if st.st_dev != device or _is_mount_point(current):
             raise TaperfoldError(f"{current}: is a mount point or another file system; refusing to replace it")
         if i < len(relative.parts) - 1 and not stat.S_ISDIR(st.st_mode):
             raise TaperfoldError(f"{current}: is not a directory")
+
+
+def _mount_points() -> set[str]:
+    """Every mount point this process sees (bind mounts of the same file system too, which os.path.ismount misses),
+    from /proc/self/mountinfo; empty where there is none."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    octal = re.compile(r"\\([0-7]{3})")  # the kernel writes space, tab, newline and backslash as \ooo
+    return {octal.sub(lambda m: chr(int(m[1], 8)), line.split()[4]) for line in lines if len(line.split()) > 4}
+
+
+def _is_mount_point(path: str | os.PathLike) -> bool:
+    return os.path.ismount(path) or os.path.abspath(path) in _mount_points()
+
+
+def _mount_points_inside(path: str | os.PathLike) -> list[str]:
+    folder = os.path.abspath(path)
+    return sorted(m for m in _mount_points() if m.startswith(folder + os.sep))
 
 
 @contextlib.contextmanager
@@ -466,8 +486,10 @@ def atomic_dir(dest: str | os.PathLike, within: str | os.PathLike | None = None)
         raise TaperfoldError(
             f"{dest}: is a symlink; a directory taperfold replaces whole is never a link (name its target)"
         )
-    if os.path.ismount(dest):
+    if _is_mount_point(dest):
         raise TaperfoldError(f"{dest}: is a mount point; refusing to replace it")
+    if inside := _mount_points_inside(dest):  # its old contents are removed after the swap: never a mounted tree's
+        raise TaperfoldError(f"{dest}: holds the mount point {inside[0]}; refusing to replace it")
     real = resolve(dest)
     made = [p for p in real.parents if _kind(p) is None]  # the parents this build creates, removed if it fails
     try:

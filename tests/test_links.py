@@ -64,6 +64,46 @@ def test_atomic_dir_never_replaces_a_link_it_is_handed(tmp_path, victim):
     assert tree(victim) == before and (tmp_path / "out").is_symlink()
 
 
+MOUNT_CHILD = """
+import sys, subprocess
+from pathlib import Path
+from taperfold.errors import TaperfoldError
+from taperfold.fsutil import atomic_dir
+root, victim, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+target = root / "genai" / "unfolded"
+(target / "sub").mkdir(parents=True)
+mounted = target / "sub" if where == "inside" else target
+subprocess.run(["mount", "--bind", str(victim), str(mounted)], check=True)
+try:
+    with atomic_dir(target, root) as tmp:
+        (tmp / "model.onnx").write_text("built")
+except TaperfoldError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("where", ["at", "inside"])
+def test_atomic_dir_refuses_a_mount_point_at_or_inside_the_folder(tmp_path, victim, where):
+    """A bind mount of a victim directory at the folder, or inside the folder it would replace (whose old contents are
+    then removed): one line, the victim's files untouched. In a private mount namespace (unshare), skipped where there
+    is none."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -rm)")
+    root = tmp_path / "export"
+    root.mkdir()
+    before = tree(victim)
+    run = subprocess.run(
+        ["unshare", "-rm", sys.executable, "-c", MOUNT_CHILD, root, victim, where],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "mount point" in run.stdout and run.stdout.count("\n") == 1, run.stdout
+    assert tree(victim) == before
+
+
 @pytest.fixture(scope="module")
 def builtin_checkpoint(tmp_path_factory):
     model = random_gate0_model("tiny", arch="llama")
