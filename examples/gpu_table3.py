@@ -202,11 +202,14 @@ def run_benches(out: Path, runs: list[tuple[str, list[str]]], env: dict) -> dict
     return index
 
 
-def _run_one(out: Path, name: str, argv: list[str], env: dict, index: dict) -> int:
+def _run_one(out: Path, name: str, argv: list[str], env: dict, index: dict, timeout: float | None = None) -> int:
     print(f"== {name}: taperfold {' '.join(argv[3:])}", flush=True)
     start = time.time()
     with open(out / f"{name}.log", "w") as log:
-        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        try:
+            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = 124  # as timeout(1) reports it
     # the command as a reader reruns it: OUT for the folder given to `run`, not this machine's path
     index[name] = {
         "command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"),
@@ -403,21 +406,8 @@ def _run_budgeted(out: Path, name: str, argv: list[str], env: dict, index: dict,
         index[name] = {"skipped": f"budget: {max(left, 0):.0f} s left"}
         (out / "runs.json").write_text(json.dumps(index, indent=2))
         return None
-    print(f"== {name} ({left:.0f} s left)", flush=True)
-    start = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        try:
-            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-    index[name] = {
-        "command": " ".join(["taperfold", *argv[3:]]).replace(str(out), "OUT"),
-        "exit_code": code,
-        "seconds": round(time.time() - start, 1),
-    }
-    (out / "runs.json").write_text(json.dumps(index, indent=2))
-    print(f"   exit {code} in {index[name]['seconds']} s", flush=True)
-    return code
+    print(f"({left:.0f} s of the budget left)", flush=True)
+    return _run_one(out, name, argv, env, index, timeout=left)
 
 
 # ---- render ---------------------------------------------------------------------------------------------------

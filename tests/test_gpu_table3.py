@@ -127,7 +127,7 @@ def test_a_failed_graph_run_is_rerun_eager_only_and_indexed(table3, tmp_path, mo
 
     calls = []
 
-    def fake_run(argv, stdout, stderr, env):
+    def fake_run(argv, stdout, stderr, env, timeout=None):
         calls.append(argv)
         return subprocess.CompletedProcess(argv, 1 if "--cuda-graph" in argv else 0)
 
