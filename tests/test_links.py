@@ -221,13 +221,24 @@ def test_a_contender_that_fails_leaves_no_folder_and_the_manifest_as_it_was(tmp_
     assert tree(out) == before  # no against/ folder, no temporary, the manifest unchanged
 
 
-def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, monkeypatch, hf_export):
-    """The tool hangs; Ctrl-C (a KeyboardInterrupt in taperfold) stops it: its process is killed, nothing stays."""
-    import signal
-    import threading
+INTERRUPTED_CHILD = """
+import sys
+from taperfold.bench.against import OptimumIntel, prepare_contender
+from taperfold.manifest import read_manifest
+OptimumIntel.version = lambda self: "stand-in"
+try:
+    prepare_contender("optimum-intel", read_manifest(sys.argv[1]), "fp32")
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
 
-    from taperfold.bench.against import OptimumIntel, prepare_contender
-    from taperfold.manifest import read_manifest
+
+def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, hf_export):
+    """The tool hangs; Ctrl-C (SIGINT to the process running bench's build, a child here) stops it: the tool's
+    process is killed and nothing stays."""
+    import signal
+    import subprocess
+    import time
 
     pytest.importorskip("openvino")
     out = _copy(hf_export, tmp_path / "out")
@@ -235,21 +246,18 @@ def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, monkey
     bin_dir.mkdir()
     started = tmp_path / "started"
     _stand_in_optimum_cli(bin_dir, f'mkdir -p "$last"; echo x > "$last/openvino_model.bin"; touch {started}; sleep 60')
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(OptimumIntel, "version", lambda self: "stand-in")
     before = tree(out)
-
-    def interrupt():
-        for _ in range(600):
-            if started.exists():
-                break
-            threading.Event().wait(0.1)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        prepare_contender("optimum-intel", read_manifest(out), "fp32")
-    assert started.exists()
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CHILD, str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not started.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), "the stand-in tool never started"
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=60) == 130
+    finally:
+        child.kill()
     assert tree(out) == before
 
 
