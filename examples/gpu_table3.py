@@ -749,6 +749,9 @@ def main() -> None:
     elif args.command == "prepare":
         prepare(args.out, tuple(args.dtypes.split(",")))
     elif args.command == "device":
+        missing = [n for n in ("NAME", "SHA256") if args.ort_parts and not (args.ort_parts / n).is_file()]
+        if missing:
+            parser.error(f"--ort-parts {args.ort_parts}: no {missing[0]} file (../shared/gpu/ort-gpu-parts writes it)")
         args.out.mkdir(parents=True, exist_ok=True)
         device_run(args.out, args.budget_s, args.cpu, args.ort_parts, args.work)
     elif args.command == "run":
