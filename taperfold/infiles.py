@@ -2,7 +2,7 @@
 before anything opens it for its content (a FIFO would block the reader forever, /dev/zero never ends), and at most
 a stated size where taperfold reads it whole. Every refusal is one line naming the file.
 
-A leaf module (taperfold.errors only).
+Beside taperfold.fsutil, which writes (its names of special files are this module's too).
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import stat
 from pathlib import Path
 
 from taperfold.errors import TaperfoldError
-
-_SPECIAL = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO"}
+from taperfold.fsutil import SPECIAL
 
 
 def _what_it_is(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"
-    return _SPECIAL.get(stat.S_IFMT(mode), "a socket")
+    return f"a {SPECIAL.get(stat.S_IFMT(mode), 'socket')}"
 
 
 def _too_big(path: Path, size: int, limit: int, what: str) -> TaperfoldError:

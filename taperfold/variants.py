@@ -56,12 +56,14 @@ class Write:
     into: torch.Tensor | None = None
     owner: nn.Module | None = None
 
-    def past_range(self) -> str | None:
-        """Why the value cannot be written in its dtype (it would be Inf there), or None."""
-        limit = torch.finfo(self.dtype).max
+    def past_range(self, stored: torch.dtype | None = None) -> str | None:
+        """Why the value cannot be written in its dtype (or `stored`, where it is cast later): it would be Inf there;
+        None where it fits."""
+        stored = stored or self.dtype
+        limit = torch.finfo(stored).max
         reach = float(self.value.abs().max()) if self.value.numel() else 0.0
         if reach > limit:
-            dtype = str(self.dtype).removeprefix("torch.")
+            dtype = str(stored).removeprefix("torch.")
             return f"the folded {self.what} would reach {reach:.3g}, past {dtype}'s range (±{limit:.4g})"
         return None
 

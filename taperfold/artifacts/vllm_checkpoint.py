@@ -40,7 +40,7 @@ from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
 from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
 from taperfold.taper import fold_target, stored_in_out
-from taperfold.variants import Write, reader_writes
+from taperfold.variants import reader_writes
 
 if TYPE_CHECKING:
     from taperfold.hf.source import HFCheckpoint
@@ -198,7 +198,7 @@ class FoldedWeights:
         assert isinstance(reader, nn.Module)  # the served families' readers are linear layers, not bare weights
         layer = copy.deepcopy(reader).double()  # this layer only
         for write in reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale))):
-            if reason := Write(write.what, write.value, self.dtype).past_range():  # in the dtype it is stored in
+            if reason := write.past_range(self.dtype):  # in the dtype it is stored in
                 raise TaperfoldError(f"--vllm: {self.norm_of[target]} cannot be folded into {target} ({reason})")
             write.apply()
         return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
