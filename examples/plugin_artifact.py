@@ -5,12 +5,21 @@ norm kinds, engines and sources are. This script declares a kind of its own, `mo
 says what the export holds (the checkpoint, each graph with its file, size and the norms its fold removed), and:
 
 1. registers it (`register_kind` checks the declaration and refuses a wrong one in one line);
-2. exports a tiny g = 0 model with it (`ExportOptions(artifacts={"model-card": {}})`): export writes the graphs,
-   then builds the card from the manifest, all in one atomic step;
+2. exports a tiny g = 0 model with it (`ExportOptions(artifacts={"model-card": CardRequest()})`): export writes the
+   graphs, then builds the card from the manifest, all in one atomic step;
 3. reads it back through the manifest API (`read_manifest(dir).record("model-card")`) and checks it;
 4. runs `verify_export`, which checks the card as its kind says (`check`) beside the graphs' logits.
 
     python examples/plugin_artifact.py          # exit 0: the kind works end to end; 1: it is declared wrong
+
+The kind declares its command-line options too (`--model-card`, `--model-card-note`): once registered, it is asked
+for from the command line as a shipped kind is. A package registers it for the command line through an entry point
+in the group `taperfold.artifact_kinds`, naming `register` (tests/test_extending.py does it without installing):
+
+    [project.entry-points."taperfold.artifact_kinds"]
+    model-card = "plugin_artifact:register"
+
+    taperfold export tiny.pt -o out --model-card --model-card-note "for the docs"
 
 Nothing under taperfold/ names this kind: the manifest records it, verify checks it and the export builds it
 because its kind says how.
@@ -21,12 +30,14 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from taperfold.artifacts import register_kind
-from taperfold.artifacts.base import CHECKED, EXPORT, ArtifactKind, ArtifactRecord, Export, Field
+from taperfold.artifacts.base import CHECKED, EXPORT, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field, Option
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
@@ -36,6 +47,13 @@ from taperfold.models import random_gate0_model
 from taperfold.verify import verify_export
 
 CARD = "model-card.json"
+
+
+@dataclass(frozen=True)
+class CardRequest:
+    """What a card is asked for with: a note written into it (None: none)."""
+
+    note: str | None = None
 
 
 class ModelCard(ArtifactKind):
@@ -51,8 +69,22 @@ class ModelCard(ArtifactKind):
             "graphs": Field((int,), required=True, help="how many graphs the card lists"),
         }
     )
+    options = (
+        Option("--model-card", is_flag=True, help="Also write model-card.json: what the export holds (a plug-in)."),
+        Option("--model-card-note", metavar="TEXT", help="--model-card: a note written into the card."),
+    )
+    request_type = CardRequest
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> CardRequest | None:
+        if not values["model_card"]:
+            if values["model_card_note"] is not None:
+                raise TaperfoldError("--model-card-note is written into the card: add --model-card")
+            return None
+        return CardRequest(note=values["model_card_note"])
+
+    def build(
+        self, manifest: Export, request: CardRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
         graphs = [
             {
                 "key": r.key,
@@ -67,6 +99,7 @@ class ModelCard(ArtifactKind):
             "dtype": manifest.dtype,
             "gate": manifest.gate,
             "graphs": graphs,
+            **({"note": request.note} if request.note is not None else {}),
         }
         path = manifest.directory / CARD
         write_json_atomic(path, card)
@@ -95,6 +128,12 @@ class ModelCard(ArtifactKind):
         return [f"{record.path}: does not list {', '.join(missing)}"] if missing else []
 
 
+def register() -> None:
+    """What the entry point (group `taperfold.artifact_kinds`) names: taperfold calls it before it offers the
+    command line's options, as vLLM calls its general_plugins."""
+    register_kind(ModelCard())
+
+
 def main(kind: ArtifactKind | None = None) -> int:
     kind = kind or ModelCard()
     try:
@@ -104,7 +143,7 @@ def main(kind: ArtifactKind | None = None) -> int:
         return 1
     with tempfile.TemporaryDirectory(prefix="taperfold-plugin-artifact-") as tmp:
         ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), Path(tmp) / "tiny.pt")
-        out = export_checkpoint(ckpt, Path(tmp) / "out", ExportOptions(artifacts={kind.name: {}})).out_dir
+        out = export_checkpoint(ckpt, Path(tmp) / "out", ExportOptions(artifacts={kind.name: CardRequest()})).out_dir
         manifest = read_manifest(out)
         record = manifest.record(kind.key(None))
         card = json.loads(manifest.file(record).read_text())

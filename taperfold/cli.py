@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -19,7 +20,7 @@ from taperfold.exportdir import DTYPES, KV_CACHES, LOGITS, VARIANT_TABLE, VARIAN
 from taperfold.interrupts import interrupted_line
 from taperfold.opsets import MAX_OPSET, MIN_OPSET, TARGETS
 from taperfold.presets import ARCHS, PRESETS, STAND_IN_NORMS
-from taperfold.quantize import BITS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE, parse_precisions
+from taperfold.quantize import BITS
 
 MAX_THREADS = 1024
 # Shorter schedules diverged: 10-24 steps from scratch in 5 of 12 runs (tiny llama and gpt2, seeds 0-2), 30 in none
@@ -272,57 +273,53 @@ def inspect(checkpoint, as_json):
 # ---- export ------------------------------------------------------------------------------------------
 
 
-@cli.command()
+class _KindOptionsCommand(click.Command):
+    """`taperfold export`: its own options, and after --onnx every registered artifact kind's (ArtifactKind.options,
+    shipped kinds and plug-ins: taperfold.artifacts.command_options), asked for when the command is parsed or its
+    help shown, so that `taperfold` alone imports no kind and a kind registered before then is offered."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        own = super().get_params(ctx)
+        at = next(i for i, p in enumerate(own) if p.name == "to_onnx") + 1
+        return [*own[:at], *_kind_params(tuple(self.params)), *own[at:]]
+
+
+_KIND_PARAMS: dict[tuple, list[click.Parameter]] = {}
+
+
+def _kind_params(own: tuple[click.Parameter, ...]) -> list[click.Parameter]:
+    """The click options of the registered kinds' options (the same objects while the kinds are the same)."""
+    from taperfold.artifacts import command_options
+
+    declared = command_options()
+    key = tuple((kind.name, id(option)) for kind, option in declared)
+    if key not in _KIND_PARAMS:
+        taken = {name for p in own for name in (p.name, *p.opts, *p.secondary_opts)}
+        params: list[click.Parameter] = []
+        for kind, option in declared:
+            if option.flag in taken or option.key in taken:
+                raise TaperfoldError(
+                    f"artifact kind {kind.name!r}: option {option.flag} ({option.key}) is one of taperfold export's own"
+                )
+            params.append(
+                click.Option(
+                    [option.flag, option.key],
+                    is_flag=option.is_flag,
+                    type=click.Choice(option.choices) if option.choices else None if option.is_flag else option.type,
+                    default=option.default if option.is_flag or option.show_default else None,
+                    show_default=option.show_default,
+                    metavar=option.metavar,
+                    help=option.help,
+                )
+            )
+        _KIND_PARAMS.clear()
+        _KIND_PARAMS[key] = params
+    return _KIND_PARAMS[key]
+
+
+@cli.command(cls=_KindOptionsCommand)
 @click.argument("checkpoint", type=click.Path())
 @click.option("--onnx", "to_onnx", is_flag=True, hidden=True)  # ONNX is always written; kept for old scripts
-@click.option(
-    "--trt", "to_trt", is_flag=True, help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU)."
-)
-@click.option(
-    "--genai",
-    is_flag=True,
-    help="Also write an onnxruntime-genai folder (genai/VARIANT/: genai_config.json beside the growing-cache decoder) "
-    "per variant; adds --kv-cache growing.",
-)
-@click.option(
-    "--genai-route",
-    type=click.Choice(["auto", "builder", "traced"]),
-    default="auto",
-    show_default=True,
-    help="How --genai makes each folder: builder (onnxruntime-genai's own builder, its fastest graph form, tapered "
-    "norms replaced after it; Hugging Face Llama-like sources), traced (the decoder taperfold exports), or auto: "
-    "the builder where it applies (docs/deployment.md).",
-)
-@click.option(
-    "--openvino",
-    "to_openvino",
-    is_flag=True,
-    help="Also write an OpenVINO stateful IR per variant (openvino/VARIANT/openvino_model.xml: the growing-cache "
-    "decoder, its KV cache in the model's state, attention as ScaledDotProductAttention), converted from the torch "
-    "model; fp32 exports (docs/deployment.md).",
-)
-@click.option(
-    "--vllm",
-    "to_vllm",
-    is_flag=True,
-    help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's plugin "
-    "(vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face sources of "
-    "the Llama-like families (docs/deployment.md, Serving with vLLM).",
-)
-@click.option(
-    "--quantize",
-    metavar="int4|int8",
-    help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
-    "...) and, with --genai or --openvino, of each folder; int4, int8 or int4,int8 (docs/deployment.md).",
-)
-@click.option(
-    "--block-size",
-    type=int,
-    default=DEFAULT_BLOCK_SIZE,
-    show_default=True,
-    help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}); --openvino's "
-    "int4 groups are NNCF's 128 unless this is given.",
-)
 @click.option(
     "-o",
     "--output",
@@ -396,21 +393,10 @@ def inspect(checkpoint, as_json):
     help="Trace each decoder layer. By default a model whose layers are alike is traced from its first three (and "
     "any first layers unlike the rest) and the others are stamped out from them (docs/design.md, section Tracing).",
 )
-@click.option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]")
-@click.option(
-    "--trt-seq", metavar="MIN/OPT/MAX", help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]"
-)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 def export(
     checkpoint,
     to_onnx,
-    to_trt,
-    genai,
-    genai_route,
-    to_openvino,
-    to_vllm,
-    quantize,
-    block_size,
     out_dir,
     overwrite,
     logits,
@@ -424,41 +410,23 @@ def export(
     fuse_projections,
     ort_fusions,
     trace_every_layer,
-    trt_batch,
-    trt_seq,
     as_json,
+    **kind_values,
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
     from taperfold import interrupts
+    from taperfold.artifacts import default_target, requests
     from taperfold.export import ExportOptions, check_options, export_checkpoint
     from taperfold.fsutil import Output, check_outputs
     from taperfold.manifest import is_export_dir
     from taperfold.ui import print_export, stage_status
 
-    artifacts: dict[str, dict] = {}
-    precisions = parse_precisions(quantize) if quantize is not None else ()
-    if precisions:  # first: the genai folders' traced route is built from the quantized decoders
-        artifacts["onnx"] = {"precisions": precisions, "block_size": block_size}
-    elif block_size != DEFAULT_BLOCK_SIZE:
-        raise TaperfoldError("--block-size sets --quantize's blocks: add --quantize int4 or int8")
-    if to_trt:
-        from taperfold.trt_support import require_tensorrt
-
-        require_tensorrt()  # fail before the ONNX export, and write nothing
-        artifacts["tensorrt-plan"] = {"batch": trt_batch, "sequence": trt_seq}
-    if genai:
-        artifacts["genai"] = {"route": genai_route, "precisions": (dtype, *precisions), "block_size": block_size}
-    if to_openvino:  # NNCF's int4 groups unless --block-size sets them
-        groups = {"group_size": block_size} if block_size != DEFAULT_BLOCK_SIZE else {}
-        artifacts["openvino"] = {"precisions": (dtype, *precisions), **groups}
-    if to_vllm:
-        artifacts["vllm"] = {}
     opts = ExportOptions(
         logits=logits,
         dtype=dtype,
         opset=opset,
-        target=target or ("trt" if to_trt else "ort"),
+        target=target or "ort",
         decoders=_kv_caches(kv_cache),
         max_cache=max_cache,
         force_gate0=force_gate0,
@@ -466,8 +434,9 @@ def export(
         fuse_projections=fuse_projections,
         ort_fusions=ort_fusions,
         stamp_layers=not trace_every_layer,
-        artifacts=artifacts,
     )
+    artifacts = requests(kind_values, opts)  # each kind's request, made once from the values of every kind's options
+    opts = replace(opts, artifacts=artifacts, target=target or default_target(artifacts))
     check_options(opts)
     check_outputs(
         [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],

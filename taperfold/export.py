@@ -52,7 +52,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from taperfold.artifacts import artifact_kind
+from taperfold.artifacts import artifact_kind, in_build_order
 from taperfold.artifacts.base import ArtifactKind, ArtifactRecord
 from taperfold.artifacts.onnx_graph import ONNX_GRAPH
 from taperfold.environment import package_versions
@@ -143,9 +143,10 @@ class ExportOptions:
     ort_fusions: bool = False
     # trace the first decoder layers and stamp out the others where those after them are alike (taperfold.layer_trace)
     stamp_layers: bool = True
-    # artifacts built from the graphs once they are written: kind name -> that kind's options (taperfold.artifacts),
-    # e.g. {"tensorrt-plan": {"batch": "1/4/8"}} for `export --trt`
-    artifacts: dict[str, dict] = field(default_factory=dict)
+    # artifacts built from the graphs once they are written: kind name -> that kind's request (an instance of its
+    # `request_type`, taperfold.artifacts), e.g. {"tensorrt-plan": TensorrtRequest(batch="1/4/8")} for `export --trt`;
+    # built in the registry's order (taperfold.artifacts.in_build_order), whatever this dict's
+    artifacts: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decoders = tuple(cache for cache in KV_CACHES if cache in self.decoders) + tuple(
@@ -472,22 +473,28 @@ def check_options(opts: ExportOptions) -> None:
             raise TaperfoldError(
                 f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got {opts.max_cache}"
             )
-    for name, options in opts.artifacts.items():
+    for name, request in opts.artifacts.items():
         kind = artifact_kind(name)
         if type(kind).build is ArtifactKind.build:
             raise TaperfoldError(f"artifact kind {name!r} is written by export itself: it takes no request")
-        kind.check_request(options, opts)
+        if not isinstance(request, kind.request_type):
+            raise TaperfoldError(
+                f"artifact kind {name!r} takes a {kind.request_type.__name__} request, not {type(request).__name__}"
+            )
+        kind.check_request(request, opts)
 
 
-def _with_needed_graphs(opts: ExportOptions, source: ModelSource, tapered: TaperedLM | None) -> tuple[Graph, ...]:
-    """The decoders asked for, and those the artifacts asked for are built from (--genai's traced route: a growing
-    cache; its builder route needs none), in KV_CACHES order."""
-    needed = {
-        graph
-        for name, options in opts.artifacts.items()
-        for graph in artifact_kind(name).needed_graphs(options, source, tapered, opts.dtype)
+def _planned(opts: ExportOptions, source: ModelSource, tapered: TaperedLM | None) -> ExportOptions:
+    """`opts` with each artifact's request planned for `source` (ArtifactKind.plan: the genai route decided once),
+    in build order, and the decoders asked for joined by those the planned requests are built from (--genai's
+    traced route: a growing cache; its builder route needs none), in KV_CACHES order."""
+    artifacts = {
+        name: artifact_kind(name).plan(opts.artifacts[name], source, tapered, opts.dtype)
+        for name in in_build_order(opts.artifacts)
     }
-    return tuple(graph for graph in KV_CACHES if graph in needed or graph in opts.decoders)
+    needed = {graph for name, request in artifacts.items() for graph in artifact_kind(name).needed_graphs(request)}
+    decoders = tuple(graph for graph in KV_CACHES if graph in needed or graph in opts.decoders)
+    return replace(opts, decoders=decoders, artifacts=artifacts)
 
 
 def static_cache_length(cfg, opts: ExportOptions) -> int:
@@ -539,7 +546,7 @@ def export_checkpoint(
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
     for _, model in sources:
         _check_fits(model, opts.dtype, ckpt_path)
-    opts = replace(opts, decoders=_with_needed_graphs(opts, source, dict(sources).get(UNFOLDED)))
+    opts = _planned(opts, source, dict(sources).get(UNFOLDED))
     _check_caches(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
@@ -548,9 +555,9 @@ def export_checkpoint(
         on_stage("writing manifest")
         manifest = _manifest(source, ckpt_path, opts, tmp, exported)
         manifest.write()
-        for kind, options in opts.artifacts.items():
+        for kind, request in opts.artifacts.items():  # in build order (_planned)
             on_stage(f"building {artifact_kind(kind).title}")
-            manifest.build(kind, **options, on_stage=on_stage)
+            manifest.build(kind, request, on_stage)
         manifest.record_time("total_s", time.perf_counter() - started)
         manifest.write()
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)

@@ -175,13 +175,25 @@ class Manifest:
         _check_entry(self.path, record.key, entry)
         self._records[record.key] = ArtifactRecord.from_json(record.key, entry)
 
-    def build(self, kind: str, **options: Any) -> list[ArtifactRecord]:
-        """Build the artifacts of `kind` (from what this export holds, as the kind does it), record them, add the
-        seconds it took to `timings.build_s.KIND` and rewrite manifest.json; `options` are the kind's (e.g. the
-        TensorRT profile)."""
+    def build(
+        self, kind: str, request: Any = None, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """Build the artifacts of `kind` that `request` asks for (an instance of the kind's `request_type`, e.g.
+        TensorrtRequest(profile=...); None: its defaults) from what this export holds, as the kind does it, record
+        them, add the seconds it took to `timings.build_s.KIND` and rewrite manifest.json."""
+        artifact = artifact_kind(kind)
+        if request is None:
+            try:
+                request = artifact.request_type()
+            except TypeError as e:  # a request type with fields it has no default for
+                raise TaperfoldError(f"artifact kind {kind!r} needs a {artifact.request_type.__name__}: {e}") from None
+        if not isinstance(request, artifact.request_type):
+            raise TaperfoldError(
+                f"artifact kind {kind!r} takes a {artifact.request_type.__name__} request, not {type(request).__name__}"
+            )
         check_inside(self.path, self.directory)  # before the work: the manifest will be rewritten after it
         started = time.perf_counter()
-        records = artifact_kind(kind).build(self, **options)
+        records = artifact.build(self, request, on_stage)
         for record in records:
             self.add_artifact(record)
         spent = self._data.setdefault("timings", {}).setdefault("build_s", {})

@@ -3,6 +3,7 @@ each data (or one class) plus one registration, and the core never names them.""
 
 import dataclasses
 import re
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -24,13 +25,20 @@ ARTIFACT_EXAMPLE = ROOT / "examples" / "plugin_artifact.py"
 def _example_module(path=EXAMPLE):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[path.stem] = module  # where dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[path.stem]
     return module
 
 
 @pytest.fixture
 def registries():
-    """Every registry as it was before the test: registrations by a test do not outlive it."""
+    """Every registry as it was before the test: registrations by a test do not outlive it. The shipped artifact kinds
+    are registered first (each by its module's import, once a process): a test that imports one leaves it registered."""
+    for name in list(artifacts._SHIPPED):
+        artifacts.artifact_kind(name)
     tables = (families._REGISTRY, norms._KINDS, engines.ENGINES, artifacts._KINDS)
     saved = [dict(table) for table in tables]
     yield
@@ -206,3 +214,65 @@ def test_a_kind_that_builds_nothing_is_refused(registries):
 
     with pytest.raises(TaperfoldError, match=r"^artifact kind 'empty': build\(\) is not implemented"):
         artifacts.register_kind(Empty())
+
+
+@pytest.fixture
+def model_card_plugin(registries, monkeypatch):
+    """examples/plugin_artifact.py as an installed package would offer it: an entry point of the group
+    taperfold.artifact_kinds naming its `register` (entry points faked, nothing installed)."""
+    from importlib.metadata import EntryPoint
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    entry = EntryPoint("model-card", "plugin_artifact:register", artifacts.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [entry] if group == artifacts.PLUGIN_GROUP else [])
+    monkeypatch.setattr(artifacts, "_plugins_loaded", False)
+    yield
+    sys.modules.pop("plugin_artifact", None)
+
+
+def test_a_plugin_kind_is_asked_for_from_the_command_line(model_card_plugin, tmp_path):
+    import json
+
+    from conftest import one_line, run_cli
+
+    from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
+    from taperfold.models import random_gate0_model
+
+    help_text = run_cli("export", "--help").stdout
+    assert "--model-card " in help_text and "--model-card-note TEXT" in help_text and "--quantize" in help_text
+    ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.pt")
+    one_line(run_cli("export", ckpt, "-o", tmp_path / "out", "--model-card-note", "x"), "add --model-card")
+    assert not (tmp_path / "out").exists()
+    result = run_cli("export", ckpt, "-o", tmp_path / "out", "--no-baseline", "--model-card",
+                     "--model-card-note", "for the docs")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    card = json.loads((tmp_path / "out" / manifest["artifacts"]["model-card"]["path"]).read_text())
+    assert card["note"] == "for the docs" and {g["key"] for g in card["graphs"]} == {"unfolded", "folded"}
+
+
+def test_a_plugin_option_that_clashes_is_refused_in_one_line(registries, tmp_path):
+    from conftest import one_line, run_cli
+
+    example = _example_module(ARTIFACT_EXAMPLE)
+    from taperfold.artifacts.base import Option
+
+    clashing = type("Clashing", (example.ModelCard,), {"options": (Option("--dtype", help="mine"),)})()
+    artifacts.register_kind(clashing)
+    one_line(run_cli("export", tmp_path / "x.pt", "--help"), "'model-card'", "--dtype", "taperfold export's own")
+
+
+def test_a_plugin_that_fails_to_load_is_named_in_one_line(registries, monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    entry = EntryPoint("broken", "no_such_module_here:register", artifacts.PLUGIN_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [entry])
+    monkeypatch.setattr(artifacts, "_plugins_loaded", False)
+    with pytest.raises(TaperfoldError, match=r"^artifact kind plug-in 'broken' \(no_such_module_here:register\): "):
+        artifacts.load_plugins()
+
+
+def test_kinds_are_built_in_registry_order_whatever_the_request_order():
+    assert artifacts.in_build_order(["vllm", "genai", "onnx", "tensorrt-plan"]) == ["onnx", "tensorrt-plan", "genai",
+                                                                                    "vllm"]

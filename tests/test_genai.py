@@ -342,7 +342,9 @@ def test_builder_route_quantizes_with_the_builders_own_int4(builder_export, tmp_
     out, model = builder_export
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
-    records = read_manifest(copy).build("genai", precisions=["int4"])
+    from taperfold.artifacts.genai_folder import GenaiRequest
+
+    records = read_manifest(copy).build("genai", GenaiRequest(precisions=("int4",)))
     assert {(r.key, r.path) for r in records} == {
         (f"{v}.decoder.int4.genai", f"genai/{v}-int4/genai_config.json") for v in ("folded", "baseline")
     }

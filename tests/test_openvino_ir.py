@@ -159,10 +159,11 @@ def test_compressed_ir_is_built_on_demand_and_judged_as_quantized(builtin_export
 
 def test_openvino_kind_refuses_int4_groups_that_are_no_positive_number():
     from taperfold.artifacts import artifact_kind
+    from taperfold.artifacts.openvino_ir import OpenvinoRequest
     from taperfold.errors import TaperfoldError
 
     with pytest.raises(TaperfoldError, match="int4 groups of 0"):
-        artifact_kind("openvino").check_request({"precisions": ["fp32", "int4"], "group_size": 0}, _Fp32())
+        artifact_kind("openvino").check_request(OpenvinoRequest(("fp32", "int4"), group_size=0), _Fp32())
 
 
 class _Fp32:

@@ -178,14 +178,15 @@ def test_the_auto_route_takes_the_traced_route_for_what_the_builder_cannot_make(
     """What the export asks of the model before tracing: the auto route needs the growing decoders (the traced
     route) for such a model, where it needs none for the builder's."""
     pytest.importorskip("onnxruntime_genai")
-    from taperfold.artifacts.genai_folder import GENAI_FOLDER
+    from taperfold.artifacts.genai_folder import GENAI_FOLDER, GenaiRequest
     from taperfold.exportdir import GROWING
     from taperfold.hf import save_hf_directory
     from taperfold.sources import open_source
 
     build, _ = BUILDER_LIMITS[limit]
     source = open_source(save_hf_directory(build(), tmp_path / "tapered"))
-    assert GENAI_FOLDER.needed_graphs({"route": "auto"}, source, source.build(gate=0.0), "fp32") == (GROWING,)
+    planned = GENAI_FOLDER.plan(GenaiRequest(), source, source.build(gate=0.0), "fp32")
+    assert planned.route == "traced" and planned.declined and GENAI_FOLDER.needed_graphs(planned) == (GROWING,)
 
 
 def test_the_builder_route_refuses_norms_read_by_experts_where_it_knows_the_architecture(tmp_path, monkeypatch):

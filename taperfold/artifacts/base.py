@@ -8,11 +8,19 @@ and whatever a later stage or a plug-in adds. Each kind says
 - what it records in the manifest (`fields`: its own keys beside the ones every artifact has, ArtifactRecord),
 - how it is verified (`verified`: LOGITS, run by an engine and held to its variant's torch model, or CHECKED by
   its own `check`),
-- which engines run it (the engines whose `runs` names it: taperfold.engines).
+- which engines run it (the engines whose `runs` names it: taperfold.engines),
+- how it is asked for: its `taperfold export` options (`options`: `Option`s, no click here; the command line adds
+  every registered kind's) and its request (`request_type`: a frozen dataclass that `request` makes once from the
+  options' values and `check_request`, `plan`, `needed_graphs` and `build` read).
+
+A build request goes: `request(values, export)` (the command line: None, not asked for) -> `check_request` (one line
+before any work) -> `plan` (decisions that need the source, made once: the genai route) -> `needed_graphs` (what
+the export must write for it) -> `build` (after the graphs are written; also on demand, `Manifest.build`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +53,46 @@ COMMON_KEYS = (
     "reports",
 )
 _NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One `taperfold export` option a kind reads, declared without click (taperfold.cli makes the click option):
+    `flag` as typed (`--quantize`), its value under `key` (default: the flag's words joined by '_': `quantize`) in
+    the values every kind's `request` receives. A value given on the command line goes through `parse` once (one
+    line, TaperfoldError, when it is wrong) before any kind reads it; an option not given has `default`."""
+
+    flag: str
+    help: str
+    key: str = ""
+    is_flag: bool = False
+    type: type = str  # str | int | float: what the command line converts the text to (`choices`: one of them)
+    choices: tuple[str, ...] = ()
+    default: Any = None
+    show_default: bool = False
+    metavar: str | None = None
+    parse: Callable[[Any], Any] | None = None  # the given value -> the value `request` reads (not called on None)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.flag.lstrip("-").replace("-", "_"))
+        if self.is_flag and self.default is None:
+            object.__setattr__(self, "default", False)
+
+    def value(self, given: Any) -> Any:
+        """What `request` reads of this option given `given` on the command line (None: not given)."""
+        if given is None or (self.is_flag and given is False):
+            return self.default
+        return self.parse(given) if self.parse is not None else given
+
+
+@dataclass(frozen=True)
+class NoRequest:
+    """The request of a kind that takes no settings: it is asked for, or not."""
+
+
+def _quiet(stage: str) -> None:
+    """An on_stage that shows nothing."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +189,7 @@ class Export(Protocol):
     def artifact(self, variant: str, graph: Graph = PREFILL, kind: str = ..., precision: str | None = None) -> Path: ...
     def file(self, record: ArtifactRecord) -> Path: ...
     def report(self, key: str, name: str) -> dict | None: ...
-    def build(self, kind: str, **options: Any) -> list[ArtifactRecord]: ...
+    def build(self, kind: str, request: Any = None, on_stage: Callable[[str], None] = ...) -> list[ArtifactRecord]: ...
 
 
 class ExportRequest(Protocol):
@@ -164,6 +212,12 @@ class ArtifactKind:
     suffix: ClassVar[str] = ""  # what its keys add to the graph's key: `folded.plan`; "" only for the ONNX graphs
     fields: ClassVar[Mapping[str, Field]] = MappingProxyType({})  # its own keys in a manifest entry
     needs_graphs: ClassVar[tuple[Graph, ...]] = ()  # decoders an export asked for this kind also writes (--genai)
+    # how it is asked for: its `taperfold export` options (shared ones, such as --quantize, are declared once, by the
+    # kind that owns them, and read by any kind), and the frozen dataclass `request` makes of their values
+    options: ClassVar[tuple[Option, ...]] = ()
+    request_type: ClassVar[type] = NoRequest
+    # what `taperfold export` traces the graphs for when this kind is asked for and --target is not given (None: ort)
+    target: ClassVar[str | None] = None
 
     # ---- naming ----
 
@@ -175,22 +229,39 @@ class ArtifactKind:
         parts = [graph_key(variant, graph or PREFILL), precision, self.suffix]
         return ".".join(part for part in parts if part)
 
+    # ---- asking for it ----
+
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> Any | None:
+        """This kind's request made from `values` (every registered kind's options by key, each parsed once:
+        `Option.value`) for an export with `export`'s settings, or None where the values do not ask for it. One line
+        (TaperfoldError) for values it refuses. The default: asked for (`request_type()`) when one of its own
+        flags is set."""
+        if any(option.is_flag and values.get(option.key) for option in self.options):
+            return self.request_type()
+        return None
+
+    def check_request(self, request: Any, export: ExportRequest) -> None:
+        """Refuse, in one line, a request (an export's `artifacts`), or an export, that `build` would refuse after
+        the export's work; nothing by default."""
+
+    def plan(self, request: Any, source: Any, tapered: Any, dtype: str) -> Any:
+        """`request` with what it leaves open decided for `source` (a taperfold.sources model source) exported in
+        `dtype`, `tapered` its tapered torch model at g = 0 (None for a plain source), before the export's work:
+        `build` reads the decision and does not make it again. One line here refuses the request. The default:
+        nothing to decide."""
+        return request
+
+    def needed_graphs(self, request: Any) -> tuple[Graph, ...]:
+        """The decoders a planned request needs the export to write: `needs_graphs` unless the kind knows better."""
+        return self.needs_graphs
+
     # ---- building ----
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """Write this kind's artifacts into `manifest`'s directory (each file atomically) and return their records;
-        the caller adds them to the manifest. Kinds built from the torch variants are written by export instead."""
+    def build(self, manifest: Export, request: Any, on_stage: Callable[[str], None] = _quiet) -> list[ArtifactRecord]:
+        """Write the artifacts `request` (a `request_type`) asks for into `manifest`'s directory (each file
+        atomically) and return their records; the caller adds them to the manifest. Kinds built from the torch
+        variants are written by export instead."""
         raise TaperfoldError(f"artifact kind {self.name!r} is written by `taperfold export`, not built afterwards")
-
-    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
-        """Refuse, in one line, options of a build request (export's `artifacts`), or an export, that `build` would
-        refuse after the export's work; nothing by default."""
-
-    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
-        """The decoders a request with `options` needs the export to write for `source` (a taperfold.sources model
-        source) exported in `dtype`, `tapered` its tapered torch model at g = 0 (None for a plain source):
-        `needs_graphs` unless the kind knows better. One line here refuses the request before the export's work."""
-        return self.needs_graphs
 
     # ---- running ----
 
@@ -248,6 +319,15 @@ class ArtifactKind:
                 errors.append(f"field {key!r} is not declared as a Field")
         if built_from != TORCH and type(self).build is ArtifactKind.build:
             errors.append("build() is not implemented: nothing would write its artifacts")
+        for option in self.options:
+            if not isinstance(option, Option):
+                errors.append(f"option {option!r} is not declared as an Option")
+            elif not option.flag.startswith("--") or not _NAME.match(option.flag[2:]):
+                errors.append(f"option {option.flag!r} is not '--' and lowercase letters, digits and '-'")
+        if not (isinstance(self.request_type, type) and dataclasses.is_dataclass(self.request_type)):
+            errors.append(f"request_type {self.request_type!r} is not a dataclass")
+        elif not self.request_type.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            errors.append(f"request_type {self.request_type.__name__} is not frozen (@dataclass(frozen=True))")
         return errors
 
     def check_fields(self, entry: Mapping[str, Any], origin: str, key: str) -> None:

@@ -1,5 +1,5 @@
 """onnxruntime-genai folders: what `onnxruntime_genai.Model(folder)` loads, built from a variant's growing-cache
-decoder (`export --genai`: the folded model and the baseline; `read_manifest(dir).build("genai", variants=...)`).
+decoder (`export --genai`: the folded model and the baseline; `read_manifest(dir).build("genai", GenaiRequest(...))`).
 
     genai/folded/genai_config.json     the decoder's shape, IO names and search defaults (type "decoder")
     genai/folded/model.decoder.onnx    the export's decoder, its logits given the sequence axis genai reads
@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -34,11 +35,22 @@ from taperfold.artifacts.base import (
     Export,
     ExportRequest,
     Field,
+    Option,
     tokenizer_files,
 )
-from taperfold.artifacts.onnx_graph import QUANTIZED_FROM
+from taperfold.artifacts.onnx_graph import QUANTIZED_FROM, OnnxRequest
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant, decoder_io_names
+from taperfold.exportdir import (
+    BASELINE,
+    DTYPES,
+    FOLDED,
+    GROWING,
+    OUTPUT,
+    PAST,
+    Graph,
+    canonical_variant,
+    decoder_io_names,
+)
 from taperfold.fsutil import atomic_dir
 from taperfold.jsonfields import is_file_name
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
@@ -54,6 +66,29 @@ ROUTES = (AUTO, BUILDER, TRACED)
 DEFAULT_VARIANTS = (FOLDED, BASELINE)  # what a user deploys, and what it is measured against
 
 
+@dataclass(frozen=True)
+class GenaiRequest:
+    """Folders of `variants` (None: the folded model and the baseline) in each of `precisions` (empty: the export's
+    dtype alone; int4 / int8: quantized with `block_size`, taperfold.quantize), by `route`: builder (onnxruntime-genai's
+    builder, taperfold.artifacts.genai_builder), traced (the export's growing decoder, or its quantized form), or
+    auto, which `GenaiFolder.plan` turns into one of them once (`declined`: why it turned the builder down)."""
+
+    route: str = AUTO
+    precisions: tuple[str, ...] = ()
+    block_size: int = DEFAULT_BLOCK_SIZE
+    variants: tuple[str, ...] | None = None
+    declined: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise TaperfoldError(f"--genai-route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+        _ = [Quantization(p, self.block_size) for p in self.precisions if p not in DTYPES]  # each checked
+
+    def quantizations(self, dtype: str) -> list[Quantization]:
+        """The quantized precisions it names (the export's dtype among them is no quantization)."""
+        return [Quantization(p, self.block_size) for p in self.precisions if p != dtype]
+
+
 class GenaiFolder(ArtifactKind):
     name = GENAI
     title = "onnxruntime-genai folder"
@@ -61,6 +96,24 @@ class GenaiFolder(ArtifactKind):
     verified = LOGITS
     suffix = "genai"
     needs_graphs = (GROWING,)
+    options = (
+        Option(
+            "--genai",
+            is_flag=True,
+            help="Also write an onnxruntime-genai folder (genai/VARIANT/: genai_config.json beside the growing-cache "
+            "decoder) per variant; adds --kv-cache growing.",
+        ),
+        Option(
+            "--genai-route",
+            choices=ROUTES,
+            default=AUTO,
+            show_default=True,
+            help="How --genai makes each folder: builder (onnxruntime-genai's own builder, its fastest graph form, "
+            "tapered norms replaced after it; Hugging Face Llama-like sources), traced (the decoder taperfold "
+            "exports), or auto: the builder where it applies (docs/deployment.md).",
+        ),
+    )
+    request_type = GenaiRequest
     fields = MappingProxyType(
         {
             "decoder": Field(
@@ -78,54 +131,54 @@ class GenaiFolder(ArtifactKind):
         }
     )
 
-    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> GenaiRequest | None:
+        """--genai: the export's dtype and --quantize's precisions, by --genai-route."""
+        if not values["genai"]:
+            return None
+        return GenaiRequest(values["genai_route"], (export.dtype, *values["quantize"]), values["block_size"])
+
+    def check_request(self, request: GenaiRequest, export: ExportRequest) -> None:
         _check_export(export.dtype, export.logits, "--genai")
-        if options.get("route", AUTO) not in ROUTES:
-            raise TaperfoldError(f"--genai-route must be one of {', '.join(ROUTES)}, got {options['route']!r}")
-        for quantization in _quantizations(options, export.dtype):
+        for quantization in request.quantizations(export.dtype):
             if export.dtype != QUANTIZED_FROM:
                 raise TaperfoldError(
                     f"--genai --quantize {quantization.precision}: quantized folders are made from an "
                     f"{QUANTIZED_FROM} export, not {export.dtype}"
                 )
 
-    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
-        """The traced route is built from the growing decoders; the builder route (chosen here as `build` will choose
-        it, refused here in one line where it cannot be) from the source itself, so it needs none."""
-        from taperfold.artifacts.genai_builder import NotBuildable, builder_scales
-
-        route = options.get("route", AUTO)
+    def plan(self, request: GenaiRequest, source: Any, tapered: Any, dtype: str) -> GenaiRequest:
+        """The route decided: builder where `request.route` asks for it (refused here in one line where it cannot
+        be) or, auto, where the source, its dtype and its norms allow it; else traced."""
         hf = source.manifest_block().get("source", {}).get("format") == "huggingface"
-        if not _takes_builder(route, hf, dtype, tapered is not None, source.path):
-            return (GROWING,)
-        try:
-            builder_scales(tapered, str(source.path), Path(source.path))
-        except NotBuildable:
-            if route == BUILDER:
-                raise
-            return (GROWING,)
-        return ()
+        return _decide_route(
+            request, hf, dtype, tapered is not None, lambda: tapered, Path(source.path), str(source.path)
+        )
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """A folder per variant in `variants` (default: the folded model and the baseline, those exported) and per
-        precision in `precisions` (default: the export's dtype alone; int4 / int8: quantized with `block_size`,
-        taperfold.quantize), by `route`: builder (onnxruntime-genai's builder, taperfold.artifacts.genai_builder),
-        traced (the export's growing decoder, or its quantized form), or auto: the builder where the export's source
-        and its norms allow it."""
-        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
+    def needed_graphs(self, request: GenaiRequest) -> tuple[Graph, ...]:
+        """The traced route is built from the growing decoders; the builder route from the source itself."""
+        return () if request.route == BUILDER else (GROWING,)
+
+    def build(
+        self, manifest: Export, request: GenaiRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """The folders `request` asks for, by its route (an auto route not planned by an export, as on demand, is
+        planned here first, as `plan` does it, from the export's source)."""
         _check_export(manifest.dtype, manifest.logits, str(manifest.path))
-        variants = [canonical_variant(v) for v in options.get("variants") or DEFAULT_VARIANTS]
-        quantizations = _quantizations(options, manifest.dtype)
-        builder, declined = _builder_route(manifest, options.get("route", AUTO))
-        if declined:
-            on_stage(f"onnxruntime-genai folders by the traced route, not the builder's: {declined}")
+        if request.route == AUTO:
+            request = _plan_from_export(request, manifest)
+        variants = [canonical_variant(v) for v in request.variants or DEFAULT_VARIANTS]
+        quantizations = request.quantizations(manifest.dtype)
+        builder = _builder(manifest) if request.route == BUILDER else None
+        if request.declined:
+            on_stage(f"onnxruntime-genai folders by the traced route, not the builder's: {request.declined}")
         records = []
-        for precision in dict.fromkeys(options.get("precisions") or [manifest.dtype]):
+        for precision in dict.fromkeys(request.precisions or [manifest.dtype]):
             quantization = next((q for q in quantizations if q.precision == precision), None)
             if builder is not None:  # built from the source itself, whichever graphs the export holds
                 records += self._build_with_builder(manifest, builder, variants, quantization, on_stage)
             else:
-                records += self._build_traced(manifest, options.get("variants"), quantization, on_stage, declined)
+                wanted = list(request.variants) if request.variants is not None else None
+                records += self._build_traced(manifest, wanted, quantization, on_stage, request.declined)
         return records
 
     def _build_traced(
@@ -156,9 +209,10 @@ class GenaiFolder(ArtifactKind):
             unmade = [v for v in sources if manifest.find(v, GROWING, ONNX, precision) is None]
             if unmade:
                 manifest.build(
-                    ONNX, precisions=[precision], block_size=quantization.block_size, variants=unmade,
-                    on_stage=on_stage, graphs=[GROWING],
-                )  # fmt: skip
+                    ONNX,
+                    OnnxRequest((precision,), quantization.block_size, variants=tuple(unmade), graphs=(GROWING,)),
+                    on_stage,
+                )
         records = []
         for variant in sources:
             decoder = manifest.find(variant, GROWING, ONNX, precision)
@@ -257,13 +311,9 @@ class GenaiFolder(ArtifactKind):
         if missing:  # built on demand, as TensorRT engines are (bench --engine genai times the unfolded model too), the
             # way the export's folders were: one graph form for every variant timed
             routes = {r.details.get("route", TRACED) for r in manifest.records(GENAI)}
-            manifest.build(
-                GENAI,
-                variants=missing,
-                route=routes.pop() if len(routes) == 1 else AUTO,
-                precisions=[precision],
-                block_size=_recorded_block_size(manifest, precision),
-            )
+            route = routes.pop() if len(routes) == 1 else AUTO
+            block_size = _recorded_block_size(manifest, precision)
+            manifest.build(GENAI, GenaiRequest(route, (precision,), block_size, variants=tuple(missing)))
         return super().files(manifest, variants, graph, precision)
 
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
@@ -280,13 +330,6 @@ def folder_name(variant: str, precision: str, dtype: str) -> str:
     return variant if precision == dtype else f"{variant}-{precision}"
 
 
-def _quantizations(options: dict[str, Any], dtype: str) -> list[Quantization]:
-    """The quantized precisions a build request names (`precisions`; the export's dtype among them is no
-    quantization), with its `block_size`."""
-    block = options.get("block_size") or DEFAULT_BLOCK_SIZE
-    return [Quantization(p, block) for p in options.get("precisions") or () if p != dtype]
-
-
 def _recorded_block_size(manifest: Export, precision: str) -> int:
     """The block size the export's `precision` artifacts were quantized with (a folder built on demand matches
     them), else the default."""
@@ -297,22 +340,55 @@ def _recorded_block_size(manifest: Export, precision: str) -> int:
     return DEFAULT_BLOCK_SIZE
 
 
-def _builder_route(manifest: Export, route: str) -> tuple[BuilderRoute | None, str | None]:
-    """The builder route for `manifest`'s source when `route` asks for it (or, auto, when the source is a Hugging
-    Face directory of a tapered fp32 model the builder makes right), else None (traced) and, where auto turned the
-    builder down for this model, why."""
-    from taperfold.artifacts.genai_builder import BuilderRoute, NotBuildable
+def _decide_route(
+    request: GenaiRequest,
+    hf: bool,
+    dtype: str,
+    is_tapered: bool,
+    tapered: Callable[[], Any],
+    checkpoint: Path,
+    origin: str,
+) -> GenaiRequest:
+    """`request` with its route decided for an export (of a Hugging Face source or not, in `dtype`, of a tapered model
+    or a plain one, `tapered` giving the tapered torch model at g = 0): builder or traced, and where auto turned the
+    builder down for this model, why (`declined`). The model is read only where the export's settings allow the
+    builder."""
+    from taperfold.artifacts.genai_builder import NotBuildable, builder_scales
+
+    if not _takes_builder(request.route, hf, dtype, is_tapered, checkpoint):
+        return replace(request, route=TRACED)
+    try:
+        builder_scales(tapered(), origin, checkpoint)
+    except NotBuildable as e:
+        if request.route == BUILDER:
+            raise
+        return replace(request, route=TRACED, declined=e.reason)
+    return replace(request, route=BUILDER)
+
+
+def _plan_from_export(request: GenaiRequest, manifest: Export) -> GenaiRequest:
+    """`GenaiFolder.plan` for a request made after the export (on demand): from the source the manifest records."""
     from taperfold.sources import open_source
 
     hf = (manifest.get("source") or {}).get("format") == "huggingface"
-    if not _takes_builder(route, hf, manifest.dtype, manifest.find(FOLDED) is not None, manifest.checkpoint):
-        return None, None
-    try:
-        return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path)), None
-    except NotBuildable as e:
-        if route == AUTO:
-            return None, e.reason
-        raise
+    tapered = manifest.find(FOLDED) is not None
+    return _decide_route(
+        request,
+        hf,
+        manifest.dtype,
+        tapered,
+        lambda: open_source(manifest.checkpoint).build(gate=0.0),
+        manifest.checkpoint,
+        str(manifest.path),
+    )
+
+
+def _builder(manifest: Export) -> BuilderRoute:
+    """The builder route for `manifest`'s source (a planned request's: one line where it still cannot take it)."""
+    from taperfold.artifacts.genai_builder import BuilderRoute
+    from taperfold.sources import open_source
+
+    return BuilderRoute(open_source(manifest.checkpoint), str(manifest.path))
 
 
 def _takes_builder(route: str, hf: bool, dtype: str, tapered: bool, checkpoint: Path) -> bool:

@@ -2,12 +2,17 @@
 `taperfold export` (taperfold.export) and run by ONNX Runtime; TensorRT engines are built from them.
 
 Their weight-quantized forms (int4, int8: taperfold.quantize) are graphs of this kind too, built from the export's
-own (`export --quantize`, or `read_manifest(dir).build("onnx", precisions=["int4"])`): `model.int4.onnx`, keyed
-`folded.int4`, `built_from` the graph they quantize. Engines run them as they run the others, by precision."""
+own (`export --quantize`, or `read_manifest(dir).build("onnx", OnnxRequest(precisions=("int4",)))`):
+`model.int4.onnx`, keyed `folded.int4`, `built_from` the graph they quantize. Engines run them as they run the others,
+by precision.
+
+The kind owns --quantize and --block-size, which the genai and OpenVINO kinds read too (for their own quantized
+folders): declared here once, parsed once (`QUANTIZE.parse`: the precisions), read by every kind's `request`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -21,13 +26,50 @@ from taperfold.artifacts.base import (
     Export,
     ExportRequest,
     Field,
+    Option,
     describe_file,
 )
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import VARIANTS, Graph, canonical_variant, graph_key, onnx_file
-from taperfold.quantize import DEFAULT_BLOCK_SIZE, Quantization
+from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization, parse_precisions
 
 QUANTIZED_FROM = "fp32"  # the dtype quantized graphs are made from (MatMulNBits takes fp32 activations on the CPU)
+
+QUANTIZE = Option(
+    "--quantize",
+    metavar="int4|int8",
+    parse=parse_precisions,  # -> ("int4", "int8"): every kind reads the precisions, none parses the text again
+    default=(),
+    help="Also write weight-quantized forms of every graph (MatMulNBits by ONNX Runtime's quantizer: model.int4.onnx, "
+    "...) and, with --genai or --openvino, of each folder; int4, int8 or int4,int8 (docs/deployment.md).",
+)
+BLOCK_SIZE = Option(
+    "--block-size",
+    type=int,
+    default=DEFAULT_BLOCK_SIZE,
+    show_default=True,
+    help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}); --openvino's "
+    "int4 groups are NNCF's 128 unless this is given.",
+)
+
+
+@dataclass(frozen=True)
+class OnnxRequest:
+    """Weight-quantized forms of the export's graphs: each of `precisions` (int4, int8) with `block_size` weights
+    per scale (taperfold.quantize), of `variants` (None: baseline, unfolded, folded) and `graphs` (None: every one
+    each has). Refused in one line when made with a precision or a block size the quantizer does not take."""
+
+    precisions: tuple[str, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    variants: tuple[str, ...] | None = None
+    graphs: tuple[Graph, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _ = self.quantizations  # each precision and the block size checked
+
+    @property
+    def quantizations(self) -> list[Quantization]:
+        return [Quantization(p, self.block_size) for p in self.precisions]
 
 
 class OnnxGraph(ArtifactKind):
@@ -35,6 +77,8 @@ class OnnxGraph(ArtifactKind):
     title = "ONNX graph"
     built_from = TORCH
     verified = LOGITS
+    options = (QUANTIZE, BLOCK_SIZE)
+    request_type = OnnxRequest
     fields = MappingProxyType(
         {
             "opset": Field((int,), help="the graph's default-domain opset"),
@@ -81,24 +125,28 @@ class OnnxGraph(ArtifactKind):
             details=details,
         )
 
-    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
-        for precision in options.get("precisions") or ():
-            Quantization(precision, options.get("block_size") or DEFAULT_BLOCK_SIZE)
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> OnnxRequest | None:
+        """--quantize's precisions with --block-size; --block-size alone is refused (it sets --quantize's blocks)."""
+        if not values["quantize"]:
+            if values["block_size"] != DEFAULT_BLOCK_SIZE:
+                raise TaperfoldError("--block-size sets --quantize's blocks: add --quantize int4 or int8")
+            return None
+        return OnnxRequest(values["quantize"], values["block_size"])
+
+    def check_request(self, request: OnnxRequest, export: ExportRequest) -> None:
         _check_quantizable(export.dtype, "--quantize")
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """The graphs of `variants` (default: baseline, unfolded, folded) and `graphs` (default: every one each has)
-        weight-quantized to each of `precisions` with `block_size` (taperfold.quantize), each file written
-        atomically."""
+    def build(
+        self, manifest: Export, request: OnnxRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """The graphs of the request's variants and graphs weight-quantized to each of its precisions
+        (taperfold.quantize), each file written atomically."""
         from taperfold.quantize import quantize_graph
 
-        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
         _check_quantizable(manifest.dtype, str(manifest.path))
-        quantizations = [
-            Quantization(p, options.get("block_size") or DEFAULT_BLOCK_SIZE) for p in options["precisions"]
-        ]
-        variants = [canonical_variant(v) for v in options.get("variants") or VARIANTS]
-        graphs = options.get("graphs")
+        quantizations = request.quantizations
+        variants = [canonical_variant(v) for v in request.variants or VARIANTS]
+        graphs = request.graphs
         sources = [
             r
             for r in manifest.records(self.name)

@@ -38,7 +38,7 @@ import logging
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -56,11 +56,13 @@ from taperfold.artifacts.base import (
     Export,
     ExportRequest,
     Field,
+    Option,
     tokenizer_files,
 )
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant
 from taperfold.fsutil import atomic_dir
+from taperfold.quantize import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from taperfold.taper import TaperedLM
@@ -118,12 +120,33 @@ class WeightCompression:
         )
 
 
+@dataclass(frozen=True)
+class OpenvinoRequest:
+    """Folders of `variants` (None: the folded model and the baseline, those the export holds) in each of
+    `precisions` (empty: fp32 alone; int8 / int4: weights compressed by NNCF, `group_size` int4's groups, None:
+    NNCF's 128)."""
+
+    precisions: tuple[str, ...] = ()
+    group_size: int | None = None
+    variants: tuple[str, ...] | None = None
+
+
 class OpenVinoIR(ArtifactKind):
     name = OPENVINO
     title = "OpenVINO stateful IR"
     built_from = EXPORT
     verified = LOGITS
     suffix = "openvino"
+    options = (
+        Option(
+            "--openvino",
+            is_flag=True,
+            help="Also write an OpenVINO stateful IR per variant (openvino/VARIANT/openvino_model.xml: the "
+            "growing-cache decoder, its KV cache in the model's state, attention as ScaledDotProductAttention), "
+            "converted from the torch model; fp32 exports (docs/deployment.md).",
+        ),
+    )
+    request_type = OpenvinoRequest
     fields = MappingProxyType(
         {
             "attention": Field(
@@ -135,30 +158,40 @@ class OpenVinoIR(ArtifactKind):
         }
     )
 
-    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> OpenvinoRequest | None:
+        """--openvino: the export's dtype and --quantize's precisions; NNCF's int4 groups unless --block-size sets
+        them."""
+        if not values["openvino"]:
+            return None
+        block_size = values["block_size"]
+        return OpenvinoRequest(
+            (export.dtype, *values["quantize"]), block_size if block_size != DEFAULT_BLOCK_SIZE else None
+        )
+
+    def check_request(self, request: OpenvinoRequest, export: ExportRequest) -> None:
         from taperfold.runners.openvino import INSTALL
 
         if importlib.util.find_spec("openvino") is None:  # before the export's work
             raise TaperfoldError(f"--openvino: openvino is not installed ({INSTALL})")
         if export.dtype != DTYPE:
             raise TaperfoldError(f"--openvino: the stateful IR is made from an fp32 export, not {export.dtype}")
-        _compressions(options)
+        _compressions(request)
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """A folder per variant in `variants` (default: the folded model and the baseline, those the export holds)
-        and per precision in `precisions` (default: fp32; int8 / int4: weights compressed, `group_size` int4's
-        groups), each converted from the variant's torch model, built afresh from the export's source."""
+    def build(
+        self, manifest: Export, request: OpenvinoRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """A folder per variant and precision `request` asks for, each converted from the variant's torch model,
+        built afresh from the export's source."""
         from taperfold.sources import open_source
 
-        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
-        self.check_request(options, manifest)
-        wanted = options.get("variants")
+        self.check_request(request, manifest)
+        wanted = request.variants
         if wanted:
             variants = [canonical_variant(v) for v in wanted]
         else:
             variants = [v for v in DEFAULT_VARIANTS if manifest.find(v) is not None]
-        precisions = list(dict.fromkeys(options.get("precisions") or [DTYPE]))
-        compressions = {c.precision: c for c in _compressions(options)}
+        precisions = list(dict.fromkeys(request.precisions or [DTYPE]))
+        compressions = {c.precision: c for c in _compressions(request)}
         source = open_source(manifest.checkpoint)
         models = _torch_variants(source, variants, str(manifest.checkpoint))
         tokenizer = tokenizer_files(manifest)
@@ -217,7 +250,7 @@ class OpenVinoIR(ArtifactKind):
             raise TaperfoldError(f"the OpenVINO stateful IR is {DTYPE}, int8 or int4, not {precision}")
         missing = [v for v in variants if manifest.find(v, GROWING, self.name, precision) is None]
         if missing:
-            manifest.build(self.name, variants=missing, precisions=[precision])
+            manifest.build(self.name, OpenvinoRequest((precision,), variants=tuple(missing)))
         return super().files(manifest, variants, graph, precision)
 
 
@@ -226,19 +259,18 @@ def folder_name(variant: str, precision: str) -> str:
     return variant if precision == DTYPE else f"{variant}-{precision}"
 
 
-def _compressions(options: dict[str, Any]) -> list[WeightCompression]:
-    """The compressed forms a build request names (`precisions` beside fp32, `group_size`); one line naming what
+def _compressions(request: OpenvinoRequest) -> list[WeightCompression]:
+    """The compressed forms a build request names (its precisions beside fp32, its group size); one line naming what
     is wrong, or NNCF missing."""
     from taperfold.runners.openvino import INSTALL
 
-    unknown = [p for p in options.get("precisions") or () if p not in (DTYPE, *COMPRESSED)]
+    unknown = [p for p in request.precisions if p not in (DTYPE, *COMPRESSED)]
     if unknown:
         raise TaperfoldError(f"--openvino: the stateful IR is {DTYPE}, int8 or int4, not {unknown[0]}")
-    group_size = options.get("group_size")
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    if not isinstance(group_size, int) or group_size < 1:
+    group_size = DEFAULT_GROUP_SIZE if request.group_size is None else request.group_size
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise TaperfoldError(f"--openvino: int4 groups of {group_size!r} weights: give a positive whole number")
-    wanted = [WeightCompression(p, group_size) for p in options.get("precisions") or () if p in COMPRESSED]
+    wanted = [WeightCompression(p, group_size) for p in request.precisions if p in COMPRESSED]
     if wanted and importlib.util.find_spec("nncf") is None:
         raise TaperfoldError(
             f"--openvino --quantize: NNCF compresses OpenVINO's weights and is not installed ({INSTALL})"

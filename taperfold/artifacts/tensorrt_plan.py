@@ -11,7 +11,7 @@ lists the API pages and binding sources each call was checked against; this path
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +19,7 @@ from typing import Any
 
 from taperfold import trt_support
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, register_kind
-from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field, Option
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path
@@ -194,12 +194,41 @@ def _resolve_profile(manifest: Export, profile: Profile | None) -> Profile:
     return profile
 
 
+@dataclass(frozen=True)
+class TensorrtRequest:
+    """Engines of `variants` for `profile` (None: one of `batch` and `sequence`, "MIN/OPT/MAX" each, the rest
+    make_profile's defaults; neither: the folder's earlier engines' profile, else make_profile's)."""
+
+    variants: tuple[str, ...] = (FOLDED,)
+    profile: Profile | None = None
+    batch: str | None = None
+    sequence: str | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("batch", "sequence"):  # three integers each, refused in one line before any work
+            if getattr(self, what) is not None:
+                _triple(getattr(self, what), what)
+
+
 class TensorrtPlan(ArtifactKind):
     name = TENSORRT_PLAN
     title = "TensorRT engine"
     built_from = ONNX
     verified = LOGITS
     suffix = "plan"
+    target = "trt"  # `export --trt` traces the graphs for TensorRT unless --target says otherwise
+    options = (
+        Option(
+            "--trt",
+            is_flag=True,
+            help="Also build a TensorRT engine (model.plan) from model.onnx (needs a GPU).",
+        ),
+        Option("--trt-batch", metavar="MIN/OPT/MAX", help="TensorRT profile batch sizes.  [default: 1/1/8]"),
+        Option(
+            "--trt-seq", metavar="MIN/OPT/MAX", help="TensorRT profile sequence lengths.  [default: 1/128/max_seq_len]"
+        ),
+    )
+    request_type = TensorrtRequest
     fields = MappingProxyType(
         {
             "onnx": Field((str,), help="the ONNX graph it was built from"),
@@ -215,15 +244,22 @@ class TensorrtPlan(ArtifactKind):
         }
     )
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """Engines of `variants` (default: folded) for `profile` (default: the folder's earlier engines', else
-        make_profile's), one timing cache (`trt.timing-cache`) shared by all builds in the folder."""
-        variants = [ALIASES.get(v, v) for v in options.get("variants", (FOLDED,))]
-        profile = options.get("profile")
-        if profile is None and (options.get("batch") or options.get("sequence")):
-            profile = make_profile(manifest.config_data["max_seq_len"], options.get("batch"), options.get("sequence"))
+    def request(self, values: Mapping[str, Any], export: ExportRequest) -> TensorrtRequest | None:
+        """--trt: the folded model's engine, for --trt-batch and --trt-seq."""
+        if not values["trt"]:
+            return None
+        return TensorrtRequest(batch=values["trt_batch"], sequence=values["trt_seq"])
+
+    def build(
+        self, manifest: Export, request: TensorrtRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """The engines `request` asks for, one timing cache (`trt.timing-cache`) shared by all builds in the
+        folder."""
+        variants = [ALIASES.get(v, v) for v in request.variants]
+        profile = request.profile
+        if profile is None and (request.batch or request.sequence):
+            profile = make_profile(manifest.config_data["max_seq_len"], request.batch, request.sequence)
         profile = _resolve_profile(manifest, profile)
-        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
         records = []
         for variant in variants:
             graph = manifest.find(variant, PREFILL, ONNX) if variant in VARIANTS_BY_NAME else None
@@ -255,11 +291,9 @@ class TensorrtPlan(ArtifactKind):
             )
         return records
 
-    def check_request(self, options: dict[str, Any], export: ExportRequest) -> None:
-        """`export --trt-batch/--trt-seq`: three integers each, checked before the export starts."""
-        for what in ("batch", "sequence"):
-            if options.get(what) is not None:
-                _triple(options[what], what)
+    def check_request(self, request: TensorrtRequest, export: ExportRequest) -> None:
+        """TensorRT installed, before the export's work (its profile was checked when the request was made)."""
+        trt_support.require_tensorrt()
 
     def files(
         self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
@@ -306,7 +340,7 @@ def build_engine_for_export(
     `VARIANT.plan`) and return the manifest."""
     trt_support.require_tensorrt()
     manifest = read_manifest(out_dir)
-    manifest.build(TENSORRT_PLAN, variants=variants, profile=profile, on_stage=on_stage)
+    manifest.build(TENSORRT_PLAN, TensorrtRequest(tuple(variants), profile), on_stage)
     return manifest
 
 
@@ -327,5 +361,5 @@ def ensure_engines(
         if record is None or not TENSORRT.is_fresh(manifest, record, profile, trt.__version__):
             stale.append(variant)
     if stale:
-        manifest.build(TENSORRT_PLAN, variants=stale, profile=profile, on_stage=on_stage)
+        manifest.build(TENSORRT_PLAN, TensorrtRequest(tuple(stale), profile), on_stage)
     return {v: manifest.artifact(v, PREFILL, TENSORRT_PLAN) for v in variants}

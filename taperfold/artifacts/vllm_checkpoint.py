@@ -26,6 +26,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from taperfold.artifacts import VLLM, register_kind
-from taperfold.artifacts.base import EXPORT, ArtifactKind, ArtifactRecord, Export, Field, tokenizer_files
+from taperfold.artifacts.base import EXPORT, ArtifactKind, ArtifactRecord, Export, Field, Option, tokenizer_files
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
@@ -57,11 +58,28 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class VllmRequest:
+    """The folded model's folder, its weights in files of at most `shard_bytes`."""
+
+    shard_bytes: int = SHARD_BYTES
+
+
 class VllmCheckpoint(ArtifactKind):
     name = VLLM
     title = "folded checkpoint for vLLM"
     built_from = EXPORT
     suffix = "vllm"
+    options = (
+        Option(
+            "--vllm",
+            is_flag=True,
+            help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's "
+            "plugin (vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face "
+            "sources of the Llama-like families (docs/deployment.md, Serving with vLLM).",
+        ),
+    )
+    request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
     fields = MappingProxyType(
         {
             "architecture": Field((str,), required=True, help="config.json's architecture, taperfold's own class"),
@@ -71,18 +89,22 @@ class VllmCheckpoint(ArtifactKind):
         }
     )
 
-    def needed_graphs(self, options: dict[str, Any], source: Any, tapered: Any, dtype: str) -> tuple[Graph, ...]:
-        """None: the folder is written from the source itself. A source the plugin cannot serve is refused here,
-        before the export's work."""
+    def plan(self, request: VllmRequest, source: Any, tapered: Any, dtype: str) -> VllmRequest:
+        """A source the plugin cannot serve is refused here, before the export's work."""
         _served(source, tapered)
+        return request
+
+    def needed_graphs(self, request: VllmRequest) -> tuple[Graph, ...]:
+        """None: the folder is written from the source itself."""
         return ()
 
-    def build(self, manifest: Export, **options: Any) -> list[ArtifactRecord]:
-        """The folded model's folder (`shard_bytes`: the largest weights file, default 2 GB)."""
+    def build(
+        self, manifest: Export, request: VllmRequest, on_stage: Callable[[str], None] = lambda s: None
+    ) -> list[ArtifactRecord]:
+        """The folded model's folder (the largest weights file: `request.shard_bytes`, default 2 GB)."""
         from taperfold.hf.tokenizer import save_byte_tokenizer
         from taperfold.sources import open_source
 
-        on_stage: Callable[[str], None] = options.get("on_stage", lambda s: None)
         plain_source = open_source(manifest.checkpoint)
         tapered = plain_source.build(gate=0.0)  # holds the source's tensors, no copy
         source, served = _served(plain_source, tapered)
@@ -92,7 +114,7 @@ class VllmCheckpoint(ArtifactKind):
         with atomic_dir(folder, manifest.directory) as tmp:
             on_stage("writing the folded weights for vLLM")
             weights = FoldedWeights(tapered, dtype)
-            files = write_safetensors(tmp, weights, options.get("shard_bytes", SHARD_BYTES))
+            files = write_safetensors(tmp, weights, request.shard_bytes)
             config = _config(source.hf_config_dict, served, weights, dtype)
             (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
             for file in [*tokenizer, source.path / GENERATION_CONFIG]:
