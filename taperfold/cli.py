@@ -543,7 +543,7 @@ def verify(
     manifest = read_manifest(export_dir)  # the clearest message for a directory that is not an export
     report_path = Path(export_dir) / REPORT
     check_outputs(
-        [Output(report_path, REPORT)],
+        [Output(report_path, REPORT, within=export_dir)],
         inputs=[tokens_file, text_file, manifest.checkpoint, *_export_files(export_dir, keep=report_path)],
     )
     inputs = tokens_from_file(tokens_file) if tokens_file else None
@@ -561,7 +561,7 @@ def verify(
             text=text_file,
         )
     result = report.to_json()
-    write_json_atomic(report_path, result)
+    write_json_atomic(report_path, result, within=export_dir)
     _print_json(result) if as_json else print_verify(report)
     if not report.passed:
         raise NumericMismatch(report.failure_message())
@@ -804,7 +804,7 @@ def bench(
             Output(json_path, "--report", stream=True),
             Output(csv_path, "--csv", stream=True),
             Output(plot_path, "--plot", stream=True),
-            Output(dir_report, BENCH_REPORTS[mode]),
+            Output(dir_report, BENCH_REPORTS[mode], within=export_dir),
         ],
         inputs=[
             checkpoint,
@@ -850,7 +850,7 @@ def bench(
         (json_path, lambda path: write_json_atomic(path, report.to_json())),
         (csv_path, lambda path: write_csv(path, report)),
         (plot_path, lambda path: write_plot(path, report)),
-        (dir_report, lambda path: write_json_atomic(path, report.to_json())),
+        (dir_report, lambda path: write_json_atomic(path, report.to_json(), within=export_dir)),
     ]
     for path, write in outputs:
         if path:

@@ -99,6 +99,9 @@ class Output:
     directory: str | None = None  # a directory written whole: what it holds, e.g. "taperfold export"
     owned: Callable[[Path], bool] | None = None  # for a directory: is an existing one of ours (replaceable)?
     overwrite: bool | None = None  # for a directory: replace a non-empty one that is not ours (None: no such option)
+    # a file taperfold keeps inside a directory of its own (DIR/verify.json): written there only, never through a
+    # link or mount planted on the way (check_inside)
+    within: str | os.PathLike | None = None
 
 
 class OutputPlan:
@@ -130,6 +133,8 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike 
                 raise TaperfoldError(f"{o.option} -: stdout is only for text and JSON outputs; name a file")
             continue
         refuse_hub_cache(path, f"{o.option} {path}", whole=bool(o.directory))
+        if o.within is not None:
+            check_inside(path, o.within)
         if o.directory:
             _check_directory(o, path, sources)
             continue
@@ -346,13 +351,19 @@ def _scratch_file(dest) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_path(dest: str | os.PathLike, sidecars: tuple[str, ...] = ()) -> Iterator[Path]:
+def atomic_path(
+    dest: str | os.PathLike, sidecars: tuple[str, ...] = (), within: str | os.PathLike | None = None
+) -> Iterator[Path]:
     """Yield a temporary path; once the body is done, put its content at dest (see the module docstring).
 
     `sidecars` are suffixes of files written next to the temporary path that must travel with it,
     e.g. ".data" for an ONNX model's external data (`tmp.onnx.data` -> `dest.onnx.data`).
+    `within`: a directory of taperfold's own that dest is a file of (an export's verify.json); a link or mount on the
+    way from it to dest is refused (check_inside), rather than followed as a link a user names as an output is.
     On any exception every temporary file is removed and dest is left as it was.
     """
+    if within is not None:
+        check_inside(dest, within)
     if sidecars and Path(dest).is_symlink():
         raise TaperfoldError(
             f"{dest}: is a symlink; a file with a {', '.join(sidecars)} file beside it is written "
@@ -569,6 +580,6 @@ def read_json_object(path: str | os.PathLike) -> dict:
     return obj
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    with atomic_path(path) as tmp:
+def write_json_atomic(path: str | os.PathLike, obj, within: str | os.PathLike | None = None) -> None:
+    with atomic_path(path, within=within) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -218,8 +218,7 @@ class Manifest:
     def write(self) -> None:
         """Rewrite manifest.json atomically (at the current format version), in the directory itself: a manifest.json
         planted as a link is refused, never written through."""
-        check_inside(self.path, self.directory)
-        write_json_atomic(self.path, {**self.to_json(), "format_version": FORMAT_VERSION})
+        write_json_atomic(self.path, {**self.to_json(), "format_version": FORMAT_VERSION}, within=self.directory)
 
 
 _MISSING_HINT = {(ONNX, GROWING): "re-export with --kv-cache", (ONNX, STATIC): "re-export with --kv-cache static"}

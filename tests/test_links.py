@@ -166,6 +166,36 @@ def test_a_manifest_planted_as_a_link_is_never_written_through(tmp_path, genai_e
     assert real.read_bytes() == before and not (out / "genai" / "unfolded").exists()
 
 
+@pytest.mark.parametrize(
+    ("command", "report"),
+    [
+        (["verify"], "verify.json"),
+        (["bench", "--iters", "1", "--warmup", "0", "--rounds", "1", "--batch", "1", "--seq", "8"], "bench.json"),
+    ],
+)
+def test_a_report_planted_as_a_link_in_an_export_is_refused_before_the_work(tmp_path, tiny_export, command, report):
+    out = _copy(tiny_export, tmp_path / "out")
+    real = tmp_path / "elsewhere.json"
+    real.write_text("somebody's")
+    (out / report).symlink_to(real)
+    one_line(run_cli(*command, out), f"{report}: is a symlink")
+    assert real.read_text() == "somebody's" and (out / report).is_symlink()
+
+
+@pytest.mark.parametrize("planted", ["model.plan", "trt.timing-cache"])
+def test_a_tensorrt_plan_planted_as_a_link_is_refused_before_the_build(tmp_path, tiny_export, planted):
+    from taperfold.artifacts.tensorrt_plan import build_engine, make_profile
+
+    out = _copy(tiny_export, tmp_path / "out")
+    real = tmp_path / "elsewhere"
+    real.write_text("somebody's")
+    (out / planted).symlink_to(real)
+    with pytest.raises(TaperfoldError, match=f"{planted}: is a symlink"):
+        build_engine(out / "model.onnx", out / "model.plan", make_profile(64), timing_cache=out / "trt.timing-cache",
+                     within=out)  # fmt: skip
+    assert real.read_text() == "somebody's"
+
+
 # ---- contenders (bench --against): built all or nothing ----------------------------------------------------------
 
 

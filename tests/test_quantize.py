@@ -28,7 +28,9 @@ PRECISIONS = {"int4": 4, "int8": 8}
 def quantized_export(tmp_path_factory, tiny_checkpoint):
     """tiny_checkpoint exported as a user does it: `--genai --quantize int4,int8` (the growing decoders come with
     --genai). Read-only: copy it before changing a file."""
-    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')")
+    pytest.importorskip(
+        "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'taperfold[genai]')"
+    )
     out = tmp_path_factory.mktemp("quantized") / "out"
     result = run_cli("export", tiny_checkpoint, "-o", out, "--genai", "--quantize", "int4,int8")
     assert result.exit_code == 0, result.stderr
@@ -59,7 +61,9 @@ def test_export_quantizes_every_graph_of_baseline_unfolded_and_folded(quantized_
             quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
             attrs = [{a.name: a.i for a in n.attribute} for n in quantized]
             assert len(quantized) == report["matmuls_quantized"] > 0
-            assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attrs} == {(PRECISIONS[precision], 32, 4)}
+            assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attrs} == {
+                (PRECISIONS[precision], 32, 4)
+            }
             # every MatMul of the fp32 graph with a constant weight became one; the head reads the tied embedding
             # through a Transpose, so it stays float
             source_proto = onnx.load(str(manifest.file(source)), load_external_data=False)
@@ -218,3 +222,54 @@ def test_a_quantized_pair_is_judged_by_top1_and_kl_not_by_max_rel():
     worse = Metrics(**{**metrics.to_dict(), "top1_decisive": 0.5})
     assert violations(worse, tolerance) == [f"top1 0.5 < {tolerance.min_top1:g}"]
     assert all(p in tolerance_help() for p in PRECISIONS)
+
+
+@pytest.mark.parametrize(
+    ("trans_b", "alpha", "beta", "bias"), [(0, 1.0, 1.0, True), (1, 0.5, 2.0, True), (0, 1.0, 1.0, False)]
+)
+def test_a_gemm_with_a_constant_weight_is_quantized_as_the_matmul_and_add_it_computes(
+    tmp_path, trans_b, alpha, beta, bias
+):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from taperfold.quantize import quantize_graph
+
+    rng = np.random.default_rng(0)
+    k, n = 64, 48
+    weight = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    inits = [numpy_helper.from_array(weight, "W")] + (
+        [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "C")] if bias else []
+    )
+    gemm = helper.make_node("Gemm", ["x", "W", *(["C"] if bias else [])], ["y"], transB=trans_b, alpha=alpha, beta=beta)
+    graph = helper.make_graph(
+        [gemm],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "g.onnx")
+    report = quantize_graph(tmp_path / "g.onnx", tmp_path / "q.onnx", Quantization("int8"))
+    assert report["matmuls_quantized"] == 1
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    assert [node.op_type for node in quantized.graph.node] == ["MatMulNBits", *(["Add"] if bias else [])]
+    assert {i.name for i in quantized.graph.initializer}.isdisjoint({"W"})  # the float weight is not kept beside
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    want = ort.InferenceSession(tmp_path / "g.onnx").run(None, {"x": x})[0]
+    got = ort.InferenceSession(tmp_path / "q.onnx").run(None, {"x": x})[0]
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-2  # int8 blocks: about 1 %
+
+
+def test_gpt2s_conv1d_layers_are_quantized_and_verify(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tapered_tiny_model("gpt2"), tmp_path / "tapered")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--no-baseline", "--quantize", "int8")
+    assert result.exit_code == 0, result.stderr
+    fold = read_manifest(tmp_path / "out").report("folded.int8", "quantize")
+    assert fold["matmuls_quantized"] == 2 * 4 + 1  # per layer c_attn, c_proj, c_fc, mlp c_proj; the head
+    assert run_cli("verify", tmp_path / "out").exit_code == 0

@@ -22,7 +22,7 @@ from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, register_kin
 from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field, Option
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
-from taperfold.fsutil import atomic_path
+from taperfold.fsutil import atomic_path, check_inside
 from taperfold.manifest import Manifest, read_manifest
 from taperfold.onnx_files import check_onnx_file
 from taperfold.opsets import TRT_MIN_VERSION
@@ -136,13 +136,23 @@ def _attach_timing_cache(config, path: Path | None):
 
 
 def build_engine(
-    onnx_path, plan_path, profile: Profile, timing_cache=None, on_stage: Callable[[str], None] = lambda s: None
+    onnx_path,
+    plan_path,
+    profile: Profile,
+    timing_cache=None,
+    on_stage: Callable[[str], None] = lambda s: None,
+    within=None,
 ) -> dict:
     """Parse `onnx_path` (its external data is found beside it), build, write `plan_path` atomically.
-    Returns the engine's metadata for the manifest."""
-    trt = trt_support.require_tensorrt()
+    `within`: the export directory the plan and timing cache are files of (a link planted there is refused before the
+    build, never written through). Returns the engine's metadata for the manifest."""
     onnx_path, plan_path = Path(onnx_path), Path(plan_path)
     timing_cache = Path(timing_cache) if timing_cache is not None else None
+    if within is not None:
+        for path in (plan_path, timing_cache):
+            if path is not None:
+                check_inside(path, within)
+    trt = trt_support.require_tensorrt()
     check_onnx_file(onnx_path)  # the parser reads external data wherever a location points: only beside the model
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -164,10 +174,10 @@ def build_engine(
     seconds = time.perf_counter() - t0
     if plan is None:
         raise TaperfoldError(f"{onnx_path}: TensorRT could not build an engine (its log above says why)")
-    with atomic_path(plan_path) as tmp:
+    with atomic_path(plan_path, within=within) as tmp:
         tmp.write_bytes(plan)
     if timing_cache is not None:
-        with atomic_path(timing_cache) as tmp:
+        with atomic_path(timing_cache, within=within) as tmp:
             tmp.write_bytes(cache.serialize())
     return {
         "path": plan_path.name,
@@ -275,6 +285,7 @@ class TensorrtPlan(ArtifactKind):
                 profile,
                 timing_cache=manifest.directory / TIMING_CACHE,
                 on_stage=on_stage,
+                within=manifest.directory,
             )
             records.append(
                 ArtifactRecord(
