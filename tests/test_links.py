@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import one_line, run_cli
+from conftest import HANG_S, one_line, run_cli
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
@@ -265,7 +265,7 @@ except KeyboardInterrupt:
 
 def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, hf_export):
     """The tool hangs; Ctrl-C (SIGINT to the process running bench's build, a child here) stops it: the tool's
-    process is killed and nothing stays."""
+    processes, the workers it started too, are killed and nothing stays."""
     import signal
     import subprocess
     import time
@@ -274,8 +274,12 @@ def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, hf_exp
     out = _copy(hf_export, tmp_path / "out")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    started = tmp_path / "started"
-    _stand_in_optimum_cli(bin_dir, f'mkdir -p "$last"; echo x > "$last/openvino_model.bin"; touch {started}; sleep 60')
+    started, worker = tmp_path / "started", tmp_path / "worker.pid"
+    _stand_in_optimum_cli(  # a tool whose worker (a child of its own) would never end: only the interrupt ends it
+        bin_dir,
+        f'mkdir -p "$last"; echo x > "$last/openvino_model.bin"; sleep 100000 & echo $! > {worker}; touch {started}; '
+        "wait",
+    )
     before = tree(out)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CHILD, str(out)], env=env)
@@ -285,10 +289,20 @@ def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, hf_exp
             time.sleep(0.1)
         assert started.exists(), "the stand-in tool never started"
         child.send_signal(signal.SIGINT)
-        assert child.wait(timeout=60) == 130
+        assert child.wait(timeout=HANG_S) == 130
     finally:
         child.kill()
     assert tree(out) == before
+    assert not _running(int(worker.read_text())), "the tool's worker outlived the interrupt"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` is alive (a zombie waiting for its reaper is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
 
 
 def test_a_contender_folder_planted_as_a_link_is_refused(tmp_path, victim, monkeypatch, hf_export):

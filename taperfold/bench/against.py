@@ -18,9 +18,11 @@ Adding a contender is a class that is a `Tool`, and one entry in CONTENDERS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -74,13 +76,28 @@ def _run_on_plain_model(
     with tempfile.TemporaryDirectory(prefix=".against-", dir=folder.parent) as scratch:
         plain = Path(scratch) / "plain-hf"
         open_source(manifest.checkpoint).write_plain_directory(plain)
-        run = subprocess.run(
-            command(plain, Path(scratch)), capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
-    if run.returncode != 0:
-        lines = [line.strip() for line in run.stderr.splitlines() if line.strip()]
-        why = lines[-1] if lines else f"exit code {run.returncode}"
+        returncode, stderr = _run_tool(command(plain, Path(scratch)), env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if returncode != 0:
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit code {returncode}"
         raise TaperfoldError(f"--against {name}: {tool} failed ({why})")
+
+
+def _run_tool(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run a contender's tool to the end: (exit code, stderr). The tool runs in a process group of its own, killed
+    whole when the run stops (Ctrl-C, an error), so that no process it started (a shell's child, a worker) lives on
+    writing into the folder being removed."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        _, stderr = process.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return process.returncode, stderr
 
 
 def _built_as_expected(name: str, tool: str, folder: Path, check: Callable[[], Any]) -> None:
