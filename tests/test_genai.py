@@ -433,6 +433,35 @@ def test_builder_route_takes_a_byte_level_directory_and_gives_its_folder_a_byte_
     assert og.Tokenizer(og.Model(str(folder))).encode(text).tolist() == list(text.encode())
 
 
+def test_builder_route_checks_the_folders_the_builder_wrote_before_keeping_them(tmp_path, monkeypatch):
+    """The builder adds the tokenizer's end-of-turn id to the config's end-of-sequence ids, and for a model whose
+    tokenizer is larger than its vocabulary that id is no token (a tiny Qwen2): export kept such a folder, exit 0, and
+    only verify refused it. Each folder is checked as verify checks it, and none is kept."""
+    pytest.importorskip("transformers")
+    from hf_models import tapered_tiny_model
+
+    from taperfold.artifacts.genai_builder import BuilderRoute
+    from taperfold.hf import save_hf_directory
+
+    config = dict(hidden_size=64, intermediate_size=128, head_dim=16)  # GQA on the CPU: head size 16
+    source = save_hf_directory(tapered_tiny_model("llama", **config), tmp_path / "tapered")
+    build = BuilderRoute.build
+
+    def with_a_turn_end_past_the_vocabulary(self, folders, *args, **kwargs):
+        build(self, folders, *args, **kwargs)
+        for folder in folders.values():
+            written = json.loads((folder / "genai_config.json").read_text())
+            written["model"]["eos_token_id"] = [written["model"]["vocab_size"], 2]
+            (folder / "genai_config.json").write_text(json.dumps(written))
+
+    monkeypatch.setattr(BuilderRoute, "build", with_a_turn_end_past_the_vocabulary)
+    result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--no-baseline", "--genai-route", "builder")
+    one_line(result, "genai_config.json: key 'model.eos_token_id'", "no token of the vocabulary",
+             "--genai-route traced")  # fmt: skip
+    assert str(tmp_path / "out" / "genai") in result.stderr and ".tmp" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_builder_route_refuses_a_model_with_a_linear_layer_as_wide_as_the_vocabulary(tmp_path):
     """onnxruntime-genai 0.18's builder takes every linear layer with vocab_size outputs for the LM head: a byte-level
     model of hidden size 256 (q_proj 256 -> 256) came out wrong at every length (verify caught it). The builder route

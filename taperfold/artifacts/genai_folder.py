@@ -52,6 +52,7 @@ from taperfold.exportdir import (
     decoder_io_names,
 )
 from taperfold.fsutil import atomic_dir
+from taperfold.genai_config import check_genai_folder
 from taperfold.jsonfields import is_file_name
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
 
@@ -238,6 +239,15 @@ class GenaiFolder(ArtifactKind):
                 for v in variants
             }
             builder.build(folders, precision, manifest.directory / FOLDER, on_stage, extra)
+            for variant, tmp in folders.items():  # as verify and bench check it before genai reads a word of it
+                final = manifest.directory / FOLDER / names[variant]
+                try:
+                    check_genai_folder(tmp)
+                except TaperfoldError as e:
+                    raise TaperfoldError(
+                        f"{str(e).replace(str(tmp), str(final))} (written by onnxruntime-genai's builder; "
+                        "use --genai-route traced)"
+                    ) from None
         records = []
         for variant in variants:
             folder = manifest.directory / FOLDER / names[variant]
