@@ -64,11 +64,11 @@ def test_export_quantizes_every_graph_of_baseline_unfolded_and_folded(quantized_
             assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attrs} == {
                 (PRECISIONS[precision], 32, 4)
             }
-            # every MatMul of the fp32 graph with a constant weight became one; the head reads the tied embedding
-            # through a Transpose, so it stays float
+            # every MatMul or Gemm of the fp32 graph with a constant weight became one; the head reads the tied
+            # embedding through a Transpose, so it stays float
             source_proto = onnx.load(str(manifest.file(source)), load_external_data=False)
             weights = {t.name for t in source_proto.graph.initializer}
-            constant = [n for n in source_proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+            constant = [n for n in source_proto.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
             assert len(constant) == len(quantized)
             assert report["matmuls_kept"] == sum(n.op_type == "MatMul" for n in nodes)
             # int4 packs two weights a byte; both are far smaller than the float32 weights they replace
