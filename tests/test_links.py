@@ -252,7 +252,9 @@ def test_a_contender_that_fails_leaves_no_folder_and_the_manifest_as_it_was(tmp_
 
 
 INTERRUPTED_CHILD = """
+import signal
 import sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a user's Ctrl-C; a pytest-xdist worker's children ignore it
 from taperfold.bench.against import OptimumIntel, prepare_contender
 from taperfold.manifest import read_manifest
 OptimumIntel.version = lambda self: "stand-in"
