@@ -564,4 +564,5 @@ def test_a_report_planted_as_a_symlink_onto_an_input_is_refused(cli, tiny_export
     (out / report).symlink_to(victim)
     result = cli(command[0], out, *command[1:])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "would overwrite the input" in result.stderr and victim.read_bytes() == before
+    # refused as a link inside the export (round 5), before the question of which file it points to
+    assert f"{report}: is a symlink" in result.stderr and victim.read_bytes() == before
