@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 
-
 TERMINAL_SIZE = ("COLUMNS", "LINES")
 
 

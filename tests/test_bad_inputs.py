@@ -110,8 +110,13 @@ def pt_with(tmp_path: Path, source: Path, name: str, mutate) -> Path:
 
 
 def child(args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "taperfold.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [PY, "-m", "taperfold.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 # ---- clobbering: special files, symlinks, inputs, other outputs ------------------------------------------
@@ -180,14 +185,18 @@ def test_report_dash_is_stdout_and_the_table_goes_to_stderr(work):
     assert "norms folded" in r.stderr
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["-o", "exp/unfolded.onnx"], ["would overwrite the input exp/unfolded.onnx"]),
-    (["-o", "exp/unfolded.onnx.data"], ["would overwrite the input exp/unfolded.onnx.data"]),
-    (["-o", "x.onnx", "--report", "x.onnx"], ["--report x.onnx", "same file as -o"]),
-    (["-o", "x.onnx", "--report", "exp/unfolded.onnx"], ["--report", "would overwrite the input"]),
-    (["-o", "x.onnx", "--report", "x.onnx.data"], ["same file as -o's .data file"]),
-    (["-o", "exp/unfolded.onnx.data.onnx"], []),  # a new name: allowed (checked below)
-], ids=["o-is-input", "o-is-input-data", "report-is-o", "report-is-input", "report-is-o-data", "ok"])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["-o", "exp/unfolded.onnx"], ["would overwrite the input exp/unfolded.onnx"]),
+        (["-o", "exp/unfolded.onnx.data"], ["would overwrite the input exp/unfolded.onnx.data"]),
+        (["-o", "x.onnx", "--report", "x.onnx"], ["--report x.onnx", "same file as -o"]),
+        (["-o", "x.onnx", "--report", "exp/unfolded.onnx"], ["--report", "would overwrite the input"]),
+        (["-o", "x.onnx", "--report", "x.onnx.data"], ["same file as -o's .data file"]),
+        (["-o", "exp/unfolded.onnx.data.onnx"], []),  # a new name: allowed (checked below)
+    ],
+    ids=["o-is-input", "o-is-input-data", "report-is-o", "report-is-input", "report-is-o-data", "ok"],
+)
 def test_outputs_that_are_inputs_or_each_other_are_refused_before_work(work, args, needles):
     if not needles:
         assert run_cli("fold", "exp/unfolded.onnx", *args).exit_code == 0
@@ -197,8 +206,9 @@ def test_outputs_that_are_inputs_or_each_other_are_refused_before_work(work, arg
 
 def test_input_data_reached_through_a_hard_link_is_refused(work):
     os.link(work / "exp" / "unfolded.onnx.data", work / "alias.data")
-    refused_untouched(work, ["fold", "exp/unfolded.onnx", "-o", "x.onnx", "--report", "alias.data"],
-                      "would overwrite the input")
+    refused_untouched(
+        work, ["fold", "exp/unfolded.onnx", "-o", "x.onnx", "--report", "alias.data"], "would overwrite the input"
+    )
 
 
 def test_export_into_the_checkpoint_directory_is_refused(work):
@@ -227,26 +237,35 @@ def test_re_export_replaces_the_directory_whole(work, quick_exporter):
     r = run_cli("export", "ckpt.pt", "-o", "exp", "--no-baseline")
     assert r.exit_code == 0, r.stderr
     assert sorted(p.name for p in (work / "exp").iterdir()) == [
-        "manifest.json", "model.onnx", "model.onnx.data", "unfolded.onnx", "unfolded.onnx.data"]
+        "manifest.json",
+        "model.onnx",
+        "model.onnx.data",
+        "unfolded.onnx",
+        "unfolded.onnx.data",
+    ]
     assert not [p for p in work.iterdir() if p.name.startswith(".")]  # no temporary sibling left
 
 
 # ---- checked too late: every output checked before the work ----------------------------------------------
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["fold", "exp/unfolded.onnx", "-o", "f.onnx", "--report", "/proc/x.json"], ["--report /proc/x.json"]),
-    (["fold", "exp/unfolded.onnx", "-o", "nodir/f.onnx"], ["directory", "nodir", "does not exist"]),
-    (["bench", "exp", "--report", "/proc/b.json", "--iters", "1"], ["--report /proc/b.json"]),
-    (["bench", "exp", "--json", "/proc/b.json", "--iters", "1"], ["/proc/b.json"]),  # the old spelling
-    (["bench", "exp", "--csv", "nodir/b.csv", "--iters", "1"], ["--csv nodir/b.csv", "does not exist"]),
-    (["bench", "exp", "--plot", "/proc/b.png", "--iters", "1"], ["--plot /proc/b.png"]),
-    (["bench", "exp", "--csv", "exp/model.onnx", "--iters", "1"], ["would overwrite the input"]),
-    (["train", "--steps", "30", "--batch-size", "1", "-o", "/proc/x.pt"], ["-o /proc/x.pt"]),
-    (["train", "--steps", "30", "--batch-size", "1", "--out", "/proc/x.pt"], ["/proc/x.pt"]),  # the old spelling
-    (["train", "--steps", "30", "--batch-size", "1", "-o", "x.pt", "--data", "x.pt"], []),
-    (["export", "ckpt.pt", "-o", "/proc/out"], ["-o /proc/out"]),
-], ids=lambda v: "-".join(map(str, v))[:40] if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["fold", "exp/unfolded.onnx", "-o", "f.onnx", "--report", "/proc/x.json"], ["--report /proc/x.json"]),
+        (["fold", "exp/unfolded.onnx", "-o", "nodir/f.onnx"], ["directory", "nodir", "does not exist"]),
+        (["bench", "exp", "--report", "/proc/b.json", "--iters", "1"], ["--report /proc/b.json"]),
+        (["bench", "exp", "--json", "/proc/b.json", "--iters", "1"], ["/proc/b.json"]),  # the old spelling
+        (["bench", "exp", "--csv", "nodir/b.csv", "--iters", "1"], ["--csv nodir/b.csv", "does not exist"]),
+        (["bench", "exp", "--plot", "/proc/b.png", "--iters", "1"], ["--plot /proc/b.png"]),
+        (["bench", "exp", "--csv", "exp/model.onnx", "--iters", "1"], ["would overwrite the input"]),
+        (["train", "--steps", "30", "--batch-size", "1", "-o", "/proc/x.pt"], ["-o /proc/x.pt"]),
+        (["train", "--steps", "30", "--batch-size", "1", "--out", "/proc/x.pt"], ["/proc/x.pt"]),  # the old spelling
+        (["train", "--steps", "30", "--batch-size", "1", "-o", "x.pt", "--data", "x.pt"], []),
+        (["export", "ckpt.pt", "-o", "/proc/out"], ["-o /proc/out"]),
+    ],
+    ids=lambda v: "-".join(map(str, v))[:40] if isinstance(v, list) else None,
+)
 def test_unwritable_outputs_are_refused_before_any_work(work, args, needles):
     if "--data" in args:
         (work / "x.pt").write_text("some text to train on\n" * 100)
@@ -259,12 +278,15 @@ def test_verify_checks_verify_json_before_running(work):
     refused_untouched(work, ["verify", "exp"], "verify.json", "is a directory")
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["fold", "exp/unfolded.onnx", "-o", "exp"], ["'-o'", "directory", "taperfold fold --help"]),
-    (["export"], ["CHECKPOINT", "taperfold export --help"]),
-    (["bench", "exp", "--batch"], ["--batch", "argument"]),
-    (["verify", "exp", "--no-such-flag"], ["--no-such-flag"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["fold", "exp/unfolded.onnx", "-o", "exp"], ["'-o'", "directory", "taperfold fold --help"]),
+        (["export"], ["CHECKPOINT", "taperfold export --help"]),
+        (["bench", "exp", "--batch"], ["--batch", "argument"]),
+        (["verify", "exp", "--no-such-flag"], ["--no-such-flag"]),
+    ],
+)
 def test_usage_errors_are_one_line(work, args, needles):
     """click's own usage block (Usage:, Try ..., Error: ...) is three lines: one line like every bad input."""
     refused_untouched(work, args, *needles)
@@ -416,6 +438,7 @@ def _tensor(key, value):
     def mutate(obj):
         obj["state_dict"][key] = obj["state_dict"][key].clone()
         obj["state_dict"][key].view(-1)[0] = value
+
     return mutate
 
 
@@ -431,10 +454,14 @@ BAD_CHECKPOINTS = {
     "norm_eps=-1": (_config(norm_eps=-1), ["norm_eps must be a number in (0, 1]", "-1"]),
     "rope_theta=nan": (_config(rope_theta=float("nan")), ["rope_theta"]),
     "odd head_dim": (_config(d_model=132, n_heads=4, d_ff=512), ["must be even"]),
-    "nan in q_proj": (_tensor("model.layers.1.self_attn.q_proj.weight", float("nan")),
-                      ["model.layers.1.self_attn.q_proj.weight", "NaN or Inf"]),
-    "inf in embedding": (_tensor("model.embed_tokens.weight", float("inf")),
-                         ["model.embed_tokens.weight", "NaN or Inf"]),
+    "nan in q_proj": (
+        _tensor("model.layers.1.self_attn.q_proj.weight", float("nan")),
+        ["model.layers.1.self_attn.q_proj.weight", "NaN or Inf"],
+    ),
+    "inf in embedding": (
+        _tensor("model.embed_tokens.weight", float("inf")),
+        ["model.embed_tokens.weight", "NaN or Inf"],
+    ),
     "c=1e38": (_tensor("model.layers.0.input_layernorm.c", 1e38), ["model.layers.0.input_layernorm.c", "1e+38"]),
     "c=-1": (_tensor("model.layers.2.post_attention_layernorm.c", -1.0), ["post_attention_layernorm.c", "-1"]),
 }
@@ -445,8 +472,11 @@ BAD_CHECKPOINTS = {
 def test_bad_checkpoint_is_one_line(work, case, command):
     mutate, needles = BAD_CHECKPOINTS[case]
     bad = pt_with(work, work / "ckpt.pt", "bad.pt", mutate)
-    args = {"inspect": ["inspect", bad], "export": ["export", bad, "-o", "out"],
-            "bench": ["bench", "--checkpoint", bad, "--iters", "1", "--seq", "8", "--batch", "1"]}[command]
+    args = {
+        "inspect": ["inspect", bad],
+        "export": ["export", bad, "-o", "out"],
+        "bench": ["bench", "--checkpoint", bad, "--iters", "1", "--seq", "8", "--batch", "1"],
+    }[command]
     refused_untouched(work, args, "bad.pt", *needles)
 
 

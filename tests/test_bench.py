@@ -4,9 +4,9 @@ These check logic, never speed: shapes are tiny and iteration counts minimal."""
 import csv
 import io
 import json
-from pathlib import Path
 import math
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,13 +14,13 @@ import pytest
 import torch
 from conftest import one_line
 
-from taperfold.exportdir import GROWING
 from taperfold.bench.harness import Job, Schedule, rotated, run_rounds, split
 from taperfold.bench.report import CSV_COLUMNS, BenchReport, check_report, csv_rows, throughput_stats, write_csv
 from taperfold.bench.stats import summarize
 from taperfold.checkpoint import load_checkpoint
 from taperfold.engines import ENGINES, MODELS, Engine
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import GROWING
 from taperfold.runners.base import InputSpec, Runner
 from taperfold.runners.torch_runner import TorchRunner
 
@@ -71,6 +71,7 @@ def test_schedule_spreads_iterations_and_warmup_over_rounds():
 
 def _recording_job(name, calls):
     """A job whose sample is the position of its call in `calls` (to check which calls were kept)."""
+
     def synced():
         calls.append(name)
         return len(calls)
@@ -78,6 +79,7 @@ def _recording_job(name, calls):
     def pipelined(n):
         calls.append(f"{name}x{n}")
         return len(calls)
+
     return Job(synced, pipelined)
 
 
@@ -97,12 +99,34 @@ def test_rounds_alternate_variants_in_rotated_order():
 
 def test_a_pipelined_schedule_adds_one_sample_of_each_slice_s_calls():
     calls, ticks = [], []
-    samples = run_rounds({v: _recording_job(v, calls) for v in "AB"}, Schedule(warmup=2, iters=5, rounds=2,
-                                                                                pipelined=True),
-                         on_call=lambda: ticks.append(1))
+    samples = run_rounds(
+        {v: _recording_job(v, calls) for v in "AB"},
+        Schedule(warmup=2, iters=5, rounds=2, pipelined=True),
+        on_call=lambda: ticks.append(1),
+    )
     # first runs; then per slice: a warm-up call, the synced calls, their count again as one pipelined sample
-    assert calls == ["A", "B", "A", "A", "A", "A", "Ax3", "B", "B", "B", "B", "Bx3",
-                     "B", "B", "B", "Bx2", "A", "A", "A", "Ax2"]
+    assert calls == [
+        "A",
+        "B",
+        "A",
+        "A",
+        "A",
+        "A",
+        "Ax3",
+        "B",
+        "B",
+        "B",
+        "B",
+        "Bx3",
+        "B",
+        "B",
+        "B",
+        "Bx2",
+        "A",
+        "A",
+        "A",
+        "Ax2",
+    ]
     assert samples.synced == {"A": [4, 5, 6, 18, 19], "B": [9, 10, 11, 14, 15]}
     assert samples.pipelined == {"A": [7, 20], "B": [12, 16]}
     assert len(ticks) == 2 * Schedule(warmup=2, iters=5, rounds=2, pipelined=True).calls_per_variant()
@@ -185,6 +209,7 @@ class LaunchBoundRunner(Runner):
             if self.launched == self.fail_at:
                 raise self.error("the engine failed")
             return {"logits": np.zeros((prepared.shape[0], 4), np.float32)}
+
         return launch
 
     def _clock(self):
@@ -196,12 +221,20 @@ class LaunchBoundRunner(Runner):
 
 def launch_bound_engine(fail_at: int | None = None) -> Engine:
     """Stands in for the torch engine (its name and options, so that the CLI's flags still map to an engine)."""
+
     def open_runner(model, *, device, threads, graph, logits, name, shapes=None, **options):
         return LaunchBoundRunner(name, fail_at)
 
-    return Engine("torch", "Launch-bound", MODELS, default_device="cpu", devices=("cpu",), decodes=False,
-                  options=ENGINES["torch"].options,
-                  module=SimpleNamespace(open_runner=open_runner, unavailable=lambda device: None))
+    return Engine(
+        "torch",
+        "Launch-bound",
+        MODELS,
+        default_device="cpu",
+        devices=("cpu",),
+        decodes=False,
+        options=ENGINES["torch"].options,
+        module=SimpleNamespace(open_runner=open_runner, unavailable=lambda device: None),
+    )
 
 
 @pytest.fixture
@@ -211,8 +244,9 @@ def launch_bound_report(monkeypatch):
     from taperfold.bench.source import resolve_source
 
     monkeypatch.setitem(ENGINES, "torch", launch_bound_engine())
-    opts = BenchOptions(engine="torch", variants=["baseline", "folded"], batches=[2], seqs=[8], warmup=1, iters=4,
-                        rounds=2)
+    opts = BenchOptions(
+        engine="torch", variants=["baseline", "folded"], batches=[2], seqs=[8], warmup=1, iters=4, rounds=2
+    )
     with load_bench(resolve_source(None, None, "tiny"), opts) as loaded:
         return run_bench(loaded)
 
@@ -242,16 +276,21 @@ def _rows(table) -> list[list[str]]:
 
     console = Console(file=io.StringIO(), width=240, color_system=None)
     console.print(table)
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in console.file.getvalue().splitlines()
-            if line.startswith("│")]
+    return [
+        [c.strip() for c in line.split("│")[1:-1]]
+        for line in console.file.getvalue().splitlines()
+        if line.startswith("│")
+    ]
 
 
 def test_throughput_table_shows_pipelined_and_latency_table_synced(launch_bound_report):
     from taperfold.ui import detail_table, throughput_table
 
     table = throughput_table(launch_bound_report, "prefill")
-    assert table.title == ("prefill throughput (k tokens/s, median, pipelined calls) — torch cpu fp32, "
-                           f"{launch_bound_report.threads} threads")
+    assert table.title == (
+        "prefill throughput (k tokens/s, median, pipelined calls) — torch cpu fp32, "
+        f"{launch_bound_report.threads} threads"
+    )
     # k tokens/s = 16 tokens / ms per call: baseline 2.5 ms, folded 1.5 ms pipelined (3 and 2 ms synced)
     assert _rows(table) == [["2", "8", f"{16 / 2.5:.1f}", f"{16 / 1.5:.1f}", f"{2.5 / 1.5:.3f}"]]
     table = detail_table(launch_bound_report)
@@ -263,10 +302,27 @@ def test_throughput_table_shows_pipelined_and_latency_table_synced(launch_bound_
 def test_a_failure_in_either_timing_is_one_line(fail_at, what, monkeypatch, cli):
     # launches: the first run (1), two synced calls (2, 3), then the two pipelined calls (4, 5)
     monkeypatch.setitem(ENGINES, "torch", launch_bound_engine(fail_at))
-    r = cli("bench", "--preset", "tiny", "--variants", "folded", "--batch", "1", "--seq", "8", "--warmup", "0",
-            "--iters", "2", "--rounds", "1")
-    assert (r.exit_code, r.stderr) == (2, f"taperfold: error: folded (--preset tiny): the engine failed "
-                                          f"(during {what})\n")
+    r = cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--variants",
+        "folded",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+        "--rounds",
+        "1",
+    )
+    assert (r.exit_code, r.stderr) == (
+        2,
+        f"taperfold: error: folded (--preset tiny): the engine failed (during {what})\n",
+    )
 
 
 def as_version_1(data: dict) -> dict:
@@ -286,8 +342,11 @@ def test_reports_of_both_versions_are_read_and_others_refused(launch_bound_repor
     v1_row = {"stats_ms": {"cv_pct": 3.0}, "tokens_per_s": 1.0}  # version 1: one set of synced timings
     assert throughput_stats(v1_row) == {"cv_pct": 3.0}
     assert check_report({**data, "format_version": 1}, "old.json")["format_version"] == 1
-    with pytest.raises(TaperfoldError, match=r"^new\.json: key 'format_version' is 3; this taperfold reads "
-                                             r"taperfold-bench versions 1, 2$"):
+    with pytest.raises(
+        TaperfoldError,
+        match=r"^new\.json: key 'format_version' is 3; this taperfold reads "
+        r"taperfold-bench versions 1, 2$",
+    ):
         check_report({**data, "format_version": 3}, "new.json")
     with pytest.raises(TaperfoldError, match=r"^x\.json: not a taperfold-bench report \(key 'format'\)$"):
         check_report({"format": "taperfold-export"}, "x.json")
@@ -310,15 +369,37 @@ def test_a_real_run_reads_back_to_the_same_json_csv_and_tables(mode, tmp_path, c
 
     report_path, csv_path = tmp_path / "b.json", tmp_path / "b.csv"
     lengths = ("--seq", "8,16") if mode == "prefill" else ("--prompt", "4", "--new-tokens", "2")
-    r = cli("bench", "--preset", "tiny", "--engine", "torch", "--mode", mode, "--batch", "1,2", *lengths,
-            "--warmup", "0", "--iters", "2", "--threads", "1", "--variants", "baseline,folded",
-            "--report", report_path, "--csv", csv_path)
+    r = cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--engine",
+        "torch",
+        "--mode",
+        mode,
+        "--batch",
+        "1,2",
+        *lengths,
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+        "--threads",
+        "1",
+        "--variants",
+        "baseline,folded",
+        "--report",
+        report_path,
+        "--csv",
+        csv_path,
+    )
     assert r.exit_code == 0, r.stderr
     report = BenchReport.read(report_path)
     assert json.dumps(report.to_json(), indent=2) + "\n" == report_path.read_text()  # the bytes bench wrote
     assert BenchReport.from_json(report.to_json()).to_json() == report.to_json()
     assert len(report.results) == 8 and report.phases() == (  # 2 batches x 2 variants x 2 lengths or phases
-        ["prefill"] if mode == "prefill" else ["prefill", "decode"])
+        ["prefill"] if mode == "prefill" else ["prefill", "decode"]
+    )
     write_csv(tmp_path / "again.csv", report)
     assert (tmp_path / "again.csv").read_text() == csv_path.read_text()
     out, err = io.StringIO(), io.StringIO()
@@ -338,15 +419,24 @@ def test_a_bad_or_newer_report_is_refused_in_one_line(launch_bound_report, tmp_p
         return bad
 
     cases = [
-        ({**data, "format_version": 3}, "key 'format_version' is 3; this taperfold reads taperfold-bench versions 1, 2"),
+        (
+            {**data, "format_version": 3},
+            "key 'format_version' is 3; this taperfold reads taperfold-bench versions 1, 2",
+        ),
         ({**data, "format": "taperfold-verify"}, "not a taperfold-bench report (key 'format')"),
-        (changed(lambda d: d["results"][1]["synced"]["stats_ms"].update(median="fast")),
-         "key 'results[1].synced.stats_ms.median' must be a number, got 'fast'"),
+        (
+            changed(lambda d: d["results"][1]["synced"]["stats_ms"].update(median="fast")),
+            "key 'results[1].synced.stats_ms.median' must be a number, got 'fast'",
+        ),
         (changed(lambda d: d["results"][0].pop("tokens_per_s")), "missing key 'results[0].tokens_per_s'"),
-        (changed(lambda d: d["results"][0].update(throughput_from="generation")),
-         "key 'results[0].throughput_from' names 'generation', which the row has no timing of"),
-        (changed(lambda d: d["results"][0].update(phase="warmup")),
-         "key 'results[0].phase' must be one of prefill, decode, got 'warmup'"),
+        (
+            changed(lambda d: d["results"][0].update(throughput_from="generation")),
+            "key 'results[0].throughput_from' names 'generation', which the row has no timing of",
+        ),
+        (
+            changed(lambda d: d["results"][0].update(phase="warmup")),
+            "key 'results[0].phase' must be one of prefill, decode, got 'warmup'",
+        ),
         (changed(lambda d: d["settings"].update(iters=None)), "key 'settings.iters' must be an integer, got None"),
         (changed(lambda d: d.update(results={})), "key 'results' must be a list of objects, got an object"),
     ]
@@ -367,15 +457,48 @@ def test_a_bad_or_newer_report_is_refused_in_one_line(launch_bound_report, tmp_p
 @pytest.mark.slow
 def test_bench_end_to_end_json_csv_and_bench_json(bench_export, tmp_path, cli):
     out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
-    r = cli("bench", bench_export, "--engine", "ort", "--batch", "1,2", "--seq", "8,16", "--iters", "2",
-                "--warmup", "1", "--threads", "1", "--json", out_json, "--csv", out_csv)
+    r = cli(
+        "bench",
+        bench_export,
+        "--engine",
+        "ort",
+        "--batch",
+        "1,2",
+        "--seq",
+        "8,16",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        out_json,
+        "--csv",
+        out_csv,
+    )
     assert r.exit_code == 0, r.stderr
     assert "prefill throughput (k tokens/s, median, pipelined calls)" in r.stdout
     assert "latency per call (ms, synced calls)" in r.stdout
     report = json.loads(out_json.read_text())
     assert json.loads((bench_export / "bench.json").read_text()) == report
-    for key in ("format", "format_version", "created", "mode", "engine", "device", "dtype", "threads", "timing",
-                "source", "config", "settings", "environment", "results", "warnings"):
+    for key in (
+        "format",
+        "format_version",
+        "created",
+        "mode",
+        "engine",
+        "device",
+        "dtype",
+        "threads",
+        "timing",
+        "source",
+        "config",
+        "settings",
+        "environment",
+        "results",
+        "warnings",
+    ):
         assert key in report, key
     assert report["threads"] == 1 and report["settings"]["rounds"] == 2 and report["settings"]["cv_warn_pct"] == 5.0
     assert {"cpu", "versions", "torch_threads"} <= set(report["environment"])
@@ -400,15 +523,37 @@ def test_bench_end_to_end_json_csv_and_bench_json(bench_export, tmp_path, cli):
 @pytest.mark.slow
 def test_bench_decode_mode_reports_per_token_times(bench_export, tmp_path, cli):
     out_json = tmp_path / "d.json"
-    r = cli("bench", bench_export, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3",
-                "--iters", "2", "--warmup", "1", "--variants", "unfused,folded", "--json", out_json)
+    r = cli(
+        "bench",
+        bench_export,
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--prompt",
+        "8",
+        "--new-tokens",
+        "3",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--variants",
+        "unfused,folded",
+        "--json",
+        out_json,
+    )
     assert r.exit_code == 0, r.stderr
     assert "decode throughput (tokens/s, median, whole generations)" in r.stdout
     assert "prefill throughput (k tokens/s, median, synced calls)" in r.stdout  # the prompts
     report = json.loads(out_json.read_text())
     rows = report["results"]
     assert [(row["variant"], row["phase"]) for row in rows] == [
-        ("unfolded", "prefill"), ("unfolded", "decode"), ("folded", "prefill"), ("folded", "decode")]
+        ("unfolded", "prefill"),
+        ("unfolded", "decode"),
+        ("folded", "prefill"),
+        ("folded", "decode"),
+    ]
     assert list(report["timing"]) == ["synced", "generation"]
     prompt, decode = rows[0], rows[1]
     assert prompt["throughput_from"] == "synced" and "pipelined" not in prompt
@@ -420,8 +565,21 @@ def test_bench_decode_mode_reports_per_token_times(bench_export, tmp_path, cli):
 
 
 def test_bench_torch_engine_from_a_checkpoint(tiny_checkpoint, tmp_path, cli):
-    r = cli("bench", "--checkpoint", tiny_checkpoint, "--batch", "1", "--seq", "8", "--iters", "2", "--warmup", "0",
-                "--csv", tmp_path / "t.csv")
+    r = cli(
+        "bench",
+        "--checkpoint",
+        tiny_checkpoint,
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--csv",
+        tmp_path / "t.csv",
+    )
     assert r.exit_code == 0, r.stderr
     rows = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert [row["engine"] for row in rows] == ["torch"] * 3
@@ -436,13 +594,22 @@ def test_decode_without_decoder_graphs_says_re_export(bench_export, tmp_path, cl
     assert r.stderr.startswith("taperfold: error: ") and "re-export with --kv-cache" in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--mode", "decode", "--kv-cache", "static"], "missing key 'artifacts.baseline.static': re-export with --kv-cache"),
-    (["--cuda-graph"], "--cuda-graph needs --device cuda"),
-    (["--engine", "trt"], "tensorrt is not installed"),
-    pytest.param(["--device", "cuda"], "--device cuda: this onnxruntime build has no CUDA execution provider",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--mode", "decode", "--kv-cache", "static"],
+            "missing key 'artifacts.baseline.static': re-export with --kv-cache",
+        ),
+        (["--cuda-graph"], "--cuda-graph needs --device cuda"),
+        (["--engine", "trt"], "tensorrt is not installed"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: this onnxruntime build has no CUDA execution provider",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA"),
+        ),
+    ],
+)
 def test_refusals_after_a_default_length_note_are_one_line(tiny_export, cli, args, message):
     # the default lengths pass the tiny model's context, which is a note: a refusal still prints only its own line
     r = cli("bench", tiny_export, "--iters", "1", "--warmup", "0", *args)
@@ -456,15 +623,21 @@ def test_missing_tensorrt_is_one_line_and_exit_2(bench_export, monkeypatch, cli)
     assert (r.exit_code, r.stderr) == (2, TRT_LINE)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "tiny", "--variants", "baseline,fast"], "--variants: unknown ['fast']"),
-    (["--preset", "tiny", "--iters", "2", "--rounds", "3"], "--rounds 3 exceeds --iters 2"),
-    (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list"),
-    (["--preset", "tiny", "--seq", "4096"], "--seq 4096 exceeds the model's context (max_seq_len 128)"),
-    (["--preset", "tiny", "--seq", "8", "--engine", "ort"], "--engine ort runs exported graphs"),
-    (["--preset", "tiny", "--seq", "8", "--ort-optimization", "basic"], "--ort-optimization applies to --engine ort"),
-    ([], "give exactly one of DIR"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "tiny", "--variants", "baseline,fast"], "--variants: unknown ['fast']"),
+        (["--preset", "tiny", "--iters", "2", "--rounds", "3"], "--rounds 3 exceeds --iters 2"),
+        (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list"),
+        (["--preset", "tiny", "--seq", "4096"], "--seq 4096 exceeds the model's context (max_seq_len 128)"),
+        (["--preset", "tiny", "--seq", "8", "--engine", "ort"], "--engine ort runs exported graphs"),
+        (
+            ["--preset", "tiny", "--seq", "8", "--ort-optimization", "basic"],
+            "--ort-optimization applies to --engine ort",
+        ),
+        ([], "give exactly one of DIR"),
+    ],
+)
 def test_bad_input_is_one_error_line(args, message, cli):
     r = cli("bench", *args)
     assert r.exit_code == 2
@@ -479,8 +652,28 @@ def test_torch_engine_fuses_projections_as_the_export_did_unless_told(bench_expo
 
     def bench(*args):
         report = tmp_path / "report.json"
-        r = cli("bench", *args, "--batch", "1", "--seq", "8", "--warmup", "1", "--iters", "2", "--rounds", "1",
-                "--threads", "1", "--variants", "baseline,folded", "--report", report, "--csv", tmp_path / "r.csv")
+        r = cli(
+            "bench",
+            *args,
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--variants",
+            "baseline,folded",
+            "--report",
+            report,
+            "--csv",
+            tmp_path / "r.csv",
+        )
         assert r.exit_code == 0, r.stderr
         rows = list(csv.DictReader((tmp_path / "r.csv").open()))
         return json.loads(report.read_text()), r.stdout, {row["fused_projections"] for row in rows}
@@ -490,11 +683,16 @@ def test_torch_engine_fuses_projections_as_the_export_did_unless_told(bench_expo
     report, stdout, column = bench(bench_export, "--engine", "torch")
     assert report["fused_projections"] is True and column == {"True"}
     assert report["projection_groups"] == ort["projection_groups"] == {"baseline": groups, "folded": groups}
-    assert f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: baseline " \
-           f"{groups}, folded {groups}" in stdout
+    assert (
+        f"projections fused: each group of siblings (q/k/v, gate/up) runs as one layer; groups: baseline "
+        f"{groups}, folded {groups}" in stdout
+    )
     report, stdout, column = bench(bench_export, "--engine", "torch", "--no-fuse-projections")
     assert (report["fused_projections"], report["projection_groups"], column) == (
-        False, {"baseline": 0, "folded": 0}, {"False"})
+        False,
+        {"baseline": 0, "folded": 0},
+        {"False"},
+    )
     assert "projections unfused: each linear layer runs on its own" in stdout
     # a checkpoint has no export to match: unfused unless asked
     report, _, _ = bench("--checkpoint", tiny_checkpoint)
@@ -507,9 +705,12 @@ def test_graph_engines_refuse_a_fusion_their_graphs_lack_in_one_line(bench_expor
     args = ("bench", bench_export, "--engine", "ort", "--seq", "8", "--iters", "1", "--warmup", "0")
     r = cli(*args, "--no-fuse-projections")
     manifest = Path(bench_export) / "manifest.json"
-    assert (r.exit_code, r.stderr) == (2, f"taperfold: error: --no-fuse-projections: --engine ort times the graphs as "
-                                          f"exported, fused ({manifest}: key 'export.fuse_projections'); re-export "
-                                          "with --no-fuse-projections, or time --engine torch\n")
+    assert (r.exit_code, r.stderr) == (
+        2,
+        f"taperfold: error: --no-fuse-projections: --engine ort times the graphs as "
+        f"exported, fused ({manifest}: key 'export.fuse_projections'); re-export "
+        "with --no-fuse-projections, or time --engine torch\n",
+    )
     assert cli(*args, "--fuse-projections").exit_code == 0  # what the graphs are: nothing to refuse
 
 
@@ -536,16 +737,53 @@ def test_fuse_projections_with_a_graph_engine_and_no_export_is_the_engines_own_l
 
 def test_bench_default_lengths_are_capped_at_the_context_and_say_so(tiny_export, tmp_path, cli):
     report = tmp_path / "b.json"
-    r = cli("bench", tiny_export, "--engine", "ort", "--variants", "folded", "--batch", "1", "--iters", "1",
-            "--warmup", "0", "--threads", "1", "--report", report)
+    r = cli(
+        "bench",
+        tiny_export,
+        "--engine",
+        "ort",
+        "--variants",
+        "folded",
+        "--batch",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--report",
+        report,
+    )
     assert r.exit_code == 0, r.stderr
     assert "note: --seq: the defaults 128,256,512 are capped at the model's context (128): timing 128" in r.stderr
     assert {row["seq"] for row in json.loads(report.read_text())["results"]} == {128}
-    r = cli("bench", tiny_export, "--engine", "ort", "--mode", "decode", "--variants", "folded", "--batch", "1",
-            "--new-tokens", "4", "--iters", "1", "--warmup", "0", "--threads", "1", "--report", report)
+    r = cli(
+        "bench",
+        tiny_export,
+        "--engine",
+        "ort",
+        "--mode",
+        "decode",
+        "--variants",
+        "folded",
+        "--batch",
+        "1",
+        "--new-tokens",
+        "4",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--report",
+        report,
+    )
     assert r.exit_code == 0, r.stderr
-    assert "note: --prompt: the default 128 + --new-tokens 4 would pass the model's context (128): prompt 124" \
-        in r.stderr
+    assert (
+        "note: --prompt: the default 128 + --new-tokens 4 would pass the model's context (128): prompt 124" in r.stderr
+    )
     one_line(cli("bench", tiny_export, "--engine", "ort", "--seq", "512"), "--seq 512 exceeds the model's context")
 
 

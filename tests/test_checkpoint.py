@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_S, one_line, run_cli
 from safetensors.torch import save_file
 
 from taperfold.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.models import build_model, preset_config
-
-from conftest import HANG_S, one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +65,15 @@ def assert_one_line_error(result, *needles):
 
 
 def pt_with(tmp_path, ckpt, mutate):
-    obj = {"format": "taperfold-checkpoint", "format_version": 1, "config": ckpt.config.to_dict(), "gate": 0.0,
-           "step": 1, "meta": {}, "state_dict": {k: v.clone() for k, v in ckpt.state_dict.items()}}
+    obj = {
+        "format": "taperfold-checkpoint",
+        "format_version": 1,
+        "config": ckpt.config.to_dict(),
+        "gate": 0.0,
+        "step": 1,
+        "meta": {},
+        "state_dict": {k: v.clone() for k, v in ckpt.state_dict.items()},
+    }
     mutate(obj)
     path = tmp_path / "bad.pt"
     torch.save(obj, path)
@@ -110,8 +116,9 @@ def test_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, ckpt):
     assert_one_line_error(inspect_cli(path), "evil.pt", "refused")
     assert not marker.exists()
     # the installed entry point, in a fresh process, behaves the same
-    result = subprocess.run([sys.executable, "-m", "taperfold.cli", "inspect", str(path)],
-                            capture_output=True, text=True, timeout=HANG_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "taperfold.cli", "inspect", str(path)], capture_output=True, text=True, timeout=HANG_S
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and not marker.exists()
 
@@ -140,7 +147,9 @@ HUGE = 10**400  # past the largest float: JSON and pickle read it as an int, mat
 def test_a_number_too_large_for_a_float_is_one_line(tmp_path, ckpt, layout, key):
     """An OverflowError traceback before: each number is checked as one, not converted to a float to be asked."""
     path = save_checkpoint(ckpt, tmp_path / layout)
-    header = torch.load(path, weights_only=True) if layout == "bad.pt" else json.loads((path / "config.json").read_text())
+    header = (
+        torch.load(path, weights_only=True) if layout == "bad.pt" else json.loads((path / "config.json").read_text())
+    )
     (header if key == "gate" else header["config"])[key] = HUGE
     if layout == "bad.pt":
         torch.save(header, path)
@@ -186,8 +195,6 @@ def test_inspect_json(tmp_path, ckpt):
     assert by_name["model.layers.0.input_layernorm"]["foldable"] is False  # calibrated flag never set here
     assert by_name["model.norm"]["kind"] == "RMSNorm" and not by_name["model.norm"]["foldable"]
     assert by_name["model.layers.1.input_layernorm"]["c"] == pytest.approx(0.8)
-
-
 
 
 def test_a_gate_that_is_a_bool_is_refused(tiny_checkpoint, tmp_path, cli):

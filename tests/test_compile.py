@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from taperfold.errors import TaperfoldError
 from taperfold.checkpoint import checkpoint_from_model
+from taperfold.errors import TaperfoldError
 from taperfold.models import ModelConfig, build_model
 from taperfold.runners.torch_runner import TorchRunner, own_forward
 from taperfold.variants import build_variants

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from conftest import HANG_S
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -16,16 +15,24 @@ PY = sys.executable
 def test_a_test_run_leaves_the_temp_folder_as_it_found_it(tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
-    (probe / "test_probe.py").write_text(textwrap.dedent("""
+    (probe / "test_probe.py").write_text(
+        textwrap.dedent("""
         def test_writes(tmp_path, tmp_path_factory):
             (tmp_path / "x").write_bytes(b"0" * 1000)
             (tmp_path_factory.mktemp("shared") / "y").write_bytes(b"1")
-    """))
+    """)
+    )
     temp = tmp_path / "temp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(ROOT / "tests")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "test_probe.py"],
-                       cwd=probe, env=env, capture_output=True, text=True, timeout=HANG_S)
+    r = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "test_probe.py"],
+        cwd=probe,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert list(temp.iterdir()) == []

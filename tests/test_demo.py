@@ -22,8 +22,6 @@ def test_demo_runs_every_stage(cli, tmp_path):
     assert "(bench-decode.json, bench.json, manifest.json, verify.json)" in result.stdout.splitlines()[-1]
 
 
-
-
 def test_a_failed_demo_takes_the_folder_it_made_with_it(cli, tmp_path, monkeypatch):
     import taperfold.export
 

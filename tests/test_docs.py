@@ -13,7 +13,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 def _table_after(text: str, heading: str) -> list[list[str]]:
     """The rows (cells stripped) of the first markdown table after `heading`, header and rule left out."""
-    section = text[text.index(heading):]
+    section = text[text.index(heading) :]
     rows, started = [], False
     for line in section.splitlines():
         if line.startswith("|"):
@@ -29,7 +29,8 @@ def test_design_variant_table_is_the_variant_table():
     rows = _table_after((DOCS / "design.md").read_text(), "## Variants of one model")
     expected = [[v.name, f"`{v.stem}`", "yes" if v.default else "", v.meaning] for v in VARIANT_TABLE]
     assert rows == expected, "docs/design.md's variant table should read:\n" + "\n".join(
-        "| " + " | ".join(row) + " |" for row in expected)
+        "| " + " | ".join(row) + " |" for row in expected
+    )
 
 
 def test_hf_family_table_lists_every_shipped_family():
@@ -47,11 +48,22 @@ def test_hf_family_table_lists_every_shipped_family():
 
 def test_design_engine_table_is_the_engine_table():
     rows = _table_after((DOCS / "design.md").read_text(), "The engine table")
-    expected = [[e.name, e.title, e.runs, ", ".join(e.devices), "yes" if e.prefills else "no",
-                 ", ".join(e.caches) if e.decodes else "no", ", ".join(f"`{o.flag}`" for o in e.options),
-                 f"`{e.module}`"] for e in ENGINES.values()]
+    expected = [
+        [
+            e.name,
+            e.title,
+            e.runs,
+            ", ".join(e.devices),
+            "yes" if e.prefills else "no",
+            ", ".join(e.caches) if e.decodes else "no",
+            ", ".join(f"`{o.flag}`" for o in e.options),
+            f"`{e.module}`",
+        ]
+        for e in ENGINES.values()
+    ]
     assert rows == expected, "docs/design.md's engine table should read:\n" + "\n".join(
-        "| " + " | ".join(row) + " |" for row in expected)
+        "| " + " | ".join(row) + " |" for row in expected
+    )
 
 
 MACHINE_PATHS = re.compile(r"(?<![\w.])/(?:tmp|work|root|home|mnt)/")
@@ -62,7 +74,10 @@ def test_recorded_commands_name_no_path_of_the_machine_they_ran_on():
     placeholders (OUT, WORK) or paths in the repository. (Set-up steps may pick a scratch folder such as /tmp.)"""
     documents = [*DOCS.glob("*.md"), *DOCS.glob("gpu/*.md"), DOCS / "gpu" / "runs.json"]
     runs = re.compile(r"^\s*(\"command\": \")?(taperfold |python3? examples/)")
-    found = [f"{doc.relative_to(DOCS)}:{n}" for doc in documents
-             for n, line in enumerate(doc.read_text().splitlines(), 1)
-             if runs.search(line) and MACHINE_PATHS.search(line)]
+    found = [
+        f"{doc.relative_to(DOCS)}:{n}"
+        for doc in documents
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if runs.search(line) and MACHINE_PATHS.search(line)
+    ]
     assert not found, found

@@ -36,7 +36,7 @@ def blocks(markdown: str) -> list[tuple[str, str, list[str]]]:
         if line.startswith("```"):
             language = line[3:].strip()
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            body = lines[i + 1:end]
+            body = lines[i + 1 : end]
             if language == "python":
                 found.append(("python", "\n".join(body) + "\n", []))
             elif language == "":
@@ -51,8 +51,12 @@ def blocks(markdown: str) -> list[tuple[str, str, list[str]]]:
                     i += 1
                     command += "\n" + lines[i][4:]
                 printed = []
-                while text.startswith("$ ") and i + 1 < len(lines) and lines[i + 1].startswith("    ") \
-                        and not lines[i + 1].startswith("    $ "):
+                while (
+                    text.startswith("$ ")
+                    and i + 1 < len(lines)
+                    and lines[i + 1].startswith("    ")
+                    and not lines[i + 1].startswith("    $ ")
+                ):
                     i += 1
                     printed.append(lines[i][4:])
                 found.append(("shell", command, printed))
@@ -63,11 +67,18 @@ def blocks(markdown: str) -> list[tuple[str, str, list[str]]]:
 def test_every_doc_lists_what_it_runs():
     readme = blocks((ROOT / "README.md").read_text())
     shell = [c for kind, c, _ in readme if kind == "shell"]
-    assert shell[:5] == ["taperfold train  --preset tiny -o tiny.safetensors         # a real tapered checkpoint, "
-                         "gate exactly 0", *shell[1:5]] and len(shell) >= 15
+    assert (
+        shell[:5]
+        == [
+            "taperfold train  --preset tiny -o tiny.safetensors         # a real tapered checkpoint, gate exactly 0",
+            *shell[1:5],
+        ]
+        and len(shell) >= 15
+    )
     assert sum(kind == "python" for kind, _, _ in readme) == 2
-    assert any(c.startswith('python -c "from transformers') and c.endswith("save_pretrained('llama-plain')\"")
-               for c in shell)
+    assert any(
+        c.startswith('python -c "from transformers') and c.endswith("save_pretrained('llama-plain')\"") for c in shell
+    )
     hf = blocks((ROOT / "docs" / "hf.md").read_text())
     assert [kind for kind, _, _ in hf] == ["shell"] * 5 + ["python"]
     printed = {c.split()[1]: p for kind, c, p in readme if p}
@@ -76,8 +87,10 @@ def test_every_doc_lists_what_it_runs():
 
 
 MEASURED = re.compile(r"^-?[\d.,]+(e[-+]?\d+)?$|^worst: ")  # timings, sizes, errors, c, γ̃: they vary by run
-COUNT_LINES = re.compile(r"^\d+ of \d+ norm layers can be folded$|^PASS: |^FAIL: |^exported to |^note: |"
-                         r"^(prefill|decode) (throughput|latency) ")
+COUNT_LINES = re.compile(
+    r"^\d+ of \d+ norm layers can be folded$|^PASS: |^FAIL: |^exported to |^note: |"
+    r"^(prefill|decode) (throughput|latency) "
+)
 
 
 def cells(line: str) -> list[str] | None:
@@ -113,9 +126,16 @@ def claims_hold(printed: list[str], out: str) -> list[str]:
 
 
 def _setup(folder: Path) -> None:
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, max_position_embeddings=128, bos_token_id=None,
-                                      eos_token_id=None)  # bytes as tokens, and room for the guide's windows
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+    )  # bytes as tokens, and room for the guide's windows
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder / "plain-dir")
     python = Path(os.__file__).read_text()  # text every machine has
     (folder / "corpus.txt").write_text(python * 3)
@@ -157,8 +177,13 @@ def _run_as_printed(document: str, tmp_path: Path) -> None:
     # One OpenMP thread per command: with other work on the cores, torch's two threads wait for each other at every
     # barrier (a 30-step training under load: 90 s wall and 55 s of CPU with two, 52 s and 19 s with one; the
     # 600-step one ran past an hour). Nothing the docs print depends on it: their thread counts are --threads 1.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     for kind, text, printed in blocks((ROOT / document).read_text()):
         for name in re.findall(r"\b(?:your|my)_model\.onnx\b", text):
             if not (tmp_path / name).exists():  # any ONNX model: the export's unfolded graph, weights inside
@@ -167,8 +192,10 @@ def _run_as_printed(document: str, tmp_path: Path) -> None:
         try:
             r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
         except subprocess.TimeoutExpired as e:
-            pytest.fail(f"{document}: {text}\ntimed out: still running after {HANG_S} s (a hang guard, not a speed "
-                        f"check)\n{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}")
+            pytest.fail(
+                f"{document}: {text}\ntimed out: still running after {HANG_S} s (a hang guard, not a speed "
+                f"check)\n{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}"
+            )
         assert r.returncode == 0, f"{document}: {text}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
         missing = claims_hold(printed, r.stdout + r.stderr)
         assert not missing, f"{document}: {text} no longer prints:\n" + "\n".join(missing) + "\n" + r.stdout

@@ -68,10 +68,15 @@ def test_a_dyt_model_has_no_gate_to_drive_and_its_baseline_has_the_archs_norms()
     assert isinstance(internal.network.get_submodule("transformer.ln_f"), nn.LayerNorm)  # the final norm stays
 
 
-@pytest.mark.parametrize("bad,message", [(dict(norm="dyt", taper="none"), "taper 'none'"),
-                                         (dict(norm="rms"), "norm must be null"),
-                                         (dict(norm="tanh"), "norm must be null"),
-                                         (dict(norm="dyt", embed_scale=1), "embed_scale must be")])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(norm="dyt", taper="none"), "taper 'none'"),
+        (dict(norm="rms"), "norm must be null"),
+        (dict(norm="tanh"), "norm must be null"),
+        (dict(norm="dyt", embed_scale=1), "embed_scale must be"),
+    ],
+)
 def test_a_wrong_norm_in_a_config_is_refused_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         preset_config("tiny", **bad)
@@ -102,8 +107,10 @@ def test_an_alpha_past_the_export_dtypes_range_is_refused_before_any_graph(tmp_p
     r = cli("export", path, "-o", tmp_path / "out", "--dtype", dtype)
     if refused:
         assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert ("'model.layers.0.input_layernorm.alpha' holds values beyond fp16's range (±65504): "
-                "export with --dtype bf16 or fp32") in r.stderr
+        assert (
+            "'model.layers.0.input_layernorm.alpha' holds values beyond fp16's range (±65504): "
+            "export with --dtype bf16 or fp32"
+        ) in r.stderr
         assert not (tmp_path / "out").exists()
     else:
         assert r.exit_code == 0, r.stderr
@@ -135,12 +142,27 @@ def test_train_inspect_export_verify_bench_a_dyt_model(cli, tmp_path):
     assert [n["name"] for n in info["norms"] if n["kind"] != "DyT"] == ["model.norm"]  # Internal: the final RMSNorm
     assert cli("export", ckpt, "-o", out).exit_code == 0
     report = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
-    assert [(n["kind"], n["status"], n["reason"]) for n in report["norms"] if n["kind"] == "dyt"] == \
-        [("dyt", "folded", "γ, β folded, tanh kept")] * 8
+    assert [(n["kind"], n["status"], n["reason"]) for n in report["norms"] if n["kind"] == "dyt"] == [
+        ("dyt", "folded", "γ, β folded, tanh kept")
+    ] * 8
     r = cli("verify", out)
     assert r.exit_code == 0, r.stdout + r.stderr
-    r = cli("bench", out, "--batch", "1", "--seq", "16", "--warmup", "1", "--iters", "2", "--rounds", "1",
-            "--json", tmp_path / "bench.json")
+    r = cli(
+        "bench",
+        out,
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--rounds",
+        "1",
+        "--json",
+        tmp_path / "bench.json",
+    )
     assert r.exit_code == 0, r.stderr
     cells = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert {c["variant"] for c in cells} >= {"baseline", "unfolded", "folded"}
@@ -154,12 +176,16 @@ def test_dyt_command_line_refusals(cli, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("value, model_dtype, dtype, remedy", [
-    (3.4e38, torch.float32, "bf16", "±3.38953e+38): export with --dtype fp32"),  # past bf16's max, within fp32's
-    (1e300, torch.float64, "fp32", "±3.40282e+38): no export dtype holds it"),  # a float64 checkpoint
-])
-def test_a_value_past_bf16s_or_fp32s_range_is_refused_before_any_graph(tmp_path, cli, value, model_dtype, dtype,
-                                                                       remedy):
+@pytest.mark.parametrize(
+    "value, model_dtype, dtype, remedy",
+    [
+        (3.4e38, torch.float32, "bf16", "±3.38953e+38): export with --dtype fp32"),  # past bf16's max, within fp32's
+        (1e300, torch.float64, "fp32", "±3.40282e+38): no export dtype holds it"),  # a float64 checkpoint
+    ],
+)
+def test_a_value_past_bf16s_or_fp32s_range_is_refused_before_any_graph(
+    tmp_path, cli, value, model_dtype, dtype, remedy
+):
     model = random_gate0_model("tiny", norm="dyt", taper="all", n_layers=1).to(model_dtype)
     with torch.no_grad():
         model.model.layers[0].input_layernorm.alpha.fill_(value)

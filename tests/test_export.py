@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import one_line
 
-from taperfold.exportdir import GROWING
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-from taperfold.export import ExportOptions, export_checkpoint, export_to_ir, trace_lengths
 from taperfold.errors import TaperfoldError
+from taperfold.export import ExportOptions, export_checkpoint, export_to_ir, trace_lengths
+from taperfold.exportdir import GROWING
 from taperfold.fsutil import sha256_file
 from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
@@ -110,8 +110,11 @@ def test_trained_all_taper_gpt2_folds_into_untied_head(tmp_path, trained_gpt2_al
     graph = onnx.load(str(out / "model.onnx")).graph
     tables = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
     wte = torch.load(trained_gpt2_all, weights_only=True)["state_dict"]["transformer.wte.weight"].numpy()
-    gathers = [n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in tables
-               and tables[n.input[0]].shape == wte.shape]
+    gathers = [
+        n.input[0]
+        for n in graph.node
+        if n.op_type == "Gather" and n.input[0] in tables and tables[n.input[0]].shape == wte.shape
+    ]
     assert gathers and np.array_equal(tables[gathers[0]], wte)  # the token table is untouched
 
 
@@ -120,11 +123,21 @@ def test_manifest(tiny_export, tiny_checkpoint):
     assert manifest["checkpoint"]["sha256"] == sha256_file(tiny_checkpoint)
     assert manifest["gate"] == 0.0 and manifest["forced_gate0"] is False
     assert {"taperfold", "torch", "onnx"} <= set(manifest["versions"])
-    assert set(manifest["artifacts"]) == {"baseline", "unfolded", "folded", "baseline.decoder", "unfolded.decoder",
-                                          "folded.decoder", "baseline-decomposed", "baseline-decomposed.decoder"}
+    assert set(manifest["artifacts"]) == {
+        "baseline",
+        "unfolded",
+        "folded",
+        "baseline.decoder",
+        "unfolded.decoder",
+        "folded.decoder",
+        "baseline-decomposed",
+        "baseline-decomposed.decoder",
+    }
     for art in manifest["artifacts"].values():
         assert (Path(tiny_export) / art["path"]).stat().st_size == art["bytes"]
-    assert manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]  # Internal-Taper
+    assert (
+        manifest["artifacts"]["folded"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    )  # Internal-Taper
     assert set(manifest["timings"]) == {"torch_export_s", "passes_s", "write_s", "total_s"}
 
 
@@ -187,7 +200,10 @@ def test_fp16_and_kv_cache(tmp_path):
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"baseline.decoder", "unfolded.decoder", "folded.decoder"} <= set(manifest["artifacts"])
-    assert manifest["artifacts"]["folded.decoder"]["reports"]["fold"]["summary"]["folded"] == 2 * manifest["config"]["n_layers"]
+    assert (
+        manifest["artifacts"]["folded.decoder"]["reports"]["fold"]["summary"]["folded"]
+        == 2 * manifest["config"]["n_layers"]
+    )
     assert manifest["artifacts"]["baseline"]["built_from"] is None  # traced: a float16 graph's norms are not rewritten
     session = ort.InferenceSession(str(out / "model.decoder.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
@@ -221,8 +237,9 @@ def test_a_norm_epsilon_of_1e_8_survives_the_exporters_optimizer(tmp_path):
     with torch.no_grad():
         expected = model(ids).logits[:, -1].numpy()
     graph = onnx.load(out / "baseline.onnx")
-    epsilons = [a.f for n in graph.graph.node if n.op_type == "RMSNormalization" for a in n.attribute
-                if a.name == "epsilon"]
+    epsilons = [
+        a.f for n in graph.graph.node if n.op_type == "RMSNormalization" for a in n.attribute if a.name == "epsilon"
+    ]
     assert epsilons and all(e == pytest.approx(1e-8, rel=1e-6) for e in epsilons)
     got = ort.InferenceSession(str(out / "baseline.onnx")).run(None, {"input_ids": ids.numpy()})[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -246,8 +263,11 @@ def test_export_needs_a_context_it_can_trace_and_a_short_one_exports(tmp_path, c
     decoders = [p for p in json.loads(r.stdout)["pairs"] if p["candidate"].endswith(".decoder")]
     # a 4-token context holds a 2-token prompt and 2 KV-cached steps (verify.inputs.decode_steps)
     assert decoders and all(p["status"] == "pass" for p in decoders)
-    assert {i["input"] for i in decoders[0]["per_input"]} == {"decode 1x2+2 prompt", "decode 1x2+2 step 1",
-                                                             "decode 1x2+2 step 2"}
+    assert {i["input"] for i in decoders[0]["per_input"]} == {
+        "decode 1x2+2 prompt",
+        "decode 1x2+2 step 1",
+        "decode 1x2+2 step 2",
+    }
 
 
 class _BranchesOnLength(torch.nn.Module):

@@ -31,8 +31,10 @@ def test_variant_names_and_files():
     assert onnx_file("folded", GROWING) == "model.decoder.onnx"
     assert onnx_file("baseline-decomposed", STATIC) == "baseline.decomposed.static.onnx"
     assert graph_key("unfused", GROWING) == "unfolded.decoder"
-    assert decoder_io_names(1) == (["input_ids", "past_key_values.0.key", "past_key_values.0.value"],
-                                   ["logits", "present.0.key", "present.0.value"])
+    assert decoder_io_names(1) == (
+        ["input_ids", "past_key_values.0.key", "past_key_values.0.value"],
+        ["logits", "present.0.key", "present.0.value"],
+    )
 
 
 def test_a_graph_is_one_of_three_and_its_key_reads_back():
@@ -55,7 +57,9 @@ def test_decoder_feeds_for_a_growing_and_a_static_cache():
     growing = prompt_feeds(Shape, ids, "fp32")
     assert growing["past_key_values.1.value"].shape == (2, 3, 0, 4) and "cache_position" not in growing
     static = prompt_feeds(Shape, ids, "fp16", cache_len=16)
-    assert static["past_key_values.0.key"].shape == (2, 3, 16, 4) and static["past_key_values.0.key"].dtype == np.float16
+    assert (
+        static["past_key_values.0.key"].shape == (2, 3, 16, 4) and static["past_key_values.0.key"].dtype == np.float16
+    )
     assert static["cache_position"].tolist() == [0, 1, 2, 3, 4]
     presents = {f"present.{i}.{kv}": f"buffer {i} {kv}" for i in range(2) for kv in ("key", "value")}
     step = step_feeds(Shape, ids[:, :1], presents, 5, static=True)

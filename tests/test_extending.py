@@ -2,17 +2,16 @@
 each data (or one class) plus one registration, and the core never names them."""
 
 import dataclasses
-import re
 import importlib.metadata
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import HANG_S
-
 import pytest
+from conftest import HANG_S
 
 from taperfold import artifacts, engines, families, norms
 from taperfold.errors import TaperfoldError
@@ -79,20 +78,29 @@ def test_an_unknown_model_type_is_refused_naming_the_guide():
 
 
 def test_a_registered_family_is_found_by_each_of_its_model_types(registries):
-    family = families.Family(name="twin", model_types=("twin-a", "twin-b"), norm="rms", layers="model.layers",
-                             internal={"input_layernorm": ("self_attn.q_proj",)}, final="model.norm")
+    family = families.Family(
+        name="twin",
+        model_types=("twin-a", "twin-b"),
+        norm="rms",
+        layers="model.layers",
+        internal={"input_layernorm": ("self_attn.q_proj",)},
+        final="model.norm",
+    )
     families.register(family)
     assert families.family_for("twin-a") is family and families.family_for("twin-b") is family
     assert {"twin-a", "twin-b", "llama"} <= set(families.supported_model_types())
-    assert family.norm_readers(2, "all") == {"model.layers.0.input_layernorm": ["model.layers.0.self_attn.q_proj"],
-                                             "model.layers.1.input_layernorm": ["model.layers.1.self_attn.q_proj"],
-                                             "model.norm": ["lm_head"]}
+    assert family.norm_readers(2, "all") == {
+        "model.layers.0.input_layernorm": ["model.layers.0.self_attn.q_proj"],
+        "model.layers.1.input_layernorm": ["model.layers.1.self_attn.q_proj"],
+        "model.norm": ["lm_head"],
+    }
 
 
 def test_a_registered_norm_kind_is_asked_where_it_is_registered(registries):
     rms = norms.norm_kind("rms")
-    custom = dataclasses.replace(rms, name="scaled-rms", title="ScaledRMSNorm",
-                                 class_names=lambda name: name.endswith("ScaledRMSNorm"))
+    custom = dataclasses.replace(
+        rms, name="scaled-rms", title="ScaledRMSNorm", class_names=lambda name: name.endswith("ScaledRMSNorm")
+    )
     norms.register(custom)
     assert [k.name for k in norms.norm_kinds()] == ["dyt", "ln", "rms", "scaled-rms"]
     assert norms.kind_of_class("MyScaledRMSNorm") is not None
@@ -104,10 +112,22 @@ def test_a_registered_norm_kind_is_asked_where_it_is_registered(registries):
 
 def test_a_registered_engine_gets_its_runner_from_its_module(registries):
     opened = []
-    module = SimpleNamespace(open_runner=lambda target, **kw: opened.append((target, kw)) or "runner",
-                             unavailable=lambda device: None if device == "cpu" else "needs the CPU")
-    engines.register(engines.Engine("echo", "Echo", engines.MODELS, default_device="cpu", devices=("cpu",),
-                                    decodes=False, options=(), module=module))
+    module = SimpleNamespace(
+        open_runner=lambda target, **kw: opened.append((target, kw)) or "runner",
+        unavailable=lambda device: None if device == "cpu" else "needs the CPU",
+    )
+    engines.register(
+        engines.Engine(
+            "echo",
+            "Echo",
+            engines.MODELS,
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=False,
+            options=(),
+            module=module,
+        )
+    )
     echo = engines.engine("echo")
     assert echo.runner("model", threads=2) == "runner" and opened[0][0] == "model"
     assert opened[0][1]["device"] == "cpu" and opened[0][1]["threads"] == 2
@@ -127,15 +147,26 @@ def test_a_family_with_post_norms_folds_them_backwards_into_their_producers(regi
     from taperfold.variants import fold_in_torch
 
     gemma2 = families.family_for("gemma2")
-    assert gemma2.post == {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"}
-    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       max_position_embeddings=64)
+    assert gemma2.post == {
+        "post_attention_layernorm": "self_attn.o_proj",
+        "post_feedforward_layernorm": "mlp.down_proj",
+    }
+    config = transformers.Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     tapering = taper_model(hf, "all")
-    assert set(tapering.producers) == {f"model.layers.{i}.post_{n}" for i in range(2)
-                                       for n in ("attention_layernorm", "feedforward_layernorm")}
+    assert set(tapering.producers) == {
+        f"model.layers.{i}.post_{n}" for i in range(2) for n in ("attention_layernorm", "feedforward_layernorm")
+    }
     with torch.no_grad():
         for norm in tapering.norms.values():
             norm.weight_tilde.uniform_(-0.5, 0.5)  # Gemma's gain is 1 + w
@@ -150,19 +181,29 @@ def test_a_family_with_post_norms_folds_them_backwards_into_their_producers(regi
         expected, got = model(ids, logits="all"), folded(ids, logits="all")
     assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
     with torch.no_grad():  # and a wrong producer shows: the same fold into the wrong layer is far off
-        wrong = dataclasses.replace(gemma2, post={"post_attention_layernorm": "mlp.down_proj",  # swapped
-                                                  "post_feedforward_layernorm": "self_attn.o_proj"})
+        wrong = dataclasses.replace(
+            gemma2,
+            post={
+                "post_attention_layernorm": "mlp.down_proj",  # swapped
+                "post_feedforward_layernorm": "self_attn.o_proj",
+            },
+        )
         model.tapering.producers = wrong.norm_producers(2)
         off = fold_in_torch(model)(ids, logits="all")
     assert float((off - expected).abs().max() / expected.abs().max()) > 1e-3  # 100 times the bound above
 
 
-@pytest.mark.parametrize("internal, message", [
-    ({"input_layernorm": ("self_attn.q_prj",)}, "has no module 'model.layers.0.self_attn.q_prj'"),
-    ({"input_layernorm": ("self_attn",)}, "model.layers.0.self_attn is a LlamaAttention, not a linear layer"),
-    ({"input_layernorm": ("mlp.down_proj",)}, "model.layers.0.mlp.down_proj takes 512 features, but "
-                                              "model.layers.0.input_layernorm gives 128"),
-])
+@pytest.mark.parametrize(
+    "internal, message",
+    [
+        ({"input_layernorm": ("self_attn.q_prj",)}, "has no module 'model.layers.0.self_attn.q_prj'"),
+        ({"input_layernorm": ("self_attn",)}, "model.layers.0.self_attn is a LlamaAttention, not a linear layer"),
+        (
+            {"input_layernorm": ("mlp.down_proj",)},
+            "model.layers.0.mlp.down_proj takes 512 features, but model.layers.0.input_layernorm gives 128",
+        ),
+    ],
+)
 def test_a_wrong_family_is_refused_in_one_line_before_anything_is_tapered(internal, message):
     from taperfold.models import MODEL_CLASSES, preset_config
     from taperfold.taper import taper_model
@@ -185,19 +226,23 @@ def test_the_example_artifact_kind_is_named_nowhere_in_the_package():
 
 @pytest.mark.slow
 def test_plugin_artifact_example_exports_reads_back_and_verifies_its_kind():
-    result = subprocess.run([sys.executable, str(ARTIFACT_EXAMPLE)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(ARTIFACT_EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "model-card: model-card.json" in result.stdout
     assert "verify: manifest -> model-card: pass; all pairs pass" in result.stdout
 
 
-@pytest.mark.parametrize("attribute, value, message", [
-    ("built_from", "nowhere", "built_from 'nowhere' is neither 'torch', 'export' nor a registered kind"),
-    ("name", "Model Card", "name 'Model Card' is not lowercase letters"),
-    ("verified", "eyeballed", "verified 'eyeballed' is neither 'logits' nor 'checked'"),
-    ("fields", {"path": None}, "field 'path' is a key every artifact has"),
-])
+@pytest.mark.parametrize(
+    "attribute, value, message",
+    [
+        ("built_from", "nowhere", "built_from 'nowhere' is neither 'torch', 'export' nor a registered kind"),
+        ("name", "Model Card", "name 'Model Card' is not lowercase letters"),
+        ("verified", "eyeballed", "verified 'eyeballed' is neither 'logits' nor 'checked'"),
+        ("fields", {"path": None}, "field 'path' is a key every artifact has"),
+    ],
+)
 def test_plugin_artifact_example_fails_on_a_wrong_declaration(registries, capsys, attribute, value, message):
     example = _example_module(ARTIFACT_EXAMPLE)
     wrong = type("WrongCard", (example.ModelCard,), {attribute: value})()
@@ -224,8 +269,9 @@ def model_card_plugin(registries, monkeypatch):
 
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     entry = EntryPoint("model-card", "plugin_artifact:register", artifacts.PLUGIN_GROUP)
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group=None: [entry] if group == artifacts.PLUGIN_GROUP else [])
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group=None: [entry] if group == artifacts.PLUGIN_GROUP else []
+    )
     monkeypatch.setattr(artifacts, "_plugins_loaded", False)
     yield
     sys.modules.pop("plugin_artifact", None)
@@ -244,8 +290,9 @@ def test_a_plugin_kind_is_asked_for_from_the_command_line(model_card_plugin, tmp
     ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.pt")
     one_line(run_cli("export", ckpt, "-o", tmp_path / "out", "--model-card-note", "x"), "add --model-card")
     assert not (tmp_path / "out").exists()
-    result = run_cli("export", ckpt, "-o", tmp_path / "out", "--no-baseline", "--model-card",
-                     "--model-card-note", "for the docs")
+    result = run_cli(
+        "export", ckpt, "-o", tmp_path / "out", "--no-baseline", "--model-card", "--model-card-note", "for the docs"
+    )
     assert result.exit_code == 0, result.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     card = json.loads((tmp_path / "out" / manifest["artifacts"]["model-card"]["path"]).read_text())
@@ -274,5 +321,9 @@ def test_a_plugin_that_fails_to_load_is_named_in_one_line(registries, monkeypatc
 
 
 def test_kinds_are_built_in_registry_order_whatever_the_request_order():
-    assert artifacts.in_build_order(["vllm", "genai", "onnx", "tensorrt-plan"]) == ["onnx", "tensorrt-plan", "genai",
-                                                                                    "vllm"]
+    assert artifacts.in_build_order(["vllm", "genai", "onnx", "tensorrt-plan"]) == [
+        "onnx",
+        "tensorrt-plan",
+        "genai",
+        "vllm",
+    ]

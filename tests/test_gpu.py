@@ -20,10 +20,10 @@ import pytest
 import torch
 from conftest import HANG_S
 
-from taperfold.exportdir import GROWING
 from taperfold.checkpoint import load_checkpoint
 from taperfold.engines import CUDA_GRAPH, ENGINES, MODELS, Engine
 from taperfold.errors import TaperfoldError
+from taperfold.exportdir import GROWING
 from taperfold.runners.base import InputSpec, Runner
 from taperfold.runners.torch_runner import TorchRunner
 from taperfold.variants import build_variants
@@ -44,7 +44,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: torch
 needs_ort_cuda = pytest.mark.skipif(
     not (HAS_CUDA and _ort_cuda()),
     reason="needs a CUDA device and onnxruntime's CUDA execution provider (onnxruntime-gpu; on the GPU machine "
-           "install it from parts as ../shared/gpu/README.md, beside the repository, says)")
+    "install it from parts as ../shared/gpu/README.md, beside the repository, says)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +62,32 @@ def tiny_source(tiny_checkpoint):
 
 
 def test_python_dash_m_taperfold_runs_the_cli():
-    r = subprocess.run([sys.executable, "-m", "taperfold", "bench", "--help"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=HANG_S)
+    r = subprocess.run(
+        [sys.executable, "-m", "taperfold", "bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
+    )
     assert r.returncode == 0, r.stderr
     assert "--cuda-graph" in r.stdout and "--compile-mode" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "tiny", "--seq", "8", "--cuda-graph"], "--cuda-graph needs --device cuda"),
-    (["--preset", "tiny", "--seq", "8", "--compile-mode", "reduce-overhead"], "--compile-mode needs --compile"),
-    (["--preset", "tiny", "--seq", "8", "--compile", "--cuda-graph", "--device", "cuda"],
-     "--compile and --cuda-graph: choose one"),
-    (["--preset", "tiny", "--seq", "8", "--engine", "ort", "--compile"], "--compile applies to --engine torch only"),
-    (["--preset", "tiny", "--seq", "8", "--engine", "ort", "--compile-mode", "max-autotune"],
-     "--compile-mode applies to --engine torch only"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "tiny", "--seq", "8", "--cuda-graph"], "--cuda-graph needs --device cuda"),
+        (["--preset", "tiny", "--seq", "8", "--compile-mode", "reduce-overhead"], "--compile-mode needs --compile"),
+        (
+            ["--preset", "tiny", "--seq", "8", "--compile", "--cuda-graph", "--device", "cuda"],
+            "--compile and --cuda-graph: choose one",
+        ),
+        (
+            ["--preset", "tiny", "--seq", "8", "--engine", "ort", "--compile"],
+            "--compile applies to --engine torch only",
+        ),
+        (
+            ["--preset", "tiny", "--seq", "8", "--engine", "ort", "--compile-mode", "max-autotune"],
+            "--compile-mode applies to --engine torch only",
+        ),
+    ],
+)
 def test_option_errors_are_one_line_and_exit_2(args, message, cli):
     r = cli("bench", *args)
     assert r.exit_code == 2, r.stderr
@@ -85,7 +97,10 @@ def test_option_errors_are_one_line_and_exit_2(args, message, cli):
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message of a machine without CUDA")
 def test_cuda_request_without_cuda_is_one_line(cli):
     r = cli("bench", "--preset", "tiny", "--seq", "8", "--device", "cuda", "--cuda-graph", "--iters", "1")
-    assert (r.exit_code, r.stderr) == (2, "taperfold: error: --device cuda: torch sees no CUDA device on this machine\n")
+    assert (r.exit_code, r.stderr) == (
+        2,
+        "taperfold: error: --device cuda: torch sees no CUDA device on this machine\n",
+    )
 
 
 def test_ort_cuda_graph_on_cpu_is_one_line(tiny_export, cli):
@@ -112,8 +127,10 @@ def test_ort_cuda_graph_session_failure_is_one_line(tiny_export, monkeypatch):
 
     def refuse(path, sess_options=None, providers=None):
         seen["providers"] = providers
-        raise RuntimeError("This session cannot use the graph capture feature as requested by the user as all "
-                           "compute graph nodes have not been partitioned to the CUDA EP.\nStacktrace: ...")
+        raise RuntimeError(
+            "This session cannot use the graph capture feature as requested by the user as all "
+            "compute graph nodes have not been partitioned to the CUDA EP.\nStacktrace: ..."
+        )
 
     monkeypatch.setattr(ort, "InferenceSession", refuse)
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
@@ -121,14 +138,19 @@ def test_ort_cuda_graph_session_failure_is_one_line(tiny_export, monkeypatch):
     with pytest.raises(TaperfoldError) as info:
         ort_runner.open_session(path, device="cuda", cuda_graph=True)
     assert seen["providers"][0] == ("CUDAExecutionProvider", {"enable_cuda_graph": "1", "use_tf32": "0"})
-    assert str(info.value) == (f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
-                               "(every node must run on the GPU; This session cannot use the graph capture feature "
-                               "as requested by the user as all compute graph nodes have not been partitioned to "
-                               "the CUDA EP.)")
+    assert str(info.value) == (
+        f"{path}: --cuda-graph: onnxruntime cannot capture this model as one CUDA graph "
+        "(every node must run on the GPU; This session cannot use the graph capture feature "
+        "as requested by the user as all compute graph nodes have not been partitioned to "
+        "the CUDA EP.)"
+    )
     decoder = tiny_export / "model.decoder.onnx"
-    with pytest.raises(TaperfoldError, match=r"model\.decoder\.onnx: --cuda-graph: .*\(a KV-cached decoder: its past "
-                                             r"grows every step.*docs/benchmarks\.md#ort-decode-and-cuda-graphs; "
-                                             r"This session cannot use the graph capture"):
+    with pytest.raises(
+        TaperfoldError,
+        match=r"model\.decoder\.onnx: --cuda-graph: .*\(a KV-cached decoder: its past "
+        r"grows every step.*docs/benchmarks\.md#ort-decode-and-cuda-graphs; "
+        r"This session cannot use the graph capture",
+    ):
         ort_runner.open_session(decoder, device="cuda", cuda_graph=True)
 
 
@@ -179,6 +201,7 @@ class FakeRunner(Runner):
         def launch():
             self.launched += 1
             return {"logits": np.zeros((shape[0], self.vocab), np.float32)}
+
         return launch
 
     def _clock(self):
@@ -193,8 +216,16 @@ def fake_engine(monkeypatch):
     def open_fake(model, *, device, threads, graph, logits, name, shapes=None, cuda_graph=False):
         return FakeRunner(name.split(" ")[0], cuda_graph, model.cfg.vocab_size)
 
-    fake = Engine("fake", "Fake", MODELS, default_device="cuda", devices=("cpu", "cuda"), decodes=False,
-                  options=(CUDA_GRAPH,), module=SimpleNamespace(open_runner=open_fake, unavailable=lambda device: None))
+    fake = Engine(
+        "fake",
+        "Fake",
+        MODELS,
+        default_device="cuda",
+        devices=("cpu", "cuda"),
+        decodes=False,
+        options=(CUDA_GRAPH,),
+        module=SimpleNamespace(open_runner=open_fake, unavailable=lambda device: None),
+    )
     monkeypatch.setitem(ENGINES, "fake", fake)
     return fake
 
@@ -205,8 +236,17 @@ def test_cuda_graph_rows_sit_next_to_eager_rows_and_say_so(fake_engine, tmp_path
     from taperfold.bench.source import resolve_source
     from taperfold.ui import print_bench, throughput_table
 
-    opts = BenchOptions(engine="fake", variants=["baseline", "folded"], batches=[1], seqs=[8, 16], warmup=1, iters=2,
-                        rounds=1, device="cuda", engine_options={"cuda_graph": True})
+    opts = BenchOptions(
+        engine="fake",
+        variants=["baseline", "folded"],
+        batches=[1],
+        seqs=[8, 16],
+        warmup=1,
+        iters=2,
+        rounds=1,
+        device="cuda",
+        engine_options={"cuda_graph": True},
+    )
     with load_bench(resolve_source(None, None, "tiny"), opts) as loaded:
         assert list(loaded.runners) == ["baseline", "baseline (cuda graph)", "folded", "folded (cuda graph)"]
         report = run_bench(loaded)
@@ -306,8 +346,9 @@ def test_compile_on_cuda_without_fallback(tiny_source, mode):
                 ids = _ids(model.cfg.vocab_size, shape)
                 for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
                     out, _ = runner.timed_run(runner.prepare({"input_ids": ids}))
-                np.testing.assert_allclose(runner.to_numpy(out["logits"]), _cpu_logits(model, ids), rtol=1e-3,
-                                           atol=1e-3)
+                np.testing.assert_allclose(
+                    runner.to_numpy(out["logits"]), _cpu_logits(model, ids), rtol=1e-3, atol=1e-3
+                )
             assert [kind for kind, _, _ in runner.setup_log] == ["compile", "compile"]
     assert counters["stats"]["unique_graphs"] - before == 4
 
@@ -319,8 +360,9 @@ def test_compile_reduce_overhead_decoding_matches_eager(tiny_source):
     prompt = _ids(model.cfg.vocab_size, (2, 9))
     with TorchRunner(model, device="cuda", graph=GROWING) as eager:
         expected = eager.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
-    with TorchRunner(model, device="cuda", graph=GROWING, compile=True, compile_mode="reduce-overhead",
-                     shapes=7) as runner:
+    with TorchRunner(
+        model, device="cuda", graph=GROWING, compile=True, compile_mode="reduce-overhead", shapes=7
+    ) as runner:
         for _ in range(2):
             gen = runner.generate(prompt, steps=6, cfg=model.cfg, dtype="fp32")
             np.testing.assert_array_equal(gen.tokens, expected.tokens)
@@ -353,11 +395,48 @@ def test_ort_refuses_cuda_graphs_of_a_kv_cached_decoder_in_one_line(tiny_export,
 
     with pytest.raises(TaperfoldError, match="a KV-cached decoder: its past grows every step"):
         OrtRunner(tiny_export / "model.decoder.onnx", device="cuda", cuda_graph=True).load()
-    r = cli("bench", tiny_export, "--engine", "ort", "--device", "cuda", "--mode", "decode", "--batch", "1",
-            "--prompt", "4", "--new-tokens", "2", "--iters", "2", "--warmup", "1", "--cuda-graph")
+    r = cli(
+        "bench",
+        tiny_export,
+        "--engine",
+        "ort",
+        "--device",
+        "cuda",
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--prompt",
+        "4",
+        "--new-tokens",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--cuda-graph",
+    )
     assert r.exit_code == 2 and "a KV-cached decoder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = cli("bench", tiny_export, "--engine", "ort", "--device", "cuda", "--mode", "decode", "--batch", "1",
-            "--prompt", "4", "--new-tokens", "2", "--iters", "2", "--warmup", "1")
+    r = cli(
+        "bench",
+        tiny_export,
+        "--engine",
+        "ort",
+        "--device",
+        "cuda",
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--prompt",
+        "4",
+        "--new-tokens",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+    )
     assert r.exit_code == 0, r.stderr
 
 
@@ -375,8 +454,26 @@ def test_verify_on_cuda(tiny_export, tmp_path, cli):
 @needs_cuda
 def test_bench_torch_cuda_graph_end_to_end(tmp_path, cli):
     out = tmp_path / "b.json"
-    r = cli("bench", "--preset", "tiny", "--device", "cuda", "--dtype", "bf16", "--cuda-graph", "--batch", "1",
-            "--seq", "16,32", "--iters", "3", "--warmup", "1", "--json", out)
+    r = cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--cuda-graph",
+        "--batch",
+        "1",
+        "--seq",
+        "16,32",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        out,
+    )
     assert r.exit_code == 0, r.stderr
     report = json.loads(out.read_text())
     labels = {row["label"] for row in report["results"]}
@@ -388,8 +485,23 @@ def test_bench_torch_cuda_graph_end_to_end(tmp_path, cli):
 @needs_ort_cuda
 def test_bench_ort_cuda_graph_end_to_end(tiny_export, tmp_path, cli):
     export = shutil.copytree(tiny_export, tmp_path / "export")
-    r = cli("bench", export, "--engine", "ort", "--device", "cuda", "--cuda-graph", "--batch", "1,2", "--seq", "16",
-            "--iters", "3", "--warmup", "1")
+    r = cli(
+        "bench",
+        export,
+        "--engine",
+        "ort",
+        "--device",
+        "cuda",
+        "--cuda-graph",
+        "--batch",
+        "1,2",
+        "--seq",
+        "16",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+    )
     assert r.exit_code == 0, r.stderr
     report = json.loads((export / "bench.json").read_text())
     assert {row["execution"] for row in report["results"]} == {"eager", "cuda-graph"}
@@ -452,8 +564,10 @@ def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_source):
         assert len(runner.setup_log) == 5  # prompt + 4 step shapes, captured in the first generation only
         graphs = list(runner._graphs.values())
         for before, after in zip(graphs, graphs[1:]):  # each step reads the previous step's presents in place
-            assert all(after.inputs[f"past_key_values.{i}.key"] is before.outputs[f"present.{i}.key"]
-                       for i in range(model.cfg.n_layers))
+            assert all(
+                after.inputs[f"past_key_values.{i}.key"] is before.outputs[f"present.{i}.key"]
+                for i in range(model.cfg.n_layers)
+            )
 
 
 def _ort_slots_on_cpu(path):

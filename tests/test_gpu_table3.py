@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "gpu_table3"
 
@@ -49,10 +48,19 @@ def test_plot_and_render_write_files(table3, tmp_path):
 
 def test_plan_covers_every_configuration(table3, tmp_path):
     names = [name for name, _ in table3.plan(tmp_path, iters=50, warmup=10, rounds=5)]
-    assert names == ["torch-bf16-prefill-eager-graph", "torch-bf16-prefill-compile", "ort-bf16-prefill-eager-graph",
-                     "torch-bf16-decode-eager-graph", "torch-bf16-decode-compile",
-                     "torch-fp16-prefill-eager-graph", "torch-fp16-prefill-compile", "ort-fp16-prefill-eager-graph",
-                     "torch-fp16-decode-eager-graph", "torch-fp16-decode-compile", "ort-fp16-decode-eager-graph"]
+    assert names == [
+        "torch-bf16-prefill-eager-graph",
+        "torch-bf16-prefill-compile",
+        "ort-bf16-prefill-eager-graph",
+        "torch-bf16-decode-eager-graph",
+        "torch-bf16-decode-compile",
+        "torch-fp16-prefill-eager-graph",
+        "torch-fp16-prefill-compile",
+        "ort-fp16-prefill-eager-graph",
+        "torch-fp16-decode-eager-graph",
+        "torch-fp16-decode-compile",
+        "ort-fp16-decode-eager-graph",
+    ]
     argv = dict(table3.plan(tmp_path, 50, 10, 5))["torch-bf16-prefill-compile"]
     assert argv[1:3] == ["-m", "taperfold"] and "--compile-mode" in argv and "reduce-overhead" in argv
     assert argv[-2:] == ["--json", str(tmp_path / "torch-bf16-prefill-compile.json")]
@@ -114,8 +122,26 @@ def test_add_nonorm_exports_the_reference_that_bench_runs(table3, tiny_export, t
     manifest = json.loads((export / "manifest.json").read_text())
     assert manifest["artifacts"]["nonorm"]["path"] == "nonorm.onnx"
     assert manifest["artifacts"]["nonorm.decoder"]["path"] == "nonorm.decoder.onnx"
-    r = cli("bench", export, "--engine", "ort", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8",
-            "--iters", "1", "--warmup", "0", "--threads", "1", "--json", tmp_path / "b.json")
+    r = cli(
+        "bench",
+        export,
+        "--engine",
+        "ort",
+        "--variants",
+        "folded,nonorm",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--json",
+        tmp_path / "b.json",
+    )
     assert r.exit_code == 0, r.stderr
     assert [row["variant"] for row in json.loads((tmp_path / "b.json").read_text())["results"]] == ["folded", "nonorm"]
 
@@ -134,9 +160,16 @@ def test_a_failed_graph_run_is_rerun_eager_only_and_indexed(table3, tmp_path, mo
     monkeypatch.setattr(table3.subprocess, "run", fake_run)
     argv = [sys.executable, "-m", "taperfold", "bench", "DIR", "--cuda-graph", "--json", str(tmp_path / "x.json")]
     index = table3.run_benches(tmp_path, [("ort-bf16-prefill-eager-graph", argv)], env={})
-    assert calls[1] == [a for a in argv[:-1] if a != "--cuda-graph"] + [str(tmp_path / "ort-bf16-prefill-eager-only.json")]
-    assert {n: r["exit_code"] for n, r in index.items()} == {"ort-bf16-prefill-eager-graph": 1,
-                                                             "ort-bf16-prefill-eager-only": 0}
+    assert calls[1] == [a for a in argv[:-1] if a != "--cuda-graph"] + [
+        str(tmp_path / "ort-bf16-prefill-eager-only.json")
+    ]
+    assert {n: r["exit_code"] for n, r in index.items()} == {
+        "ort-bf16-prefill-eager-graph": 1,
+        "ort-bf16-prefill-eager-only": 0,
+    }
     assert json.loads((tmp_path / "runs.json").read_text()) == index
-    assert index["ort-bf16-prefill-eager-only"]["command"] == "taperfold bench DIR --json OUT/ort-bf16-prefill-eager-only.json"
+    assert (
+        index["ort-bf16-prefill-eager-only"]["command"]
+        == "taperfold bench DIR --json OUT/ort-bf16-prefill-eager-only.json"
+    )
     assert str(tmp_path) not in json.dumps(index)  # a reader reruns it with their own OUT

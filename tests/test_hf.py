@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow  # each family trains and exports a model
 
 from hf_models import FAMILIES, tapered_tiny_model, tiny_config  # noqa: E402
 
-from taperfold.exportdir import GROWING
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
+from taperfold.exportdir import GROWING
 from taperfold.families import family_for  # noqa: E402
 from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
-from taperfold.hf.training import TaperHook, trainer_callback, train_hf_directory  # noqa: E402
+from taperfold.hf.training import TaperHook, train_hf_directory, trainer_callback  # noqa: E402
 from taperfold.nn import GateSchedule, TaperLN, TaperNorm  # noqa: E402
 from taperfold.passes import detect_norms  # noqa: E402
 from taperfold.train import TrainOptions  # noqa: E402
@@ -70,8 +70,9 @@ def fam(request, tmp_path_factory):
     opts = TrainOptions(steps=12, batch_size=2, seq_len=16, eval_batches=1, lr=1e-3)
     f.result = train_hf_directory(f.plain, opts, taper=f.taper)
     f.tapered = save_hf_directory(f.result.model, root / "tapered", step=opts.steps, schedule=f.result.schedule)
-    f.export = export_checkpoint(f.tapered, root / "export",
-                                 ExportOptions(baseline=False, decoders=(GROWING,) if family in KV_CACHE else ())).out_dir
+    f.export = export_checkpoint(
+        f.tapered, root / "export", ExportOptions(baseline=False, decoders=(GROWING,) if family in KV_CACHE else ())
+    ).out_dir
     f.manifest = json.loads((f.export / "manifest.json").read_text())
     return f
 
@@ -92,8 +93,15 @@ def test_tapering_keeps_the_function_at_gate_1_and_the_hf_names(fam):
     added = set(model.state_dict()) - names_before
     assert names_before <= set(model.state_dict())  # Hugging Face's names are all still there
     weightless = {"weight", "bias"} if fam.name == "olmo" else set()  # OLMo's norms gain the γ, β they computed as 1, 0
-    assert {k.rpartition(".")[2] for k in added} == {"weight_tilde", "c", "ema_num", "ema_den", "ema_count",
-                                                     "calibrated", *weightless}
+    assert {k.rpartition(".")[2] for k in added} == {
+        "weight_tilde",
+        "c",
+        "ema_num",
+        "ema_den",
+        "ema_count",
+        "calibrated",
+        *weightless,
+    }
     final = tapering.family.final
     assert (final in norms) == (fam.taper == "all")
 
@@ -107,8 +115,10 @@ def test_training_runs_the_schedule_to_gate_0(fam):
     assert np.isfinite(fam.result.val_loss)
     block = json.loads((fam.tapered / "config.json").read_text())["taperfold"]
     assert block["gate"] == 0.0 and block["taper"] == fam.taper and block["step"] == 12
-    assert block["schedule"] == {"taper_start": fam.result.schedule.taper_start,
-                                 "taper_end": fam.result.schedule.taper_end}
+    assert block["schedule"] == {
+        "taper_start": fam.result.schedule.taper_start,
+        "taper_end": fam.result.schedule.taper_end,
+    }
 
 
 def test_saved_directory_loads_to_the_same_model(fam):
@@ -198,8 +208,8 @@ def test_kv_cache_decoder_matches_the_full_forward(fam):
     out = decoder.run(None, {"input_ids": ids[:, :7], **past})
     for step in range(7, 12):  # one token at a time, each against the full forward on the prefix
         past = dict(zip(names[1:], out[1:]))
-        out = decoder.run(None, {"input_ids": ids[:, step:step + 1], **past})
-        ref = full.run(["logits"], {"input_ids": ids[:, :step + 1]})[0]
+        out = decoder.run(None, {"input_ids": ids[:, step : step + 1], **past})
+        ref = full.run(["logits"], {"input_ids": ids[:, : step + 1]})[0]
         assert np.abs(out[0] - ref).max() / np.abs(ref).max() <= 1e-5
     assert out[1].shape == (2, cfg["kv_heads"], 12, cfg["head_dim"])
 
@@ -304,8 +314,9 @@ def test_an_alibi_model_whose_config_states_no_context_takes_its_familys(tmp_pat
 def test_moe_norm_folds_in_torch_into_the_router_and_every_expert(model_type):
     # The fold's arithmetic on the router and the stacked experts (the directory path: the `fam` tests; the graph
     # passes: tests/passes).
-    from taperfold.hf.model import HFCausalLM, HFModelInfo
     from fold_models import tiny_model
+
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
 
     hf = tiny_model(model_type)
     tapering = taper_model(hf, "all")
@@ -333,8 +344,9 @@ def test_a_shifted_norm_before_bare_expert_weights_stays_in_the_torch_fold():
     # PhiMoE: the LayerNorm before the experts has a shift β, and the family's forward applies the experts' stacked
     # weights with no bias to take β·W_e: torch's folded model keeps that norm at g = 0 (the ONNX fold adds a bias
     # per expert: tests/passes), and the norms before attention fold.
-    from taperfold.hf.model import HFCausalLM, HFModelInfo
     from fold_models import LAYERS, tiny_model
+
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
 
     hf = tiny_model("phimoe")
     tapering = taper_model(hf, "internal")
@@ -343,8 +355,11 @@ def test_a_shifted_norm_before_bare_expert_weights_stays_in_the_torch_fold():
             norm.weight_tilde.uniform_(0.5, 1.5)
             norm.c.uniform_(0.5, 2.0)
     tapering.set_gate(0.0)
-    model = HFCausalLM(hf, HFModelInfo.from_config(hf.config, tapering.family, "internal", aux=True,
-                                                   tokenizer="bytes"), tapering.family)
+    model = HFCausalLM(
+        hf,
+        HFModelInfo.from_config(hf.config, tapering.family, "internal", aux=True, tokenizer="bytes"),
+        tapering.family,
+    )
     folded = fold_in_torch(model)
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

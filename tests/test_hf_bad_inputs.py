@@ -46,6 +46,7 @@ class Built(BaseException):
 def _time_limit(cpu_seconds):
     """Hung once this process has used `cpu_seconds` of CPU time (ITIMER_PROF: every thread's), or after HANG_S of
     the wall clock."""
+
     def expire(signum, frame):
         if signum == signal.SIGPROF:
             raise Hung(f"still running after {cpu_seconds} s of CPU time")
@@ -114,6 +115,7 @@ def _refused(cli, tmp_path, folder, file, key, *needles, monkeypatch=None):
     """inspect and export of `folder`: exit 2, one line naming `file` and `key`, nothing written, quickly.
     With `monkeypatch`, building a model at all fails the test (the config must be refused before)."""
     if monkeypatch is not None:
+
         def build(*args, **kwargs):
             raise Built("a model was built from a config that must be refused first")
 
@@ -158,16 +160,33 @@ FLOAT_VALUES = [0, 0.0, -1e-6, "1e-6", True, 1e300, float("nan"), float("inf"), 
 FLOAT_KEYS = {"rms_norm_eps": 1.5, "rope_parameters.rope_theta": 1e13, "rope_theta": 1e13}
 # Other families spell their keys their own way (transformers' attribute_map): GPT-2, OPT, GPT-NeoX.
 ALIASES = [
-    ("gpt2", "n_layer", 0), ("gpt2", "n_layer", 10**9), ("gpt2", "n_embd", "32"), ("gpt2", "n_embd", -32),
-    ("gpt2", "n_head", 0), ("gpt2", "n_head", 1.5), ("gpt2", "n_positions", 0), ("gpt2", "n_positions", 2**40),
-    ("gpt2", "n_inner", 0), ("gpt2", "n_inner", 2**40), ("gpt2", "vocab_size", -1),
-    ("gpt2", "layer_norm_epsilon", 0.0), ("gpt2", "layer_norm_epsilon", -1.0), ("gpt2", "layer_norm_epsilon", 1e300),
-    ("opt", "ffn_dim", 0), ("opt", "ffn_dim", 3.5), ("opt", "ffn_dim", 10**12), ("opt", "hidden_size", False),
-    ("gpt_neox", "layer_norm_eps", 0.0), ("gpt_neox", "layer_norm_eps", "small"), ("gpt_neox", "layer_norm_eps", 2.0),
+    ("gpt2", "n_layer", 0),
+    ("gpt2", "n_layer", 10**9),
+    ("gpt2", "n_embd", "32"),
+    ("gpt2", "n_embd", -32),
+    ("gpt2", "n_head", 0),
+    ("gpt2", "n_head", 1.5),
+    ("gpt2", "n_positions", 0),
+    ("gpt2", "n_positions", 2**40),
+    ("gpt2", "n_inner", 0),
+    ("gpt2", "n_inner", 2**40),
+    ("gpt2", "vocab_size", -1),
+    ("gpt2", "layer_norm_epsilon", 0.0),
+    ("gpt2", "layer_norm_epsilon", -1.0),
+    ("gpt2", "layer_norm_epsilon", 1e300),
+    ("opt", "ffn_dim", 0),
+    ("opt", "ffn_dim", 3.5),
+    ("opt", "ffn_dim", 10**12),
+    ("opt", "hidden_size", False),
+    ("gpt_neox", "layer_norm_eps", 0.0),
+    ("gpt_neox", "layer_norm_eps", "small"),
+    ("gpt_neox", "layer_norm_eps", 2.0),
     ("gpt_neox", "rope_parameters.partial_rotary_factor", 0.0),
     ("gpt_neox", "rope_parameters.partial_rotary_factor", 1.5),
-    ("gpt_neox", "rope_parameters.rope_theta", -10000.0), ("gpt_neox", "rotary_pct", 0.0),
-    ("gpt_neox", "rotary_emb_base", 0), ("gpt_neox", "intermediate_size", -64),
+    ("gpt_neox", "rope_parameters.rope_theta", -10000.0),
+    ("gpt_neox", "rotary_pct", 0.0),
+    ("gpt_neox", "rotary_emb_base", 0),
+    ("gpt_neox", "intermediate_size", -64),
 ]
 
 
@@ -209,44 +228,61 @@ class TestHuggingFaceDirectories:
         _refused(cli, tmp_path, folder, folder / "config.json", "num_hidden_layers", monkeypatch=monkeypatch)
         assert time.process_time() - start < 10
 
-    @pytest.mark.parametrize("change, key, needle", [
-        ({"hidden_size": 30}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),  # head_dim given
-        ({"hidden_size": 30, "head_dim": None}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),
-        ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None}, "hidden_size",
-         "not a multiple of 'num_attention_heads' (3)"),
-        ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide 'num_attention_heads' (4)"),
-        ({"pad_token_id": 256}, "pad_token_id", "token id"),
-        ({"pad_token_id": "0"}, "pad_token_id", "token id"),
-        ({"rope_parameters": [10000.0]}, "rope_parameters", "must be null or an object"),
-    ])
+    @pytest.mark.parametrize(
+        "change, key, needle",
+        [
+            ({"hidden_size": 30}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),  # head_dim given
+            ({"hidden_size": 30, "head_dim": None}, "hidden_size", "not a multiple of 'num_attention_heads' (4)"),
+            (
+                {"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
+                "hidden_size",
+                "not a multiple of 'num_attention_heads' (3)",
+            ),
+            ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide 'num_attention_heads' (4)"),
+            ({"pad_token_id": 256}, "pad_token_id", "token id"),
+            ({"pad_token_id": "0"}, "pad_token_id", "token id"),
+            ({"rope_parameters": [10000.0]}, "rope_parameters", "must be null or an object"),
+        ],
+    )
     def test_inconsistent_config(self, cli, tmp_path, copy_of, monkeypatch, change, key, needle):
         folder = copy_of("llama-plain")
         _write_config(folder, {**_config(folder), **change})
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
 
-    @pytest.mark.parametrize("family, change, key, needle", [
-        ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok",
-         "is 5, more than the 4 experts 'num_local_experts' gives"),
-        ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok", "must be an integer"),
-        ("mixtral", {"num_local_experts": "4"}, "num_local_experts", "must be an integer"),
-        ("llama", {"intermediate_size": [64]}, "intermediate_size", "a per-layer list needs one per layer (2)"),
-        ("llama", {"intermediate_size": [64, 0]}, "intermediate_size[1]", "must be an integer"),
-        ("llama", {"intermediate_size": [64, "64"]}, "intermediate_size[1]", "must be an integer"),
-        ("llama", {"intermediate_size": []}, "intermediate_size", "a per-layer list needs one per layer"),
-    ])
+    @pytest.mark.parametrize(
+        "family, change, key, needle",
+        [
+            (
+                "mixtral",
+                {"num_experts_per_tok": 5},
+                "num_experts_per_tok",
+                "is 5, more than the 4 experts 'num_local_experts' gives",
+            ),
+            ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok", "must be an integer"),
+            ("mixtral", {"num_local_experts": "4"}, "num_local_experts", "must be an integer"),
+            ("llama", {"intermediate_size": [64]}, "intermediate_size", "a per-layer list needs one per layer (2)"),
+            ("llama", {"intermediate_size": [64, 0]}, "intermediate_size[1]", "must be an integer"),
+            ("llama", {"intermediate_size": [64, "64"]}, "intermediate_size[1]", "must be an integer"),
+            ("llama", {"intermediate_size": []}, "intermediate_size", "a per-layer list needs one per layer"),
+        ],
+    )
     def test_moe_and_per_layer_keys(self, cli, tmp_path, copy_of, monkeypatch, family, change, key, needle):
         folder = copy_of(f"{family}-plain")
         _write_config(folder, {**_config(folder), **change})
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
 
-    @pytest.mark.parametrize("key, value, needle", [
-        ("text_config.num_hidden_layers", 10**9, "must be"),
-        ("text_config.num_key_value_heads", 3, "does not divide 'text_config.num_attention_heads' (4)"),
-        ("text_config.rms_norm_eps", -1.0, "must be a number"),
-        ("text_config.vocab_size", 2**24, "does not match the weights"),
-    ])
-    def test_a_multimodal_configs_text_config_is_checked_key_by_key(self, cli, tmp_path, copy_of, monkeypatch, key,
-                                                                     value, needle):
+    @pytest.mark.parametrize(
+        "key, value, needle",
+        [
+            ("text_config.num_hidden_layers", 10**9, "must be"),
+            ("text_config.num_key_value_heads", 3, "does not divide 'text_config.num_attention_heads' (4)"),
+            ("text_config.rms_norm_eps", -1.0, "must be a number"),
+            ("text_config.vocab_size", 2**24, "does not match the weights"),
+        ],
+    )
+    def test_a_multimodal_configs_text_config_is_checked_key_by_key(
+        self, cli, tmp_path, copy_of, monkeypatch, key, value, needle
+    ):
         # Gemma 3's config.json has its language model's sizes under text_config only
         folder = copy_of("gemma3-plain")
         config = _config(folder)
@@ -254,12 +290,20 @@ class TestHuggingFaceDirectories:
         _write_config(folder, config)
         _refused(cli, tmp_path, folder, folder / "config.json", key, needle, monkeypatch=monkeypatch)
 
-    @pytest.mark.parametrize("key, value, needle", [
-        ("head_dim", 0, "'head_dim[1]' must be an integer"),
-        ("num_key_value_heads", 3, "'num_key_value_heads' is 3 in layer 1, which does not divide 'num_attention_heads' (4)"),
-    ])
-    def test_a_per_layer_attention_size_is_checked_layer_by_layer(self, cli, tmp_path, copy_of, monkeypatch, key,
-                                                                  value, needle):
+    @pytest.mark.parametrize(
+        "key, value, needle",
+        [
+            ("head_dim", 0, "'head_dim[1]' must be an integer"),
+            (
+                "num_key_value_heads",
+                3,
+                "'num_key_value_heads' is 3 in layer 1, which does not divide 'num_attention_heads' (4)",
+            ),
+        ],
+    )
+    def test_a_per_layer_attention_size_is_checked_layer_by_layer(
+        self, cli, tmp_path, copy_of, monkeypatch, key, value, needle
+    ):
         # Gemma 4's per_layer_config: reading such a key on the whole config raised transformers' own error
         folder = copy_of("gemma4_text-plain")
         config = _config(folder)
@@ -269,35 +313,74 @@ class TestHuggingFaceDirectories:
 
     def test_a_model_type_without_a_causal_lm_class_is_one_line(self, cli, tmp_path):
         # a vision encoder whose config.json passes every key check: there is no causal LM to build from it
-        config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, image_size=32, patch_size=8)
+        config = transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=8,
+        )
         folder = tmp_path / "vit"
         transformers.ViTModel(config).save_pretrained(folder)
         _write_config(folder, {**_config(folder), "vocab_size": 64, "max_position_embeddings": 64})
-        _refused(cli, tmp_path, folder, folder / "config.json", "model_type",
-                 "'vit', for which transformers has no causal language model")
+        _refused(
+            cli,
+            tmp_path,
+            folder,
+            folder / "config.json",
+            "model_type",
+            "'vit', for which transformers has no causal language model",
+        )
 
     @pytest.mark.parametrize("key", ["n_embd", "n_head"])
     def test_gpt2_heads_must_divide_the_width(self, cli, tmp_path, copy_of, monkeypatch, key):
         folder = copy_of("gpt2-plain")
         _write_config(folder, {**_config(folder), key: 30 if key == "n_embd" else 3})
-        _refused(cli, tmp_path, folder, folder / "config.json", "n_embd", "not a multiple of 'n_head'",
-                 monkeypatch=monkeypatch)
+        _refused(
+            cli,
+            tmp_path,
+            folder,
+            folder / "config.json",
+            "n_embd",
+            "not a multiple of 'n_head'",
+            monkeypatch=monkeypatch,
+        )
 
-    @pytest.mark.parametrize("key, value", [
-        ("num_hidden_layers", 1000), ("num_hidden_layers", 1024), ("vocab_size", 2**24), ("hidden_size", 65536),
-        ("intermediate_size", 2**18), ("head_dim", 4096),
-    ])
+    @pytest.mark.parametrize(
+        "key, value",
+        [
+            ("num_hidden_layers", 1000),
+            ("num_hidden_layers", 1024),
+            ("vocab_size", 2**24),
+            ("hidden_size", 65536),
+            ("intermediate_size", 2**18),
+            ("head_dim", 4096),
+        ],
+    )
     def test_config_far_larger_than_the_weights(self, cli, tmp_path, copy_of, monkeypatch, key, value):
         """In range, but the weights cannot hold such a model: refused before it is built, even on meta."""
         folder = copy_of("llama-plain")
         _write_config(folder, {**_config(folder), key: value})
-        _refused(cli, tmp_path, folder, folder / "config.json", key, "does not match the weights",
-                 str(folder / "model.safetensors"), monkeypatch=monkeypatch)
+        _refused(
+            cli,
+            tmp_path,
+            folder,
+            folder / "config.json",
+            key,
+            "does not match the weights",
+            str(folder / "model.safetensors"),
+            monkeypatch=monkeypatch,
+        )
 
-    @pytest.mark.parametrize("text", ['{"weight_map": {"model.norm.weight": ' + "9" * 5000 + "}}",
-                                      '{"weight_map": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"],
-                             ids=["5000-digit integer", "nested 100000 deep"])
+    @pytest.mark.parametrize(
+        "text",
+        [
+            '{"weight_map": {"model.norm.weight": ' + "9" * 5000 + "}}",
+            '{"weight_map": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}",
+        ],
+        ids=["5000-digit integer", "nested 100000 deep"],
+    )
     def test_index_python_cannot_parse(self, cli, tmp_path, copy_of, text):
         """JSON that Python's parser refuses with a ValueError (the 4300-digit limit) or a RecursionError, not a
         JSONDecodeError: one line all the same (no key to name)."""
@@ -306,9 +389,14 @@ class TestHuggingFaceDirectories:
         index.write_text(text)
         assert "not valid JSON" in _refused(cli, tmp_path, folder, index, None)
 
-    @pytest.mark.parametrize("text", ['{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}",
-                                      '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"],
-                             ids=["5000-digit integer", "nested 100000 deep"])
+    @pytest.mark.parametrize(
+        "text",
+        [
+            '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}",
+            '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        ],
+        ids=["5000-digit integer", "nested 100000 deep"],
+    )
     def test_config_python_cannot_parse(self, copy_of, text):
         """The same in config.json, through the API (through the CLI, such a directory is no Hugging Face
         directory; taperfold's own checkpoint reader, taperfold.fsutil.read_json_object, reports it)."""
@@ -323,26 +411,32 @@ class TestHuggingFaceDirectories:
 
     # ---- the weights: NaN and Inf anywhere, c out of range -----------------------------------------------
 
-    @pytest.mark.parametrize("name, key, value", [
-        ("llama-plain", "model.layers.0.self_attn.q_proj.weight", float("nan")),
-        ("llama-plain", "model.embed_tokens.weight", float("inf")),
-        ("llama-plain", "model.norm.weight", float("-inf")),
-        ("gpt2-plain", "transformer.h.1.mlp.c_fc.bias", float("nan")),
-        ("gpt_neox-plain", "embed_out.weight", float("nan")),  # named as the file has it (the model's lm_head)
-        ("llama-tapered", "model.layers.1.mlp.down_proj.weight", float("nan")),
-        ("llama-tapered", "model.layers.0.input_layernorm.weight", float("inf")),  # γ of a tapered norm
-        ("llama-tapered", "model.layers.0.input_layernorm.ema_num", float("nan")),  # a float64 buffer
-        ("llama-tapered", "model.norm.weight", float("nan")),  # the kept final norm
-    ])
+    @pytest.mark.parametrize(
+        "name, key, value",
+        [
+            ("llama-plain", "model.layers.0.self_attn.q_proj.weight", float("nan")),
+            ("llama-plain", "model.embed_tokens.weight", float("inf")),
+            ("llama-plain", "model.norm.weight", float("-inf")),
+            ("gpt2-plain", "transformer.h.1.mlp.c_fc.bias", float("nan")),
+            ("gpt_neox-plain", "embed_out.weight", float("nan")),  # named as the file has it (the model's lm_head)
+            ("llama-tapered", "model.layers.1.mlp.down_proj.weight", float("nan")),
+            ("llama-tapered", "model.layers.0.input_layernorm.weight", float("inf")),  # γ of a tapered norm
+            ("llama-tapered", "model.layers.0.input_layernorm.ema_num", float("nan")),  # a float64 buffer
+            ("llama-tapered", "model.norm.weight", float("nan")),  # the kept final norm
+        ],
+    )
     def test_nan_or_inf_in_a_weight(self, cli, tmp_path, copy_of, name, key, value):
         folder = copy_of(name)
         _poison(folder / "model.safetensors", key, value)
         _refused(cli, tmp_path, folder, folder / "model.safetensors", key, "NaN or Inf")
 
-    @pytest.mark.parametrize("stacked, one_by_one", [
-        ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.block_sparse_moe.experts.0.w1.weight"),
-        ("model.layers.1.mlp.experts.down_proj", "model.layers.1.block_sparse_moe.experts.0.w2.weight"),
-    ])
+    @pytest.mark.parametrize(
+        "stacked, one_by_one",
+        [
+            ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.block_sparse_moe.experts.0.w1.weight"),
+            ("model.layers.1.mlp.experts.down_proj", "model.layers.1.block_sparse_moe.experts.0.w2.weight"),
+        ],
+    )
     def test_experts_stored_stacked_and_one_by_one_are_refused(self, cli, tmp_path, copy_of, stacked, one_by_one):
         # save_pretrained writes the experts one by one; the model's own stacked tensor beside them is a second,
         # different copy of the same weights: which one would be used cannot be told
@@ -413,7 +507,9 @@ def test_a_conversion_joining_named_tensors_is_no_expert_stack():
     from taperfold.hf.weights import _check_expert_indices
 
     origin = {f"model.layers.0.self_attn.{n}_conv1d.weight": "model.safetensors" for n in "qkv"}
-    _check_expert_indices({f"{n}_conv1d.weight": [f"model.layers.0.self_attn.{n}_conv1d.weight"] for n in "qkv"}, origin)
+    _check_expert_indices(
+        {f"{n}_conv1d.weight": [f"model.layers.0.self_attn.{n}_conv1d.weight"] for n in "qkv"}, origin
+    )
     origin["model.layers.0.attention.q_conv1d.weight"] = "model.safetensors"
     twice = ["model.layers.0.attention.q_conv1d.weight", "model.layers.0.self_attn.q_conv1d.weight"]
     with pytest.raises(TaperfoldError, match="both hold 'q_conv1d.weight'") as e:

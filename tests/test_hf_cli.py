@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import tapered_tiny_model, tiny_config  # noqa: E402
 from conftest import one_line  # noqa: E402
+from hf_models import tapered_tiny_model, tiny_config  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from taperfold.hf import save_hf_directory  # noqa: E402
@@ -38,8 +38,11 @@ def _write_config(folder, config):
 
 def _refused(cli, tmp_path, folder, *needles, command="export"):
     out = tmp_path / "out"
-    args = {"export": ["export", folder, "-o", out], "inspect": ["inspect", folder],
-            "train-from": ["train", "--from", folder, "--steps", "30", "--out", out]}[command]
+    args = {
+        "export": ["export", folder, "-o", out],
+        "inspect": ["inspect", folder],
+        "train-from": ["train", "--from", folder, "--steps", "30", "--out", out],
+    }[command]
     result = cli(*args)
     assert result.exit_code == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
@@ -63,16 +66,32 @@ def test_directory_without_weights(cli, tmp_path, broken):
 def test_unknown_model_type(cli, tmp_path, broken):
     # BERT is no family taperfold ships, and tracing finds none (its LayerNorms read the residual Add's output)
     _write_config(broken, {**_config(broken), "model_type": "bert"})
-    line = _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'bert'", "tracing its model found none",
-                    "docs/hf.md, section 'Adding a family'")
+    line = _refused(
+        cli,
+        tmp_path,
+        broken,
+        "config.json",
+        "'model_type'",
+        "'bert'",
+        "tracing its model found none",
+        "docs/hf.md, section 'Adding a family'",
+    )
     for family in ("llama", "gpt2", "gpt_neox", "opt", "gemma", "qwen3", "phi3"):
         assert family in line
 
 
 def test_model_type_transformers_does_not_know(cli, tmp_path, broken):
     _write_config(broken, {**_config(broken), "model_type": "no_such_arch"})
-    _refused(cli, tmp_path, broken, "config.json", "'model_type'", "'no_such_arch'", "no config class",
-             "docs/hf.md, section 'Adding a family'")
+    _refused(
+        cli,
+        tmp_path,
+        broken,
+        "config.json",
+        "'model_type'",
+        "'no_such_arch'",
+        "no config class",
+        "docs/hf.md, section 'Adding a family'",
+    )
 
 
 def test_auto_map_is_refused(cli, tmp_path, broken):
@@ -99,21 +118,24 @@ def test_gate_not_zero_needs_force_gate0(cli, tmp_path, broken):
     _refused(cli, tmp_path, broken, str(broken), "gate is 0.25, not 0", "--force-gate0")
 
 
-@pytest.mark.parametrize("block, key", [
-    ("not an object", "'taperfold'"),
-    ({"gate": "zero"}, "'taperfold.gate'"),
-    ({"gate": 1.5}, "'taperfold.gate'"),
-    ({"gate": 10**400}, "'taperfold.gate'"),  # past the largest float: an OverflowError traceback before
-    ({"taper": "final"}, "'taperfold.taper'"),
-    ({"format_version": 2}, "'taperfold.format_version'"),
-    ({"step": -1}, "'taperfold.step'"),
-    ({"schedule": {"taper_start": 9, "taper_end": 3}}, "'taperfold.schedule'"),
-    ({"aux": {"weight": "big"}}, "'taperfold.aux'"),
-    ({"aux": {"weight": 10**400}}, "'taperfold.aux'"),
-    ({"calibration": {"momentum": 0.1, "delta": 10**400}}, "'taperfold.calibration.delta'"),
-    ({"calibration": {"momentum": 2, "delta": 0}}, "'taperfold.calibration.momentum'"),
-    ({"surprise": 1}, "'taperfold.surprise'"),
-])
+@pytest.mark.parametrize(
+    "block, key",
+    [
+        ("not an object", "'taperfold'"),
+        ({"gate": "zero"}, "'taperfold.gate'"),
+        ({"gate": 1.5}, "'taperfold.gate'"),
+        ({"gate": 10**400}, "'taperfold.gate'"),  # past the largest float: an OverflowError traceback before
+        ({"taper": "final"}, "'taperfold.taper'"),
+        ({"format_version": 2}, "'taperfold.format_version'"),
+        ({"step": -1}, "'taperfold.step'"),
+        ({"schedule": {"taper_start": 9, "taper_end": 3}}, "'taperfold.schedule'"),
+        ({"aux": {"weight": "big"}}, "'taperfold.aux'"),
+        ({"aux": {"weight": 10**400}}, "'taperfold.aux'"),
+        ({"calibration": {"momentum": 0.1, "delta": 10**400}}, "'taperfold.calibration.delta'"),
+        ({"calibration": {"momentum": 2, "delta": 0}}, "'taperfold.calibration.momentum'"),
+        ({"surprise": 1}, "'taperfold.surprise'"),
+    ],
+)
 def test_malformed_taperfold_block(cli, tmp_path, broken, block, key):
     config = _config(broken)
     config["taperfold"] = block if isinstance(block, str) else {**config["taperfold"], **block}
@@ -216,8 +238,9 @@ def test_train_from_directory_with_its_tokenizer(cli, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text(" ".join(words[(i * 7) % 97] for i in range(4000)))
     out = tmp_path / "tapered"
-    result = cli("train", "--from", folder, "--data", data, "--steps", "30", "--batch-size", "2", "--out", out,
-                 "--json")
+    result = cli(
+        "train", "--from", folder, "--data", data, "--steps", "30", "--batch-size", "2", "--out", out, "--json"
+    )
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["tokenizer"] == "hf" and summary["gate"] == 0.0
@@ -241,7 +264,9 @@ def test_train_from_with_taper_none_fine_tunes_the_plain_model(cli, tmp_path):
     assert summary["taper"] == "none" and summary["gate"] == 1.0 and not summary["aux"]
     assert "taperfold" not in _config(out)
     before, after = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert before.keys() == after.keys() and not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert before.keys() == after.keys() and not torch.equal(
+        before["model.embed_tokens.weight"], after["model.embed_tokens.weight"]
+    )
     inspect = json.loads(cli("inspect", out, "--json").stdout)
     assert inspect["taper"] == "none"
 
@@ -282,8 +307,9 @@ def test_moe_directory_with_an_expert_missing(cli, tmp_path):
     del tensors[f"{prefix}.1.w1.weight"]
     tensors[f"{prefix}.4.w1.weight"] = tensors[f"{prefix}.0.w1.weight"].clone()  # the count still matches
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _refused(cli, tmp_path, folder, "model.safetensors", f"'{prefix}.2.w1.weight'", "experts 0 ... 3",
-             command="inspect")
+    _refused(
+        cli, tmp_path, folder, "model.safetensors", f"'{prefix}.2.w1.weight'", "experts 0 ... 3", command="inspect"
+    )
 
 
 # ---- a plain directory described; Hub ids -------------------------------------------------------------------
@@ -297,13 +323,18 @@ def test_inspect_describes_a_plain_hugging_face_directory_and_how_to_taper_it(tm
     r = cli("inspect", tmp_path / "plain", "--json")
     assert r.exit_code == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["taper"] == "none" and info["foldable"] == 0 and info["how_to_taper"].startswith(
-        f"`taperfold train --from {tmp_path / 'plain'}")
+    assert (
+        info["taper"] == "none"
+        and info["foldable"] == 0
+        and info["how_to_taper"].startswith(f"`taperfold train --from {tmp_path / 'plain'}")
+    )
     layers = {n["name"]: n for n in info["norms"] if n["name"].startswith("model.layers.0.")}
     assert layers["model.layers.0.input_layernorm"]["folds_into"] == [
-        f"model.layers.0.self_attn.{x}_proj" for x in "qkv"]
-    assert info["would_fold"] == 2 * len({n.split(".")[2] for n in (m["name"] for m in info["norms"])
-                                          if n.startswith("model.layers.")})
+        f"model.layers.0.self_attn.{x}_proj" for x in "qkv"
+    ]
+    assert info["would_fold"] == 2 * len(
+        {n.split(".")[2] for n in (m["name"] for m in info["norms"]) if n.startswith("model.layers.")}
+    )
     r = cli("inspect", tmp_path / "plain")
     assert r.exit_code == 0 and "train --from" in r.stdout
 
@@ -320,15 +351,16 @@ def test_a_hub_model_id_resolves_through_the_local_cache_offline(tmp_path, monke
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as hub_constants  # read once at import: what the environment says now
+
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
 
     r = cli("inspect", "acme/tiny-llama", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["path"] == str(repo / "snapshots" / commit)
-    r = cli("train", "--from", "acme/tiny-llama", "--steps", "30", "--batch-size", "2", "-o", tmp_path / "tapered",
-            "--json")
+    r = cli(
+        "train", "--from", "acme/tiny-llama", "--steps", "30", "--batch-size", "2", "-o", tmp_path / "tapered", "--json"
+    )
     assert r.exit_code == 0, r.stderr
     assert json.loads((tmp_path / "tapered" / "config.json").read_text())["taperfold"]["gate"] == 0.0
-    one_line(cli("inspect", "acme/not-cached"), "acme/not-cached: no such file or directory",
-             "Hugging Face Hub cache")
+    one_line(cli("inspect", "acme/not-cached"), "acme/not-cached: no such file or directory", "Hugging Face Hub cache")

@@ -22,8 +22,10 @@ from hf_models import FAMILIES, UNLISTED, tiny_config  # noqa: E402
 
 from taperfold.families import family_for, is_registered  # noqa: E402
 from taperfold.families.serialize import family_from_data, family_to_data  # noqa: E402
-from taperfold.hf import taper_model  # noqa: E402
-from taperfold.hf import trace  # noqa: E402
+from taperfold.hf import (
+    taper_model,
+    trace,
+)
 from taperfold.nn import Gating  # noqa: E402
 from taperfold.passes import detect_norms  # noqa: E402
 
@@ -52,8 +54,13 @@ def test_traced_family_tapers_as_the_shipped_one(name):
     traced = trace.traced_family(config, name)
     shipped = family_for(config.model_type).for_config(config)
     assert traced.traced and not shipped.traced
-    assert (traced.norm, traced.gain_offset, traced.layers, traced.final, traced.head) == \
-        (shipped.norm, shipped.gain_offset, shipped.layers, shipped.final, shipped.head)
+    assert (traced.norm, traced.gain_offset, traced.layers, traced.final, traced.head) == (
+        shipped.norm,
+        shipped.gain_offset,
+        shipped.layers,
+        shipped.final,
+        shipped.head,
+    )
     assert _as_sets(traced.internal) == _as_sets(shipped.internal) and traced.post == shipped.post
     for taper in ("internal", "all"):
         by_trace = taper_model(_model(name), taper, family=traced, aux=False)
@@ -71,9 +78,13 @@ def test_traced_reasons_name_what_stops_a_norm():
     assert "add" in bloom.untapered_reason("transformer.word_embeddings_layernorm")  # the residual stream reads it
 
 
-@pytest.mark.parametrize("name, router, experts", [("olmoe", "mlp.gate.weight", "mlp.experts"),
-                                                    ("granitemoe", "block_sparse_moe.router.weight",
-                                                     "block_sparse_moe.experts")])
+@pytest.mark.parametrize(
+    "name, router, experts",
+    [
+        ("olmoe", "mlp.gate.weight", "mlp.experts"),
+        ("granitemoe", "block_sparse_moe.router.weight", "block_sparse_moe.experts"),
+    ],
+)
 def test_unlisted_moe_norm_feeds_the_router_and_every_expert(name, router, experts):
     # transformers' batched experts apply their stacked matrices as bmm(W[expert ids], x[..., None])
     family = trace.traced_family(tiny_config(name), name)
@@ -107,16 +118,32 @@ def test_a_gated_norms_gate_is_measured(module, gating):
     assert (behaviour.kind, behaviour.gating, behaviour.eps) == ("rms", gating, 1e-6), behaviour
 
 
-@pytest.mark.parametrize("name, gated_norm, reader, gating, heads, own_gain", [
-    # Bamba: gate·x, then the norm, into out_proj; its other norms γ too
-    ("bamba", "mamba.norm", "mamba.out_proj", Gating("silu", False, 1), {}, {}),
-    # Qwen3-Next: the norm per head (4 heads), then the gate, the heads joined for out_proj; γ where its others are
-    # 1 + γ
-    ("qwen3_next", "linear_attn.norm", "linear_attn.out_proj", Gating("silu", True, 1), {"linear_attn.norm": 4},
-     {"linear_attn.norm": 0.0}),
-    # Kimi Linear: per head, then a sigmoid gate
-    ("kimi_linear", "self_attn.o_norm", "self_attn.o_proj", Gating("sigmoid", True, 1), {"self_attn.o_norm": 4}, {}),
-])
+@pytest.mark.parametrize(
+    "name, gated_norm, reader, gating, heads, own_gain",
+    [
+        # Bamba: gate·x, then the norm, into out_proj; its other norms γ too
+        ("bamba", "mamba.norm", "mamba.out_proj", Gating("silu", False, 1), {}, {}),
+        # Qwen3-Next: the norm per head (4 heads), then the gate, the heads joined for out_proj; γ where its others are
+        # 1 + γ
+        (
+            "qwen3_next",
+            "linear_attn.norm",
+            "linear_attn.out_proj",
+            Gating("silu", True, 1),
+            {"linear_attn.norm": 4},
+            {"linear_attn.norm": 0.0},
+        ),
+        # Kimi Linear: per head, then a sigmoid gate
+        (
+            "kimi_linear",
+            "self_attn.o_norm",
+            "self_attn.o_proj",
+            Gating("sigmoid", True, 1),
+            {"self_attn.o_norm": 4},
+            {},
+        ),
+    ],
+)
 def test_a_hybrids_gated_norm_is_tapered_in_the_layers_that_have_it(name, gated_norm, reader, gating, heads, own_gain):
     # layer 0 is recurrent (Mamba2 / gated delta net), layer 1 attention
     family = trace.traced_family(tiny_config(name), name)
@@ -133,8 +160,10 @@ def test_a_norm_that_is_a_post_norm_in_some_layers_and_a_pre_norm_in_others_fold
     # (attention with OLMo 2's post-norms) normalizes o_proj's output with it before the residual Add
     family = trace.traced_family(tiny_config("olmo_hybrid"), "olmo_hybrid")
     assert family.readers_in_layer(0)["post_attention_layernorm"] == ("mlp.gate_proj", "mlp.up_proj")
-    assert family.producers_in_layer(1) == {"post_attention_layernorm": "self_attn.o_proj",
-                                            "post_feedforward_layernorm": "mlp.down_proj"}
+    assert family.producers_in_layer(1) == {
+        "post_attention_layernorm": "self_attn.o_proj",
+        "post_feedforward_layernorm": "mlp.down_proj",
+    }
     assert "post_attention_layernorm" not in family.readers_in_layer(1) and not family.producers_in_layer(0)
     assert family_from_data(json.loads(json.dumps(family_to_data(family))), "olmo_hybrid", ValueError) == family
     tapering = _tapered_all_at_gate_1(_model("olmo_hybrid"))
@@ -162,8 +191,12 @@ def test_a_kimi_linear_directory_reads_its_experts_saved_one_by_one(cli, tmp_pat
 def test_falcon_h1s_norms_fold_through_its_multipliers_and_its_grouped_gated_norm():
     # every layer has Mamba2 and attention side by side, each reading the input norm times a µP multiplier
     family = trace.traced_family(tiny_config("falcon_h1"), "falcon_h1")
-    assert set(family.internal["input_layernorm"]) == {"mamba.in_proj", "self_attn.q_proj", "self_attn.k_proj",
-                                                       "self_attn.v_proj"}
+    assert set(family.internal["input_layernorm"]) == {
+        "mamba.in_proj",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+    }
     assert family.internal["mamba.norm"] == ("mamba.out_proj",)
     assert family.gated == {"mamba.norm": Gating("silu", True, 2)} and not family.untapered
 
@@ -250,8 +283,15 @@ def test_a_hybrids_recurrence_as_a_scan_is_transformers_own(name):
         torch.testing.assert_close(scanned, own, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, gated_norm", [("qwen3_next", "linear_attn.norm"), ("bamba", "mamba.norm"),
-                                              ("falcon_h1", "mamba.norm"), ("olmo_hybrid", "linear_attn.o_norm")])
+@pytest.mark.parametrize(
+    "name, gated_norm",
+    [
+        ("qwen3_next", "linear_attn.norm"),
+        ("bamba", "mamba.norm"),
+        ("falcon_h1", "mamba.norm"),
+        ("olmo_hybrid", "linear_attn.o_norm"),
+    ],
+)
 def test_a_hybrid_exports_a_graph_that_takes_every_length(tmp_path, name, gated_norm):
     # export refused them in one line ("fixed the sequence length of 'input_ids' to 8"); verify runs lengths 1 to
     # the model's longest, batch 1 and 4. The gated norm of layer 0 (the recurrent one) folds into its out_proj, the
@@ -402,14 +442,18 @@ def test_the_final_norm_is_kept_for_its_own_reason_beside_a_layer_norm_of_the_sa
     tapering = taper_model(_model("qwen3_next"), "internal", kind="dyt")
     assert tapering.untapered["model.norm"] == FINAL_KEPT
     assert "a DyT has no form with a gate input" in tapering.untapered["model.layers.0.linear_attn.norm"]
-    assert "model.layers.0.linear_attn.norm" not in tapering.readers and "model.layers.0.input_layernorm" in tapering.norms
+    assert (
+        "model.layers.0.linear_attn.norm" not in tapering.readers and "model.layers.0.input_layernorm" in tapering.norms
+    )
 
 
 def test_kv_cached_decoders_of_a_hybrid_are_one_line_before_any_trace(cli, tmp_path):
     plain = _plain("qwen3_next", tmp_path / "plain")
     result = cli("export", plain, "-o", tmp_path / "out", "--kv-cache", "growing")
     assert result.exit_code == 2 and "Traceback" not in result.stderr
-    assert "--kv-cache: the model's transformers cache keeps recurrent states (linear attention, Mamba)" in result.stderr
+    assert (
+        "--kv-cache: the model's transformers cache keeps recurrent states (linear attention, Mamba)" in result.stderr
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -503,39 +547,66 @@ def test_export_reads_the_recorded_family_without_tracing(cli, tmp_path, tapered
     monkeypatch.setattr(trace, "_trace", no_tracing)
     result = cli("export", tapered_unlisted, "-o", tmp_path / "out", "--no-baseline")
     assert result.exit_code == 0, result.stderr
-    report = json.loads((tmp_path / "out" / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]["summary"]
+    report = json.loads((tmp_path / "out" / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"][
+        "summary"
+    ]
     assert report["folded"] == 4  # two layers, two norms each
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("norm", "dyt", "must be one of"),
-    ("gain_offset", 2.0, "must be 0 or 1"),
-    ("layers", "model.blocks", "not a list of layers"),
-    ("internal", {"input_layernorm": ["self_attn.no_such_proj"]}, "no_such_proj"),
-    ("internal", {"input_layernorm": []}, "non-empty list"),
-    ("post", {"input_layernorm": "mlp.c_proj"}, "which 'internal' names too"),
-    ("final", "model.layers.0.self_attn.q_proj", "not a norm module"),
-    ("norm_eps", -1, "(0, 1]"),
-    pytest.param("norm_eps", 10**400, "(0, 1]", id="norm_eps-10**400"),  # past the largest float
-    ("surprise", 1, "not a known key"),
-    ("internal", {"input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.q_proj"],
-                  "post_attention_layernorm": ["mlp.c_fc"]}, "lists 'self_attn.q_proj' twice"),
-    ("final", "model.layers.1.input_layernorm", "is a norm inside a layer, not the norm after the last layer"),
-    ("head", "model.embed_tokens", "is the input embedding, not the output head"),
-    ("layer_readers", {"0": {"no_such_norm": ["mlp.c_fc"]}}, "names 'no_such_norm', which is not a norm module in layer 0"),
-    ("gated", {"input_layernorm": {"activation": "tanh", "norm_first": True, "groups": 1}}, "must be one of silu"),
-    ("gated", {"input_layernorm": {"activation": "silu"}}, "must map norm paths to objects with"),
-    ("gated", {"mlp.norm": {"activation": "silu", "norm_first": True, "groups": 1}}, "which the family does not taper"),
-    ("heads", {"input_layernorm": 1}, "the number of heads (> 1)"),
-    ("heads", {"mlp.norm": 2}, "which the family does not taper"),
-    ("gain_offsets", {"input_layernorm": 2}, "must map norm paths in a layer to 0 or 1"),
-    ("layer_readers", {"7": {"post_attention_layernorm": ["mlp.c_fc"]}}, "names layer 7; this starcoder2 model has 2"),
-    ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
-    ("layer_readers", {"x": {}}, "must map layer indices to objects"),
-    ("layer_producers", {"5": {"post_attention_layernorm": "mlp.c_proj"}}, "names layer 5; this starcoder2 model has 2"),
-    ("layer_producers", {"1": {"post_attention_layernorm": "mlp.no_such_proj"}}, "no_such_proj"),
-    ("layer_producers", {"1": {"post_attention_layernorm": ["mlp.c_proj"]}}, "must map post-norm paths to their"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("norm", "dyt", "must be one of"),
+        ("gain_offset", 2.0, "must be 0 or 1"),
+        ("layers", "model.blocks", "not a list of layers"),
+        ("internal", {"input_layernorm": ["self_attn.no_such_proj"]}, "no_such_proj"),
+        ("internal", {"input_layernorm": []}, "non-empty list"),
+        ("post", {"input_layernorm": "mlp.c_proj"}, "which 'internal' names too"),
+        ("final", "model.layers.0.self_attn.q_proj", "not a norm module"),
+        ("norm_eps", -1, "(0, 1]"),
+        pytest.param("norm_eps", 10**400, "(0, 1]", id="norm_eps-10**400"),  # past the largest float
+        ("surprise", 1, "not a known key"),
+        (
+            "internal",
+            {
+                "input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.q_proj"],
+                "post_attention_layernorm": ["mlp.c_fc"],
+            },
+            "lists 'self_attn.q_proj' twice",
+        ),
+        ("final", "model.layers.1.input_layernorm", "is a norm inside a layer, not the norm after the last layer"),
+        ("head", "model.embed_tokens", "is the input embedding, not the output head"),
+        (
+            "layer_readers",
+            {"0": {"no_such_norm": ["mlp.c_fc"]}},
+            "names 'no_such_norm', which is not a norm module in layer 0",
+        ),
+        ("gated", {"input_layernorm": {"activation": "tanh", "norm_first": True, "groups": 1}}, "must be one of silu"),
+        ("gated", {"input_layernorm": {"activation": "silu"}}, "must map norm paths to objects with"),
+        (
+            "gated",
+            {"mlp.norm": {"activation": "silu", "norm_first": True, "groups": 1}},
+            "which the family does not taper",
+        ),
+        ("heads", {"input_layernorm": 1}, "the number of heads (> 1)"),
+        ("heads", {"mlp.norm": 2}, "which the family does not taper"),
+        ("gain_offsets", {"input_layernorm": 2}, "must map norm paths in a layer to 0 or 1"),
+        (
+            "layer_readers",
+            {"7": {"post_attention_layernorm": ["mlp.c_fc"]}},
+            "names layer 7; this starcoder2 model has 2",
+        ),
+        ("layer_readers", {"1": {"post_attention_layernorm": ["mlp.no_such_proj"]}}, "no_such_proj"),
+        ("layer_readers", {"x": {}}, "must map layer indices to objects"),
+        (
+            "layer_producers",
+            {"5": {"post_attention_layernorm": "mlp.c_proj"}},
+            "names layer 5; this starcoder2 model has 2",
+        ),
+        ("layer_producers", {"1": {"post_attention_layernorm": "mlp.no_such_proj"}}, "no_such_proj"),
+        ("layer_producers", {"1": {"post_attention_layernorm": ["mlp.c_proj"]}}, "must map post-norm paths to their"),
+    ],
+)
 def test_bad_recorded_family_is_one_line_naming_the_key(cli, tmp_path, tapered_unlisted, key, value, needle):
     folder = shutil.copytree(tapered_unlisted, tmp_path / "in")
     config = json.loads((folder / "config.json").read_text())

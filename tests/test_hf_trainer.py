@@ -9,7 +9,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # trains and exports a model
 import accelerate  # noqa: E402,F401  Trainer needs it; the [hf] extra installs it with transformers, so no skip
-
 from hf_models import tiny_config  # noqa: E402
 
 from taperfold.hf import save_hf_directory, taper_model  # noqa: E402
@@ -32,18 +31,27 @@ def test_trainer_runs_the_schedule_and_saves_a_foldable_directory(cli, tmp_path)
 
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 256, (16, 12), generator=gen)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=STEPS, learning_rate=1e-3,
-                                          per_device_train_batch_size=2, save_strategy="no", report_to=[],
-                                          logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                                          disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[trainer_callback(hook), Record()])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[trainer_callback(hook), Record()]
+    )
     state = trainer.train()
     hook.remove()
 
     assert state.global_step == STEPS and [s for s, _, _ in seen] == list(range(STEPS))
     gates = [g for _, g, _ in seen]
-    assert gates[:TAPER_START + 1] == [1.0] * (TAPER_START + 1) and 0 < gates[TAPER_START + 1] < 1
+    assert gates[: TAPER_START + 1] == [1.0] * (TAPER_START + 1) and 0 < gates[TAPER_START + 1] < 1
     assert gates[TAPER_END:] == [0.0] * (STEPS - TAPER_END) and tapering.gate.value == 0.0
     # c moved once, to c* at taper start, and never after (it is not trained)
     cs = [c for _, _, c in seen]

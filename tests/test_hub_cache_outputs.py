@@ -106,7 +106,13 @@ def test_the_library_save_functions_refuse_a_hub_cache(hub):
     transformers = pytest.importorskip("transformers")
     from taperfold.hf import save_hf_directory
 
-    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
+    config = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with pytest.raises(TaperfoldError, match="Hugging Face Hub cache"):
         save_hf_directory(transformers.LlamaForCausalLM(config), hub[0], plain=True)

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import HANG_S, one_line, run_cli
 
 pytestmark = pytest.mark.slow
@@ -30,8 +29,19 @@ def resolved(extras: str, tmp_path: Path) -> list[str]:
     """The distributions pip would install for this checkout with `extras` into an empty environment (torch pinned
     to the CPU build, as scripts/setup-env.sh does: an unpinned torch would resolve to the CUDA wheels)."""
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
-               str(report), "torch==2.13.0", f"{ROOT}[{extras}]"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        "torch==2.13.0",
+        f"{ROOT}[{extras}]",
+    ]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S)
     except subprocess.TimeoutExpired:

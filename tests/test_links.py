@@ -49,18 +49,16 @@ def test_atomic_dir_never_builds_through_a_link(tmp_path, victim, planted):
         (root / "genai" / "unfolded").symlink_to(victim)
     else:  # DIR/genai -> victim: the build would land in the victim
         (root / "genai").symlink_to(victim)
-    with pytest.raises(TaperfoldError, match="is a symlink"):
-        with atomic_dir(root / "genai" / "unfolded", root) as tmp:
-            (tmp / "model.onnx").write_text("new")
+    with pytest.raises(TaperfoldError, match="is a symlink"), atomic_dir(root / "genai" / "unfolded", root) as tmp:
+        (tmp / "model.onnx").write_text("new")
     assert tree(victim) == before
 
 
 def test_atomic_dir_never_replaces_a_link_it_is_handed(tmp_path, victim):
     before = tree(victim)
     (tmp_path / "out").symlink_to(victim)
-    with pytest.raises(TaperfoldError, match="is a symlink"):
-        with atomic_dir(tmp_path / "out") as tmp:
-            (tmp / "x").write_text("new")
+    with pytest.raises(TaperfoldError, match="is a symlink"), atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "x").write_text("new")
     assert tree(victim) == before and (tmp_path / "out").is_symlink()
 
 
@@ -218,7 +216,7 @@ def hf_export(tmp_path_factory):
 def _stand_in_optimum_cli(folder: Path, body: str) -> None:
     """An `optimum-cli` on PATH that does `body` (shell) instead of exporting; its last argument is the output."""
     script = folder / "optimum-cli"
-    script.write_text(f'#!/bin/sh\nfor last; do :; done\n{body}\n')
+    script.write_text(f"#!/bin/sh\nfor last; do :; done\n{body}\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
@@ -227,14 +225,17 @@ def _stand_in_optimum_cli(folder: Path, body: str) -> None:
     [
         ("echo 'boom: out of memory' >&2; exit 1", "optimum-cli failed (boom: out of memory)"),
         ("exit 0", "optimum-cli exited 0 but wrote no usable model"),
-        ("mkdir -p \"$last\"; echo garbage > \"$last/openvino_model.xml\"; echo x > \"$last/openvino_model.bin\"",
-         "optimum-cli exited 0 but wrote no usable model"),
-        ("mkdir -p \"$last\"; echo '<net/>' > \"$last/openvino_model.xml\"", "no usable model"),  # no weights
+        (
+            'mkdir -p "$last"; echo garbage > "$last/openvino_model.xml"; echo x > "$last/openvino_model.bin"',
+            "optimum-cli exited 0 but wrote no usable model",
+        ),
+        ('mkdir -p "$last"; echo \'<net/>\' > "$last/openvino_model.xml"', "no usable model"),  # no weights
     ],
     ids=["fails", "writes-nothing", "writes-garbage", "half-written"],
 )
-def test_a_contender_that_fails_leaves_no_folder_and_the_manifest_as_it_was(tmp_path, monkeypatch, hf_export, body,
-                                                                           needle):
+def test_a_contender_that_fails_leaves_no_folder_and_the_manifest_as_it_was(
+    tmp_path, monkeypatch, hf_export, body, needle
+):
     from taperfold.bench.against import OptimumIntel, prepare_contender
     from taperfold.manifest import read_manifest
 
@@ -325,9 +326,9 @@ def test_a_contender_folder_planted_as_a_link_is_refused(tmp_path, victim, monke
         assert tree(victim) == before
 
 
-
-def test_export_genai_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(tmp_path, monkeypatch, genai_export,
-                                                                              builtin_checkpoint):
+def test_export_genai_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(
+    tmp_path, monkeypatch, genai_export, builtin_checkpoint
+):
     import errno
 
     import taperfold.artifacts.genai_folder as genai_folder

@@ -34,20 +34,46 @@ MANIFEST_V1 = {
     "gate": 0.0,
     "exported_gate": 0.0,
     "forced_gate0": False,
-    "export": {"logits": "last", "dtype": "fp16", "opset": 20, "kv_cache": True, "inputs": ["input_ids"],
-               "outputs": ["logits"]},
+    "export": {
+        "logits": "last",
+        "dtype": "fp16",
+        "opset": 20,
+        "kv_cache": True,
+        "inputs": ["input_ids"],
+        "outputs": ["logits"],
+    },
     "artifacts": {
-        **{key: {"path": name, "bytes": 4, "external_data": None, "external_data_bytes": 0}
-           for key, name in (("baseline", "baseline.onnx"), ("unfolded", "unfolded.onnx"), ("folded", "model.onnx"),
-                             ("folded.decoder", "model.decoder.onnx"))},
-        "engine": {"path": "model.plan", "bytes": 4, "external_data": None, "external_data_bytes": 0,
-                   "variant": "folded", "format": "tensorrt-plan"},
+        **{
+            key: {"path": name, "bytes": 4, "external_data": None, "external_data_bytes": 0}
+            for key, name in (
+                ("baseline", "baseline.onnx"),
+                ("unfolded", "unfolded.onnx"),
+                ("folded", "model.onnx"),
+                ("folded.decoder", "model.decoder.onnx"),
+            )
+        },
+        "engine": {
+            "path": "model.plan",
+            "bytes": 4,
+            "external_data": None,
+            "external_data_bytes": 0,
+            "variant": "folded",
+            "format": "tensorrt-plan",
+        },
     },
     "fold_report": {"summary": {"folded": 4}, "norms": []},
     "decoder_fold_report": {"summary": {"folded": 4}, "norms": []},
-    "engines": {"folded": {"path": "model.plan", "onnx": "model.onnx", "bytes": 4, "tensorrt": "10.13.3",
-                           "gpu": "Fake GPU", "profile": {"input": "input_ids", "batch": [1, 1, 8],
-                                                          "sequence": [1, 64, 64]}, "dtype": "fp16"}},
+    "engines": {
+        "folded": {
+            "path": "model.plan",
+            "onnx": "model.onnx",
+            "bytes": 4,
+            "tensorrt": "10.13.3",
+            "gpu": "Fake GPU",
+            "profile": {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]},
+            "dtype": "fp16",
+        }
+    },
 }
 
 
@@ -125,8 +151,17 @@ def test_a_manifest_the_previous_version_wrote_reads_as_this_version_writes_it(e
     def shape(record: ArtifactRecord) -> tuple:
         # the previous version traced the baseline graphs; this one makes them from the unfolded ones
         built_from = None if record.variant in ("baseline", "baseline-decomposed") else record.built_from
-        return (record.key, record.kind, record.path, record.variant, record.graph, record.precision,
-                built_from, sorted(record.details), sorted(record.reports))
+        return (
+            record.key,
+            record.kind,
+            record.path,
+            record.variant,
+            record.graph,
+            record.precision,
+            built_from,
+            sorted(record.details),
+            sorted(record.reports),
+        )
 
     assert [shape(r) for r in old.records()] == [shape(r) for r in current.records()]
     assert old.record("baseline.static").built_from is None
@@ -149,44 +184,75 @@ def test_verify_runs_an_export_the_previous_version_wrote(exported_twice):
 
 
 def entry(**changes) -> dict:
-    base = {"kind": ONNX, "path": "model.onnx", "variant": "folded", "graph": PREFILL, "precision": "fp32",
-            "bytes": 4, "external_data": None, "external_data_bytes": 0, "built_from": None, "reports": {}}
+    base = {
+        "kind": ONNX,
+        "path": "model.onnx",
+        "variant": "folded",
+        "graph": PREFILL,
+        "precision": "fp32",
+        "bytes": 4,
+        "external_data": None,
+        "external_data_bytes": 0,
+        "built_from": None,
+        "reports": {},
+    }
     return {**base, **changes}
 
 
 def manifest_v2(**artifacts) -> dict:
-    data = {key: value for key, value in MANIFEST_V1.items()
-            if key not in ("fold_report", "decoder_fold_report", "engines")}
-    return {**data, "format_version": 2, "export": {**data["export"], "kv_cache": []},
-            "artifacts": artifacts or {"folded": entry()}}
+    data = {
+        key: value for key, value in MANIFEST_V1.items() if key not in ("fold_report", "decoder_fold_report", "engines")
+    }
+    return {
+        **data,
+        "format_version": 2,
+        "export": {**data["export"], "kv_cache": []},
+        "artifacts": artifacts or {"folded": entry()},
+    }
 
 
-@pytest.mark.parametrize("data, message", [
-    ({**manifest_v2(), "format_version": 3}, "key 'format_version' is 3; written by a newer taperfold; this "
-                                             "taperfold reads versions 1, 2"),
-    ({**manifest_v2(), "format_version": "2"}, "key 'format_version' is '2'"),
-    ({**manifest_v2(), "gate": "0"}, "key 'gate': expected a number, got '0'"),
-    ({**manifest_v2(), "forced_gate0": 0}, "key 'forced_gate0': expected true or false"),
-    ({**manifest_v2(), "config": "llama"}, "key 'config': expected an object, got str"),
-    ({**manifest_v2(), "checkpoint": {"path": 7, "sha256": "ab"}}, "key 'checkpoint.path': expected a path"),
-    ({**manifest_v2(), "export": {"logits": "last", "dtype": "int8"}}, "key 'export.dtype': expected fp32, fp16, bf16"),
-    ({**manifest_v2(), "export": {"logits": "last", "dtype": "fp32", "max_cache": 10**12}},
-     "key 'export.max_cache': expected null or an integer"),
-    ({**manifest_v2(), "export": {"logits": "last", "dtype": "fp32", "max_cache": "abc"}},
-     "key 'export.max_cache': expected null or an integer"),
-    (manifest_v2(folded=entry(path="../outside/model.onnx")), "key 'artifacts.folded.path': expected a file name "
-                                                              "inside the export directory"),
-    (manifest_v2(folded=entry(path="/elsewhere/model.onnx")), "key 'artifacts.folded.path': expected a file name"),
-    (manifest_v2(folded=entry(external_data="../model.onnx.data")), "key 'artifacts.folded.external_data'"),
-    (manifest_v2(folded=entry(graph="decoder")), "key 'artifacts.folded.graph': expected null or one of prefill"),
-    (manifest_v2(folded=entry(variant="fast")), "key 'artifacts.folded.variant': expected null or a variant"),
-    (manifest_v2(folded=entry(bytes=-1)), "key 'artifacts.folded.bytes': expected a byte count"),
-    (manifest_v2(folded=entry(opset="23")), "key 'artifacts.folded.opset': expected int, got str"),
-    (manifest_v2(folded=entry(kind=TENSORRT_PLAN)), "missing key 'artifacts.folded.tensorrt'"),
-    (manifest_v2(folded="model.onnx"), "key 'artifacts.folded': expected an object, got str"),
-    (manifest_v2(model_card=entry(kind="model-card", variant=None, graph=None, path="card.json")),
-     "lists no ONNX graph"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {**manifest_v2(), "format_version": 3},
+            "key 'format_version' is 3; written by a newer taperfold; this taperfold reads versions 1, 2",
+        ),
+        ({**manifest_v2(), "format_version": "2"}, "key 'format_version' is '2'"),
+        ({**manifest_v2(), "gate": "0"}, "key 'gate': expected a number, got '0'"),
+        ({**manifest_v2(), "forced_gate0": 0}, "key 'forced_gate0': expected true or false"),
+        ({**manifest_v2(), "config": "llama"}, "key 'config': expected an object, got str"),
+        ({**manifest_v2(), "checkpoint": {"path": 7, "sha256": "ab"}}, "key 'checkpoint.path': expected a path"),
+        (
+            {**manifest_v2(), "export": {"logits": "last", "dtype": "int8"}},
+            "key 'export.dtype': expected fp32, fp16, bf16",
+        ),
+        (
+            {**manifest_v2(), "export": {"logits": "last", "dtype": "fp32", "max_cache": 10**12}},
+            "key 'export.max_cache': expected null or an integer",
+        ),
+        (
+            {**manifest_v2(), "export": {"logits": "last", "dtype": "fp32", "max_cache": "abc"}},
+            "key 'export.max_cache': expected null or an integer",
+        ),
+        (
+            manifest_v2(folded=entry(path="../outside/model.onnx")),
+            "key 'artifacts.folded.path': expected a file name inside the export directory",
+        ),
+        (manifest_v2(folded=entry(path="/elsewhere/model.onnx")), "key 'artifacts.folded.path': expected a file name"),
+        (manifest_v2(folded=entry(external_data="../model.onnx.data")), "key 'artifacts.folded.external_data'"),
+        (manifest_v2(folded=entry(graph="decoder")), "key 'artifacts.folded.graph': expected null or one of prefill"),
+        (manifest_v2(folded=entry(variant="fast")), "key 'artifacts.folded.variant': expected null or a variant"),
+        (manifest_v2(folded=entry(bytes=-1)), "key 'artifacts.folded.bytes': expected a byte count"),
+        (manifest_v2(folded=entry(opset="23")), "key 'artifacts.folded.opset': expected int, got str"),
+        (manifest_v2(folded=entry(kind=TENSORRT_PLAN)), "missing key 'artifacts.folded.tensorrt'"),
+        (manifest_v2(folded="model.onnx"), "key 'artifacts.folded': expected an object, got str"),
+        (
+            manifest_v2(model_card=entry(kind="model-card", variant=None, graph=None, path="card.json")),
+            "lists no ONNX graph",
+        ),
+    ],
+)
 def test_a_manifest_that_breaks_the_schema_is_one_line_naming_the_key(tmp_path, data, message):
     if "model_card" in data["artifacts"]:
         data["artifacts"].pop("folded", None)
@@ -197,12 +263,15 @@ def test_a_manifest_that_breaks_the_schema_is_one_line_naming_the_key(tmp_path, 
     assert text.startswith(str(tmp_path / "manifest.json")) and message in text and "\n" not in text
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda m: m.pop("gate"), "missing key 'gate'"),
-    (lambda m: m["artifacts"].pop("folded"), "missing key 'artifacts.folded.path'"),
-    (lambda m: m.update(format="other"), "not a taperfold export manifest"),
-    (lambda m: m["engines"]["folded"].update(path="../model.plan"), "key 'artifacts.folded.plan.path'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.pop("gate"), "missing key 'gate'"),
+        (lambda m: m["artifacts"].pop("folded"), "missing key 'artifacts.folded.path'"),
+        (lambda m: m.update(format="other"), "not a taperfold export manifest"),
+        (lambda m: m["engines"]["folded"].update(path="../model.plan"), "key 'artifacts.folded.plan.path'"),
+    ],
+)
 def test_a_bad_version_1_manifest_is_one_line(v1_dir, change, message):
     data = json.loads(json.dumps(MANIFEST_V1))
     change(data)
@@ -225,11 +294,17 @@ def test_an_artifact_of_a_kind_not_registered_here_is_kept_and_named_when_used(t
 
 def test_missing_artifacts_name_the_manifest_key_and_the_command(v1_dir):
     manifest = read_manifest(v1_dir)
-    with pytest.raises(TaperfoldError, match=r"manifest\.json: missing key 'artifacts\.baseline\.decoder': "
-                                             r"re-export with --kv-cache$"):
+    with pytest.raises(
+        TaperfoldError,
+        match=r"manifest\.json: missing key 'artifacts\.baseline\.decoder': "
+        r"re-export with --kv-cache$",
+    ):
         manifest.artifact("baseline", GROWING)
-    with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.folded\.static': re-export with --kv-cache "
-                                             r"static$"):
+    with pytest.raises(
+        TaperfoldError,
+        match=r"missing key 'artifacts\.folded\.static': re-export with --kv-cache "
+        r"static$",
+    ):
         manifest.artifact("folded", STATIC)
     (v1_dir / "model.onnx").unlink()
     with pytest.raises(TaperfoldError, match=r"model\.onnx: missing \(manifest\.json lists it as artifacts\.folded\)$"):
@@ -238,9 +313,17 @@ def test_missing_artifacts_name_the_manifest_key_and_the_command(v1_dir):
 
 def test_add_artifact_checks_the_record_against_its_kind(v1_dir):
     manifest = read_manifest(v1_dir)
-    record = ArtifactRecord(key="baseline.plan", kind=TENSORRT_PLAN, path="baseline.plan", variant="baseline",
-                            graph=PREFILL, precision="fp16", bytes=4, built_from="baseline",
-                            details={"tensorrt": "10.13.3"})
+    record = ArtifactRecord(
+        key="baseline.plan",
+        kind=TENSORRT_PLAN,
+        path="baseline.plan",
+        variant="baseline",
+        graph=PREFILL,
+        precision="fp16",
+        bytes=4,
+        built_from="baseline",
+        details={"tensorrt": "10.13.3"},
+    )
     with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.baseline\.plan\.profile'"):
         manifest.add_artifact(record)
     record.details["profile"] = {"batch": [1, 1, 8], "sequence": [1, 8, 64]}

@@ -4,11 +4,11 @@ the weights between them plus the folded layers, and verify opens one model at a
 import pytest
 import torch
 
-from taperfold.sources.builtin import read_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, FOLDED, UNFOLDED
 from taperfold.models import build_model
 from taperfold.runners.base import Runner
+from taperfold.sources.builtin import read_checkpoint
 from taperfold.taper import fold_target
 from taperfold.variants import build_variants
 from taperfold.verify import verify_export
@@ -30,8 +30,9 @@ def test_built_models_hold_the_checkpoints_tensors(tiny_checkpoint):
         assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied: one parameter
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with torch.no_grad():  # two models, the weights at other addresses: MKL may sum in another order (test_checkpoint)
-        torch.testing.assert_close(ckpt.build().eval()(ids, logits="all"), copied.eval()(ids, logits="all"),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            ckpt.build().eval()(ids, logits="all"), copied.eval()(ids, logits="all"), rtol=1e-6, atol=1e-6
+        )
 
 
 def _storage_bytes(model) -> dict[int, int]:

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from taperfold.families import family_for
-from taperfold.models import (ARCHS, MODEL_CLASSES, baseline_of, build_model, num_parameters, preset_config,
-                              random_gate0_model)
+from taperfold.models import (
+    ARCHS,
+    MODEL_CLASSES,
+    baseline_of,
+    build_model,
+    num_parameters,
+    preset_config,
+    random_gate0_model,
+)
 from taperfold.nn import TaperLN, TaperNorm, bias_corrected
 from taperfold.train import TrainOptions, train
 from taperfold.variants import fold_in_torch
@@ -28,15 +35,26 @@ def random_tapered(arch, taper, seed=0, **kw):
 
 def test_hugging_face_parameter_names_and_layouts():
     llama = build_model(preset_config("tiny", arch="llama", taper="none")).state_dict()
-    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                "model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.gate_proj.weight",
-                "model.layers.0.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"):
+    for key in (
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.3.mlp.gate_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert key in llama
     assert llama["model.layers.0.mlp.up_proj.weight"].shape == (512, 128)  # nn.Linear: [out, in]
     gpt2 = build_model(preset_config("tiny", arch="gpt2", taper="none")).state_dict()
     assert gpt2["transformer.h.0.attn.c_attn.weight"].shape == (128, 384)  # Conv1D: [in, out]
-    for key in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.bias",
-                "transformer.h.0.mlp.c_fc.bias", "transformer.ln_f.weight"):
+    for key in (
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.ln_1.bias",
+        "transformer.h.0.mlp.c_fc.bias",
+        "transformer.ln_f.weight",
+    ):
         assert key in gpt2
     tapered = build_model(preset_config("tiny", arch="llama", taper="internal")).state_dict()
     assert "model.layers.0.input_layernorm.weight_tilde" in tapered and "model.norm.weight_tilde" not in tapered
@@ -50,7 +68,7 @@ def test_kv_cache_matches_full_forward(arch, kw):
     logits, past = model(ids[:, :5], logits="all", use_cache=True)
     steps = [logits]
     for t in range(5, 12):
-        step_logits, past = model(ids[:, t:t + 1], logits="all", past_key_values=past, use_cache=True)
+        step_logits, past = model(ids[:, t : t + 1], logits="all", past_key_values=past, use_cache=True)
         steps.append(step_logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(model(ids, logits="last"), full[:, -1], rtol=1e-5, atol=1e-6)
@@ -136,8 +154,14 @@ def test_readers_cover_every_norm():
 
 def test_presets():
     cfg = preset_config("paper-30m")
-    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.max_seq_len, cfg.d_ff) == \
-        (512, 8, 16, 10_000, 512, 2048)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.max_seq_len, cfg.d_ff) == (
+        512,
+        8,
+        16,
+        10_000,
+        512,
+        2048,
+    )
     with torch.device("meta"):
         n = num_parameters(build_model(preset_config("gpt2-124m", arch="gpt2", taper="none")))
     assert 120e6 < n < 130e6
@@ -154,8 +178,9 @@ def test_training_runs_the_whole_taper(arch):
     norms = [k[: -len(".calibrated")] for k in sd if k.endswith(".calibrated")]
     assert len(norms) == 2 * 2 + 1 and all(bool(sd[n + ".calibrated"]) for n in norms)
     for n in norms:  # c = ŝ_num / (ŝ_den + δ) from the EMAs, which stop at taper start (eq. 4 with A.6's correction)
-        num, den = (bias_corrected(sd[f"{n}.ema_{part}"], sd[f"{n}.ema_count"], cfg.ema_momentum)
-                    for part in ("num", "den"))
+        num, den = (
+            bias_corrected(sd[f"{n}.ema_{part}"], sd[f"{n}.ema_count"], cfg.ema_momentum) for part in ("num", "den")
+        )
         assert int(sd[f"{n}.ema_count"]) == result.checkpoint.meta["schedule"]["taper_start"]
         assert float(sd[n + ".c"]) == pytest.approx(float(num / (den + cfg.calib_delta)), rel=1e-6)
     assert bool(sd["scale_loss.frozen"]) and float(sd["scale_loss.target"]) > 0
@@ -187,8 +212,23 @@ def test_nonorm_is_the_tapered_model_with_unit_norms_and_benches_next_to_folded(
     with torch.no_grad():
         torch.testing.assert_close(bare(ids, logits="all"), tapered(ids, logits="all"), rtol=0, atol=0)
     assert isinstance(bare.model.norm, torch.nn.RMSNorm)
-    r = cli("bench", "--preset", "tiny", "--variants", "folded,nonorm", "--batch", "1", "--seq", "8", "--iters", "1",
-            "--warmup", "0", "--json", tmp_path / "n.json")
+    r = cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--variants",
+        "folded,nonorm",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        tmp_path / "n.json",
+    )
     assert r.exit_code == 0, r.stderr
     assert [row["variant"] for row in json.loads((tmp_path / "n.json").read_text())["results"]] == ["folded", "nonorm"]
 
@@ -203,8 +243,10 @@ def test_forward_builds_no_position_tables_and_the_state_dict_stays_the_weights(
     assert {"positions"} <= buffers and (arch != "llama" or {"rope_cos", "rope_sin"} <= buffers)
     assert not buffers & {"positions", "rope_cos", "rope_sin"} & set(model.state_dict())
     cfg, ids = model.cfg, torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
-    cache = [(torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim), torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim))
-             for _ in range(cfg.n_layers)]
+    cache = [
+        (torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim), torch.zeros(2, cfg.kv_heads, 16, cfg.head_dim))
+        for _ in range(cfg.n_layers)
+    ]
     with torch.no_grad():
         expected = model(ids, logits="all")
         _, grown = model(ids[:, :8], past_key_values=None, use_cache=True)

@@ -8,8 +8,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import one_line, run_cli
+
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.exportdir import GROWING, STATIC
 from taperfold.manifest import read_manifest

@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import one_line, run_cli
+
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
@@ -44,9 +44,8 @@ def test_stateful_ir_of_each_variant_decodes_as_its_torch_model(family, tmp_path
     """Families of every kind the export reaches (a sliding window, biases, a fused QKV, partial rotary, MoE):
     the folded and the baseline IR each give their torch model's logits, with every attention layer one
     ScaledDotProductAttention and the cache in the model's state."""
-    from hf_models import tapered_tiny_model
-
     import openvino
+    from hf_models import tapered_tiny_model
 
     from taperfold.artifacts.openvino_ir import _torch_variants, stateful_ir
     from taperfold.hf import save_hf_directory

@@ -12,20 +12,19 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
+from conftest import run_cli
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import TRACE_PAST, TRACE_SHAPE, ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, GROWING, PREFILL, STATIC
 from taperfold.manifest import read_manifest
-from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
-from taperfold.passes.fuse_norm import match_rms_norm
 from taperfold.models import random_gate0_model
 from taperfold.norms.rms import HandWrittenRMSNorm
+from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
+from taperfold.passes.fuse_norm import match_rms_norm
 from taperfold.variants import build_variants
 from taperfold.verify import decode_cases, random_inputs, verify_export
-
-from conftest import run_cli
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "opsets.md"
 # small enough that one torch.onnx export takes seconds; random c, γ̃ (never ones)
@@ -89,8 +88,11 @@ def op_types(path: Path) -> Counter:
 
 
 def test_every_table_value_cites_a_section_of_docs_opsets():
-    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-               for line in DOCS.read_text().splitlines() if line.startswith("#")}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in DOCS.read_text().splitlines()
+        if line.startswith("#")
+    }
     for (target, graph), (opset, reason) in TABLE.items():
         cited = re.match(r"docs/opsets\.md#([a-z0-9-]+)", reason)
         assert cited and cited.group(1) in anchors, (target, graph, reason)
@@ -98,11 +100,16 @@ def test_every_table_value_cites_a_section_of_docs_opsets():
 
 
 def test_choose_opset_table_override_and_bad_values():
-    assert choose_opset("ort", "prefill").to_dict() == {"opset": TABLE[("ort", "prefill")][0],
-                                                        "opset_source": "table",
-                                                        "opset_reason": TABLE[("ort", "prefill")][1]}
-    assert choose_opset("trt", "decoder", 21).to_dict() == {"opset": 21, "opset_source": "override",
-                                                           "opset_reason": "--opset 21"}
+    assert choose_opset("ort", "prefill").to_dict() == {
+        "opset": TABLE[("ort", "prefill")][0],
+        "opset_source": "table",
+        "opset_reason": TABLE[("ort", "prefill")][1],
+    }
+    assert choose_opset("trt", "decoder", 21).to_dict() == {
+        "opset": 21,
+        "opset_source": "override",
+        "opset_reason": "--opset 21",
+    }
     with pytest.raises(TaperfoldError, match="--target must be one of ort, trt"):
         choose_opset("tflite", "prefill")
     with pytest.raises(TaperfoldError, match="--opset must be between 18 and 23, got 24"):
@@ -161,8 +168,11 @@ def rms_patterns(path: Path) -> int:
 
 @pytest.mark.parametrize("which", ["opset 20 prefill", "opset 20 decoder", "opset 23 prefill"])
 def test_fused_baseline_has_no_decomposed_rms_norm_left(which, llama_20, llama_table):
-    directory, graph = {"opset 20 prefill": (llama_20, PREFILL), "opset 20 decoder": (llama_20, GROWING),
-                        "opset 23 prefill": (llama_table, PREFILL)}[which]
+    directory, graph = {
+        "opset 20 prefill": (llama_20, PREFILL),
+        "opset 20 decoder": (llama_20, GROWING),
+        "opset 23 prefill": (llama_table, PREFILL),
+    }[which]
     manifest = read_manifest(directory)
     norms = 2 * SMALL["n_layers"] + 1
     fused, plain = manifest.artifact("baseline", graph), manifest.artifact("baseline-decomposed", graph)
@@ -189,8 +199,9 @@ def test_torch_variants_baseline_is_fused_and_decomposed_is_hand_written():
     assert "HandWrittenRMSNorm" in kinds["baseline-decomposed"] and "RMSNorm" not in kinds["baseline-decomposed"]
     ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(variants["baseline-decomposed"](ids), variants["baseline"](ids), rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            variants["baseline-decomposed"](ids), variants["baseline"](ids), rtol=1e-5, atol=1e-6
+        )
     assert isinstance(variants["baseline-decomposed"].model.norm, HandWrittenRMSNorm)
 
 
@@ -222,8 +233,11 @@ def test_verify_passes_every_variant_and_decoder(name, request):
     if manifest.has_artifact("baseline-decomposed"):
         expected |= {"baseline (torch) -> baseline-decomposed", "baseline-decomposed -> baseline"}
     if manifest.to_json()["export"]["kv_cache"]:
-        expected |= {f"{'baseline (torch)' if v.startswith('baseline') else 'checkpoint'} -> {v}.decoder"
-                     for v in ALL_VARIANTS if manifest.has_artifact(v, GROWING)}
+        expected |= {
+            f"{'baseline (torch)' if v.startswith('baseline') else 'checkpoint'} -> {v}.decoder"
+            for v in ALL_VARIANTS
+            if manifest.has_artifact(v, GROWING)
+        }
     assert set(pairs) == expected
     assert all(p.status == "pass" for p in pairs.values())
     decoded = [p for p in pairs.values() if p.candidate.endswith(".decoder")]
@@ -272,14 +286,34 @@ def test_trt_target_uses_only_ops_the_parser_takes(llama_trt):
 
 def test_bench_reports_the_decomposed_baseline_against_baseline(llama_table, tmp_path):
     out = tmp_path / "bench.json"
-    result = run_cli("bench", llama_table, "--engine", "ort", "--variants", "baseline,baseline-decomposed,folded",
-                     "--batch", "1", "--seq", "8", "--warmup", "0", "--iters", "2", "--rounds", "1", "--threads", "1",
-                     "--json", out)
+    result = run_cli(
+        "bench",
+        llama_table,
+        "--engine",
+        "ort",
+        "--variants",
+        "baseline,baseline-decomposed,folded",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        out,
+    )
     assert result.exit_code == 0, result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"baseline", "baseline-decomposed", "folded"}
     base = rows["baseline"]["tokens_per_s"]
     assert rows["baseline-decomposed"]["speedup_vs_baseline"] == pytest.approx(
-        rows["baseline-decomposed"]["tokens_per_s"] / base)
+        rows["baseline-decomposed"]["tokens_per_s"] / base
+    )
     assert rows["baseline"]["speedup_vs_baseline"] == 1.0
     assert np.isfinite(rows["folded"]["speedup_vs_baseline"])

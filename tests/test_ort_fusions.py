@@ -66,7 +66,9 @@ def _fused_runs_as_traced(model: ir.Model, traced_path, calls=CALLS) -> None:
 
     fused_path = traced_path.with_name("fused.onnx")
     ir.save(model, fused_path, external_data="fused.onnx.data")
-    fused, traced = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (fused_path, traced_path))
+    fused, traced = (
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (fused_path, traced_path)
+    )
     rng = np.random.default_rng(0)
     for batch, new, past in calls:
         feeds = {"input_ids": rng.integers(0, 256, size=(batch, new), dtype=np.int64)}
@@ -115,7 +117,9 @@ def _shift_positions(path, readers: str):
     """The decoder at `path` with the positions (past length + 0..S-1) moved on by 5 where `readers` read them:
     "rope" (the rotary embedding alone) or "all" (its mask too); saved beside it, and loaded."""
     model = ir.load(path)
-    positions = next(n for n in model.graph if n.op_type == "Add" and getattr(n.inputs[0].producer(), "op_type", "") == "Range")
+    positions = next(
+        n for n in model.graph if n.op_type == "Add" and getattr(n.inputs[0].producer(), "op_type", "") == "Range"
+    )
     five = ir.val("five", ir.DataType.INT64, ir.Shape([]), const_value=ir.tensor(np.int64(5)))
     model.graph.register_initializer(five)
     shifted = ir.node("Add", [positions.outputs[0], five], num_outputs=1)

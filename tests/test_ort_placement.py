@@ -31,8 +31,10 @@ def verbose_log(placed: dict[str, list[tuple[str, str]]], all_on: str | None = N
 
 
 def test_placements_give_each_provider_its_count_and_its_nodes_in_order():
-    placed = {"CPUExecutionProvider": [("Squeeze", "any name"), ("Add", "n/2 (x)"), ("Concat", "c")],
-              "CUDAExecutionProvider": [("Shape", "s"), ("Gather", "g"), ("MatMul", "m")]}
+    placed = {
+        "CPUExecutionProvider": [("Squeeze", "any name"), ("Add", "n/2 (x)"), ("Concat", "c")],
+        "CUDAExecutionProvider": [("Shape", "s"), ("Gather", "g"), ("MatMul", "m")],
+    }
     found = ort_placement.placements(verbose_log(placed))
     assert found == {provider: {"count": len(nodes), "nodes": nodes} for provider, nodes in placed.items()}
 
@@ -49,8 +51,13 @@ def test_a_real_cpu_session_places_every_node_of_its_graph_on_the_cpu(tiny_expor
     options.log_severity_level = 3
     ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     nodes = len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "ort_placement.py"), str(model), "--json"],
-                       capture_output=True, text=True, timeout=HANG_S)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ort_placement.py"), str(model), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert r.returncode == 0, r.stderr
-    assert {provider: placed["count"] for provider, placed in json.loads(r.stdout).items()} == \
-        {"CPUExecutionProvider": nodes}
+    assert {provider: placed["count"] for provider, placed in json.loads(r.stdout).items()} == {
+        "CPUExecutionProvider": nodes
+    }

@@ -11,8 +11,8 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-
 from conftest import one_line, run_cli
+
 from taperfold.compare import QUANTIZED_TOLERANCES, Metrics, default_tolerance, tolerance_help, violations
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import GROWING, PREFILL

@@ -43,6 +43,7 @@ class EchoRunner(Runner):
         def call():
             self.calls["run"] += 1
             return {"y": prepared * 2}
+
         return call
 
     def to_numpy(self, value):
@@ -117,8 +118,11 @@ def test_pipelined_runs_give_the_outputs_of_a_plain_run(case):
         assert per_call > 0 and set(outputs) == set(expected)
         for name, value in expected.items():
             np.testing.assert_array_equal(runner.to_numpy(outputs[name]), value)
-        with pytest.raises(RunnerError, match=rf"^{re.escape(model_name)}: pipelined_run needs at least one call, "
-                                              r"got 0$"):
+        with pytest.raises(
+            RunnerError,
+            match=rf"^{re.escape(model_name)}: pipelined_run needs at least one call, "
+            r"got 0$",
+        ):
             runner.pipelined_run(runner.prepare(feeds), 0)
 
 
@@ -133,7 +137,7 @@ class RecordingClock:
         self._mark = len(self.log)
 
     def stop(self, wait):
-        launched = self.log[self._mark:].count("launch")
+        launched = self.log[self._mark :].count("launch")
         self.log.append("end")
         wait()
         return (launched + 1) * 1e-3
@@ -155,6 +159,7 @@ class QueueRunner(EchoRunner):
             if self.log.count("launch") == self.fail_at:
                 raise self.error("the engine failed")
             return {"y": prepared * 2}
+
         return launch
 
     def _synchronize(self):
@@ -181,15 +186,17 @@ def test_pipelined_calls_are_queued_back_to_back_and_waited_for_once():
         assert runner.log == ["setup", "launch", "synchronize"]
 
 
-@pytest.mark.parametrize("fail_at, timing, what", [
-    (1, lambda r, p: r.timed_run(p), "a synced call"),
-    (2, lambda r, p: r.pipelined_run(p, 3), "a pipelined run of 3 calls"),  # the second of three queued calls
-])
+@pytest.mark.parametrize(
+    "fail_at, timing, what",
+    [
+        (1, lambda r, p: r.timed_run(p), "a synced call"),
+        (2, lambda r, p: r.pipelined_run(p, 3), "a pipelined run of 3 calls"),  # the second of three queued calls
+    ],
+)
 def test_an_engine_failure_while_timing_is_one_line_naming_the_model_and_the_timing(fail_at, timing, what):
     runner = QueueRunner(fail_at=fail_at)
-    with runner:
-        with pytest.raises(RunnerError) as info:
-            timing(runner, runner.prepare({"x": np.ones((1, 2), np.float32)}))
+    with runner, pytest.raises(RunnerError) as info:
+        timing(runner, runner.prepare({"x": np.ones((1, 2), np.float32)}))
     assert str(info.value) == f"echo-model: the engine failed (during {what})"
 
 
@@ -200,8 +207,10 @@ class RecordingSession:
         self.log = log
 
     def run_with_iobinding(self, binding, run_options=None):
-        queued = run_options is not None and \
-            run_options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
+        queued = (
+            run_options is not None
+            and run_options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
+        )
         self.log.append("run (queued)" if queued else "run (waits)")
 
 
@@ -278,8 +287,24 @@ def test_a_runner_failure_reaches_the_user_as_one_line_and_exit_2(tiny_export, t
     export = tmp_path / "export"
     shutil.copytree(tiny_export, export)
     (export / "model.onnx").write_bytes(b"\x08\x07garbage" * 10)  # the folded graph, corrupt
-    result = cli("bench", export, "--engine", "ort", "--variants", "baseline,folded", "--batch", "1", "--seq", "8",
-                 "--iters", "1", "--warmup", "0", "--report", tmp_path / "bench.json")
+    result = cli(
+        "bench",
+        export,
+        "--engine",
+        "ort",
+        "--variants",
+        "baseline,folded",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--report",
+        tmp_path / "bench.json",
+    )
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert str(export / "model.onnx") in result.stderr and "not a readable ONNX model" in result.stderr
     assert not (tmp_path / "bench.json").exists()

@@ -8,7 +8,6 @@ import textwrap
 
 from conftest import HANG_S
 
-
 PY = sys.executable
 
 

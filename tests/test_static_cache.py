@@ -13,10 +13,19 @@ import pytest
 import torch
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
-from taperfold.exportdir import (CACHE_POSITION, GROWING, INPUT, NEXT_TOKEN, STATIC, decoder_io_names, graph_key,
-                                 prompt_feeds, step_feeds)
-from taperfold.manifest import read_manifest
 from taperfold.export import ExportOptions, export_checkpoint
+from taperfold.exportdir import (
+    CACHE_POSITION,
+    GROWING,
+    INPUT,
+    NEXT_TOKEN,
+    STATIC,
+    decoder_io_names,
+    graph_key,
+    prompt_feeds,
+    step_feeds,
+)
+from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
 from taperfold.runners.ort import OrtRunner
 from taperfold.runners.torch_runner import TorchRunner
@@ -85,7 +94,7 @@ def test_static_steps_share_one_shape_and_update_the_cache_in_place(static_expor
         buffers = [out_[n].data_ptr() for n in present]
         shapes = []
         for k in range(6, 10):
-            feeds = step_feeds(cfg, ids[:, k:k + 1], out_, k, static=True)
+            feeds = step_feeds(cfg, ids[:, k : k + 1], out_, k, static=True)
             shapes.append({n: tuple(v.shape()) for n, v in feeds.items() if n.startswith("past_")})
             out_ = runner.run(runner.prepare(feeds))
             assert [out_[n].data_ptr() for n in present] == buffers  # present is the past's buffer, written in place
@@ -96,9 +105,11 @@ def test_static_steps_share_one_shape_and_update_the_cache_in_place(static_expor
 def test_static_logits_match_the_growing_decoder_and_the_checkpoint_at_every_step(static_export):
     out, model = static_export
     cfg, manifest = model.cfg, read_manifest(out)
-    with OrtRunner(manifest.artifact("folded", STATIC), threads=1) as static, \
-            OrtRunner(manifest.artifact("folded", GROWING), threads=1) as growing, \
-            TorchRunner(model, graph=GROWING) as checkpoint:
+    with (
+        OrtRunner(manifest.artifact("folded", STATIC), threads=1) as static,
+        OrtRunner(manifest.artifact("folded", GROWING), threads=1) as growing,
+        TorchRunner(model, graph=GROWING) as checkpoint,
+    ):
         for case in decode_cases(cfg.vocab_size, MAX_CACHE):
             got = static.decode_logits(case.ids, DECODE_STEPS, cfg, "fp32", MAX_CACHE)
             assert len(got) == DECODE_STEPS + 1
@@ -112,8 +123,11 @@ def test_verify_covers_the_static_decoders(static_export):
     out, _ = static_export
     report = verify_export(out, threads=1)
     static = {p.candidate: p for p in report.pairs if p.candidate.endswith(".static")}
-    assert set(static) == {graph_key(v, STATIC) for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
-                           if read_manifest(out).has_artifact(v, STATIC)}
+    assert set(static) == {
+        graph_key(v, STATIC)
+        for v in ("baseline", "baseline-decomposed", "unfolded", "folded")
+        if read_manifest(out).has_artifact(v, STATIC)
+    }
     assert all(p.status == "pass" for p in static.values()) and report.passed
     steps = {r["input"].rsplit(" ", 2)[-1] for r in static[graph_key("folded", STATIC)].per_input}
     assert steps == {"prompt", *(str(k) for k in range(1, DECODE_STEPS + 1))}
@@ -142,8 +156,10 @@ def test_runners_never_write_into_the_callers_cache_arrays(static_export):
     out, model = static_export
     cfg = model.cfg
     feeds = prompt_feeds(cfg, _ids(cfg.vocab_size, (1, 5)), "fp32", MAX_CACHE)
-    with TorchRunner(model, graph=STATIC) as torch_runner, \
-            OrtRunner(read_manifest(out).artifact("folded", STATIC), threads=1) as ort_runner:
+    with (
+        TorchRunner(model, graph=STATIC) as torch_runner,
+        OrtRunner(read_manifest(out).artifact("folded", STATIC), threads=1) as ort_runner,
+    ):
         for runner in (torch_runner, ort_runner):
             runner.infer(feeds)
             assert not any(v.any() for n, v in feeds.items() if n.startswith("past_"))
@@ -243,8 +259,28 @@ def test_bench_decodes_with_the_growing_cache_on_the_cpu_unless_told(static_expo
     """On the CPU the growing cache is the default where the export has both (it was as fast or faster there); the
     report says why; --kv-cache static decodes with the static one."""
     out, model = static_export
-    args = ("bench", out, "--mode", "decode", "--batch", "1", "--prompt", "8", "--new-tokens", "3", "--warmup", "1",
-            "--iters", "2", "--rounds", "1", "--threads", "1", "--variants", "folded")
+    args = (
+        "bench",
+        out,
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--prompt",
+        "8",
+        "--new-tokens",
+        "3",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--variants",
+        "folded",
+    )
     r = cli(*args, "--report", tmp_path / "growing.json")
     assert r.exit_code == 0, r.stderr
     report = json.loads((tmp_path / "growing.json").read_text())
@@ -266,12 +302,18 @@ def test_bench_decodes_with_the_growing_cache_on_the_cpu_unless_told(static_expo
     assert report["projection_groups"] == {"folded": groups}
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--max-cache", "32"), "--max-cache 32: only a static cache has a length; add --kv-cache static"),
-    (("--kv-cache", "static", "--max-cache", "129"), "--max-cache 129 exceeds the model's context (max_seq_len 128)"),
-    (("--kv-cache", "static", "--max-cache", "3"), "--max-cache must be 4 or more"),
-    (("--kv-cache", "paged"), "--kv-cache must be growing or static (or both, comma-separated), got paged"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--max-cache", "32"), "--max-cache 32: only a static cache has a length; add --kv-cache static"),
+        (
+            ("--kv-cache", "static", "--max-cache", "129"),
+            "--max-cache 129 exceeds the model's context (max_seq_len 128)",
+        ),
+        (("--kv-cache", "static", "--max-cache", "3"), "--max-cache must be 4 or more"),
+        (("--kv-cache", "paged"), "--kv-cache must be growing or static (or both, comma-separated), got paged"),
+    ],
+)
 def test_export_refuses_bad_cache_options_in_one_line(tiny_checkpoint, tmp_path, cli, args, message):
     r = cli("export", tiny_checkpoint, "-o", tmp_path / "out", *args)
     assert r.exit_code == 2 and r.stderr.startswith(f"taperfold: error: {message}") and r.stderr.count("\n") == 1
@@ -279,8 +321,20 @@ def test_export_refuses_bad_cache_options_in_one_line(tiny_checkpoint, tmp_path,
 
 
 def test_bench_refuses_a_static_cache_the_export_lacks_in_one_line(tiny_export, tmp_path, cli):
-    r = cli("bench", tiny_export, "--mode", "decode", "--kv-cache", "static", "--prompt", "8", "--new-tokens", "2",
-            "--report", tmp_path / "r.json")
+    r = cli(
+        "bench",
+        tiny_export,
+        "--mode",
+        "decode",
+        "--kv-cache",
+        "static",
+        "--prompt",
+        "8",
+        "--new-tokens",
+        "2",
+        "--report",
+        tmp_path / "r.json",
+    )
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert "missing key 'artifacts.baseline.static': re-export with --kv-cache static" in r.stderr
     r = cli("bench", tiny_export, "--kv-cache", "static", "--seq", "8", "--report", tmp_path / "r.json")
@@ -298,12 +352,32 @@ def test_bench_fits_the_default_prompt_to_the_static_cache(static_export, tmp_pa
     # the default prompt (128) + 3 new tokens fits the context (128) of neither: with a static cache of 48, the
     # prompt is 45; with the growing cache it is capped by the context alone
     out, _ = static_export
-    args = ("bench", out, "--mode", "decode", "--batch", "1", "--new-tokens", "3", "--warmup", "1", "--iters", "1",
-            "--rounds", "1", "--threads", "1", "--variants", "folded")
+    args = (
+        "bench",
+        out,
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--new-tokens",
+        "3",
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--variants",
+        "folded",
+    )
     r = cli(*args, "--kv-cache", "static", "--report", tmp_path / "static.json")
     assert r.exit_code == 0, r.stderr
-    assert (f"note: --prompt: the default 128 + --new-tokens 3 would pass the static cache (export --max-cache) "
-            f"({MAX_CACHE}): prompt {MAX_CACHE - 3}") in r.stderr
+    assert (
+        f"note: --prompt: the default 128 + --new-tokens 3 would pass the static cache (export --max-cache) "
+        f"({MAX_CACHE}): prompt {MAX_CACHE - 3}"
+    ) in r.stderr
     assert json.loads((tmp_path / "static.json").read_text())["settings"]["prompt"] == MAX_CACHE - 3
     r = cli(*args, "--kv-cache", "growing", "--report", tmp_path / "growing.json")
     assert r.exit_code == 0 and "would pass the model's context (128): prompt 125" in r.stderr
@@ -324,22 +398,62 @@ def test_verify_decodes_a_4_position_static_cache_with_2_prompt_tokens_and_2_ste
     report = verify_export(shortest_cache_export, threads=1)
     static = [p for p in report.pairs if p.candidate.endswith(".static")]
     assert static and all(p.status == "pass" for p in static) and report.passed
-    assert {r["input"] for r in static[0].per_input} == {"decode 1x2+2 prompt", "decode 1x2+2 step 1",
-                                                         "decode 1x2+2 step 2"}
+    assert {r["input"] for r in static[0].per_input} == {
+        "decode 1x2+2 prompt",
+        "decode 1x2+2 step 1",
+        "decode 1x2+2 step 2",
+    }
 
 
-@pytest.mark.parametrize("args, note, prompt, new_tokens", [
-    ((), "--prompt: the default 128 + --new-tokens 32 would pass the static cache (export --max-cache) (4): "
-         "prompt 2, --new-tokens 2", 2, 2),
-    (("--prompt", "3"), "--new-tokens: the default 32 after --prompt 3 would pass the static cache "
-                        "(export --max-cache) (4): 1 step", 3, 1),
-    (("--new-tokens", "2"), "--prompt: the default 128 + --new-tokens 2 would pass the static cache "
-                            "(export --max-cache) (4): prompt 2", 2, 2),
-])
-def test_bench_decodes_a_4_position_static_cache_with_default_lengths(shortest_cache_export, tmp_path, cli, args,
-                                                                       note, prompt, new_tokens):
-    r = cli("bench", shortest_cache_export, "--mode", "decode", "--kv-cache", "static", "--batch", "1", "--warmup",
-            "0", "--iters", "1", "--threads", "1", "--variants", "folded", *args, "--report", tmp_path / "r.json")
+@pytest.mark.parametrize(
+    "args, note, prompt, new_tokens",
+    [
+        (
+            (),
+            "--prompt: the default 128 + --new-tokens 32 would pass the static cache (export --max-cache) (4): "
+            "prompt 2, --new-tokens 2",
+            2,
+            2,
+        ),
+        (
+            ("--prompt", "3"),
+            "--new-tokens: the default 32 after --prompt 3 would pass the static cache "
+            "(export --max-cache) (4): 1 step",
+            3,
+            1,
+        ),
+        (
+            ("--new-tokens", "2"),
+            "--prompt: the default 128 + --new-tokens 2 would pass the static cache (export --max-cache) (4): prompt 2",
+            2,
+            2,
+        ),
+    ],
+)
+def test_bench_decodes_a_4_position_static_cache_with_default_lengths(
+    shortest_cache_export, tmp_path, cli, args, note, prompt, new_tokens
+):
+    r = cli(
+        "bench",
+        shortest_cache_export,
+        "--mode",
+        "decode",
+        "--kv-cache",
+        "static",
+        "--batch",
+        "1",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--threads",
+        "1",
+        "--variants",
+        "folded",
+        *args,
+        "--report",
+        tmp_path / "r.json",
+    )
     assert r.exit_code == 0, r.stderr
     assert f"note: {note}\n" in r.stderr
     report = json.loads((tmp_path / "r.json").read_text())
@@ -349,8 +463,24 @@ def test_bench_decodes_a_4_position_static_cache_with_default_lengths(shortest_c
 def test_bench_says_why_it_decodes_with_the_static_cache_of_an_export_without_a_growing_one(
     shortest_cache_export, tmp_path, cli
 ):
-    r = cli("bench", shortest_cache_export, "--mode", "decode", "--batch", "1", "--warmup", "0", "--iters", "1",
-            "--threads", "1", "--variants", "folded", "--report", tmp_path / "r.json")
+    r = cli(
+        "bench",
+        shortest_cache_export,
+        "--mode",
+        "decode",
+        "--batch",
+        "1",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--threads",
+        "1",
+        "--variants",
+        "folded",
+        "--report",
+        tmp_path / "r.json",
+    )
     assert r.exit_code == 0, r.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["kv_cache"] == STATIC
@@ -366,13 +496,35 @@ def test_a_static_decoder_file_that_is_a_growing_one_is_one_line(static_export, 
     for name in ("path", "external_data"):
         if getattr(growing, name):
             shutil.copyfile(out / getattr(growing, name), out / getattr(static, name))
-    for command in (("bench", out, "--mode", "decode", "--kv-cache", "static", "--prompt", "4", "--new-tokens", "2",
-                     "--variants", "folded", "--warmup", "0", "--iters", "1", "--report", tmp_path / "r.json"),
-                    ("verify", out)):
+    for command in (
+        (
+            "bench",
+            out,
+            "--mode",
+            "decode",
+            "--kv-cache",
+            "static",
+            "--prompt",
+            "4",
+            "--new-tokens",
+            "2",
+            "--variants",
+            "folded",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--report",
+            tmp_path / "r.json",
+        ),
+        ("verify", out),
+    ):
         r = cli(*command)
         assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert (f"{out / static.path}: is a growing KV-cache decoder (its inputs lack cache_position) where a static "
-                "one was asked for") in r.stderr
+        assert (
+            f"{out / static.path}: is a growing KV-cache decoder (its inputs lack cache_position) where a static "
+            "one was asked for"
+        ) in r.stderr
 
 
 # ---- transformers models -------------------------------------------------------------------------------------
@@ -380,8 +532,9 @@ def test_a_static_decoder_file_that_is_a_growing_one_is_one_line(static_export, 
 
 def test_a_transformers_model_exports_and_verifies_a_static_decoder(tmp_path):
     pytest.importorskip("transformers")
-    from taperfold.hf import save_hf_directory
     from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
 
     folder = save_hf_directory(tapered_tiny_model("llama"), tmp_path / "tapered")
     out = export_checkpoint(folder, tmp_path / "out", ExportOptions(baseline=False, decoders=(STATIC,))).out_dir
@@ -397,8 +550,9 @@ def test_a_transformers_model_whose_cache_holds_an_indexers_keys_is_refused_in_o
     """dots.llm3's indexed-attention layer caches its indexer's keys beside the keys and values, which a static
     decoder does not carry (sliding-window layers, which keep every position here, take a static cache)."""
     pytest.importorskip("transformers")
-    from taperfold.hf import save_hf_directory
     from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
 
     folder = save_hf_directory(tapered_tiny_model("dots3_note_text"), tmp_path / "tapered")
     r = cli("export", folder, "-o", tmp_path / "out", "--kv-cache", "static")

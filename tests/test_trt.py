@@ -53,8 +53,14 @@ def test_export_trt_without_tensorrt_says_so_and_writes_nothing(tmp_path, ckpt_p
     (fake / "tensorrt" / "__init__.py").write_text("raise ImportError('simulated: no TensorRT')\n")
     out = tmp_path / "out"
     env = {"PYTHONPATH": f"{fake}:{REPO}", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=HANG_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=HANG_S,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"taperfold: error: {trt_support.NOT_INSTALLED}"]
@@ -93,15 +99,18 @@ def test_profile_defaults_and_flags():
     assert tftrt.Profile.from_dict(q.to_dict()) == q
 
 
-@pytest.mark.parametrize("batch, sequence, message", [
-    ((4, 2, 8), None, r"^batch: need 1 <= min <= opt <= max, got min 4, opt 2, max 8$"),
-    ((1, 9, 8), None, "batch: need 1 <= min <= opt <= max, got min 1, opt 9, max 8"),
-    ((0, 1, 8), None, "batch: need 1 <= min"),
-    ("1/8", None, r"batch: expected three integers min/opt/max, got '1/8'"),
-    ("a/b/c", None, "batch: expected three integers"),
-    (None, (1, 128, 1024), "sequence: max 1024 exceeds the model's max_seq_len 512"),
-    (None, (1, 600, 600), "sequence: max 600 exceeds"),
-])
+@pytest.mark.parametrize(
+    "batch, sequence, message",
+    [
+        ((4, 2, 8), None, r"^batch: need 1 <= min <= opt <= max, got min 4, opt 2, max 8$"),
+        ((1, 9, 8), None, "batch: need 1 <= min <= opt <= max, got min 1, opt 9, max 8"),
+        ((0, 1, 8), None, "batch: need 1 <= min"),
+        ("1/8", None, r"batch: expected three integers min/opt/max, got '1/8'"),
+        ("a/b/c", None, "batch: expected three integers"),
+        (None, (1, 128, 1024), "sequence: max 1024 exceeds the model's max_seq_len 512"),
+        (None, (1, 600, 600), "sequence: max 600 exceeds"),
+    ],
+)
 def test_profile_errors(batch, sequence, message):
     with pytest.raises(TaperfoldError, match=message):
         tftrt.make_profile(512, batch=batch, sequence=sequence)
@@ -199,9 +208,13 @@ def _onnx_model():
     from onnx import TensorProto, helper, numpy_helper
 
     w = numpy_helper.from_array(np.ones(4, np.float32), "w")
-    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [w],
+    )
     return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20)])
 
 
@@ -212,11 +225,19 @@ def export_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(trt_support, "gpu", lambda: {"gpu": "Fake GPU", "compute_capability": "9.0"})
     for name in ("model", "unfolded", "baseline"):
         onnx.save(_onnx_model(), tmp_path / f"{name}.onnx")
-    manifest = {"format": "taperfold-export", "format_version": 1, "checkpoint": {"path": "x.pt", "sha256": "0"},
-                "gate": 0.0, "forced_gate0": False, "config": {"max_seq_len": 64},
-                "export": {"dtype": "fp16", "logits": "last"},
-                "artifacts": {v: {"path": f"{f}.onnx", "bytes": 4, "external_data": None, "external_data_bytes": 0}
-                              for v, f in (("folded", "model"), ("unfolded", "unfolded"), ("baseline", "baseline"))}}
+    manifest = {
+        "format": "taperfold-export",
+        "format_version": 1,
+        "checkpoint": {"path": "x.pt", "sha256": "0"},
+        "gate": 0.0,
+        "forced_gate0": False,
+        "config": {"max_seq_len": 64},
+        "export": {"dtype": "fp16", "logits": "last"},
+        "artifacts": {
+            v: {"path": f"{f}.onnx", "bytes": 4, "external_data": None, "external_data_bytes": 0}
+            for v, f in (("folded", "model"), ("unfolded", "unfolded"), ("baseline", "baseline"))
+        },
+    }
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     return tmp_path
 
@@ -231,17 +252,29 @@ def test_build_call_sequence(monkeypatch, export_dir, version, flags):
     trt = use(monkeypatch, fake_tensorrt(version))
     manifest = tftrt.build_engine_for_export(export_dir, on_stage=lambda s: None)
     names = [c[0] for c in trt.calls]
-    assert names == ["Logger", "Builder", "create_network", "OnnxParser", "parse_from_file",
-                     "add_optimization_profile", "create_timing_cache", "set_timing_cache",
-                     "build_serialized_network"]
+    assert names == [
+        "Logger",
+        "Builder",
+        "create_network",
+        "OnnxParser",
+        "parse_from_file",
+        "add_optimization_profile",
+        "create_timing_cache",
+        "set_timing_cache",
+        "build_serialized_network",
+    ]
     assert ("create_network", flags) in trt.calls  # TRT 10 opts in to strong typing; TRT 11 always is
     assert ("parse_from_file", "model.onnx") in trt.calls
     assert ("add_optimization_profile", ("input_ids", (1, 1), (1, 64), (8, 64))) in trt.calls
     assert (export_dir / "model.plan").read_bytes() == b"PLAN"
     assert (export_dir / "trt.timing-cache").read_bytes() == b"CACHE"
     engine = manifest.record("folded.plan")
-    assert (engine.kind, engine.path, engine.built_from, engine.precision) == ("tensorrt-plan", "model.plan", "folded",
-                                                                               "fp16")
+    assert (engine.kind, engine.path, engine.built_from, engine.precision) == (
+        "tensorrt-plan",
+        "model.plan",
+        "folded",
+        "fp16",
+    )
     assert engine.details["tensorrt"] == version and engine.details["gpu"] == "Fake GPU"
     assert engine.details["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
     written = json.loads((export_dir / "manifest.json").read_text())
@@ -269,18 +302,22 @@ def test_timing_cache_reused_and_mismatch_replaced(monkeypatch, export_dir):
     assert ("create_timing_cache", b"OLD") in trt.calls
     trt = use(monkeypatch, fake_tensorrt("10.13.3", cache_ok=False))  # e.g. a cache from another GPU
     tftrt.build_engine_for_export(export_dir)
-    assert [c for c in trt.calls if c[0] == "set_timing_cache"] == [("set_timing_cache", b"CACHE", False),
-                                                                    ("set_timing_cache", b"", False)]
+    assert [c for c in trt.calls if c[0] == "set_timing_cache"] == [
+        ("set_timing_cache", b"CACHE", False),
+        ("set_timing_cache", b"", False),
+    ]
 
 
 def test_parser_error_is_one_line_naming_the_file(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3", parse_ok=False))
     with pytest.raises(TaperfoldError) as e:
         tftrt.build_engine_for_export(export_dir)
-    assert str(e.value) == (f"{export_dir / 'model.onnx'}: TensorRT cannot parse it: node 7: "
-                            "Unsupported operator RMSNormalization (and 1 more); TensorRT 10.13.3 is older than "
-                            "10.15, whose parser the --target trt graphs assume (docs/opsets.md): upgrade it, or "
-                            "export with --opset 20")
+    assert str(e.value) == (
+        f"{export_dir / 'model.onnx'}: TensorRT cannot parse it: node 7: "
+        "Unsupported operator RMSNormalization (and 1 more); TensorRT 10.13.3 is older than "
+        "10.15, whose parser the --target trt graphs assume (docs/opsets.md): upgrade it, or "
+        "export with --opset 20"
+    )
     assert not (export_dir / "model.plan").exists()
     use(monkeypatch, fake_tensorrt("10.15.1", parse_ok=False))
     with pytest.raises(TaperfoldError, match=r"\(and 1 more\)$"):  # new enough: the parser's word alone
@@ -315,8 +352,10 @@ def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir)
     tftrt.build_engine_for_export(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
     trt = use(monkeypatch, fake_tensorrt("10.13.3"))
     paths = tftrt.ensure_engines(read_manifest(export_dir), ["baseline", "unfolded", "folded"])
-    assert paths == {v: export_dir / f"{stem}.plan" for v, stem in (("baseline", "baseline"), ("unfolded", "unfolded"),
-                                                                     ("folded", "model"))}
+    assert paths == {
+        v: export_dir / f"{stem}.plan"
+        for v, stem in (("baseline", "baseline"), ("unfolded", "unfolded"), ("folded", "model"))
+    }
     built = [c[1] for c in trt.calls if c[0] == "parse_from_file"]
     assert built == ["baseline.onnx", "unfolded.onnx"]  # folded was fresh
     artifacts = json.loads((export_dir / "manifest.json").read_text())["artifacts"]
@@ -348,14 +387,20 @@ def test_engine_matches_onnxruntime(tmp_path, ckpt_path, cuda_graph):
     from taperfold.runners.trt import TrtRunner
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out),
-                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=HANG_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "taperfold.cli", "export", str(ckpt_path), "--trt", "-o", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=HANG_S,
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["artifacts"]["folded.plan"]["path"] == "model.plan"
     ids = np.random.default_rng(0).integers(0, 256, size=(2, 16), dtype=np.int64)
     ref = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(
-        None, {"input_ids": ids})[0]
+        None, {"input_ids": ids}
+    )[0]
     with TrtRunner(out / "model.plan", cuda_graph=cuda_graph) as runner:
         assert runner.input_names == ["input_ids"] and runner.output_names == ["logits"]
         got = runner.infer({"input_ids": ids})["logits"]

@@ -27,7 +27,10 @@ def n(op, ins, outs, name=None, domain="", **attrs):
 def build(nodes, inputs, outputs, inits, opset=18) -> ir.Model:
     """A hand-built model; inputs/outputs are (name, elem_type, shape). IR version 10: ORT refuses 14."""
     graph = helper.make_graph(
-        [helper.make_node(op, ins, outs, name=name, domain=domain, **attrs) for name, op, ins, outs, domain, attrs in nodes],
+        [
+            helper.make_node(op, ins, outs, name=name, domain=domain, **attrs)
+            for name, op, ins, outs, domain, attrs in nodes
+        ],
         "g",
         [helper.make_tensor_value_info(*i) for i in inputs],
         [helper.make_tensor_value_info(*o) for o in outputs],
@@ -81,12 +84,19 @@ def rms_real(gain: bool = True) -> list:
     ]
 
 
-RMS_CONSTS = {"two": np.array(2.0, np.float32), "axes": np.array([-1]), "eps": np.array(1e-6, np.float32),
-              "one": np.array(1.0, np.float32)}
+RMS_CONSTS = {
+    "two": np.array(2.0, np.float32),
+    "axes": np.array([-1]),
+    "eps": np.array(1e-6, np.float32),
+    "one": np.array(1.0, np.float32),
+}
 
 
 def real_rms_model():
     """A real RMSNorm read by two projections."""
-    return build([*rms_real(), n("MatMul", ["h", "Wq"], ["q"]), n("MatMul", ["h", "Wk"], ["k"]),
-                  n("Add", ["q", "k"], ["y"])],
-                 [X], [("y", F32, [2, 3, N])], {**RMS_CONSTS, "g": rand(D), "Wq": rand(D, N), "Wk": rand(D, N)})
+    return build(
+        [*rms_real(), n("MatMul", ["h", "Wq"], ["q"]), n("MatMul", ["h", "Wk"], ["k"]), n("Add", ["q", "k"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {**RMS_CONSTS, "g": rand(D), "Wq": rand(D, N), "Wk": rand(D, N)},
+    )

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import pytest
-from _graphs import D, F32, N, X, build, n, ops, rand
+from _graphs import F32, D, N, X, build, n, ops, rand
 
 from taperfold.passes import CleanupPass, FoldReport
 from taperfold.passes.cleanup import check
 
 
 def test_dead_nodes_and_initializers_are_removed_and_the_checker_runs():
-    model = build([n("Mul", ["x", "w"], ["dead"]), n("MatMul", ["x", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {"w": rand(D), "W": rand(D, N)})
+    model = build(
+        [n("Mul", ["x", "w"], ["dead"]), n("MatMul", ["x", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"w": rand(D), "W": rand(D, N)},
+    )
     report = FoldReport()
     assert CleanupPass(report, input_check="passed")(model).modified
     assert ops(model) == {"MatMul": 1} and set(model.graph.initializers) == {"W"}
@@ -20,8 +24,12 @@ def test_dead_nodes_and_initializers_are_removed_and_the_checker_runs():
 
 
 def test_a_model_the_checker_already_rejects_is_still_cleaned_up():
-    model = build([n("Mul", ["x", "s"], ["dead"]), n("MatMul", ["x", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {"s": rand(D), "W": rand(D, N)})
+    model = build(
+        [n("Mul", ["x", "s"], ["dead"]), n("MatMul", ["x", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"s": rand(D), "W": rand(D, N)},
+    )
     model.graph.name = ""  # onnx.checker requires a graph name; ONNX Runtime does not
     input_check = check(model)
     report = FoldReport()

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import numpy as np
-from _graphs import D, F32, N, X, build, n, rand, rel_err, run, serialized, x3
+from _graphs import F32, D, N, X, build, n, rand, rel_err, run, serialized, x3
 
 from taperfold.passes import FoldConstantsPass, FoldReport, detect_norms
 
 
 def unoptimized(big: bool = False):
     # torch.onnx optimize=False: c * weight (and Gemma's 1 + weight) are computed on every call.
-    big_nodes = [n("Mul", ["B", "B"], ["BB"]), n("MatMul", ["y0", "BB"], ["y"])] if big else [
-        n("Identity", ["y0"], ["y"])]
+    big_nodes = (
+        [n("Mul", ["B", "B"], ["BB"]), n("MatMul", ["y0", "BB"], ["y"])] if big else [n("Identity", ["y0"], ["y"])]
+    )
     return build(
-        [n("Add", ["one", "w0"], ["w1"]), n("Mul", ["c", "w1"], ["cw"]), n("Mul", ["x", "cw"], ["h"]),
-         n("MatMul", ["h", "W"], ["y0"]), *big_nodes],
-        [X], [("y", F32, [2, 3, 100 if big else N])],
-        {"one": np.array(1.0, np.float32), "w0": rand(D), "c": np.array(0.7, np.float32), "W": rand(D, 100 if big else N),
-         **({"B": rand(100, 100)} if big else {})},
+        [
+            n("Add", ["one", "w0"], ["w1"]),
+            n("Mul", ["c", "w1"], ["cw"]),
+            n("Mul", ["x", "cw"], ["h"]),
+            n("MatMul", ["h", "W"], ["y0"]),
+            *big_nodes,
+        ],
+        [X],
+        [("y", F32, [2, 3, 100 if big else N])],
+        {
+            "one": np.array(1.0, np.float32),
+            "w0": rand(D),
+            "c": np.array(0.7, np.float32),
+            "W": rand(D, 100 if big else N),
+            **({"B": rand(100, 100)} if big else {}),
+        },
     )
 
 
@@ -41,8 +53,12 @@ def test_large_constant_computations_are_left_and_reported():
 
 
 def test_a_graph_without_constant_computations_is_not_touched():
-    model = build([n("Mul", ["x", "w"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {"w": rand(D), "W": rand(D, N)})
+    model = build(
+        [n("Mul", ["x", "w"], ["h"]), n("MatMul", ["h", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"w": rand(D), "W": rand(D, N)},
+    )
     before = serialized(model)
     assert not FoldConstantsPass()(model).modified
     assert serialized(model) == before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _graphs import D, F32, I64, N, RMS_CONSTS, X, build, mul_matmul, n, rand, rms_real, serialized
+from _graphs import F32, I64, RMS_CONSTS, D, N, X, build, mul_matmul, n, rand, rms_real, serialized
 
 from taperfold.passes.detect import detect_norms
 
@@ -22,9 +22,15 @@ def test_analysis_changes_nothing():
 
 def test_ln_form_with_beta():
     model = build(
-        [*ln_head(), n("Mul", ["xc", "c"], ["hc"]), n("Mul", ["hc", "w"], ["hw"]), n("Add", ["hw", "b"], ["h"]),
-         n("MatMul", ["h", "W"], ["y"])],
-        [X], [("y", F32, [2, 3, N])],
+        [
+            *ln_head(),
+            n("Mul", ["xc", "c"], ["hc"]),
+            n("Mul", ["hc", "w"], ["hw"]),
+            n("Add", ["hw", "b"], ["h"]),
+            n("MatMul", ["h", "W"], ["y"]),
+        ],
+        [X],
+        [("y", F32, [2, 3, N])],
         {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "w": rand(D), "b": rand(D), "W": rand(D, N)},
     )
     (candidate,) = detect_norms(model).candidates
@@ -37,9 +43,16 @@ def test_ln_form_with_beta():
 def test_parallel_residual_shared_centering_gives_two_ln_candidates():
     # GPT-NeoX: two tapered LNs read one input; the exporter computes mean and x - mean once.
     model = build(
-        [*ln_head(), n("Mul", ["xc", "w1"], ["h1"]), n("Mul", ["xc", "w2"], ["h2"]),
-         n("MatMul", ["h1", "W1"], ["a"]), n("MatMul", ["h2", "W2"], ["b"]), n("Add", ["a", "b"], ["y"])],
-        [X], [("y", F32, [2, 3, N])],
+        [
+            *ln_head(),
+            n("Mul", ["xc", "w1"], ["h1"]),
+            n("Mul", ["xc", "w2"], ["h2"]),
+            n("MatMul", ["h1", "W1"], ["a"]),
+            n("MatMul", ["h2", "W2"], ["b"]),
+            n("Add", ["a", "b"], ["y"]),
+        ],
+        [X],
+        [("y", F32, [2, 3, N])],
         {"axes": np.array([-1]), "w1": rand(D), "w2": rand(D), "W1": rand(D, N), "W2": rand(D, N)},
     )
     analysis = detect_norms(model)
@@ -50,11 +63,25 @@ def test_parallel_residual_shared_centering_gives_two_ln_candidates():
 def test_parallel_norms_with_equal_c_share_the_scalar_and_stay_two_candidates():
     # Equal c: the exporter computes (x - mean)·c once and each norm multiplies by its own γ̃ after it.
     model = build(
-        [*ln_head(), n("Mul", ["xc", "c"], ["xs"]), n("Mul", ["xs", "w1"], ["h1"]), n("Mul", ["xs", "w2"], ["h2"]),
-         n("MatMul", ["h1", "W1"], ["a"]), n("MatMul", ["h2", "W2"], ["b"]), n("Add", ["a", "b"], ["y"])],
-        [X], [("y", F32, [2, 3, N])],
-        {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "w1": rand(D), "w2": rand(D), "W1": rand(D, N),
-         "W2": rand(D, N)},
+        [
+            *ln_head(),
+            n("Mul", ["xc", "c"], ["xs"]),
+            n("Mul", ["xs", "w1"], ["h1"]),
+            n("Mul", ["xs", "w2"], ["h2"]),
+            n("MatMul", ["h1", "W1"], ["a"]),
+            n("MatMul", ["h2", "W2"], ["b"]),
+            n("Add", ["a", "b"], ["y"]),
+        ],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {
+            "axes": np.array([-1]),
+            "c": np.array(0.5, np.float32),
+            "w1": rand(D),
+            "w2": rand(D),
+            "W1": rand(D, N),
+            "W2": rand(D, N),
+        },
     )
     first, second = detect_norms(model).candidates  # the shared (x - mean)·c is no third one
     for candidate, w in ((first, "w1"), (second, "w2")):
@@ -64,22 +91,34 @@ def test_parallel_norms_with_equal_c_share_the_scalar_and_stay_two_candidates():
 
 def test_a_weightless_layer_norm_at_gate_0_is_a_candidate_of_one_scale_for_every_channel():
     # OLMo's LayerNorm has no γ: at g = 0 it is (x - mean)·c.
-    model = build([*ln_head(), n("Mul", ["xc", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [X],
-                  [("y", F32, [2, 3, N])], {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "W": rand(D, N)})
+    model = build(
+        [*ln_head(), n("Mul", ["xc", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"axes": np.array([-1]), "c": np.array(0.5, np.float32), "W": rand(D, N)},
+    )
     (candidate,) = detect_norms(model).candidates
     assert candidate.match.centered and candidate.match.scale.tolist() == [0.5] * D
 
 
 def test_a_scalar_multiple_of_an_uncentred_value_is_no_norm():
-    model = build([n("Mul", ["x", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {"c": np.array(0.5, np.float32), "W": rand(D, N)})
+    model = build(
+        [n("Mul", ["x", "c"], ["h"]), n("MatMul", ["h", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"c": np.array(0.5, np.float32), "W": rand(D, N)},
+    )
     assert detect_norms(model).candidates == []
 
 
 @pytest.mark.parametrize("gain", [True, False])
 def test_real_rms_norm_is_a_real_norm_not_a_candidate(gain):
-    model = build([*rms_real(gain), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {**RMS_CONSTS, "g": rand(D), "W": rand(D, N)})
+    model = build(
+        [*rms_real(gain), n("MatMul", ["h", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {**RMS_CONSTS, "g": rand(D), "W": rand(D, N)},
+    )
     analysis = detect_norms(model)
     assert analysis.candidates == []
     (real,) = analysis.real_norms
@@ -88,32 +127,53 @@ def test_real_rms_norm_is_a_real_norm_not_a_candidate(gain):
 
 def test_real_layer_norm_decomposed_and_fused():
     decomposed = [
-        *ln_head(), n("Pow", ["xc", "two"], ["sq"]), n("ReduceMean", ["sq", "axes"], ["var"], keepdims=1),
-        n("Add", ["var", "eps"], ["ve"]), n("Sqrt", ["ve"], ["std"]), n("Div", ["xc", "std"], ["xn"]),
-        n("Mul", ["xn", "g"], ["xg"]), n("Add", ["xg", "b"], ["h"]), n("MatMul", ["h", "W"], ["y"]),
+        *ln_head(),
+        n("Pow", ["xc", "two"], ["sq"]),
+        n("ReduceMean", ["sq", "axes"], ["var"], keepdims=1),
+        n("Add", ["var", "eps"], ["ve"]),
+        n("Sqrt", ["ve"], ["std"]),
+        n("Div", ["xc", "std"], ["xn"]),
+        n("Mul", ["xn", "g"], ["xg"]),
+        n("Add", ["xg", "b"], ["h"]),
+        n("MatMul", ["h", "W"], ["y"]),
     ]
     fused = [n("LayerNormalization", ["x", "g", "b"], ["h"], axis=-1), n("MatMul", ["h", "W"], ["y"])]
     for nodes in (decomposed, fused):
-        model = build(nodes, [X], [("y", F32, [2, 3, N])],
-                      {**RMS_CONSTS, "g": rand(D), "b": rand(D), "W": rand(D, N)})
+        model = build(nodes, [X], [("y", F32, [2, 3, N])], {**RMS_CONSTS, "g": rand(D), "b": rand(D), "W": rand(D, N)})
         analysis = detect_norms(model)
         assert analysis.candidates == [] and [r.kind for r in analysis.real_norms] == ["ln"]
         assert analysis.real_norms[0].gain.bias is not None
 
 
 def test_softmax_written_out_is_not_a_norm():
-    model = build([n("Exp", ["x"], ["e"]), n("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
-                   n("Div", ["e", "s"], ["p"]), n("Mul", ["p", "w"], ["h"]), n("MatMul", ["h", "W"], ["y"])],
-                  [X], [("y", F32, [2, 3, N])], {"axes": np.array([-1]), "w": rand(D), "W": rand(D, N)})
+    model = build(
+        [
+            n("Exp", ["x"], ["e"]),
+            n("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
+            n("Div", ["e", "s"], ["p"]),
+            n("Mul", ["p", "w"], ["h"]),
+            n("MatMul", ["h", "W"], ["y"]),
+        ],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"axes": np.array([-1]), "w": rand(D), "W": rand(D, N)},
+    )
     analysis = detect_norms(model)
     assert analysis.real_norms == [] and len(analysis.candidates) == 1
 
 
 def test_rope_positions_times_frequencies_are_not_a_norm():
     # position ids (int) -> Cast -> Mul by inv_freq [d/2]: a broadcast outer product, not a channel scale.
-    model = build([n("Unsqueeze", ["pos", "ax"], ["p3"]), n("Cast", ["p3"], ["pf"], to=F32),
-                   n("Mul", ["pf", "inv_freq"], ["freqs"])],
-                  [("pos", I64, None)], [("freqs", F32, None)], {"ax": np.array([-1]), "inv_freq": rand(4)})
+    model = build(
+        [
+            n("Unsqueeze", ["pos", "ax"], ["p3"]),
+            n("Cast", ["p3"], ["pf"], to=F32),
+            n("Mul", ["pf", "inv_freq"], ["freqs"]),
+        ],
+        [("pos", I64, None)],
+        [("freqs", F32, None)],
+        {"ax": np.array([-1]), "inv_freq": rand(4)},
+    )
     assert not detect_norms(model)
 
 
@@ -128,11 +188,14 @@ def test_scalar_only_chain_is_not_a_norm():
     assert not detect_norms(mul_matmul(np.array(0.5, np.float32)))
 
 
-@pytest.mark.parametrize("module, note", [
-    ("model.layers.0: transformers.models.gemma3n.modeling_gemma3n.Gemma3nTextDecoderLayer", True),
-    ("model.layers.0.input_layernorm: fold_models.ConstantRMSNorm", False),  # a norm at g = 0, as tests/passes make
-    (None, False),  # no metadata (a legacy export): nothing to tell
-])
+@pytest.mark.parametrize(
+    "module, note",
+    [
+        ("model.layers.0: transformers.models.gemma3n.modeling_gemma3n.Gemma3nTextDecoderLayer", True),
+        ("model.layers.0.input_layernorm: fold_models.ConstantRMSNorm", False),  # a norm at g = 0, as tests/passes make
+        (None, False),  # no metadata (a legacy export): nothing to tell
+    ],
+)
 def test_a_scale_no_norm_module_applies_folds_and_the_report_says_it_is_none(module, note):
     # Gemma 3n's AltUp multiplies by a learned per-channel vector in the decoder layer itself: the fold moves it as it
     # moves a g = 0 norm, and the report names what it is

@@ -29,8 +29,12 @@ NEW_DYNAMO = ["mixtral", "qwen2_moe", "qwen3_moe", "falcon", "falcon_new", "stab
 # OLMo 2's q/k norms, which span every head, each with the projection it reads.
 PRODUCED_BY = {
     "gemma2": {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"},
-    "olmo2": {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj",
-              "self_attn.q_norm": "self_attn.q_proj", "self_attn.k_norm": "self_attn.k_proj"},
+    "olmo2": {
+        "post_attention_layernorm": "self_attn.o_proj",
+        "post_feedforward_layernorm": "mlp.down_proj",
+        "self_attn.q_norm": "self_attn.q_proj",
+        "self_attn.k_norm": "self_attn.k_proj",
+    },
     "glm4": {"post_self_attn_layernorm": "self_attn.o_proj", "post_mlp_layernorm": "mlp.down_proj"},
 }
 PRODUCED_BY["gemma3_text"] = PRODUCED_BY["exaone4"] = PRODUCED_BY["gemma2"]
@@ -50,9 +54,11 @@ def fold_and_check(tmp_path, model, exporter, opset=18, optimize=True):
 
 def assert_folds_all(report, check, norms, family, wrappers=0):
     kept = PER_HEAD.get(family, 0)
-    assert statuses(report) == {"folded": norms - kept, **({"kept": kept} if kept else {}),
-                                **({"real_norm": wrappers} if wrappers else {})}, \
-        [e.message for e in report.norms if e.status != NormStatus.FOLDED]
+    assert statuses(report) == {
+        "folded": norms - kept,
+        **({"kept": kept} if kept else {}),
+        **({"real_norm": wrappers} if wrappers else {}),
+    }, [e.message for e in report.norms if e.status != NormStatus.FOLDED]
     (logits,) = check.outputs
     assert check.passed and logits.metrics.max_rel <= 1e-5
 
@@ -100,10 +106,12 @@ def test_dynamo_export_folds_moe_experts_and_parallel_layouts(tmp_path, models, 
     original, tapered, norms = models[family]
     (tmp_path / "tapered").mkdir()
     (tmp_path / "original").mkdir()
-    assert_folds_all(*fold_and_check(tmp_path / "tapered", tapered, "dynamo", opset=20), norms, family,
-                     WRAPPERS.get(family, 0))
-    assert_untouched(*fold_and_check(tmp_path / "original", original, "dynamo", opset=20),
-                     norms + WRAPPERS.get(family, 0))
+    assert_folds_all(
+        *fold_and_check(tmp_path / "tapered", tapered, "dynamo", opset=20), norms, family, WRAPPERS.get(family, 0)
+    )
+    assert_untouched(
+        *fold_and_check(tmp_path / "original", original, "dynamo", opset=20), norms + WRAPPERS.get(family, 0)
+    )
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
@@ -118,8 +126,11 @@ def test_moe_norm_folds_into_the_router_and_every_experts_matrix(tmp_path, model
     assert_folds_all(report, check, norms, "mixtral")
 
     def stacks(path):  # the experts' gate/up matrices of each layer, [experts, 2·intermediate, hidden]
-        return [v.const_value.numpy() for v in ir.load(path).graph.initializers.values()
-                if v.const_value is not None and len(v.const_value.shape) == 3 and v.const_value.shape[-1] == 32]
+        return [
+            v.const_value.numpy()
+            for v in ir.load(path).graph.initializers.values()
+            if v.const_value is not None and len(v.const_value.shape) == 3 and v.const_value.shape[-1] == 32
+        ]
 
     before, after = stacks(tmp_path / "m.onnx"), stacks(tmp_path / "folded.onnx")
     assert len(before) == len(after) == LAYERS  # rewritten in place, not copied
@@ -167,8 +178,9 @@ def test_dynamo_export_of_real_norms_is_untouched(tmp_path, models):
 def test_unoptimized_exports_fold_after_constant_folding(tmp_path, models, exporter):
     # Gemma's (1 + w) · c is computed at run time when the exporter does not fold constants.
     _, tapered, norms = models["gemma"]
-    report, check = fold_and_check(tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18,
-                                   optimize=False)
+    report, check = fold_and_check(
+        tmp_path, tapered, exporter, opset=20 if exporter == "dynamo" else 18, optimize=False
+    )
     assert report.constants_folded > 0
     assert_folds_all(report, check, norms, "gemma")
 
@@ -182,8 +194,10 @@ def test_merge_norm_weights_is_opt_in_and_reported_under_its_own_name(tmp_path, 
     assert check.passed and np.isfinite(check.outputs[0].metrics.max_rel)
 
 
-@pytest.mark.parametrize("family, norm_names", [("gpt_neox", ("input_layernorm", "post_attention_layernorm")),
-                                                ("falcon_new", ("ln_attn", "ln_mlp"))])
+@pytest.mark.parametrize(
+    "family, norm_names",
+    [("gpt_neox", ("input_layernorm", "post_attention_layernorm")), ("falcon_new", ("ln_attn", "ln_mlp"))],
+)
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
 def test_parallel_norms_with_equal_c_fold_and_keep_their_own_names(tmp_path, models, exporter, family, norm_names):
     # Calibration gives two norms that read one input the same c; the dynamo exporter then computes (h - mean)·c

@@ -58,15 +58,17 @@ def ops(path) -> Counter:
 
 
 # ONNX Runtime's RotaryEmbedding kernel refuses the dynamic-shape opset-23 export of a RoPE model: GPT-2 there
-@pytest.mark.parametrize("family,exporter,opset", [("llama", "dynamo", 20), ("llama", "legacy", 18),
-                                                   ("gpt2", "dynamo", 23)])
+@pytest.mark.parametrize(
+    "family,exporter,opset", [("llama", "dynamo", 20), ("llama", "legacy", 18), ("gpt2", "dynamo", 23)]
+)
 @pytest.mark.parametrize("users", [False, True], ids=["taperfold-dyt", "users-dyt"])
 def test_every_dyt_folds_its_gain_and_shift_and_keeps_its_tanh(tmp_path, family, exporter, opset, users):
     model, norms = with_dyt(family, users)
     src = export(model, tmp_path / "m.onnx", exporter, opset)
     report = fold_onnx_file(src, tmp_path / "folded.onnx")
-    assert [(e.kind, e.status, e.reason) for e in report.norms] == \
-        [("dyt", NormStatus.FOLDED, "γ, β folded, tanh kept")] * norms
+    assert [(e.kind, e.status, e.reason) for e in report.norms] == [
+        ("dyt", NormStatus.FOLDED, "γ, β folded, tanh kept")
+    ] * norms
     before, after = ops(src), ops(tmp_path / "folded.onnx")
     assert after["Tanh"] == before["Tanh"] >= norms  # the tanh is per element: it stays (GPT-2's GELU has one too)
     check = check_fold(src, tmp_path / "folded.onnx", FEEDS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _graphs import D, F32, I64, V, build, n, ops, rand, rel_err, rng, run
+from _graphs import F32, I64, D, V, build, n, ops, rand, rel_err, rng, run
 
 from taperfold.passes import FoldIntoEmbeddingPass, FoldReport, NormStatus
 
@@ -14,13 +14,20 @@ def embed_model(tied: bool, kind: str = "rms", shared_centering: bool = False):
     ln = kind == "ln"
     head = [n("ReduceMean", ["emb", "axes"], ["m"], keepdims=1), n("Sub", ["emb", "m"], ["ec"])] if ln else []
     return build(
-        [n("Gather", ["E", "ids"], ["emb"]), *head, n("Mul", ["c", "ec" if ln else "emb"], ["hc"]),
-         n("Mul", ["hc", "w"], ["hw"]),
-         *([n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]),
-         *([n("Mul", ["ec", "w"], ["h2"]), n("Add", ["h", "h2"], ["h3"])] if shared_centering else
-           [n("Identity", ["h"], ["h3"])]),
-         n("Add", ["h3", "r"], ["y"]),  # a residual: the readers cannot take the fold
-         *([n("Transpose", ["E"], ["Et"]), n("MatMul", ["y", "Et"], ["logits"])] if tied else [])],
+        [
+            n("Gather", ["E", "ids"], ["emb"]),
+            *head,
+            n("Mul", ["c", "ec" if ln else "emb"], ["hc"]),
+            n("Mul", ["hc", "w"], ["hw"]),
+            *([n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]),
+            *(
+                [n("Mul", ["ec", "w"], ["h2"]), n("Add", ["h", "h2"], ["h3"])]
+                if shared_centering
+                else [n("Identity", ["h"], ["h3"])]
+            ),
+            n("Add", ["h3", "r"], ["y"]),  # a residual: the readers cannot take the fold
+            *([n("Transpose", ["E"], ["Et"]), n("MatMul", ["y", "Et"], ["logits"])] if tied else []),
+        ],
         [("ids", I64, [2, 3]), ("r", F32, [2, 3, D])],
         [("logits", F32, [2, 3, V])] if tied else [("y", F32, [2, 3, D])],
         {"E": rand(V, D), "axes": np.array([-1]), "c": np.array(1.7, np.float32), "w": rand(D), "beta": rand(D)},

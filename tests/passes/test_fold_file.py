@@ -18,7 +18,6 @@ from test_torch_exports import Block, TaperNorm, export
 from taperfold.errors import TaperfoldError
 from taperfold.passes import fold_onnx_file
 
-
 # ---- files and errors ----------------------------------------------------------------------------
 
 
@@ -56,9 +55,13 @@ def outside_model(tmp_path):
     weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
     external_data_helper.set_external_data(weight, location="../../secret", offset=0, length=64)
     weight.ClearField("raw_data")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", 1, [1, 4])],
-                              [helper.make_tensor_value_info("y", 1, [1, 4])], [weight])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", 1, [1, 4])],
+        [helper.make_tensor_value_info("y", 1, [1, 4])],
+        [weight],
+    )
     onnx.save(helper.make_model(graph, ir_version=10), model_dir / "m.onnx")
     return model_dir / "m.onnx"
 
@@ -75,8 +78,11 @@ def bad_inputs(tmp_path):
     two_bytes.write_bytes(b"\x08\x07")  # parses as a ModelProto with ir_version 7 and nothing else
     return {
         "two bytes": (two_bytes, tmp_path / "o5.onnx", "not an ONNX model (no graph"),
-        "outside": (outside_model(tmp_path), tmp_path / "o6.onnx",
-                    "'../../secret' (initializer 'W') points outside the model's directory"),
+        "outside": (
+            outside_model(tmp_path),
+            tmp_path / "o6.onnx",
+            "'../../secret' (initializer 'W') points outside the model's directory",
+        ),
         "missing": (tmp_path / "missing.onnx", tmp_path / "o1.onnx", "no such file"),
         "corrupt": (corrupt, tmp_path / "o2.onnx", "not a readable ONNX model"),
         "missing data": (no_data, tmp_path / "o3.onnx", "'nodata.onnx.data' (initializer 'W') is missing"),
@@ -145,11 +151,18 @@ def test_verify_bad_shapes_is_one_line(tmp_path, cli):
 
 
 def test_merge_norm_weights_only_when_asked(tmp_path, cli):
-    from _graphs import F32, N, RMS_CONSTS, X, build, n, rms_real
+    from _graphs import F32, RMS_CONSTS, N, X, build, n, rms_real
 
     path = tmp_path / "real.onnx"
-    ir.save(build([*rms_real(), n("MatMul", ["h", "W"], ["y"])], [X], [("y", F32, [2, 3, N])],
-                  {**RMS_CONSTS, "g": rand(D), "W": rand(D, N)}), path)
+    ir.save(
+        build(
+            [*rms_real(), n("MatMul", ["h", "W"], ["y"])],
+            [X],
+            [("y", F32, [2, 3, N])],
+            {**RMS_CONSTS, "g": rand(D), "W": rand(D, N)},
+        ),
+        path,
+    )
     result = cli("fold", path, "-o", tmp_path / "a.onnx")
     assert result.exit_code == 0 and "nothing to fold" in result.stdout and "1 real norm(s)" in result.stdout
     result = cli("fold", path, "-o", tmp_path / "b.onnx", "--merge-norm-weights", "--verify", "--json")
@@ -168,9 +181,23 @@ def test_fold_output_with_a_trailing_slash_names_a_directory(tiny_export, tmp_pa
 
 def test_fold_report_on_a_narrow_terminal_is_a_list_not_a_squeezed_table(tiny_export, tmp_path):
     env = {**os.environ, "COLUMNS": "80"}
-    r = subprocess.run([sys.executable, "-m", "taperfold", "fold", str(tiny_export / "unfolded.onnx"),
-                        "-o", str(tmp_path / "f.onnx"), "--report", "-"], capture_output=True, text=True,
-                       timeout=HANG_S, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "taperfold",
+            "fold",
+            str(tiny_export / "unfolded.onnx"),
+            "-o",
+            str(tmp_path / "f.onnx"),
+            "--report",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     json.loads(r.stdout)  # stdout: the report
     lines = r.stderr.splitlines()
@@ -188,15 +215,21 @@ def _scale_over_a_dynamic_last_dim(path):
     graph takes and its fold (x · diag(s)W) cannot; at d = 16 (--verify's default) neither runs."""
     from _graphs import F32, build, n
 
-    model = build([n("Mul", ["x", "s"], ["h"]), n("MatMul", ["h", "W"], ["y"])], [("x", F32, [2, "d"])],
-                  [("y", F32, [2, 4])], {"s": rand(D), "W": rand(D, 4)})
+    model = build(
+        [n("Mul", ["x", "s"], ["h"]), n("MatMul", ["h", "W"], ["y"])],
+        [("x", F32, [2, "d"])],
+        [("y", F32, [2, 4])],
+        {"s": rand(D), "W": rand(D, 4)},
+    )
     ir.save(model, path, external_data=path.name + ".data")
     return path
 
 
-@pytest.mark.parametrize("shapes, refused", [([], "m.onnx: onnxruntime run failed"),
-                                             (["--shapes", "x:2x1"], "o.onnx: onnxruntime run failed")],
-                         ids=["the input cannot run", "its fold cannot run"])
+@pytest.mark.parametrize(
+    "shapes, refused",
+    [([], "m.onnx: onnxruntime run failed"), (["--shapes", "x:2x1"], "o.onnx: onnxruntime run failed")],
+    ids=["the input cannot run", "its fold cannot run"],
+)
 def test_a_verify_refusal_leaves_no_output_data_or_report_and_keeps_an_earlier_one(tmp_path, cli, shapes, refused):
     src = _scale_over_a_dynamic_last_dim(tmp_path / "m.onnx")
     out = tmp_path / "out"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _graphs import D, F32, X, build, n, ops, rand, rel_err, run, x3
+from _graphs import F32, D, X, build, n, ops, rand, rel_err, run, x3
 
 from taperfold.passes import FoldIntoProducerPass, FoldReport, NormStatus
 
@@ -20,16 +20,34 @@ def post_norm(kind="rms", layer="matmul", bias=True, extra=(), extra_outputs=(),
     else:  # Gemm(x2d, W[D, K], C) with transB=1, alpha and beta not 1
         linear = [n("Gemm", ["x", "Wt", *(["b"] if bias else [])], ["z"], transB=1, alpha=0.5, beta=2.0)]
     head = [n("ReduceMean", ["z", "axes"], ["m"], keepdims=1), n("Sub", ["z", "m"], ["zc"])] if ln else []
-    nodes = [*linear, *head, n("Mul", ["zc" if ln else "z", "c"], ["hc"]), n("Mul", ["hc", "w"], ["hw"]),
-             *([n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]),
-             n("Add", ["h", "r"], ["y"]), *extra]
+    nodes = [
+        *linear,
+        *head,
+        n("Mul", ["zc" if ln else "z", "c"], ["hc"]),
+        n("Mul", ["hc", "w"], ["hw"]),
+        *([n("Add", ["hw", "beta"], ["h"])] if ln else [n("Identity", ["hw"], ["h"])]),
+        n("Add", ["h", "r"], ["y"]),
+        *extra,
+    ]
     shape = [2, 3] if layer == "matmul" else [6]
     W = rand(K, D)
-    values = {"W": W, "Wt": np.ascontiguousarray(W.T), "b": rand(D), "axes": np.array([-1]),
-              "c": np.array(1.7, np.float32), "w": rand(D), "beta": rand(D), **(inits or {})}
+    values = {
+        "W": W,
+        "Wt": np.ascontiguousarray(W.T),
+        "b": rand(D),
+        "axes": np.array([-1]),
+        "c": np.array(1.7, np.float32),
+        "w": rand(D),
+        "beta": rand(D),
+        **(inits or {}),
+    }
     used = {v for *_, ins, _, _, _ in nodes for v in ins}
-    return build(nodes, [("x", F32, [*shape, K]), ("r", F32, [*shape, D])],
-                 [("y", F32, [*shape, D]), *extra_outputs], {k: v for k, v in values.items() if k in used})
+    return build(
+        nodes,
+        [("x", F32, [*shape, K]), ("r", F32, [*shape, D])],
+        [("y", F32, [*shape, D]), *extra_outputs],
+        {k: v for k, v in values.items() if k in used},
+    )
 
 
 def fold_checked(model, shape=(2, 3)):
@@ -86,8 +104,9 @@ def test_a_producer_output_with_another_reader_keeps_the_norm_and_says_who():
     report, before, after = fold_checked(model)
     (entry,) = report.norms
     assert entry.status == NormStatus.KEPT
-    assert entry.reason == ("read by Add 'y' (residual); not into its producer: "
-                            "MatMul 'z0''s output is also read by Relu 'side'")
+    assert entry.reason == (
+        "read by Add 'y' (residual); not into its producer: MatMul 'z0''s output is also read by Relu 'side'"
+    )
     for b, a in zip(before, after):
         np.testing.assert_array_equal(b, a)
 
@@ -111,8 +130,9 @@ def test_a_shared_centering_keeps_the_norm():
 
 
 def test_a_norm_whose_input_no_linear_layer_produces_is_left_to_the_other_passes():
-    model = build([n("Mul", ["x", "s"], ["h"]), n("Add", ["h", "x"], ["y"])], [X], [("y", F32, [2, 3, D])],
-                  {"s": rand(D)})
+    model = build(
+        [n("Mul", ["x", "s"], ["h"]), n("Add", ["h", "x"], ["y"])], [X], [("y", F32, [2, 3, D])], {"s": rand(D)}
+    )
     report, feeds = FoldReport(), x3()
     before = run(model, feeds)
     assert not FoldIntoProducerPass(report)(model).modified

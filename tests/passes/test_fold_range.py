@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _graphs import D, F16, I64, V, build, n, run
+from _graphs import F16, I64, D, V, build, n, run
 from onnx import TensorProto
 
 from taperfold.passes import FoldReport, NormStatus, fold_passes
@@ -26,21 +26,32 @@ def _f16(shape, value):
 
 def into_readers(scale):
     """x -> Mul(s) -> MatMul(W) -> y: the fold writes diag(s)·W."""
-    return build([n("Mul", ["x", "s"], ["h"], "norm"), n("MatMul", ["h", "W"], ["y"], "mm")],
-                 [("x", F16, [2, D])], [("y", F16, [2, 4])], {"s": _f16(D, scale), "W": _f16((D, 4), BIG)})
+    return build(
+        [n("Mul", ["x", "s"], ["h"], "norm"), n("MatMul", ["h", "W"], ["y"], "mm")],
+        [("x", F16, [2, D])],
+        [("y", F16, [2, 4])],
+        {"s": _f16(D, scale), "W": _f16((D, 4), BIG)},
+    )
 
 
 def into_producer(scale):
     """x -> MatMul(W) -> Mul(s) -> Relu -> y: no linear reader, so the fold writes W·diag(s) into the producer."""
-    return build([n("MatMul", ["x", "W"], ["z"], "mm"), n("Mul", ["z", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
-                 [("x", F16, [2, 4])], [("y", F16, [2, D])], {"s": _f16(D, scale), "W": _f16((4, D), BIG)})
+    return build(
+        [n("MatMul", ["x", "W"], ["z"], "mm"), n("Mul", ["z", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
+        [("x", F16, [2, 4])],
+        [("y", F16, [2, D])],
+        {"s": _f16(D, scale), "W": _f16((4, D), BIG)},
+    )
 
 
 def into_embedding(scale):
     """Gather(E, ids) -> Mul(s) -> Relu -> y: the fold writes E·diag(s) into the table."""
-    return build([n("Gather", ["E", "ids"], ["e"], "lookup"), n("Mul", ["e", "s"], ["h"], "norm"),
-                  n("Relu", ["h"], ["y"])],
-                 [("ids", I64, [1, 3])], [("y", F16, [1, 3, D])], {"s": _f16(D, scale), "E": _f16((V, D), BIG)})
+    return build(
+        [n("Gather", ["E", "ids"], ["e"], "lookup"), n("Mul", ["e", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
+        [("ids", I64, [1, 3])],
+        [("y", F16, [1, 3, D])],
+        {"s": _f16(D, scale), "E": _f16((V, D), BIG)},
+    )
 
 
 FEEDS = {
@@ -109,43 +120,64 @@ def _full(dtype, shape, value):
 
 def weight_into_readers(t: Dtype, scale):
     """x -> Mul(s) -> MatMul(W): diag(s)·W past the range."""
-    return build([n("Mul", ["x", "s"], ["h"], "norm"), n("MatMul", ["h", "W"], ["y"], "mm")],
-                 [("x", t.elem, [2, D])], [("y", t.elem, [2, 4])],
-                 {"s": _full(t, D, scale), "W": _full(t, (D, 4), t.big)})
+    return build(
+        [n("Mul", ["x", "s"], ["h"], "norm"), n("MatMul", ["h", "W"], ["y"], "mm")],
+        [("x", t.elem, [2, D])],
+        [("y", t.elem, [2, 4])],
+        {"s": _full(t, D, scale), "W": _full(t, (D, 4), t.big)},
+    )
 
 
 def weight_into_producer(t: Dtype, scale):
     """x -> MatMul(W) -> Mul(s) -> Relu: W·diag(s) past the range."""
-    return build([n("MatMul", ["x", "W"], ["z"], "mm"), n("Mul", ["z", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
-                 [("x", t.elem, [2, 4])], [("y", t.elem, [2, D])],
-                 {"s": _full(t, D, scale), "W": _full(t, (4, D), t.big)})
+    return build(
+        [n("MatMul", ["x", "W"], ["z"], "mm"), n("Mul", ["z", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
+        [("x", t.elem, [2, 4])],
+        [("y", t.elem, [2, D])],
+        {"s": _full(t, D, scale), "W": _full(t, (4, D), t.big)},
+    )
 
 
 def table_into_embedding(t: Dtype, scale):
     """Gather(E, ids) -> Mul(s) -> Relu: E·diag(s) past the range."""
-    return build([n("Gather", ["E", "ids"], ["e"], "lookup"), n("Mul", ["e", "s"], ["h"], "norm"),
-                  n("Relu", ["h"], ["y"])],
-                 [("ids", I64, [1, 3])], [("y", t.elem, [1, 3, D])],
-                 {"s": _full(t, D, scale), "E": _full(t, (V, D), t.big)})
+    return build(
+        [n("Gather", ["E", "ids"], ["e"], "lookup"), n("Mul", ["e", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
+        [("ids", I64, [1, 3])],
+        [("y", t.elem, [1, 3, D])],
+        {"s": _full(t, D, scale), "E": _full(t, (V, D), t.big)},
+    )
 
 
 def shift_into_readers_bias(t: Dtype, shift):
     """A centered norm with a shift β: x -> x - mean -> Mul(s) -> Add(β) -> MatMul(W): diag(s)·W fits (s is small),
     β·W, the bias the fold writes, passes the range."""
-    return build([n("ReduceMean", ["x", "axes"], ["m"], keepdims=1), n("Sub", ["x", "m"], ["xc"]),
-                  n("Mul", ["xc", "s"], ["hs"], "norm"), n("Add", ["hs", "beta"], ["h"]),
-                  n("MatMul", ["h", "W"], ["y"], "mm")],
-                 [("x", t.elem, [2, D])], [("y", t.elem, [2, 4])],
-                 {"axes": np.array([-1]), "s": _full(t, D, 1e-3), "beta": _full(t, D, shift),
-                  "W": _full(t, (D, 4), t.big)})
+    return build(
+        [
+            n("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
+            n("Sub", ["x", "m"], ["xc"]),
+            n("Mul", ["xc", "s"], ["hs"], "norm"),
+            n("Add", ["hs", "beta"], ["h"]),
+            n("MatMul", ["h", "W"], ["y"], "mm"),
+        ],
+        [("x", t.elem, [2, D])],
+        [("y", t.elem, [2, 4])],
+        {"axes": np.array([-1]), "s": _full(t, D, 1e-3), "beta": _full(t, D, shift), "W": _full(t, (D, 4), t.big)},
+    )
 
 
 def bias_into_producer(t: Dtype, scale):
     """x -> MatMul(W) -> Add(b) -> Mul(s) -> Relu: W·diag(s) fits (W is small), the bias b·s passes the range."""
-    return build([n("MatMul", ["x", "W"], ["z0"], "mm"), n("Add", ["z0", "b"], ["z"], "bias"),
-                  n("Mul", ["z", "s"], ["h"], "norm"), n("Relu", ["h"], ["y"])],
-                 [("x", t.elem, [2, 4])], [("y", t.elem, [2, D])],
-                 {"s": _full(t, D, scale), "b": _full(t, D, t.big), "W": _full(t, (4, D), 1e-3)})
+    return build(
+        [
+            n("MatMul", ["x", "W"], ["z0"], "mm"),
+            n("Add", ["z0", "b"], ["z"], "bias"),
+            n("Mul", ["z", "s"], ["h"], "norm"),
+            n("Relu", ["h"], ["y"]),
+        ],
+        [("x", t.elem, [2, 4])],
+        [("y", t.elem, [2, D])],
+        {"s": _full(t, D, scale), "b": _full(t, D, t.big), "W": _full(t, (4, D), 1e-3)},
+    )
 
 
 def _feeds(make, t: Dtype):

@@ -10,16 +10,29 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from taperfold.passes.fuse_norm import (ExpandRMSNormalizationPass, FuseRMSNormPass, expand_rms_norms,
-                                        fuse_rms_norms, match_rms_norm)
+from taperfold.passes.fuse_norm import (
+    ExpandRMSNormalizationPass,
+    FuseRMSNormPass,
+    expand_rms_norms,
+    fuse_rms_norms,
+    match_rms_norm,
+)
 
 D = 8
 RNG = np.random.default_rng(0)
 WEIGHT = (1 + 0.2 * RNG.standard_normal(D)).astype(np.float32)  # never ones: a multiply by one can vanish
 
 
-def rms_graph(dtype=TensorProto.FLOAT, *, inverse="Reciprocal", weight="after", axes=(-1,), exponent=2.0,
-              opset=20, extra_reader=False) -> onnx.ModelProto:
+def rms_graph(
+    dtype=TensorProto.FLOAT,
+    *,
+    inverse="Reciprocal",
+    weight="after",
+    axes=(-1,),
+    exponent=2.0,
+    opset=20,
+    extra_reader=False,
+) -> onnx.ModelProto:
     """x → [Cast f32] → Pow → ReduceMean → Add(eps) → Sqrt → inverse → Mul(x) → weight → y (then MatMul).
 
     weight: "after" (Mul(w32) → Cast back: nn.RMSNorm in fp16), "hf" (Cast back → Mul(w): Hugging Face),
@@ -27,21 +40,28 @@ def rms_graph(dtype=TensorProto.FLOAT, *, inverse="Reciprocal", weight="after", 
     """
     half = dtype != TensorProto.FLOAT
     npdt = helper.tensor_dtype_to_np_dtype(dtype)
-    inits = [numpy_helper.from_array(np.array(exponent, np.float32), "two"),
-             numpy_helper.from_array(np.array(axes, np.int64), "axes"),
-             numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
-             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-             numpy_helper.from_array(RNG.standard_normal((D, 4)).astype(npdt), "proj")]
+    inits = [
+        numpy_helper.from_array(np.array(exponent, np.float32), "two"),
+        numpy_helper.from_array(np.array(axes, np.int64), "axes"),
+        numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(RNG.standard_normal((D, 4)).astype(npdt), "proj"),
+    ]
     nodes, xs = [], "x"
     if half:
         nodes.append(helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT))
         xs = "x32"
-    nodes += [helper.make_node("Pow", [xs, "two"], ["sq"]),
-              helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
-              helper.make_node("Add", ["ms", "eps"], ["mse"]),
-              helper.make_node("Sqrt", ["mse"], ["rms"])]
-    nodes.append(helper.make_node("Reciprocal", ["rms"], ["inv"]) if inverse == "Reciprocal"
-                 else helper.make_node("Div", ["one", "rms"], ["inv"]))
+    nodes += [
+        helper.make_node("Pow", [xs, "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["rms"]),
+    ]
+    nodes.append(
+        helper.make_node("Reciprocal", ["rms"], ["inv"])
+        if inverse == "Reciprocal"
+        else helper.make_node("Div", ["one", "rms"], ["inv"])
+    )
     nodes.append(helper.make_node("Mul", [xs, "inv"], ["normed"]))
     out = "normed"
     if weight == "after":
@@ -59,8 +79,7 @@ def rms_graph(dtype=TensorProto.FLOAT, *, inverse="Reciprocal", weight="after", 
     outputs = [helper.make_tensor_value_info("y", dtype, ["b", "s", 4])]
     if extra_reader:
         outputs.append(helper.make_tensor_value_info("ms", TensorProto.FLOAT, ["b", "s", 1]))
-    graph = helper.make_graph(nodes, "rms", [helper.make_tensor_value_info("x", dtype, ["b", "s", D])], outputs,
-                              inits)
+    graph = helper.make_graph(nodes, "rms", [helper.make_tensor_value_info("x", dtype, ["b", "s", D])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
@@ -101,8 +120,7 @@ def test_fp16_chain_with_casts_fuses_on_the_fp16_input(weight):
     assert node.inputs[0].name == "x" and node.inputs[1].dtype == ir.DataType.FLOAT16
     assert node.attributes.get_int("stash_type") == 1  # statistics in float32, as the Casts did
     x = X.astype(np.float16)
-    np.testing.assert_allclose(run(model, x).astype(np.float32), run(proto, x).astype(np.float32), rtol=2e-2,
-                               atol=2e-3)
+    np.testing.assert_allclose(run(model, x).astype(np.float32), run(proto, x).astype(np.float32), rtol=2e-2, atol=2e-3)
 
 
 def test_opset_23_fuses_into_onnx_rmsnormalization_and_expands_back():

@@ -58,8 +58,11 @@ def fused_checked(model: ir.Model, feeds: dict, tol: float = TOL) -> ProjectionR
 
 def sibling_groups(family, n_layers: int, prefix: str = "") -> list[list[str]]:
     """What the family description says the sibling groups are: the readers of each norm, where there are several."""
-    return [[prefix + r for r in readers] for readers in family.norm_readers(n_layers, "internal").values()
-            if len(readers) > 1]
+    return [
+        [prefix + r for r in readers]
+        for readers in family.norm_readers(n_layers, "internal").values()
+        if len(readers) > 1
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +149,7 @@ def export_siblings(path, tie=True, optimize=True, dtype=torch.float32):
     args = (torch.randn(2, 3, 8).to(dtype), torch.randn(2, 3, 8).to(dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, args, dynamo=True, optimize=optimize, input_names=["x", "y"],
-                                    verbose=False)
+        program = torch.onnx.export(module, args, dynamo=True, optimize=optimize, input_names=["x", "y"], verbose=False)
     program.save(str(path), external_data=True)
     return str(path), {"x": args[0].float().numpy(), "y": args[1].float().numpy()}
 
@@ -222,8 +224,9 @@ def test_external_data_is_read_only_when_written(tmp_path, monkeypatch):
 def gemm_graph(alpha=1.0, trans_b=1):
     """Three Gemm(x2d, W, C) on one input, the third with its own alpha."""
     K, widths = 5, (4, 6, 3)
-    nodes = [n("Gemm", ["x", f"W{i}", f"b{i}"], [f"y{i}"], transB=trans_b, alpha=alpha if i == 2 else 1.0)
-             for i in range(3)]
+    nodes = [
+        n("Gemm", ["x", f"W{i}", f"b{i}"], [f"y{i}"], transB=trans_b, alpha=alpha if i == 2 else 1.0) for i in range(3)
+    ]
     inits = {}
     for i, w in enumerate(widths):
         inits[f"W{i}"] = rand(w, K) if trans_b else rand(K, w)
@@ -264,7 +267,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.slow
 def test_export_fuses_every_graph_unless_told_not_to_and_verify_holds_it_to_the_folds_tolerance(
-        tmp_path, cli, checkpoint):
+    tmp_path, cli, checkpoint
+):
     from taperfold.verify import verify_export
 
     matmuls = {}
@@ -283,8 +287,10 @@ def test_export_fuses_every_graph_unless_told_not_to_and_verify_holds_it_to_the_
         report = verify_export(out)
         assert report.passed
         matmuls[flag + " rtol"] = {pair.name: pair.tolerance.rtol for pair in report.pairs}
-    assert all(matmuls["--no-fuse-projections"][k] - matmuls["--fuse-projections"][k] == 6
-               for k in matmuls["--fuse-projections"])
+    assert all(
+        matmuls["--no-fuse-projections"][k] - matmuls["--fuse-projections"][k] == 6
+        for k in matmuls["--fuse-projections"]
+    )
     assert matmuls["--fuse-projections rtol"] == matmuls["--no-fuse-projections rtol"]
 
 
@@ -303,8 +309,9 @@ def test_fold_fuses_projections_only_when_asked(tmp_path, cli, checkpoint):
     assert linear_count(ir.load(tmp_path / "plain.onnx")) - linear_count(ir.load(tmp_path / "fused.onnx")) == 6
     table = cli("fold", src, "-o", tmp_path / "fused.onnx", "--fuse-projections")
     # after the fold, q/k/v and gate/up read the residual stream, which the residual Add reads too (left)
-    assert ("projections: 4 group(s) of 10 linear layers fused, linear layers 15 -> 9, 4 reader(s) left"
-            in " ".join(table.stdout.split()))
+    assert "projections: 4 group(s) of 10 linear layers fused, linear layers 15 -> 9, 4 reader(s) left" in " ".join(
+        table.stdout.split()
+    )
     assert "model.layers.0.self_attn.q_proj + model.layers.0.self_attn.k_proj" in table.stdout
 
 
@@ -316,8 +323,9 @@ def torch_variants(arch: str, fuse: bool) -> dict:
     from taperfold.variants import build_variants
 
     model = random_gate0_model("tiny", arch, n_layers=2, max_seq_len=32)
-    return build_variants(checkpoint_from_model(model, step=0), ["baseline", "unfolded", "folded"], torch.float32,
-                          fuse_projections=fuse)
+    return build_variants(
+        checkpoint_from_model(model, step=0), ["baseline", "unfolded", "folded"], torch.float32, fuse_projections=fuse
+    )
 
 
 def fused_modules(model) -> list:
@@ -364,8 +372,9 @@ def test_a_sibling_called_on_a_changed_input_computes_afresh():
 @pytest.mark.parametrize("family", ["llama", "phi"])
 def test_torch_fusion_of_transformers_models_follows_the_family(family):
     pytest.importorskip("transformers")
-    from taperfold.hf.model import HFCausalLM, HFModelInfo
     from fold_models import tiny_model
+
+    from taperfold.hf.model import HFCausalLM, HFModelInfo
     from taperfold.variants import fuse_projections_in_torch
 
     hf = tiny_model(family)
@@ -387,6 +396,7 @@ def test_torch_compile_traces_one_linear_per_group():
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
     counts = {}
     for name, model in (("plain", plain), ("fused", fused)):
+
         def count_linears(gm, example_inputs, name=name):
             counts[name] = sum(node.target is torch._C._nn.linear for node in gm.graph.nodes)
             return gm.forward

@@ -39,33 +39,50 @@ def node(op, inputs, outputs, name=None, **attrs):
 
 
 def model(nodes, inits, inputs=(("x", F32, [2, 8]),), outputs=(("y", F32, None),)):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(*i) for i in inputs],
-                              [helper.make_tensor_value_info(*o) for o in outputs], inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(*i) for i in inputs],
+        [helper.make_tensor_value_info(*o) for o in outputs],
+        inits,
+    )
     return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])
 
 
 def scale_matmul(s=None, w=None, extra=(), **kw):
     """y = Mul(x, s) · W: a constant-scale norm that folds."""
-    return model([node("Mul", ["x", "s"], ["h"], "mul"), node("MatMul", ["h", "W"], ["y"], "mm")],
-                 [s or weight("s", 8), w or weight("W", 8, 4), *extra], **kw)
+    return model(
+        [node("Mul", ["x", "s"], ["h"], "mul"), node("MatMul", ["h", "W"], ["y"], "mm")],
+        [s or weight("s", 8), w or weight("W", 8, 4), *extra],
+        **kw,
+    )
 
 
 def embedding(rows=11, ids_shape=(1, "seq")):
     """y = Mul(Gather(E, input_ids), s) · W."""
-    return model([node("Gather", ["E", "input_ids"], ["e"]), node("Mul", ["e", "s"], ["h"]),
-                  node("MatMul", ["h", "W"], ["y"])], [weight("E", rows, 8), weight("s", 8), weight("W", 8, 4)],
-                 inputs=(("input_ids", I64, list(ids_shape)),))
+    return model(
+        [node("Gather", ["E", "input_ids"], ["e"]), node("Mul", ["e", "s"], ["h"]), node("MatMul", ["h", "W"], ["y"])],
+        [weight("E", rows, 8), weight("s", 8), weight("W", 8, 4)],
+        inputs=(("input_ids", I64, list(ids_shape)),),
+    )
 
 
 def if_model(branch_reads):
     """An If whose then-branch negates `branch_reads` (read from the enclosing graph)."""
-    branch = helper.make_graph([node("Neg", [branch_reads], ["t"], "neg")], "then", [],
-                               [helper.make_tensor_value_info("t", F32, None)])
-    other = helper.make_graph([node("Identity", ["x"], ["e"], "id")], "else", [],
-                              [helper.make_tensor_value_info("e", F32, None)])
-    return model([node("Mul", ["x", "s"], ["h"], "mul"), node("MatMul", ["h", "W"], ["m"], "mm"),
-                  node("If", ["cond"], ["y"], "if", then_branch=branch, else_branch=other)],
-                 [weight("s", 8), weight("W", 8, 8), numpy_helper.from_array(np.array(True), "cond")])
+    branch = helper.make_graph(
+        [node("Neg", [branch_reads], ["t"], "neg")], "then", [], [helper.make_tensor_value_info("t", F32, None)]
+    )
+    other = helper.make_graph(
+        [node("Identity", ["x"], ["e"], "id")], "else", [], [helper.make_tensor_value_info("e", F32, None)]
+    )
+    return model(
+        [
+            node("Mul", ["x", "s"], ["h"], "mul"),
+            node("MatMul", ["h", "W"], ["m"], "mm"),
+            node("If", ["cond"], ["y"], "if", then_branch=branch, else_branch=other),
+        ],
+        [weight("s", 8), weight("W", 8, 8), numpy_helper.from_array(np.array(True), "cond")],
+    )
 
 
 def short_typed():
@@ -76,53 +93,94 @@ def short_typed():
 
 def short_constant():
     const = node("Constant", [], ["W"], "c", value=raw_tensor("W", [8, 4], b"\0" * 40))
-    return model([node("Mul", ["x", "s"], ["h"], "mul"), const, node("MatMul", ["h", "W"], ["y"], "mm")],
-                 [weight("s", 8)])
+    return model(
+        [node("Mul", ["x", "s"], ["h"], "mul"), const, node("MatMul", ["h", "W"], ["y"], "mm")], [weight("s", 8)]
+    )
 
 
 def cyclic():
-    return model([node("Add", ["x", "b"], ["a"], "A"), node("Relu", ["a"], ["b"], "B"),
-                  node("Mul", ["a", "s"], ["h"], "mul"), node("MatMul", ["h", "W"], ["y"], "mm")],
-                 [weight("s", 8), weight("W", 8, 4)])
+    return model(
+        [
+            node("Add", ["x", "b"], ["a"], "A"),
+            node("Relu", ["a"], ["b"], "B"),
+            node("Mul", ["a", "s"], ["h"], "mul"),
+            node("MatMul", ["h", "W"], ["y"], "mm"),
+        ],
+        [weight("s", 8), weight("W", 8, 4)],
+    )
 
 
 W_BYTES = np.ones(16, np.float32).tobytes()  # w.data: 64 bytes
 
 # case -> (the model, the one line's telling part)
 CASES = {
-    "undefined input": (lambda: model([node("Mul", ["x", "nope"], ["h"], "mul"), node("MatMul", ["h", "W"], ["y"])],
-                                      [weight("W", 8, 4)]),
-                        "node 'mul' (Mul) reads 'nope', which no graph input, initializer or node defines"),
-    "undefined in a subgraph": (lambda: if_model("nope"),
-                                "in attribute 'then_branch' of node 'if' (If): node 'neg' (Neg) reads 'nope'"),
-    "undefined output": (lambda: scale_matmul(outputs=(("y", F32, None), ("z", F32, None))),
-                         "graph output 'z' is not defined by any node, input or initializer"),
+    "undefined input": (
+        lambda: model(
+            [node("Mul", ["x", "nope"], ["h"], "mul"), node("MatMul", ["h", "W"], ["y"])], [weight("W", 8, 4)]
+        ),
+        "node 'mul' (Mul) reads 'nope', which no graph input, initializer or node defines",
+    ),
+    "undefined in a subgraph": (
+        lambda: if_model("nope"),
+        "in attribute 'then_branch' of node 'if' (If): node 'neg' (Neg) reads 'nope'",
+    ),
+    "undefined output": (
+        lambda: scale_matmul(outputs=(("y", F32, None), ("z", F32, None))),
+        "graph output 'z' is not defined by any node, input or initializer",
+    ),
     "duplicate initializer": (lambda: scale_matmul(extra=[weight("W", 8, 4)]), "initializer 'W' is defined twice"),
-    "value written twice": (lambda: model([node("Mul", ["x", "s"], ["h"], "mul"), node("Neg", ["x"], ["h"], "neg"),
-                                           node("MatMul", ["h", "W"], ["y"])], [weight("s", 8), weight("W", 8, 4)]),
-                            "value 'h' is written by both node 'mul' (Mul) and node 'neg' (Neg)"),
-    "10^12 elements": (lambda: scale_matmul(w=raw_tensor("W", [10**6, 10**6])),
-                       "initializer 'W' has 0 bytes of data, its shape [1000000, 1000000] of FLOAT needs "
-                       "4000000000000"),
-    "2^42 elements": (lambda: scale_matmul(w=raw_tensor("W", [2**21, 2**21])),
-                      "initializer 'W' claims 4,398,046,511,104 elements (shape [2097152, 2097152])"),
-    "negative dim": (lambda: scale_matmul(w=raw_tensor("W", [-1, 4])),
-                     "initializer 'W' has a negative dimension: shape [-1, 4]"),
-    "unknown data type": (lambda: scale_matmul(w=raw_tensor("W", [8, 4], b"\0" * 128, data_type=99)),
-                          "initializer 'W' has no valid data type (99)"),
-    "short raw data": (lambda: scale_matmul(w=raw_tensor("W", [8, 4], b"\0" * 40)),
-                       "initializer 'W' has 40 bytes of data, its shape [8, 4] of FLOAT needs 128"),
-    "short typed data": (lambda: scale_matmul(w=short_typed()),
-                         "initializer 'W' has 3 values, its shape [8, 4] of FLOAT needs 32"),
+    "value written twice": (
+        lambda: model(
+            [
+                node("Mul", ["x", "s"], ["h"], "mul"),
+                node("Neg", ["x"], ["h"], "neg"),
+                node("MatMul", ["h", "W"], ["y"]),
+            ],
+            [weight("s", 8), weight("W", 8, 4)],
+        ),
+        "value 'h' is written by both node 'mul' (Mul) and node 'neg' (Neg)",
+    ),
+    "10^12 elements": (
+        lambda: scale_matmul(w=raw_tensor("W", [10**6, 10**6])),
+        "initializer 'W' has 0 bytes of data, its shape [1000000, 1000000] of FLOAT needs 4000000000000",
+    ),
+    "2^42 elements": (
+        lambda: scale_matmul(w=raw_tensor("W", [2**21, 2**21])),
+        "initializer 'W' claims 4,398,046,511,104 elements (shape [2097152, 2097152])",
+    ),
+    "negative dim": (
+        lambda: scale_matmul(w=raw_tensor("W", [-1, 4])),
+        "initializer 'W' has a negative dimension: shape [-1, 4]",
+    ),
+    "unknown data type": (
+        lambda: scale_matmul(w=raw_tensor("W", [8, 4], b"\0" * 128, data_type=99)),
+        "initializer 'W' has no valid data type (99)",
+    ),
+    "short raw data": (
+        lambda: scale_matmul(w=raw_tensor("W", [8, 4], b"\0" * 40)),
+        "initializer 'W' has 40 bytes of data, its shape [8, 4] of FLOAT needs 128",
+    ),
+    "short typed data": (
+        lambda: scale_matmul(w=short_typed()),
+        "initializer 'W' has 3 values, its shape [8, 4] of FLOAT needs 32",
+    ),
     "short Constant": (short_constant, "attribute 'value' of node 'c' (Constant) has 40 bytes of data"),
-    "external length short": (lambda: scale_matmul(w=external("W", [8, 4], offset=0, length=40)),
-                              "'w.data' (initializer 'W'): length 40 bytes, its shape [8, 4] of FLOAT needs 128"),
-    "external file short": (lambda: scale_matmul(w=external("W", [8, 4])),
-                            "'w.data' (initializer 'W') is too short: 64 bytes, the model reads up to byte 128"),
-    "external 10^12": (lambda: scale_matmul(w=external("W", [10**6, 10**6])),
-                       "(initializer 'W') is too short: 64 bytes, the model reads up to byte 4000000000000"),
-    "cycle": (cyclic, "nodes form a cycle, each reading the next one's output: node 'A' (Add) -> node 'B' (Relu) "
-                      "-> node 'A' (Add)"),
+    "external length short": (
+        lambda: scale_matmul(w=external("W", [8, 4], offset=0, length=40)),
+        "'w.data' (initializer 'W'): length 40 bytes, its shape [8, 4] of FLOAT needs 128",
+    ),
+    "external file short": (
+        lambda: scale_matmul(w=external("W", [8, 4])),
+        "'w.data' (initializer 'W') is too short: 64 bytes, the model reads up to byte 128",
+    ),
+    "external 10^12": (
+        lambda: scale_matmul(w=external("W", [10**6, 10**6])),
+        "(initializer 'W') is too short: 64 bytes, the model reads up to byte 4000000000000",
+    ),
+    "cycle": (
+        cyclic,
+        "nodes form a cycle, each reading the next one's output: node 'A' (Add) -> node 'B' (Relu) -> node 'A' (Add)",
+    ),
 }
 
 
@@ -172,12 +230,19 @@ class TestMalformedOnnx:
 
         const = node("Constant", [], ["W"], "c", value=external("W", [4, 4], length="abc"))
         cases = {
-            "init.onnx": (scale_matmul(w=external("W", [4, 4], offset="abc", length=64)),
-                          "'w.data' (initializer 'W'): offset and length must be integers, got 'abc', '64'"),
-            "const.onnx": (model([node("Mul", ["x", "s"], ["h"], "mul"), const, node("MatMul", ["h", "W"], ["y"])],
-                                 [weight("s", 4)], inputs=(("x", F32, [2, 4]),)),
-                           "'w.data' (attribute 'value' of node 'c' (Constant)): offset and length must be "
-                           "integers, got None, 'abc'"),
+            "init.onnx": (
+                scale_matmul(w=external("W", [4, 4], offset="abc", length=64)),
+                "'w.data' (initializer 'W'): offset and length must be integers, got 'abc', '64'",
+            ),
+            "const.onnx": (
+                model(
+                    [node("Mul", ["x", "s"], ["h"], "mul"), const, node("MatMul", ["h", "W"], ["y"])],
+                    [weight("s", 4)],
+                    inputs=(("x", F32, [2, 4]),),
+                ),
+                "'w.data' (attribute 'value' of node 'c' (Constant)): offset and length must be "
+                "integers, got None, 'abc'",
+            ),
         }
         for name, (proto, message) in cases.items():
             src = save(proto, tmp_path, name)
@@ -187,26 +252,37 @@ class TestMalformedOnnx:
                 with open_runners({"m": ENGINES["ort"].runner(src, device="cpu")}):
                     pass
 
-    @pytest.mark.parametrize("shapes, message", [
-        ("input_ids:1x0", "--shapes: 'input_ids:1x0' has a 0 dimension"),
-        ("input_ids:1x1000000000000", "--shapes: 'input_ids:1x1000000000000' is more than 2,147,483,648 (2^31)"),
-        ("input_ids:65536x65536", "--shapes: 'input_ids:65536x65536' is more than 2,147,483,648 (2^31)"),
-        ("input_ids:1x" + "9" * 5000, "is more than 2,147,483,648 (2^31) elements"),
-        ("input_ids:1x4,input_ids:1x8", "--shapes: 'input_ids' is given twice"),
-    ], ids=["0 dim", "10^12 dim", "2^32 elements", "5000 digits", "twice"])
-    def test_verify_shapes_that_cannot_be_generated_are_refused_before_any_work(self, tmp_path, cli, shapes,
-                                                                                message):
+    @pytest.mark.parametrize(
+        "shapes, message",
+        [
+            ("input_ids:1x0", "--shapes: 'input_ids:1x0' has a 0 dimension"),
+            ("input_ids:1x1000000000000", "--shapes: 'input_ids:1x1000000000000' is more than 2,147,483,648 (2^31)"),
+            ("input_ids:65536x65536", "--shapes: 'input_ids:65536x65536' is more than 2,147,483,648 (2^31)"),
+            ("input_ids:1x" + "9" * 5000, "is more than 2,147,483,648 (2^31) elements"),
+            ("input_ids:1x4,input_ids:1x8", "--shapes: 'input_ids' is given twice"),
+        ],
+        ids=["0 dim", "10^12 dim", "2^32 elements", "5000 digits", "twice"],
+    )
+    def test_verify_shapes_that_cannot_be_generated_are_refused_before_any_work(self, tmp_path, cli, shapes, message):
         src = save(embedding(), tmp_path)
         assert_refused(cli, src, tmp_path / "out.onnx", message, "--verify", "--shapes", shapes, names_file=False)
 
-    @pytest.mark.parametrize("build, message", [
-        (lambda: scale_matmul(inputs=(("x", F32, [10**12, 8]),)),
-         "input 'x' would be 8,000,000,000,000 elements in the graph's static shape ([1000000000000, 8]), more than "
-         "the 2,147,483,648 (2^31)"),
-        (lambda: scale_matmul(inputs=(("x", F32, [0, 8]),)),
-         "input 'x' has a 0 dimension in the graph's static shape ([0, 8])"),
-        (lambda: embedding(rows=0, ids_shape=(1, 4)), "input 'input_ids' indexes a table of 0 rows"),
-    ], ids=["10^12 static dim", "0 static dim", "0-row table"])
+    @pytest.mark.parametrize(
+        "build, message",
+        [
+            (
+                lambda: scale_matmul(inputs=(("x", F32, [10**12, 8]),)),
+                "input 'x' would be 8,000,000,000,000 elements in the graph's static shape ([1000000000000, 8]), more than "
+                "the 2,147,483,648 (2^31)",
+            ),
+            (
+                lambda: scale_matmul(inputs=(("x", F32, [0, 8]),)),
+                "input 'x' has a 0 dimension in the graph's static shape ([0, 8])",
+            ),
+            (lambda: embedding(rows=0, ids_shape=(1, 4)), "input 'input_ids' indexes a table of 0 rows"),
+        ],
+        ids=["10^12 static dim", "0 static dim", "0-row table"],
+    )
     def test_verify_refuses_an_input_it_cannot_generate_before_allocating(self, tmp_path, cli, build, message):
         from taperfold.passes.check_fold import check_inputs
 

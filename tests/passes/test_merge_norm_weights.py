@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from _graphs import D, F32, N, RMS_CONSTS, X, build, n, ops, rand, real_rms_model, rel_err, rms_real, run, x3
+from _graphs import F32, RMS_CONSTS, D, N, X, build, n, ops, rand, real_rms_model, rel_err, rms_real, run, x3
 
 from taperfold.passes import FoldReport, MergeNormWeightsPass, NormStatus
 
@@ -22,8 +22,12 @@ def test_decomposed_real_norm_gain_merges_and_the_normalization_stays():
 
 
 def test_fused_layer_norm_gain_and_bias_merge_into_the_readers():
-    model = build([n("LayerNormalization", ["x", "g", "b"], ["h"], axis=-1), n("MatMul", ["h", "W"], ["y"])],
-                  [X], [("y", F32, [2, 3, N])], {"g": rand(D), "b": rand(D), "W": rand(D, N)})
+    model = build(
+        [n("LayerNormalization", ["x", "g", "b"], ["h"], axis=-1), n("MatMul", ["h", "W"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, N])],
+        {"g": rand(D), "b": rand(D), "W": rand(D, N)},
+    )
     feeds = x3()
     before = run(model, feeds)
     report = FoldReport()
@@ -36,8 +40,12 @@ def test_fused_layer_norm_gain_and_bias_merge_into_the_readers():
 
 
 def test_a_real_norm_read_by_a_residual_is_reported_with_the_reason():
-    model = build([*rms_real(), n("MatMul", ["h", "W"], ["a"]), n("Add", ["h", "a"], ["y"])],
-                  [X], [("y", F32, [2, 3, D])], {**RMS_CONSTS, "g": rand(D), "W": rand(D, D)})
+    model = build(
+        [*rms_real(), n("MatMul", ["h", "W"], ["a"]), n("Add", ["h", "a"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, D])],
+        {**RMS_CONSTS, "g": rand(D), "W": rand(D, D)},
+    )
     report = FoldReport()
     MergeNormWeightsPass(report)(model)
     (entry,) = report.norms
@@ -47,10 +55,22 @@ def test_a_real_norm_read_by_a_residual_is_reported_with_the_reason():
 def test_a_skip_norm_merges_its_scale_not_its_residual_input():
     """ONNX Runtime's SkipLayerNormalization(x, skip, gamma, beta): the scale and bias are inputs 2 and 3 (input 1
     is the residual); the output the residual path reads on (x + skip) keeps flowing unchanged."""
-    model = build([n("SkipLayerNormalization", ["x", "r", "g", "b"], ["h", "", "", "sum"], domain="com.microsoft",
-                     epsilon=1e-5),
-                   n("MatMul", ["h", "W"], ["q"]), n("Add", ["q", "sum"], ["y"])],
-                  [X, ("r", F32, [2, 3, D])], [("y", F32, [2, 3, D])], {"g": rand(D), "b": rand(D), "W": rand(D, D)})
+    model = build(
+        [
+            n(
+                "SkipLayerNormalization",
+                ["x", "r", "g", "b"],
+                ["h", "", "", "sum"],
+                domain="com.microsoft",
+                epsilon=1e-5,
+            ),
+            n("MatMul", ["h", "W"], ["q"]),
+            n("Add", ["q", "sum"], ["y"]),
+        ],
+        [X, ("r", F32, [2, 3, D])],
+        [("y", F32, [2, 3, D])],
+        {"g": rand(D), "b": rand(D), "W": rand(D, D)},
+    )
     feeds = {"x": rand(2, 3, D), "r": rand(2, 3, D)}
     before = run(model, feeds)
     report = FoldReport()

@@ -8,7 +8,7 @@ import json
 
 import onnx_ir as ir
 import pytest
-from _graphs import D, F32, RMS_CONSTS, X, build, n, rand, rms_real, serialized
+from _graphs import F32, RMS_CONSTS, D, X, build, n, rand, rms_real, serialized
 
 from taperfold.errors import TaperfoldError
 from taperfold.passes import FoldReport, NormStatus, ObserveNormsPass
@@ -17,8 +17,12 @@ from taperfold.passes.report import FusedGroup, LeftReader, ProjectionReport
 
 def two_norms():
     """A real RMSNorm, then a constant-scale norm read by a residual Add (kept)."""
-    return build([*rms_real(), n("MatMul", ["h", "W"], ["a"]), n("Mul", ["a", "w2"], ["b"]), n("Add", ["a", "b"], ["y"])],
-                 [X], [("y", F32, [2, 3, D])], {**RMS_CONSTS, "g": rand(D), "W": rand(D, D), "w2": rand(D)})
+    return build(
+        [*rms_real(), n("MatMul", ["h", "W"], ["a"]), n("Mul", ["a", "w2"], ["b"]), n("Add", ["a", "b"], ["y"])],
+        [X],
+        [("y", F32, [2, 3, D])],
+        {**RMS_CONSTS, "g": rand(D), "W": rand(D, D), "w2": rand(D)},
+    )
 
 
 def test_observe_records_every_norm_in_graph_order_and_changes_nothing():
@@ -50,16 +54,35 @@ def test_the_summary_counts_each_status_and_the_report_round_trips_as_json():
 
 
 def test_a_synthetic_report_with_projections_round_trips():
-    report = FoldReport(nodes_before=20, nodes_after=12, constants_folded=2, constants_left=["big"],
-                        check_input="passed", check_output="passed", source="in.onnx", output="out.onnx")
+    report = FoldReport(
+        nodes_before=20,
+        nodes_after=12,
+        constants_folded=2,
+        constants_left=["big"],
+        check_input="passed",
+        check_output="passed",
+        source="in.onnx",
+        output="out.onnx",
+    )
     report.entry("model.norm", "rms", NormStatus.FOLDED).consumers.append("q")
     report.projections = ProjectionReport(
         groups=[FusedGroup("h", ["q", "k"], ["attn.q", ""], "qk", [8, 4], bias=True, bytes_written=384)],
-        left=[LeftReader("h", "add", "not a linear layer")], linear_before=3, linear_after=2)
+        left=[LeftReader("h", "add", "not a linear layer")],
+        linear_before=3,
+        linear_after=2,
+    )
     data = report.to_json()
     assert (data["format"], data["format_version"]) == ("taperfold-fold-report", 1)
-    assert list(data) == ["format", "format_version", "source", "output", "summary", "constants_left", "norms",
-                          "projections"]
+    assert list(data) == [
+        "format",
+        "format_version",
+        "source",
+        "output",
+        "summary",
+        "constants_left",
+        "norms",
+        "projections",
+    ]
     again = FoldReport.from_json(json.loads(json.dumps(data)), "r.json")
     assert again == report and again.to_json() == data
 
@@ -112,17 +135,28 @@ def test_the_manifests_fold_report_reads_back(tiny_export):
         assert report.to_json() == data and report.count(NormStatus.FOLDED) == data["summary"]["folded"] > 0
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(format_version=2), "key 'format_version' is 2; this taperfold reads taperfold-fold-report "
-                                           "version 1"),
-    (lambda d: d.update(format="taperfold-bench"), "not a taperfold-fold-report report (key 'format' is "
-                                                   "'taperfold-bench')"),
-    (lambda d: d["norms"][0].update(status="gone"), "key 'norms[0].status' must be one of folded, kept, "
-                                                    "not_foldable, real_norm, weights_merged, got 'gone'"),
-    (lambda d: d["summary"].pop("nodes_after"), "missing key 'summary.nodes_after'"),
-    (lambda d: d["projections"]["groups"][0].update(widths=[8, "4"]),
-     "key 'projections.groups[0].widths' must be a list of integers, got a list"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda d: d.update(format_version=2),
+            "key 'format_version' is 2; this taperfold reads taperfold-fold-report version 1",
+        ),
+        (
+            lambda d: d.update(format="taperfold-bench"),
+            "not a taperfold-fold-report report (key 'format' is 'taperfold-bench')",
+        ),
+        (
+            lambda d: d["norms"][0].update(status="gone"),
+            "key 'norms[0].status' must be one of folded, kept, not_foldable, real_norm, weights_merged, got 'gone'",
+        ),
+        (lambda d: d["summary"].pop("nodes_after"), "missing key 'summary.nodes_after'"),
+        (
+            lambda d: d["projections"]["groups"][0].update(widths=[8, "4"]),
+            "key 'projections.groups[0].widths' must be a list of integers, got a list",
+        ),
+    ],
+)
 def test_a_bad_or_newer_fold_report_is_refused_in_one_line(edit, message):
     report = FoldReport(nodes_before=3, nodes_after=2)
     report.entry("norm", "rms", NormStatus.FOLDED)

@@ -43,14 +43,25 @@ def test_a_layernorms_centred_map_and_shift_become_layer_normalization(shifted):
     c, weight_tilde, gain, beta = 1.3, rand(D), rand(D), rand(D)
     scale = (c * weight_tilde).astype(np.float32)
     weight = rand(D, N)
-    nodes = [n("ReduceMean", ["x", "axes"], ["mean"], keepdims=1), n("Sub", ["x", "mean"], ["centred"]),
-             n("Mul", ["centred", "s"], ["scaled"]), n("Add", ["scaled", "b"], ["h"]), n("MatMul", ["h", "W"], ["y"])]
-    model = build(nodes, [X], [("y", F32, [2, 3, N])],
-                  {"axes": np.array([-1]), "s": scale, "b": beta, "W": weight})
+    nodes = [
+        n("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+        n("Sub", ["x", "mean"], ["centred"]),
+        n("Mul", ["centred", "s"], ["scaled"]),
+        n("Add", ["scaled", "b"], ["h"]),
+        n("MatMul", ["h", "W"], ["y"]),
+    ]
+    model = build(nodes, [X], [("y", F32, [2, 3, N])], {"axes": np.array([-1]), "s": scale, "b": beta, "W": weight})
     (name,) = [candidate.name for candidate in detect_norms(model).candidates]
     real_beta = rand(D) if shifted else None
-    norm = RealNorm(True, gain.astype(np.float64), real_beta if real_beta is None else real_beta.astype(np.float64),
-                    EPS, scale.astype(np.float64), beta.astype(np.float64), CLASSES)
+    norm = RealNorm(
+        True,
+        gain.astype(np.float64),
+        real_beta if real_beta is None else real_beta.astype(np.float64),
+        EPS,
+        scale.astype(np.float64),
+        beta.astype(np.float64),
+        CLASSES,
+    )
     RestoreNormsPass({name: norm})(model)
     assert ops(model) == {"LayerNormalization": 1, "MatMul": 1}, ops(model)
     feeds = x3()
