@@ -394,7 +394,7 @@ def test_signal_during_export_removes_temporaries(work, signum, code):
     _wait_for_temporary(work, proc)
     time.sleep(0.5)  # inside torch.onnx.export by now
     proc.send_signal(signum)
-    out, err = proc.communicate(timeout=HANG_S)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == code, err
     assert "Traceback" not in err and "interrupted" in err, err
     assert snapshot(work) == before  # no out/, no .out.*.tmp/

@@ -84,5 +84,5 @@ def test_hitting_the_recompile_limit_is_one_error_not_eager(variants):
 
 
 def test_bad_compile_mode_is_refused(variants):
-    with pytest.raises(TaperfoldError, match="torch.compile mode must be one of"):
+    with pytest.raises(TaperfoldError, match=r"torch\.compile mode must be one of"):
         TorchRunner(variants["folded"], compile=True, compile_mode="fast")

@@ -5,8 +5,8 @@ ONNX model: the export's unfolded graph), `plain-dir` (a plain tiny Llama), `cor
 deployment guide, `tiny.safetensors` and `tapered/` (a tapered tiny Hugging Face Llama).
 `./scripts/demo` and `./scripts/test` are left out: tests/test_demo.py runs the demo, and this is the suite.
 Training runs the steps the docs print; this module is the slowest of the suite (about three minutes on a quiet
-2-core machine, 20 under load), one class per document so that they can run on three workers. A command is limited only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not
-wrong."""
+2-core machine, 20 under load), one class per document so that they can run on three workers. A command is limited
+only by conftest.HANG_S, a guard against a hang: a loaded machine is slow, not wrong."""
 
 import os
 import re
@@ -120,8 +120,7 @@ def claims_hold(printed: list[str], out: str) -> list[str]:
             run = next((a for a in actual if a.startswith("fold: ")), "")
             missing += [f"fold: ... {kv} ..." for kv in said if kv not in run.removeprefix("fold: ").split(", ")]
         elif re.match(r"^\S+: \w+.*parameters", line):  # inspect's first line, up to the validation loss
-            if not any(a.startswith(line.split(", val loss")[0]) for a in actual):
-                missing.append(line)
+            missing += [line] if not any(a.startswith(line.split(", val loss")[0]) for a in actual) else []
     return missing
 
 

@@ -47,7 +47,7 @@ def registries():
 
 
 def test_the_example_family_is_named_nowhere_in_the_package():
-    sources = [p for p in (ROOT / "taperfold").rglob("*.py")]
+    sources = list((ROOT / "taperfold").rglob("*.py"))
     assert sources and not [p for p in sources if "gptj" in p.read_text().lower()]
 
 
@@ -220,7 +220,7 @@ def test_a_wrong_family_is_refused_in_one_line_before_anything_is_tapered(intern
 
 
 def test_the_example_artifact_kind_is_named_nowhere_in_the_package():
-    sources = [p for p in (ROOT / "taperfold").rglob("*.py")]
+    sources = list((ROOT / "taperfold").rglob("*.py"))
     assert sources and not [p for p in sources if "model-card" in p.read_text() or "ModelCard" in p.read_text()]
 
 

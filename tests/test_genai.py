@@ -339,7 +339,7 @@ def test_builder_route_quantizes_with_the_builders_own_int4(builder_export, tmp_
     from taperfold.compare import QUANTIZED_TOLERANCES
     from taperfold.verify import verify_export
 
-    out, model = builder_export
+    out, _ = builder_export
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
     from taperfold.artifacts.genai_folder import GenaiRequest

@@ -1,19 +1,22 @@
 """CUDA paths: torch on CUDA (timing, CUDA graphs, torch.compile), ONNX Runtime's CUDA execution provider (IOBinding,
 CUDA graphs), `verify --device cuda`, and `bench --cuda-graph` end to end.
 
-Tests marked `gpu` run on a machine with a CUDA device (see ../shared/gpu/README.md beside the repository: `python -m pytest -m gpu`)
-and skip elsewhere, saying why. The rest check on the CPU what can be checked without a GPU: option validation,
-how CUDA-graph rows are paired with eager rows and labelled (a fake runner), error lines, `python -m taperfold`.
+Tests marked `gpu` run on a machine with a CUDA device (see ../shared/gpu/README.md beside the repository:
+`python -m pytest -m gpu`) and skip elsewhere, saying why. The rest check on the CPU what can be checked without a
+GPU: option validation, how CUDA-graph rows are paired with eager rows and labelled (a fake runner), error lines,
+`python -m taperfold`.
 """
 
 import copy
 import csv
+import itertools
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -171,14 +174,14 @@ class CallClock:
 class FakeRunner(Runner):
     """Deterministic 'latencies' per variant and execution, and a logged capture per new shape in graph mode."""
 
-    MS = {("baseline", False): 2.0, ("folded", False): 1.0, ("baseline", True): 1.0, ("folded", True): 0.8}
+    MS: ClassVar = {("baseline", False): 2.0, ("folded", False): 1.0, ("baseline", True): 1.0, ("folded", True): 0.8}
 
     def __init__(self, variant: str, cuda_graph: bool, vocab: int):
         super().__init__(f"fake {variant}", "cuda")
         self.variant, self.cuda_graph, self.vocab = variant, cuda_graph, vocab
         self._inputs, self._outputs = ["input_ids"], ["logits"]
         self._specs = {"input_ids": InputSpec(rank=2, floating=False)}
-        self.setup_log = []
+        self.setup_log: list = []
         self._captured = set()
         self.launched = 0
 
@@ -252,7 +255,7 @@ def test_cuda_graph_rows_sit_next_to_eager_rows_and_say_so(fake_engine, tmp_path
         report = run_bench(loaded)
     rows = {(r.label, r.seq): r for r in report.results}
     assert len(rows) == 8 and report.cuda_graph and report.executions == ["eager", "cuda-graph"]
-    for (label, seq), r in rows.items():
+    for (label, _seq), r in rows.items():
         graph = label.endswith("(cuda graph)")
         assert r.execution == ("cuda-graph" if graph else "eager")
         assert r.variant == label.split(" ")[0]
@@ -308,7 +311,7 @@ def test_torch_cuda_graph_replays_new_inputs_of_a_shape(tiny_source):
         assert runner.execution == "cuda-graph"
         for seed in (0, 1):  # the second set is copied into the static input and replayed
             ids = _ids(model.cfg.vocab_size, (1, 32), seed)
-            out, seconds = runner.timed_run(runner.prepare({"input_ids": ids}))
+            out, _ = runner.timed_run(runner.prepare({"input_ids": ids}))
             np.testing.assert_allclose(runner.to_numpy(out["logits"]), _cpu_logits(model, ids), rtol=1e-3, atol=1e-4)
         assert [kind for kind, _, _ in runner.setup_log] == ["capture"]
         runner.timed_run(runner.prepare({"input_ids": _ids(model.cfg.vocab_size, (4, 16))}))
@@ -563,7 +566,7 @@ def test_graph_bookkeeping_decode_chains_steps_without_copies(tiny_source):
             np.testing.assert_allclose(gen.last_logits, expected.last_logits, rtol=1e-5, atol=1e-6)
         assert len(runner.setup_log) == 5  # prompt + 4 step shapes, captured in the first generation only
         graphs = list(runner._graphs.values())
-        for before, after in zip(graphs, graphs[1:]):  # each step reads the previous step's presents in place
+        for before, after in itertools.pairwise(graphs):  # each step reads the previous step's presents in place
             assert all(
                 after.inputs[f"past_key_values.{i}.key"] is before.outputs[f"present.{i}.key"]
                 for i in range(model.cfg.n_layers)
@@ -619,5 +622,5 @@ def test_ort_slot_bookkeeping_decode_chains_steps(tiny_export):
         assert len(runner.setup_log) == 5  # the prompt and 4 step shapes, each with its own graph id
         slots = list(runner._slots.values())
         assert [s.run_options.get_run_config_entry("gpu_graph_id") for s in slots] == ["1", "2", "3", "4", "5"]
-        for before, after in zip(slots, slots[1:]):  # each step's cache inputs are the previous step's outputs
+        for before, after in itertools.pairwise(slots):  # each step's cache inputs are the previous step's outputs
             assert after.inputs["past_key_values.0.key"] is before.outputs["present.0.key"]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # each family trains and exports a model
 from hf_models import FAMILIES, tapered_tiny_model, tiny_config  # noqa: E402
 
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
-from taperfold.exportdir import GROWING
+from taperfold.exportdir import GROWING  # noqa: E402
 from taperfold.families import family_for  # noqa: E402
 from taperfold.hf import load_hf_directory, save_hf_directory, taper_model  # noqa: E402
 from taperfold.hf.training import TaperHook, train_hf_directory, trainer_callback  # noqa: E402

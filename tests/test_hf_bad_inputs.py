@@ -193,7 +193,7 @@ ALIASES = [
 class TestHuggingFaceDirectories:
     # ---- the config: types and ranges, before anything is built -----------------------------------------
 
-    @pytest.mark.parametrize("value", INT_VALUES + ["past the bound"], ids=repr)
+    @pytest.mark.parametrize("value", [*INT_VALUES, "past the bound"], ids=repr)
     @pytest.mark.parametrize("key", INT_KEYS)
     def test_integer_config_key(self, cli, tmp_path, copy_of, monkeypatch, key, value):
         folder = copy_of("llama-plain")
@@ -203,7 +203,7 @@ class TestHuggingFaceDirectories:
         _write_config(folder, config)
         _refused(cli, tmp_path, folder, folder / "config.json", key, "must be", monkeypatch=monkeypatch)
 
-    @pytest.mark.parametrize("value", FLOAT_VALUES + ["past the bound"], ids=repr)
+    @pytest.mark.parametrize("value", [*FLOAT_VALUES, "past the bound"], ids=repr)
     @pytest.mark.parametrize("key", FLOAT_KEYS)
     def test_float_config_key(self, cli, tmp_path, copy_of, monkeypatch, key, value):
         folder = copy_of("llama-plain")
@@ -512,7 +512,7 @@ def test_a_conversion_joining_named_tensors_is_no_expert_stack():
     )
     origin["model.layers.0.attention.q_conv1d.weight"] = "model.safetensors"
     twice = ["model.layers.0.attention.q_conv1d.weight", "model.layers.0.self_attn.q_conv1d.weight"]
-    with pytest.raises(TaperfoldError, match="both hold 'q_conv1d.weight'") as e:
+    with pytest.raises(TaperfoldError, match=r"both hold 'q_conv1d\.weight'") as e:
         _check_expert_indices({"q_conv1d.weight": twice}, origin)
     assert str(e.value).startswith("model.safetensors: keys 'model.layers.0.attention.q_conv1d.weight' and")
 

@@ -22,7 +22,7 @@ from hf_models import FAMILIES, UNLISTED, tiny_config  # noqa: E402
 
 from taperfold.families import family_for, is_registered  # noqa: E402
 from taperfold.families.serialize import family_from_data, family_to_data  # noqa: E402
-from taperfold.hf import (
+from taperfold.hf import (  # noqa: E402
     taper_model,
     trace,
 )
@@ -38,7 +38,8 @@ def _model(name, seed=0):
 
 
 def _as_sets(readers: dict) -> dict:
-    """Each norm's readers in any order (the traced family lists them as the forward runs them): a fold rewrites each."""
+    """Each norm's readers in any order (the traced family lists them as the forward runs them): a fold rewrites
+    each."""
     return {norm: set(paths) for norm, paths in readers.items()}
 
 

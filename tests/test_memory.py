@@ -1,5 +1,6 @@
 """Memory: a model built from a checkpoint holds the checkpoint's tensors (no copy), bench's variants hold one copy of
-the weights between them plus the folded layers, and verify opens one model at a time. The peak of each command on a multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
+the weights between them plus the folded layers, and verify opens one model at a time. The peak of each command on a
+multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
 
 import pytest
 import torch

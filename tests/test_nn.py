@@ -1,5 +1,6 @@
 """TaperNorm / TaperLN against the paper's formulas (eq. 3–7, A.6, Prop. 4.3)."""
 
+import itertools
 import math
 
 import pytest
@@ -105,7 +106,7 @@ def test_gate_schedule_boundaries():
     assert 0.0 < s(29) < 0.01
     assert s(30) == 0.0 and s(1000) == 0.0
     values = [s(k) for k in range(40)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
     with pytest.raises(ValueError):
         GateSchedule(5, 5)
 

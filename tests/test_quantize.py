@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -108,7 +109,7 @@ def test_on_a_text_verify_holds_the_quantized_decoders_to_the_checkpoints_perple
     from taperfold.verify import verify_export
 
     text = tmp_path / "held-out.txt"
-    text.write_bytes((open(__file__, "rb").read() * 2)[:600])
+    text.write_bytes((Path(__file__).read_bytes() * 2)[:600])
     report = verify_export(quantized_export, threads=1, text=text)
     decoders = [
         p for p in report.pairs if ".decoder" in p.candidate and p.tolerance is not None and p.tolerance.rtol is None

@@ -82,7 +82,7 @@ def test_build_without_tensorrt_raises(no_tensorrt, tmp_path):
 def test_tensorrt_without_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
     monkeypatch.setattr(trt_support, "gpu", lambda: None)
-    with pytest.raises(TaperfoldError, match="^no CUDA GPU found: TensorRT engines need an NVIDIA GPU$"):
+    with pytest.raises(TaperfoldError, match=r"^no CUDA GPU found: TensorRT engines need an NVIDIA GPU$"):
         trt_support.require_tensorrt()
 
 
@@ -291,7 +291,7 @@ def test_tensorrt_11_without_the_deprecated_flag(monkeypatch, export_dir):
 
 def test_tensorrt_10_without_strong_typing_is_refused(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.0.0", strongly_typed_flag=False))
-    with pytest.raises(TaperfoldError, match="TensorRT 10.0.0 is too old: taperfold needs TensorRT 10 or 11"):
+    with pytest.raises(TaperfoldError, match=r"TensorRT 10\.0\.0 is too old: taperfold needs TensorRT 10 or 11"):
         tftrt.build_engine_for_export(export_dir)
 
 
@@ -341,7 +341,7 @@ def test_external_data_outside_the_folder_is_refused_before_tensorrt_reads_it(mo
 
 def test_failed_build_leaves_no_plan(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("11.0.0", plan=None))
-    with pytest.raises(TaperfoldError, match="model.onnx: TensorRT could not build an engine"):
+    with pytest.raises(TaperfoldError, match=r"model\.onnx: TensorRT could not build an engine"):
         tftrt.build_engine_for_export(export_dir)
     assert not (export_dir / "model.plan").exists()
     assert "folded.plan" not in json.loads((export_dir / "manifest.json").read_text())["artifacts"]
@@ -368,7 +368,7 @@ def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir)
 
 def test_unknown_variant_and_missing_engine(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3"))
-    with pytest.raises(TaperfoldError, match="no ONNX model for variant 'folded.decoder'"):
+    with pytest.raises(TaperfoldError, match=r"no ONNX model for variant 'folded\.decoder'"):
         tftrt.build_engine_for_export(export_dir, variants=("folded.decoder",))
     with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.baseline\.plan'"):
         read_manifest(export_dir).artifact("baseline", kind="tensorrt-plan")

@@ -127,7 +127,8 @@ def test_perplexity_bound_holds_quantized_pairs_scored_on_enough_tokens():
 
     int4 = default_tolerance("int4", "export")
     worse = Metrics(rows=1, max_abs=0, max_rel=0, mean_abs=0, cosine=1, top1=1, decisive_rows=1, top1_decisive=1,
-                    top5=1, kl=0, scored=MIN_SCORED_TOKENS, nll_reference=2.0, nll_candidate=2.0 + np.log(1.2))  # fmt: skip
+                    top5=1, kl=0, scored=MIN_SCORED_TOKENS, nll_reference=2.0,
+                    nll_candidate=2.0 + np.log(1.2))  # fmt: skip
     assert violations(worse, int4) == [f"perplexity x1.2 > x{int4.max_ppl_ratio:g}"]
     assert violations(worse, int4.override(max_ppl_ratio=1.25)) == []
     few = Metrics(**{**worse.to_dict(), "scored": MIN_SCORED_TOKENS - 1})

@@ -581,7 +581,7 @@ def _ln_into_stacks(x_shape=(2, 3, D)):
 
 def test_a_shift_into_a_stack_of_matrices_becomes_a_bias_per_matrix():
     model = _ln_into_stacks()
-    report, before, after = fold_checked(model, {**x3(), "ids": np.array([3, 0, 2, 2, 1, 3])})
+    report, before, _after = fold_checked(model, {**x3(), "ids": np.array([3, 0, 2, 2, 1, 3])})
     (entry,) = report.norms
     assert entry.status == NormStatus.FOLDED, entry.reason
     counts = ops(model)

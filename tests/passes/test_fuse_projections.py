@@ -341,9 +341,9 @@ def test_torch_variants_run_each_group_as_one_layer(arch):
     for name, model in fused.items():
         groups = fused_modules(model)
         assert len(groups) == (2 * 2 if arch == "llama" else 0), name  # gpt2's c_attn is one layer already
-        calls = []
+        calls: list = []
         for group in groups:
-            group.register_forward_hook(lambda module, args, out: calls.append(module))
+            group.register_forward_hook(lambda module, args, out, calls=calls: calls.append(module))
         with torch.no_grad():
             expected, got = plain[name](ids, logits="all"), model(ids, logits="all")
         assert float((got - expected).abs().max() / expected.abs().max()) <= TOL

@@ -248,9 +248,11 @@ class TestMalformedOnnx:
             src = save(proto, tmp_path, name)
             assert_refused(cli, src, tmp_path / "out.onnx", message)
             assert_refused(cli, src, tmp_path / "out.onnx", message, "--verify")
-            with pytest.raises(TaperfoldError, match="offset and length must be integers"):  # verify and bench
-                with open_runners({"m": ENGINES["ort"].runner(src, device="cpu")}):
-                    pass
+            with (
+                pytest.raises(TaperfoldError, match="offset and length must be integers"),  # verify and bench
+                open_runners({"m": ENGINES["ort"].runner(src, device="cpu")}),
+            ):
+                pass
 
     @pytest.mark.parametrize(
         "shapes, message",
@@ -272,8 +274,8 @@ class TestMalformedOnnx:
         [
             (
                 lambda: scale_matmul(inputs=(("x", F32, [10**12, 8]),)),
-                "input 'x' would be 8,000,000,000,000 elements in the graph's static shape ([1000000000000, 8]), more than "
-                "the 2,147,483,648 (2^31)",
+                "input 'x' would be 8,000,000,000,000 elements in the graph's static shape ([1000000000000, 8]), "
+                "more than the 2,147,483,648 (2^31)",
             ),
             (
                 lambda: scale_matmul(inputs=(("x", F32, [0, 8]),)),
