@@ -74,9 +74,9 @@ def test_runner_without_tensorrt_raises_the_same_line(no_tensorrt):
         TrtRunner("model.plan")
 
 
-def test_build_without_tensorrt_raises(no_tensorrt, tmp_path):
+def test_build_without_tensorrt_raises(no_tensorrt, export_dir):
     with pytest.raises(TaperfoldError, match="tensorrt is not installed"):
-        tftrt.build_engine_for_export(tmp_path)
+        build_engines(export_dir)
 
 
 def test_tensorrt_without_gpu(monkeypatch):
@@ -218,6 +218,13 @@ def _onnx_model():
     return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20)])
 
 
+def build_engines(out_dir, variants=("folded",), profile=None, on_stage=lambda stage: None):
+    """The engines of `variants` built into an export folder through its manifest, as docs/tensorrt.md prints it."""
+    manifest = read_manifest(out_dir)
+    manifest.build("tensorrt-plan", tftrt.TensorrtRequest(tuple(variants), profile), on_stage)
+    return manifest
+
+
 @pytest.fixture
 def export_dir(tmp_path, monkeypatch):
     import onnx
@@ -250,7 +257,7 @@ def use(monkeypatch, mod):
 @pytest.mark.parametrize("version, flags", [("10.13.3.9", 1 << 1), ("11.0.0.1", 0)])
 def test_build_call_sequence(monkeypatch, export_dir, version, flags):
     trt = use(monkeypatch, fake_tensorrt(version))
-    manifest = tftrt.build_engine_for_export(export_dir, on_stage=lambda s: None)
+    manifest = build_engines(export_dir, on_stage=lambda s: None)
     names = [c[0] for c in trt.calls]
     assert names == [
         "Logger",
@@ -285,23 +292,23 @@ def test_build_call_sequence(monkeypatch, export_dir, version, flags):
 
 def test_tensorrt_11_without_the_deprecated_flag(monkeypatch, export_dir):
     trt = use(monkeypatch, fake_tensorrt("11.4.1", strongly_typed_flag=False))
-    tftrt.build_engine_for_export(export_dir)
+    build_engines(export_dir)
     assert ("create_network", 0) in trt.calls
 
 
 def test_tensorrt_10_without_strong_typing_is_refused(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.0.0", strongly_typed_flag=False))
     with pytest.raises(TaperfoldError, match=r"TensorRT 10\.0\.0 is too old: taperfold needs TensorRT 10 or 11"):
-        tftrt.build_engine_for_export(export_dir)
+        build_engines(export_dir)
 
 
 def test_timing_cache_reused_and_mismatch_replaced(monkeypatch, export_dir):
     trt = use(monkeypatch, fake_tensorrt("10.13.3"))
     (export_dir / "trt.timing-cache").write_bytes(b"OLD")
-    tftrt.build_engine_for_export(export_dir)
+    build_engines(export_dir)
     assert ("create_timing_cache", b"OLD") in trt.calls
     trt = use(monkeypatch, fake_tensorrt("10.13.3", cache_ok=False))  # e.g. a cache from another GPU
-    tftrt.build_engine_for_export(export_dir)
+    build_engines(export_dir)
     assert [c for c in trt.calls if c[0] == "set_timing_cache"] == [
         ("set_timing_cache", b"CACHE", False),
         ("set_timing_cache", b"", False),
@@ -311,7 +318,7 @@ def test_timing_cache_reused_and_mismatch_replaced(monkeypatch, export_dir):
 def test_parser_error_is_one_line_naming_the_file(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3", parse_ok=False))
     with pytest.raises(TaperfoldError) as e:
-        tftrt.build_engine_for_export(export_dir)
+        build_engines(export_dir)
     assert str(e.value) == (
         f"{export_dir / 'model.onnx'}: TensorRT cannot parse it: node 7: "
         "Unsupported operator RMSNormalization (and 1 more); TensorRT 10.13.3 is older than "
@@ -321,7 +328,7 @@ def test_parser_error_is_one_line_naming_the_file(monkeypatch, export_dir):
     assert not (export_dir / "model.plan").exists()
     use(monkeypatch, fake_tensorrt("10.15.1", parse_ok=False))
     with pytest.raises(TaperfoldError, match=r"\(and 1 more\)$"):  # new enough: the parser's word alone
-        tftrt.build_engine_for_export(export_dir)
+        build_engines(export_dir)
 
 
 def test_external_data_outside_the_folder_is_refused_before_tensorrt_reads_it(monkeypatch, export_dir):
@@ -335,21 +342,21 @@ def test_external_data_outside_the_folder_is_refused_before_tensorrt_reads_it(mo
     onnx.save(model, export_dir / "model.onnx")
     trt = use(monkeypatch, fake_tensorrt("10.15.1"))
     with pytest.raises(TaperfoldError, match=r"model\.onnx.*outside"):
-        tftrt.build_engine_for_export(export_dir)
+        build_engines(export_dir)
     assert not any(c[0] == "parse_from_file" for c in trt.calls) and not (export_dir / "model.plan").exists()
 
 
 def test_failed_build_leaves_no_plan(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("11.0.0", plan=None))
     with pytest.raises(TaperfoldError, match=r"model\.onnx: TensorRT could not build an engine"):
-        tftrt.build_engine_for_export(export_dir)
+        build_engines(export_dir)
     assert not (export_dir / "model.plan").exists()
     assert "folded.plan" not in json.loads((export_dir / "manifest.json").read_text())["artifacts"]
 
 
 def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3"))
-    tftrt.build_engine_for_export(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
+    build_engines(export_dir, profile=tftrt.make_profile(64, batch="1/2/4"))
     trt = use(monkeypatch, fake_tensorrt("10.13.3"))
     paths = tftrt.ensure_engines(read_manifest(export_dir), ["baseline", "unfolded", "folded"])
     assert paths == {
@@ -369,7 +376,7 @@ def test_bench_engines_share_the_profile_and_build_once(monkeypatch, export_dir)
 def test_unknown_variant_and_missing_engine(monkeypatch, export_dir):
     use(monkeypatch, fake_tensorrt("10.13.3"))
     with pytest.raises(TaperfoldError, match=r"no ONNX model for variant 'folded\.decoder'"):
-        tftrt.build_engine_for_export(export_dir, variants=("folded.decoder",))
+        build_engines(export_dir, variants=("folded.decoder",))
     with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.baseline\.plan'"):
         read_manifest(export_dir).artifact("baseline", kind="tensorrt-plan")
 

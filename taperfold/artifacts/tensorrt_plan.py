@@ -23,7 +23,6 @@ from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Expor
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path, check_inside
-from taperfold.manifest import Manifest, read_manifest
 from taperfold.onnx_files import check_onnx_file
 from taperfold.opsets import TRT_MIN_VERSION
 
@@ -265,6 +264,7 @@ class TensorrtPlan(ArtifactKind):
     ) -> list[ArtifactRecord]:
         """The engines `request` asks for, one timing cache (`trt.timing-cache`) shared by all builds in the
         folder."""
+        trt_support.require_tensorrt()  # before the profile is read: built from Python, no check_request ran
         variants = [ALIASES.get(v, v) for v in request.variants]
         profile = request.profile
         if profile is None and (request.batch or request.sequence):
@@ -342,17 +342,6 @@ class TensorrtPlan(ArtifactKind):
 
 TENSORRT = TensorrtPlan()
 register_kind(TENSORRT)
-
-
-def build_engine_for_export(
-    out_dir, variants=(FOLDED,), profile: Profile | None = None, on_stage: Callable[[str], None] = lambda s: None
-) -> Manifest:
-    """Build the engines of `variants` from an export folder, record them in its manifest.json (artifacts
-    `VARIANT.plan`) and return the manifest."""
-    trt_support.require_tensorrt()
-    manifest = read_manifest(out_dir)
-    manifest.build(TENSORRT_PLAN, TensorrtRequest(tuple(variants), profile), on_stage)
-    return manifest
 
 
 # ---- engines for bench and verify --------------------------------------------------------------------
