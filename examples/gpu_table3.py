@@ -123,9 +123,10 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
 
     from taperfold.artifacts.onnx_graph import ONNX_GRAPH
     from taperfold.checkpoint import load_checkpoint
-    from taperfold.export import ExportOptions, export_to_ir
+    from taperfold.export import ExportOptions
     from taperfold.exportdir import GRAPHS, NONORM, STATIC, torch_dtype
     from taperfold.manifest import read_manifest
+    from taperfold.tracing import export_to_ir
     from taperfold.variants import without_norms
 
     manifest = read_manifest(export_dir)

@@ -15,12 +15,13 @@ from conftest import one_line
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
-from taperfold.export import ExportOptions, export_checkpoint, export_to_ir, trace_lengths
+from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import GROWING
 from taperfold.fsutil import sha256_file
 from taperfold.models import build_model, preset_config
 from taperfold.nn import TaperLN
 from taperfold.passes import FuseProjectionsPass
+from taperfold.tracing import export_to_ir, trace_lengths
 from taperfold.train import TrainOptions, train
 from taperfold.variants import fold_in_torch
 
@@ -284,11 +285,9 @@ class _BranchesOnLength(torch.nn.Module):
 
 
 def test_a_graph_traced_for_one_sequence_length_is_refused_in_one_line():
-    import taperfold.export as export
-
     model = build_model(preset_config("tiny", n_layers=1)).eval()
     with pytest.raises(TaperfoldError) as refused:
-        export.export_to_ir(_BranchesOnLength(model), ExportOptions())
+        export_to_ir(_BranchesOnLength(model), ExportOptions())
     message = str(refused.value)
     assert "\n" not in message and "fixed the sequence length of 'input_ids' to" in message
     assert "the graph would take that length only" in message

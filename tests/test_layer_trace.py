@@ -124,7 +124,7 @@ def test_few_layers_are_traced_each(tmp_path):
 def test_a_trace_whose_layers_differ_is_refused_and_left_as_it_was(tmp_path):
     import onnx_ir as ir
 
-    from taperfold.export import export_to_ir
+    from taperfold.tracing import export_to_ir
 
     _, model = _model("llama", tmp_path)
     few, layers = few_layer_model(model, "hf.model.layers")
@@ -144,8 +144,8 @@ def test_a_constant_made_from_a_weight_other_than_by_adding_a_number_is_refused(
 
     import onnx_ir as ir
 
-    from taperfold.export import export_to_ir
     from taperfold.passes.stamp_layers import FOLDED_FROM
+    from taperfold.tracing import export_to_ir
 
     _, model = _model("gemma", tmp_path)
     few, layers = few_layer_model(model, "hf.model.layers")

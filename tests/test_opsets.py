@@ -16,13 +16,14 @@ from conftest import run_cli
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
-from taperfold.export import TRACE_PAST, TRACE_SHAPE, ExportOptions, export_checkpoint
+from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import ALL_VARIANTS, GROWING, PREFILL, STATIC
 from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
 from taperfold.norms.rms import HandWrittenRMSNorm
 from taperfold.opsets import TABLE, TRT_MIN_VERSION, choose_opset
 from taperfold.passes.fuse_norm import match_rms_norm
+from taperfold.tracing import TRACE_PAST, TRACE_SHAPE
 from taperfold.variants import build_variants
 from taperfold.verify import decode_cases, random_inputs, verify_export
 

@@ -36,7 +36,7 @@ def test_a_swallowed_interrupt_leaves_no_exception_ignored_noise(tiny_checkpoint
     script = textwrap.dedent(f"""
         import signal, sys
         import onnx_ir
-        import taperfold.export
+        import taperfold.tracing
 
         class Finalizer:
             def __del__(self):
@@ -46,7 +46,7 @@ def test_a_swallowed_interrupt_leaves_no_exception_ignored_noise(tiny_checkpoint
             Finalizer()
             return onnx_ir.load({str(tiny_export / "unfolded.onnx")!r})
 
-        taperfold.export.export_to_ir = export_to_ir
+        taperfold.tracing.export_to_ir = export_to_ir
         sys.argv = ["taperfold", "export", {str(tiny_checkpoint)!r}, "-o", {str(tmp_path / "out")!r}, "--no-baseline"]
         from taperfold.cli import main
         main()

@@ -9,7 +9,7 @@
 OpenVINO reads taperfold's ONNX decoders as they are, but runs their attention as MatMul and Softmax and takes the
 whole cache in and out at every step (docs/benchmarks.md, "OpenVINO against optimum-intel"). This kind converts the
 variant's torch model instead, as optimum-intel does for the untapered one: torch.export of the same decoder the
-ONNX export traces (taperfold.export.trace_call), `openvino.convert_model`, whose PyTorch frontend keeps
+ONNX export traces (taperfold.tracing.trace_call), `openvino.convert_model`, whose PyTorch frontend keeps
 scaled_dot_product_attention as one ScaledDotProductAttention op, then the form the CPU plugin's stateful attention
 fusion matches:
 
@@ -404,7 +404,7 @@ def _exported_decoder(model: TaperedLM, origin: str):
     plain MatMul and Softmax attention where its fused form fails to trace."""
     import torch
 
-    from taperfold.export import ExportOptions, trace_call
+    from taperfold.tracing import ExportOptions, trace_call
 
     call = trace_call(model, ExportOptions(dtype=DTYPE), GROWING)
 

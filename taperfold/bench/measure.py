@@ -20,7 +20,6 @@ from taperfold.bench.stats import summarize
 from taperfold.engines import ENGINES, Engine, check_options, engine, open_runners
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
-from taperfold.export import MAX_EXPORT_BATCH
 from taperfold.exportdir import (
     ALL_VARIANTS,
     BASELINE,
@@ -38,6 +37,7 @@ from taperfold.exportdir import (
 from taperfold.models import ModelConfig
 from taperfold.runners.base import PIPELINED, SYNCED, Runner
 from taperfold.taper import ModelShape
+from taperfold.tracing import MAX_EXPORT_BATCH
 from taperfold.variants import build_variants, fused_group_count
 
 

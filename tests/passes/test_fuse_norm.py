@@ -160,8 +160,9 @@ def exported_baseline():
     """A 2-layer llama with plain RMSNorm, exported at opset 20: the decomposed Reciprocal form."""
     import torch
 
-    from taperfold.export import ExportOptions, export_to_ir
+    from taperfold.export import ExportOptions
     from taperfold.models import baseline_of, random_gate0_model
+    from taperfold.tracing import export_to_ir
 
     model = baseline_of(random_gate0_model("tiny", "llama", n_layers=2, max_seq_len=32))
     with torch.no_grad():  # random norm weights, so a fused op that dropped them would show

@@ -20,10 +20,11 @@ import torch
 from _graphs import F32, build, n, rand, rel_err, run, serialized
 from torch import nn
 
-from taperfold.export import ExportOptions, export_to_ir
+from taperfold.export import ExportOptions
 from taperfold.families import family_for
 from taperfold.models import random_gate0_model
 from taperfold.passes import FuseProjectionsPass, ProjectionReport, fold_model, load_model, save_model
+from taperfold.tracing import export_to_ir
 
 TOL = 1e-6  # fp32: see the module docstring
 

@@ -90,8 +90,9 @@ def test_a_synthetic_report_with_projections_round_trips():
 @pytest.fixture(scope="module")
 def llama_unfolded(tmp_path_factory):
     """taperfold's tiny llama at g = 0 as the torch exporter writes it: tapered norms, sibling projections unfused."""
-    from taperfold.export import ExportOptions, export_to_ir
+    from taperfold.export import ExportOptions
     from taperfold.models import random_gate0_model
+    from taperfold.tracing import export_to_ir
 
     path = tmp_path_factory.mktemp("llama") / "unfolded.onnx"
     model = random_gate0_model("tiny", "llama", n_layers=2, max_seq_len=32)
