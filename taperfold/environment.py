@@ -6,6 +6,12 @@ import importlib.metadata
 import os
 import platform
 
+
+def install_hint(extra: str) -> str:
+    """How taperfold's optional dependency `extra` (pyproject.toml's optional-dependencies) is installed."""
+    return f"pip install 'taperfold[{extra}]'"
+
+
 # What a result depends on: the exporter, the runtimes (both ONNX Runtime builds: whichever is installed shows)
 PACKAGES = (
     "taperfold",

@@ -74,7 +74,7 @@ def quantize_graph(source: Path, dest: Path, quantization: Quantization) -> dict
     import onnx_ir as ir
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from taperfold.passes.onnx_io import save_model
+    from taperfold.onnx_io import save_model
 
     model = onnx.load(str(source))
     _gemms_as_matmuls(model)

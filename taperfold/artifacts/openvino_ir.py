@@ -59,6 +59,7 @@ from taperfold.artifacts.base import (
     Option,
     tokenizer_files,
 )
+from taperfold.environment import install_hint
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant
 from taperfold.fsutil import atomic_dir
@@ -169,10 +170,8 @@ class OpenVinoIR(ArtifactKind):
         )
 
     def check_request(self, request: OpenvinoRequest, export: ExportRequest) -> None:
-        from taperfold.runners.openvino import INSTALL
-
         if importlib.util.find_spec("openvino") is None:  # before the export's work
-            raise TaperfoldError(f"--openvino: openvino is not installed ({INSTALL})")
+            raise TaperfoldError(f"--openvino: openvino is not installed ({install_hint('openvino')})")
         if export.dtype != DTYPE:
             raise TaperfoldError(f"--openvino: the stateful IR is made from an fp32 export, not {export.dtype}")
         _compressions(request)
@@ -262,8 +261,6 @@ def folder_name(variant: str, precision: str) -> str:
 def _compressions(request: OpenvinoRequest) -> list[WeightCompression]:
     """The compressed forms a build request names (its precisions beside fp32, its group size); one line naming what
     is wrong, or NNCF missing."""
-    from taperfold.runners.openvino import INSTALL
-
     unknown = [p for p in request.precisions if p not in (DTYPE, *COMPRESSED)]
     if unknown:
         raise TaperfoldError(f"--openvino: the stateful IR is {DTYPE}, int8 or int4, not {unknown[0]}")
@@ -273,7 +270,8 @@ def _compressions(request: OpenvinoRequest) -> list[WeightCompression]:
     wanted = [WeightCompression(p, group_size) for p in request.precisions if p in COMPRESSED]
     if wanted and importlib.util.find_spec("nncf") is None:
         raise TaperfoldError(
-            f"--openvino --quantize: NNCF compresses OpenVINO's weights and is not installed ({INSTALL})"
+            "--openvino --quantize: NNCF compresses OpenVINO's weights and is not installed "
+            f"({install_hint('openvino')})"
         )
     return wanted
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from taperfold.fsutil import write_json_atomic
+from taperfold.onnx_io import load_model, save_model
 from taperfold.passes.cleanup import CleanupPass, check
 from taperfold.passes.constants import FoldConstantsPass
 from taperfold.passes.detect import NormAnalysis, detect_norms
@@ -28,7 +29,6 @@ from taperfold.passes.fold_producer import FoldIntoProducerPass
 from taperfold.passes.fold_readers import FoldIntoReadersPass
 from taperfold.passes.fuse_projections import FuseProjectionsPass
 from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
-from taperfold.passes.onnx_io import load_model, save_model
 from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass, ProjectionReport
 
 __all__ = [

@@ -168,7 +168,7 @@ def feed_shapes(
 def check_inputs(src: str | os.PathLike, shapes: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
     """`feed_shapes` of the model at `src` (checked as every load is): what `fold --verify` calls before it
     writes anything, so that inputs it cannot generate fail first."""
-    from taperfold.passes.onnx_io import load_model
+    from taperfold.onnx_io import load_model
 
     return feed_shapes(load_model(src), shapes or {}, src)
 
@@ -248,7 +248,7 @@ def check_fold(
     """Run `src` and `dst` on the same generated inputs and compare every output; errors call the folded model
     `folded_name` (the path it will have: `dst` may be its temporary)."""
     from taperfold.engines import ENGINES, open_runners
-    from taperfold.passes.onnx_io import load_model
+    from taperfold.onnx_io import load_model
 
     feeds = make_feeds(load_model(src), shapes or {}, seed, source=src)
     ort = ENGINES["ort"]

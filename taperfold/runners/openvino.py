@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from taperfold.environment import install_hint
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.runners.base import InputSpec, Runner
 
-INSTALL = "pip install 'taperfold[openvino]'"
+INSTALL = install_hint("openvino")
 
 
 def openvino(engine: str = "openvino"):

@@ -11,9 +11,9 @@ import torch
 from fold_models import export, norm_modules, tiny_model
 from torch import nn
 
+from taperfold.onnx_io import load_model
 from taperfold.passes import NormStatus, detect_norms, fold_onnx_file
 from taperfold.passes.check_fold import check_fold
-from taperfold.passes.onnx_io import load_model
 
 pytest.importorskip("transformers")
 
