@@ -512,45 +512,105 @@ def _layer_of(path: str, model: nn.Module) -> _InLayer | None:
 
 def traced_family(config, where: str = "model") -> Family:
     """The family of transformers' own model for `config`, found by tracing it (see the module docstring)."""
+    model_type = config.model_type
+
+    def refuse(why: str) -> TaperfoldError:
+        return _refuse(where, model_type, why)
+
+    model, head_path = _meta_model(config, refuse)
+    candidates = [name for name, module in model.named_modules() if is_norm_module(module)]
+    behaviour = {name: measure_norm(model.get_submodule(name), config) for name in candidates}
+    kinds = {name: b.kind for name, b in behaviour.items() if b.kind is not None}  # the norms measured, in order
+    # why each norm that does not fold is left untapered, filled in by each step below
+    why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if name not in kinds}
+    try:
+        program = _trace(model, list(kinds), config)
+    except Exception as e:  # noqa: BLE001 - torch.export raises many types for code it cannot take
+        raise refuse(f"torch.export cannot trace it ({type(e).__name__}: {first_line(e)})") from None
+    targets = _fold_targets(program, model, behaviour, kinds, why)
+
+    final = next((name for name, rs in targets.readers.items() if rs == [head_path]), None)
+    if final is None:
+        raise refuse(f"no norm is read by the head ({head_path}) alone")
+    kind, offset = kinds[final], behaviour[final].gain_offset
+    if offset and not norm_kind(kind).gain_offset_allowed:
+        raise refuse(
+            f"its norms compute a {norm_kind(kind).title} with gain 1 + γ, which "
+            f"taperfold's tapered {norm_kind(kind).title} does not"
+        )
+    for name in [*targets.readers, *targets.producers]:
+        if kinds[name] != kind:  # a gain of its own (1 + γ or γ) the norm keeps (Qwen3-Next's gated norm: γ)
+            why[name] = f"a {norm_kind(kinds[name]).title}, while the final norm is a {norm_kind(kind).title}"
+    placed = [name for name in [*targets.readers, *targets.producers] if name not in why and name != final]
+
+    layers = _layer_of(placed[0], model) if placed else None
+    if layers is None:
+        raise refuse("no norm inside its decoder layers folds into a linear layer")
+    per_layer = _per_layer_folds(model, placed, layers.layers, targets, behaviour, why)
+    folds = _shared_folds(model, per_layer.folds, layers, why)
+    if not folds.internal and not folds.post and not folds.layer_readers and not folds.layer_producers:
+        raise refuse("no norm folds alike in every decoder layer that has it")
+    kept = set(folds.internal) | set(folds.post) | folds.placed_somewhere
+    own = _eps_of(model.get_submodule(final), config)[1]
+    return Family(
+        name=model_type,
+        model_types=(model_type,),
+        norm=kind,
+        layers=layers.layers,
+        internal=folds.internal,
+        final=final,
+        post=folds.post,
+        head=head_path,
+        gain_offset=offset,
+        untapered=_untapered(model, why, layers.layers),
+        norm_eps=None if own else behaviour[final].eps,
+        traced=True,
+        layer_readers=folds.layer_readers,
+        layer_producers=folds.layer_producers,
+        gated={relative: gating for relative, gating in per_layer.gated.items() if relative in kept},
+        heads=folds.joined,
+        gain_offsets={
+            relative: gain for relative, gain in per_layer.offsets.items() if gain != offset and relative in kept
+        },
+    )
+
+
+def _meta_model(config, refuse) -> tuple[nn.Module, str]:
+    """transformers' own causal LM for `config`, built on the meta device in the form export runs, and its head's
+    module path."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = config.model_type
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise _refuse(where, model_type, "transformers has no causal LM class for it")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise refuse("transformers has no causal LM class for it")
     try:
         with torch.device("meta"):
             model = exportable(AutoModelForCausalLM.from_config(config).eval())  # MoE experts as export runs them
     except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for a config they refuse
-        raise _refuse(where, model_type, f"transformers cannot build it ({first_line(e)})") from None
+        raise refuse(f"transformers cannot build it ({first_line(e)})") from None
     head = model.get_output_embeddings()
     head_path = next((name for name, module in model.named_modules() if module is head), None) if head else None
     if head_path is None:
-        raise _refuse(where, model_type, "the model has no output embeddings (head)")
+        raise refuse("the model has no output embeddings (head)")
+    return model, head_path
 
-    candidates = [name for name, module in model.named_modules() if is_norm_module(module)]
-    behaviour = {name: measure_norm(model.get_submodule(name), config) for name in candidates}
-    kinds = {name: b.kind for name, b in behaviour.items() if b.kind is not None}  # the norms measured, in order
-    measured = list(kinds)
-    try:
-        program = _trace(model, measured, config)
-    except Exception as e:  # noqa: BLE001 - torch.export raises many types for code it cannot take
-        raise _refuse(
-            where, model_type, f"torch.export cannot trace it ({type(e).__name__}: {first_line(e)})"
-        ) from None
+
+class _FoldTargets(NamedTuple):
+    readers: dict[str, list[str]]  # a norm that folds forwards -> the linear layers reading it
+    producers: dict[str, str]  # a norm that folds backwards -> the linear layer it reads
+    heads: dict[str, int]  # a norm applied per head -> the heads its readers join
+
+
+def _fold_targets(program, model: nn.Module, behaviour, kinds: dict, why: dict[str, str]) -> _FoldTargets:
+    """Where each measured norm folds in the traced graph: into the linear layers reading it, else into the one it
+    reads; `why` gets the reason for each that folds into neither."""
     graph = _Graph(program, model)
     signatures = {entry.fqn: entry.signature for entry in program.module_call_graph if entry.signature}
-
-    why: dict[str, str] = {name: behaviour[name].why_not for name in candidates if name not in kinds}
-    readers: dict[str, list[str]] = {}
-    producers: dict[str, str] = {}
-    heads: dict[str, int] = {}  # a norm applied per head -> the heads its readers join
-    for name in measured:
+    targets = _FoldTargets({}, {}, {})
+    for name in kinds:
         signature = signatures.get(name)
         arguments = (1, 2) if behaviour[name].gating else (1,)  # a gated norm: its input and its gate input
-        if (
-            signature is None
-        ):  # a multimodal model's vision tower, a branch for longer inputs (DeepSeek-V4's compressor)
+        if signature is None:  # a multimodal model's vision tower, a branch for longer inputs (DeepSeek-V4's)
             why[name] = f"not called by a text-only forward of {TRACE_TOKENS} tokens"
             continue
         if len(signature.inputs) not in arguments or len(signature.outputs) != 1:
@@ -558,69 +618,80 @@ def traced_family(config, where: str = "model") -> Family:
             continue
         norm_input = graph.nodes.get(signature.inputs[0].name)
         output = graph.nodes.get(signature.outputs[0].name)
-        linears, others, heads[name] = graph.readers(output, rows_scale=not norm_kind(kinds[name]).shift)
+        linears, others, targets.heads[name] = graph.readers(output, rows_scale=not norm_kind(kinds[name]).shift)
         if linears and not others:
-            readers[name] = linears
+            targets.readers[name] = linears
             continue
         split = [o for o in others if "per-head" in o or o.startswith("attention")]
         producer = graph.producer(norm_input, name) if norm_input is not None and not split else None
         if producer is not None:
-            producers[name] = producer
+            targets.producers[name] = producer
         else:
             read_by = " and ".join(others[:3]) if others else "nothing"
             why[name] = f"its output is read by {read_by}, not only by linear layers" + (
                 "" if split or norm_input is None else ", and its input is not one linear layer's output alone"
             )
+    return targets
 
-    final = next((name for name, rs in readers.items() if rs == [head_path]), None)
-    if final is None:
-        raise _refuse(where, model_type, f"no norm is read by the head ({head_path}) alone")
-    kind, offset = kinds[final], behaviour[final].gain_offset
-    if offset and not norm_kind(kind).gain_offset_allowed:
-        raise _refuse(
-            where,
-            model_type,
-            f"its norms compute a {norm_kind(kind).title} with gain 1 + γ, which "
-            f"taperfold's tapered {norm_kind(kind).title} does not",
-        )
-    for name in [*readers, *producers]:
-        if kinds[name] != kind:  # a gain of its own (1 + γ or γ) the norm keeps (Qwen3-Next's gated norm: γ)
-            why[name] = f"a {norm_kind(kinds[name]).title}, while the final norm is a {norm_kind(kind).title}"
-    placed = [name for name in [*readers, *producers] if name not in why and name != final]
 
-    layers = _layer_of(placed[0], model) if placed else None
-    if layers is None:
-        raise _refuse(where, model_type, "no norm inside its decoder layers folds into a linear layer")
-    layers_path, n_layers = layers.layers, layers.size
-    per_norm: dict[str, dict[int, tuple]] = defaultdict(dict)  # path in a layer -> layer -> how it folds
-    gated: dict[str, Gating] = {}  # path in a layer -> how that gated norm applies its gate input
-    offsets: dict[str, float] = {}  # path in a layer -> its gain offset
+class _PerLayer(NamedTuple):
+    folds: dict[str, dict[int, tuple]]  # path in a layer -> layer -> (forwards, targets in the layer, heads joined)
+    gated: dict[str, Gating]  # path in a layer -> how that gated norm applies its gate input
+    offsets: dict[str, float]  # path in a layer -> its gain offset
+
+
+def _per_layer_folds(
+    model: nn.Module, placed: list[str], layers_path: str, targets: _FoldTargets, behaviour, why: dict[str, str]
+) -> _PerLayer:
+    """How each norm that folds does so in each decoder layer, its targets named within the layer; `why` gets the
+    reason for each that folds outside its layer or unlike itself in other layers."""
+    found = _PerLayer(defaultdict(dict), {}, {})
     for name in placed:
         where_in = _layer_of(name, model)
         if where_in is None or where_in.layers != layers_path:
             why[name] = f"outside the decoder layers ({layers_path})"
             continue
         prefix = f"{layers_path}.{where_in.layer}."
-        targets = readers.get(name) or [producers[name]]
-        if not all(t.startswith(prefix) for t in targets):
-            why[name] = f"it folds into {', '.join(targets)}, outside its own layer"
+        into = targets.readers.get(name) or [targets.producers[name]]
+        if not all(t.startswith(prefix) for t in into):
+            why[name] = f"it folds into {', '.join(into)}, outside its own layer"
             continue
-        if (gating := behaviour[name].gating) is not None and gated.setdefault(where_in.inner, gating) != gating:
+        gating = behaviour[name].gating
+        if gating is not None and found.gated.setdefault(where_in.inner, gating) != gating:
             why[name] = "a gated norm whose gate input is applied differently in another layer"
             continue
-        if offsets.setdefault(where_in.inner, behaviour[name].gain_offset) != behaviour[name].gain_offset:
+        if found.offsets.setdefault(where_in.inner, behaviour[name].gain_offset) != behaviour[name].gain_offset:
             why[name] = "its gain is 1 + γ in some layers and γ in others"
             continue
-        per_norm[where_in.inner][where_in.layer] = (
-            name in readers,
-            tuple(t[len(prefix) :] for t in targets),
-            heads.get(name, 1) if name in readers else 1,
+        found.folds[where_in.inner][where_in.layer] = (
+            name in targets.readers,
+            tuple(t[len(prefix) :] for t in into),
+            targets.heads.get(name, 1) if name in targets.readers else 1,
         )
-    internal: dict[str, tuple[str, ...]] = {}
-    post: dict[str, str] = {}
-    layer_readers: dict[int, dict[str, tuple[str, ...]]] = defaultdict(dict)
-    layer_producers: dict[int, dict[str, str]] = defaultdict(dict)
-    joined: dict[str, int] = {}  # a per-head norm in a layer -> the heads its readers join
+    return found
+
+
+@dataclass
+class _SharedFolds:
+    internal: dict[str, tuple[str, ...]]  # a norm in every layer -> the readers it folds into, forwards
+    post: dict[str, str]  # a norm in every layer -> the linear layer it folds into, backwards
+    layer_readers: dict[int, dict[str, tuple[str, ...]]]  # a layer whose fold differs -> its own, forwards
+    layer_producers: dict[int, dict[str, str]]  # ... and backwards
+    joined: dict[str, int]  # a per-head norm in a layer -> the heads its readers join
+
+    @property
+    def placed_somewhere(self) -> set[str]:
+        """The norms that fold in some layers by a fold of their own."""
+        forwards = {relative for by_norm in self.layer_readers.values() for relative in by_norm}
+        return forwards | {relative for by_norm in self.layer_producers.values() for relative in by_norm}
+
+
+def _shared_folds(model: nn.Module, per_norm: dict[str, dict[int, tuple]], layers: _InLayer, why) -> _SharedFolds:
+    """The folds of each norm as the family lists them: the one most layers share, and each layer's own where it
+    differs (a dense MLP where the others route to experts; a post-norm after attention where other layers read it
+    before their MLP); `why` gets the reason for each norm whose readers differ between layers in other ways."""
+    layers_path, n_layers = layers.layers, layers.size
+    folds = _SharedFolds({}, {}, defaultdict(dict), defaultdict(dict), {})
     for relative, by_layer in per_norm.items():
         everywhere = len(by_layer) == n_layers
         # a norm of some layers only (a hybrid's linear-attention or Mamba layers) folds where it is
@@ -630,69 +701,40 @@ def traced_family(config, where: str = "model") -> Family:
         elif not everywhere and sorted(by_layer) != where_it_is:
             reason = "it folds in some layers only"
         else:
-            # the fold most layers share in `internal` or `post`; a layer whose fold differs (a dense MLP where the
-            # others route to experts; a post-norm after attention where other layers read it before their MLP)
-            # has its own
             common = Counter((forwards, targets) for forwards, targets, _ in by_layer.values()).most_common(1)[0][0]
             if everywhere:
                 forwards, targets = common
                 if forwards:
-                    internal[relative] = targets
+                    folds.internal[relative] = targets
                 else:
-                    post[relative] = targets[0]
+                    folds.post[relative] = targets[0]
             for index, (forwards, targets, _) in by_layer.items():
                 if everywhere and (forwards, targets) == common:
                     continue
                 if forwards:
-                    layer_readers[index][relative] = targets
+                    folds.layer_readers[index][relative] = targets
                 else:
-                    layer_producers[index][relative] = targets[0]
+                    folds.layer_producers[index][relative] = targets[0]
             if (heads_joined := next(iter(by_layer.values()))[2]) > 1:
-                joined[relative] = heads_joined
+                folds.joined[relative] = heads_joined
             continue
         for index in range(n_layers):
             why[f"{layers_path}.{index}.{relative}"] = reason
-    if not internal and not post and not layer_readers and not layer_producers:
-        raise _refuse(where, model_type, "no norm folds alike in every decoder layer that has it")
-    placed_somewhere = {relative for by_norm in layer_readers.values() for relative in by_norm} | {
-        relative for by_norm in layer_producers.values() for relative in by_norm
-    }
+    folds.layer_readers, folds.layer_producers = dict(folds.layer_readers), dict(folds.layer_producers)
+    return folds
+
+
+def _untapered(model: nn.Module, why: dict[str, str], layers_path: str) -> dict[str, str]:
+    """The family's untapered norms: one reason for a norm inside the decoder layers, said of it in every layer, and
+    each other norm by its own path."""
     untapered: dict[str, str] = {}
     for name, reason in why.items():
         in_layer = _layer_of(name, model)
-        if in_layer is not None and in_layer.layers == layers_path:  # one reason for the norm in every layer
+        if in_layer is not None and in_layer.layers == layers_path:
             untapered.setdefault(in_layer.inner, _within_layer(reason, f"{layers_path}.{in_layer.layer}"))
         else:
             untapered[name] = reason
-    own = _eps_of(model.get_submodule(final), config)[1]
-    eps = behaviour[final].eps
-    return Family(
-        name=model_type,
-        model_types=(model_type,),
-        norm=kind,
-        layers=layers_path,
-        internal=internal,
-        final=final,
-        post=post,
-        head=head_path,
-        gain_offset=offset,
-        untapered=untapered,
-        norm_eps=None if own else eps,
-        traced=True,
-        layer_readers=dict(layer_readers),
-        layer_producers=dict(layer_producers),
-        gated={
-            relative: gating
-            for relative, gating in gated.items()
-            if relative in internal or relative in post or relative in placed_somewhere
-        },
-        heads=joined,
-        gain_offsets={
-            relative: own
-            for relative, own in offsets.items()
-            if own != offset and (relative in internal or relative in post or relative in placed_somewhere)
-        },
-    )
+    return untapered
 
 
 def _within_layer(reason: str, layer: str) -> str:
