@@ -235,8 +235,8 @@ def test_a_window_in_the_config_that_no_layer_uses_gives_builder_folders_that_de
     """SmolLM3 with `sliding_window` set and use_sliding_window false (every layer full attention): onnxruntime-genai's
     builder still wrote a `sliding_window` section listing no layer, which genai reads as every layer, and the folders
     failed in GroupQueryAttention once the past passed the window. The route drops the section (the graph's attention
-    has no window), the folders decode past the window; a folder that has the section back is one line before
-    onnxruntime-genai reads it."""
+    has no window), the folders decode past the window, and so does bench's contender, the builder's own folder of the
+    plain model; a folder that has the section back is one line before onnxruntime-genai reads it."""
     pytest.importorskip("onnxruntime_genai")
     import json
 
@@ -258,6 +258,14 @@ def test_a_window_in_the_config_that_no_layer_uses_gives_builder_folders_that_de
     (pair,) = [p for p in report.pairs if p.name == "checkpoint -> folded.decoder.genai"]
     prompts = {int(row["input"].split("x")[1].split("+")[0]) for row in pair.per_input}
     assert max(prompts) > WINDOW, prompts  # genai's decode steps there attend past the window
+    # the builder's own folder of the plain model, bench's contender, is made so too: timed past the window
+    args = ("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder",
+            "--variants", "folded", "--batch", "1", "--prompt", str(WINDOW + 2), "--new-tokens", "3", "--warmup", "1",
+            "--iters", "1", "--rounds", "1", "--threads", "1")  # fmt: skip
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    contender = json.loads((tmp_path / "out" / "against" / "genai-builder-fp32" / "genai_config.json").read_text())
+    assert "sliding_window" not in contender["model"]["decoder"]
     config["model"]["decoder"]["sliding_window"] = {"window_size": WINDOW, "layers": []}
     (folder / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(TaperfoldError, match=r"keeps every layer.s .* cache as a window of 8 tokens.* has no window"):

@@ -81,13 +81,9 @@ def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Te
             f"({tapered.cfg.max_seq_len}), and the builder's folders of such a model fail in onnxruntime-genai once "
             "the past passes the window",
         )
-    no_rope = [i for i, rope in enumerate(getattr(tapered.network.config, "no_rope_layers", None) or []) if not rope]
-    if no_rope:  # SmolLM3's NoPE layers: the builder gives them a RotaryEmbedding of position_ids its graph lacks
-        raise NotBuildable(
-            origin,
-            f"layer {no_rope[0]} has no rotary embedding (NoPE), and onnxruntime-genai's builder fails on such a "
-            "layer (it reads position_ids its graph does not have)",
-        )
+    no_rope = nope_layers(tapered.network.config)
+    if no_rope:
+        raise NotBuildable(origin, NOPE_REASON.format(layer=no_rope[0]))
     missing = missing_special_token(tapered.network.config, source_dir)
     if missing:
         raise NotBuildable(
@@ -126,6 +122,19 @@ def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Te
             )
         scales[prefix] = constant.scale.detach()
     return scales
+
+
+NOPE_REASON = (
+    "layer {layer} has no rotary embedding (NoPE), and onnxruntime-genai's builder fails on such a layer (it reads "
+    "position_ids its graph does not have)"
+)
+
+
+def nope_layers(config) -> list[int]:
+    """The layers of a Hugging Face config that apply no rotary embedding (SmolLM3's `no_rope_layers`, 0 for such a
+    layer): onnxruntime-genai 0.18's builder gives them a separate RotaryEmbedding of position_ids, an input its graph
+    (rotary fused into GroupQueryAttention) does not have, and fails."""
+    return [i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope]
 
 
 def builder_architectures() -> set[str]:
@@ -255,14 +264,18 @@ def drop_unused_window(folder: Path) -> None:
     import json
 
     import onnx
+    from google.protobuf.message import DecodeError
 
     from taperfold.genai_config import CONFIG, attention_windows
 
-    config = json.loads((folder / CONFIG).read_text())
-    decoder = config.get("model", {}).get("decoder", {})
-    if "sliding_window" not in decoder:
+    try:  # what the builder wrote is checked afterwards (check_genai_folder): here only a readable section matters
+        config = json.loads((folder / CONFIG).read_text())
+        decoder = config["model"]["decoder"]
+        if not isinstance(decoder, dict) or "sliding_window" not in decoder:
+            return
+        graph = onnx.load(str(folder / str(decoder.get("filename"))), load_external_data=False).graph
+    except (OSError, ValueError, KeyError, TypeError, DecodeError):
         return
-    graph = onnx.load(str(folder / decoder.get("filename", "model.onnx")), load_external_data=False).graph
     windows = attention_windows(graph)
     if windows and not any(size > 0 for size in windows.values()):
         del decoder["sliding_window"]
