@@ -34,6 +34,7 @@ CONFIG = "genai_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB
 MAX_VOCAB, MAX_WIDTH, MAX_HEADS, MAX_LAYERS, MAX_CONTEXT = 2**24, 2**16, 1024, 1024, 2**20  # as ModelConfig's
 MAX_BEAMS = 64
+_GQA_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")  # the builder's node names: /model/layers.3/attn/...
 
 # genai's decoder-only model types (src/models/model_type.h, ModelType::IsLLM): the types that load one decoder and
 # nothing else
@@ -289,6 +290,38 @@ def _check_decoder_graph(config_path: Path, decoder_path: Path, model: dict) -> 
             f"{config_path}: key 'model.vocab_size' is {model['vocab_size']}, and {decoder_path.name}'s logits have "
             f"{vocab}"
         )
+    _check_window(config_path, decoder_path, decoder, attention_windows(graph))
+
+
+def attention_windows(graph) -> dict[int, int]:
+    """{layer: local_window_size} of each GroupQueryAttention node of `graph` (an onnx GraphProto) that names its
+    layer as onnxruntime-genai's builder does (`/model/layers.3/attn/GroupQueryAttention`); -1 (its default): none."""
+    windows = {}
+    for node in graph.node:
+        match = _GQA_LAYER.search(node.name)
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft" and match:
+            size = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+            windows[int(match[1])] = size
+    return windows
+
+
+def _check_window(config_path: Path, decoder_path: Path, decoder: dict, windows: dict[int, int]) -> None:
+    """A `sliding_window` section makes onnxruntime-genai keep the cache of each layer it lists (every layer where
+    it lists none) as a window; a layer whose attention has no window then fails in GroupQueryAttention once the past
+    passes the window (onnxruntime-genai 0.18's builder writes the section for a config that carries a window its
+    layers do not use: SmolLM3 with use_sliding_window false)."""
+    section = decoder.get("sliding_window")
+    if section is None:
+        return
+    listed = section.get("layers") or []
+    for layer in sorted(set(listed or range(decoder["num_hidden_layers"])) & set(windows)):
+        if windows[layer] <= 0:
+            which = f"layer {layer}'s" if listed else "every layer's (its 'layers' lists none)"
+            raise TaperfoldError(
+                f"{config_path}: key 'model.decoder.sliding_window' keeps {which} cache as a window of "
+                f"{section.get('window_size')} tokens, and {decoder_path.name}'s attention of layer {layer} has no "
+                "window (onnxruntime-genai fails once the past passes it)"
+            )
 
 
 def _fixed_dim(value_info, axis: int) -> int | None:

@@ -221,8 +221,37 @@ def test_a_quantized_pair_is_judged_by_top1_and_kl_not_by_max_rel():
     assert violations(metrics, tolerance) == []
     assert violations(Metrics(**{**metrics.to_dict(), "kl": 0.5}), tolerance) == [f"kl 0.5 > {tolerance.max_kl:.3g}"]
     worse = Metrics(**{**metrics.to_dict(), "top1_decisive": 0.5})
-    assert violations(worse, tolerance) == [f"top1 0.5 < {tolerance.min_top1:g}"]
+    (line,) = violations(worse, tolerance)
+    assert line.startswith(f"top1 0.5 < {tolerance.min_top1:g} (3 of 6 decisive rows: p 0.047 < 0.05")
     assert all(p in tolerance_help() for p in PRECISIONS)
+
+
+def _top1(agreed: int, decisive: int, kl: float = 0.0025) -> Metrics:
+    return Metrics(rows=2 * decisive, max_abs=1.0, max_rel=0.1, mean_abs=0.01, cosine=0.99, top1=0.5,
+                   decisive_rows=decisive, top1_decisive=agreed / decisive, top5=0.9, kl=kl)  # fmt: skip
+
+
+def test_a_quantized_top1_is_a_rate_judged_on_the_sample_it_has():
+    """Tiny Gemma 2 at int4: 5 of its 7 decisive rows agreed (0.71, one flip costs 0.14) at a KL of 0.0025, which
+    failed a bound of 0.85 read as the sample's own rate. A quantized candidate's flips are draws: the sample fails
+    when it is evidence of a rate below the bound, so that one passes, while a wrong graph's few rows, a large
+    sample clearly below the bound, or a KL past its bound still fail; float pairs keep the rate itself."""
+    from taperfold.compare import binomial_cdf
+
+    assert binomial_cdf(5, 7, 0.85) == pytest.approx(0.28342, abs=1e-5)
+    assert binomial_cdf(7, 7, 0.85) == 1.0 and binomial_cdf(-1, 7, 0.85) == 0.0 and binomial_cdf(3, 7, 1.0) == 0.0
+    assert binomial_cdf(830, 1000, 0.85) == pytest.approx(0.04383, abs=1e-5)  # no underflow at thousands of rows
+    int4, int8 = default_tolerance("int4", "export"), default_tolerance("int8", "export")
+    assert violations(_top1(5, 7), int4) == []
+    assert violations(_top1(5, 7, kl=0.2), int4) == [f"kl 0.2 > {int4.max_kl:.3g}"]  # the KL binds on any sample
+    (wrong,) = violations(_top1(2, 7), int4)  # a wrong graph: its tokens mostly differ
+    assert wrong.startswith("top1 0.2857 < 0.85 (2 of 7 decisive rows: p 0.0012 < 0.05")
+    assert violations(_top1(820, 1000), int4) and not violations(_top1(840, 1000), int4)
+    assert violations(_top1(5, 19), int4)  # Gemma 3's decode before its fix: 0.26
+    assert violations(_top1(13, 15), int8) == [] and violations(_top1(10, 15), int8)
+    fp32 = default_tolerance("fp32", "export")  # a decisive flip of a float pair is no draw: a bug
+    assert fp32.top1_significance is None and "top1 0.9333 < 0.999" in violations(_top1(14, 15, kl=0.0), fp32)
+    assert violations(_top1(5, 7), int4.override(min_top1=1.0))  # a bound the user sets is judged so too
 
 
 @pytest.mark.parametrize(

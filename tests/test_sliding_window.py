@@ -149,6 +149,11 @@ BUILDER_LIMITS = {
         lambda: _builder_sized("llama", eos_token_id=None),
         "eos_token_id is in neither config.json nor the tokenizer's files, and the builder stops without it",
     ),
+    # SmolLM3's NoPE layers (every 4th of the full-size model): the builder failed on them after the whole export
+    "NoPE layer": (
+        lambda: _builder_sized("smollm3", no_rope_layers=[1, 0]),
+        "layer 1 has no rotary embedding (NoPE)",
+    ),
 }
 
 
@@ -224,6 +229,47 @@ def test_auto_exports_a_windowed_mistral_by_the_traced_route_with_a_note_and_it_
     result = run_cli("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder")
     one_line(result, "--against genai-builder: the model attends through a window of 8 tokens")
     assert not (tmp_path / "out" / "against").exists()
+
+
+def test_a_window_in_the_config_that_no_layer_uses_gives_builder_folders_that_decode_past_it(tmp_path):
+    """SmolLM3 with `sliding_window` set and use_sliding_window false (every layer full attention): onnxruntime-genai's
+    builder still wrote a `sliding_window` section listing no layer, which genai reads as every layer, and the folders
+    failed in GroupQueryAttention once the past passed the window. The route drops the section (the graph's attention
+    has no window), the folders decode past the window, and so does bench's contender, the builder's own folder of the
+    plain model; a folder that has the section back is one line before onnxruntime-genai reads it."""
+    pytest.importorskip("onnxruntime_genai")
+    import json
+
+    from taperfold.errors import TaperfoldError
+    from taperfold.genai_config import check_genai_folder
+    from taperfold.hf import save_hf_directory
+    from taperfold.verify import verify_export
+
+    model = _builder_sized("smollm3", sliding_window=WINDOW, max_position_embeddings=CONTEXT)
+    assert model.config.use_sliding_window is False and model.config.sliding_window == WINDOW
+    source = save_hf_directory(model, tmp_path / "tapered")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--no-baseline", "--genai", "--genai-route", "builder")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "out" / "genai" / "folded"
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert "sliding_window" not in config["model"]["decoder"]
+    report = verify_export(tmp_path / "out", threads=1)
+    assert report.passed, report.failure_message()
+    (pair,) = [p for p in report.pairs if p.name == "checkpoint -> folded.decoder.genai"]
+    prompts = {int(row["input"].split("x")[1].split("+")[0]) for row in pair.per_input}
+    assert max(prompts) > WINDOW, prompts  # genai's decode steps there attend past the window
+    # the builder's own folder of the plain model, bench's contender, is made so too: timed past the window
+    args = ("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder",
+            "--variants", "folded", "--batch", "1", "--prompt", str(WINDOW + 2), "--new-tokens", "3", "--warmup", "1",
+            "--iters", "1", "--rounds", "1", "--threads", "1")  # fmt: skip
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    contender = json.loads((tmp_path / "out" / "against" / "genai-builder-fp32" / "genai_config.json").read_text())
+    assert "sliding_window" not in contender["model"]["decoder"]
+    config["model"]["decoder"]["sliding_window"] = {"window_size": WINDOW, "layers": []}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(TaperfoldError, match=r"keeps every layer.s .* cache as a window of 8 tokens.* has no window"):
+        check_genai_folder(folder)
 
 
 @pytest.mark.parametrize("window", ["32", 0, True, 2.5])

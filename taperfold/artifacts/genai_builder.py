@@ -81,6 +81,9 @@ def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Te
             f"({tapered.cfg.max_seq_len}), and the builder's folders of such a model fail in onnxruntime-genai once "
             "the past passes the window",
         )
+    no_rope = nope_layers(tapered.network.config)
+    if no_rope:
+        raise NotBuildable(origin, NOPE_REASON.format(layer=no_rope[0]))
     missing = missing_special_token(tapered.network.config, source_dir)
     if missing:
         raise NotBuildable(
@@ -119,6 +122,19 @@ def builder_scales(tapered, origin: str, source_dir: Path) -> dict[str, torch.Te
             )
         scales[prefix] = constant.scale.detach()
     return scales
+
+
+NOPE_REASON = (
+    "layer {layer} has no rotary embedding (NoPE), and onnxruntime-genai's builder fails on such a layer (it reads "
+    "position_ids its graph does not have)"
+)
+
+
+def nope_layers(config) -> list[int]:
+    """The layers of a Hugging Face config that apply no rotary embedding (SmolLM3's `no_rope_layers`, 0 for such a
+    layer): onnxruntime-genai 0.18's builder gives them a separate RotaryEmbedding of position_ids, an input its graph
+    (rotary fused into GroupQueryAttention) does not have, and fails."""
+    return [i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope]
 
 
 def builder_architectures() -> set[str]:
@@ -209,6 +225,7 @@ class BuilderRoute:
                 source_dir, built = work / f"{weights}-hf", work / f"{weights}-built"
                 self.source.write_plain_directory(source_dir, self.folded_weights if weights == "folded" else None)
                 _run_builder(source_dir, built, precision, work / "cache", self.origin, extra_options)
+                drop_unused_window(built)
                 for variant in wanted:
                     shutil.copytree(built, folders[variant], dirs_exist_ok=True)
                     if variant != BASELINE:
@@ -236,6 +253,33 @@ def _run_builder(source_dir: Path, out: Path, precision: str, cache: Path, origi
             f"{origin}: onnxruntime-genai's builder failed ({why}); --genai-route traced exports the decoder "
             "taperfold traces instead"
         )
+
+
+def drop_unused_window(folder: Path) -> None:
+    """onnxruntime-genai 0.18's builder writes a `sliding_window` section into genai_config.json whenever the model's
+    config carries a `sliding_window`, also where no layer attends through it (SmolLM3 with use_sliding_window false:
+    every layer full attention): the section then lists no layer, which onnxruntime-genai reads as every layer, and
+    its windowed cache fails in GroupQueryAttention once the past passes the window. Where no attention node of the
+    graph has a window, the section is dropped: the cache is the one the graph attends over."""
+    import json
+
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    from taperfold.genai_config import CONFIG, attention_windows
+
+    try:  # what the builder wrote is checked afterwards (check_genai_folder): here only a readable section matters
+        config = json.loads((folder / CONFIG).read_text())
+        decoder = config["model"]["decoder"]
+        if not isinstance(decoder, dict) or "sliding_window" not in decoder:
+            return
+        graph = onnx.load(str(folder / str(decoder.get("filename"))), load_external_data=False).graph
+    except (OSError, ValueError, KeyError, TypeError, DecodeError):
+        return
+    windows = attention_windows(graph)
+    if windows and not any(size > 0 for size in windows.values()):
+        del decoder["sliding_window"]
+        (folder / CONFIG).write_text(json.dumps(config, indent=4) + "\n")
 
 
 def replace_tapered_norms(model_path: Path, scales: dict[str, torch.Tensor], keep_scale: bool) -> None:

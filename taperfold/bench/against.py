@@ -135,7 +135,7 @@ class GenaiBuilder:
             raise TaperfoldError(
                 f"--against genai-builder: the builder builds fp32, fp16, int4 or int8, not {precision}"
             )
-        from taperfold.artifacts.genai_builder import builder_architectures, vocab_wide_layers
+        from taperfold.artifacts.genai_builder import NOPE_REASON, builder_architectures, nope_layers, vocab_wide_layers
         from taperfold.sources import open_source
 
         window = manifest.config().window
@@ -148,6 +148,9 @@ class GenaiBuilder:
         architecture, known = type(plain.network).__name__, builder_architectures()
         if known and architecture not in known:
             raise TaperfoldError(f"--against genai-builder: onnxruntime-genai's builder does not build {architecture}")
+        no_rope = nope_layers(plain.network.config)
+        if no_rope:
+            raise TaperfoldError(f"--against genai-builder: {NOPE_REASON.format(layer=no_rope[0])}")
         wide = vocab_wide_layers(plain)
         if len(wide) > 1:
             raise TaperfoldError(
@@ -162,7 +165,7 @@ class GenaiBuilder:
 
     def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]:
         """The builder on the source's plain model into `folder` (empty); what made it."""
-        from taperfold.artifacts.genai_builder import builder_command
+        from taperfold.artifacts.genai_builder import builder_command, drop_unused_window
         from taperfold.quantize import BITS, Quantization
 
         extra = Quantization(precision).builder_options() if precision in BITS else []
@@ -174,6 +177,7 @@ class GenaiBuilder:
             folder,
             lambda plain, scratch: builder_command(plain, folder, precision, scratch / "cache", extra),
         )
+        drop_unused_window(folder)  # the builder's window section for a config whose layers use none (SmolLM3)
         # as a user types it: the source's plain save_pretrained directory in, the folder out
         shown = builder_command(Path("PLAIN_HF_DIR"), Path("OUT"), precision, Path("CACHE"), extra)
         return {"command": " ".join(["python", *shown[1:]]), "build_s": round(time.perf_counter() - started, 1)}
