@@ -496,10 +496,12 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 )
 @click.option(
     "--engine",
-    type=click.Choice([e.name for e in ENGINES.values() if e.runs == "onnx"]),
+    type=click.Choice([e.name for e in ENGINES.values() if not e.runs_models]),
     default="ort",
     show_default=True,
-    help="What runs the ONNX graphs: ONNX Runtime or OpenVINO (other artifacts run on their own engine).",
+    help="What runs the ONNX graphs: ONNX Runtime or OpenVINO (other artifacts run on their own engine). An engine of "
+    "artifacts otherwise only checked also runs them: vllm holds vLLM's greedy generations of DIR/vllm/folded "
+    "(export --vllm) to the checkpoint's.",
 )
 @click.option(
     "--tokens",

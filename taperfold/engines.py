@@ -281,6 +281,18 @@ ENGINES: dict[str, Engine] = {
             caches=(GROWING,),
             prefills=False,
         ),
+        Engine(
+            "vllm",
+            "vLLM",
+            "vllm",
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=True,
+            options=(),
+            module="taperfold.runners.vllm",
+            caches=(GROWING,),  # its own paged cache, which grows with the sequence
+            prefills=False,
+        ),
     )
 }
 
