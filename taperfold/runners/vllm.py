@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -43,7 +44,7 @@ ENV_VAR = "TAPERFOLD_VLLM_PYTHON"
 VENV = Path(".venv-vllm") / "bin" / "python"
 CHILD = "taperfold.serving.vllm_child"
 SETUP_HINT = f"set {ENV_VAR} to a Python with vLLM and taperfold installed (scripts/setup-vllm makes .venv-vllm)"
-LOAD_TIMEOUT_S = 1800  # vLLM's start (a large model's weights, its warm-up) before the child must say ready
+_EXCEPTION = re.compile(r"\b((?:[A-Z]\w*)(?:Error|Exception): [^\n]*)")  # an exception's line in vLLM's log
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # taperfold's dtype -> vLLM's --dtype
 
 
@@ -152,20 +153,23 @@ class VllmRunner(Runner):
             start_new_session=True,  # its own process group: ended whole, vLLM's engine process with it
         )
         try:
-            ready = self._read("loading the model", LOAD_TIMEOUT_S)
-        except BaseException:
-            self._stop()
+            ready = self._read("loading the model")
+        except BaseException:  # Ctrl-C while vLLM loads
+            self._stop(kill=True)
             raise
         self.version = ready.get("vllm")
 
-    def _read(self, what: str, timeout_s: float | None = None) -> dict:
+    def _read(self, what: str) -> dict:
         """The child's next answer, or one line saying why there is none (its error, or the last line it logged)."""
         assert self._process is not None and self._process.stdout is not None
         line = self._process.stdout.readline()  # (the child answers or exits; a hung load is the user's Ctrl-C)
         answer = json.loads(line) if line.strip() else {"error": None}
         if answer.get("error") is not None or not line.strip():
             why = answer.get("error") or f"vLLM's process exited ({self._process.poll()}): {self._last_logged()}"
-            self._stop()
+            cause = self._root_cause()
+            if "root cause" in why and cause:  # vLLM's engine process failed: what it logged says why
+                why = f"{why}; {cause}"
+            self._stop(kill=True)
             self._loaded = False
             raise self.error(f"vLLM failed ({what}: {why})")
         return answer
@@ -177,6 +181,14 @@ class VllmRunner(Runner):
         lines = [line.strip() for line in self._log.read().splitlines() if line.strip()]
         return lines[-1] if lines else "nothing logged"
 
+    def _root_cause(self) -> str | None:
+        """The last exception line vLLM's processes logged (`ValueError: ...`), or None."""
+        if self._log is None:
+            return None
+        self._log.seek(0)
+        found = [m.group(1) for m in _EXCEPTION.finditer(self._log.read())]
+        return found[-1].strip() if found else None
+
     def _ask(self, request: dict, what: str) -> dict:
         self._require_loaded(what)
         assert self._process is not None and self._process.stdin is not None
@@ -187,19 +199,21 @@ class VllmRunner(Runner):
             pass  # the read below says why
         try:
             return self._read(what)
-        except BaseException:  # Ctrl-C while vLLM works: the child goes too
-            self._stop()
+        except BaseException:  # Ctrl-C while vLLM works: the child goes at once
+            self._stop(kill=True)
             raise
 
-    def _stop(self) -> None:
+    def _stop(self, kill: bool = False) -> None:
+        """End the child: asked to quit (vLLM shuts its engine down) unless `kill`, then its whole process group."""
         process, self._process = self._process, None
         if process is not None:
-            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-                assert process.stdin is not None
-                process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                process.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
+            if not kill:
+                with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                    assert process.stdin is not None
+                    process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    process.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=30)
             with contextlib.suppress(ProcessLookupError):  # what is left of its group: vLLM's engine process
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
