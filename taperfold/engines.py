@@ -65,6 +65,8 @@ class Engine:
     prefills: bool = True  # runs single prefill calls (False: whole generations only, bench --mode decode)
     # its generations count the last chosen token (never run) in the context too: onnxruntime-genai's max_length
     keeps_last_token: bool = False
+    # serves an OpenAI-compatible server that bench --mode serve drives (taperfold.bench.serve: vLLM's)
+    serves: bool = False
 
     def _runner_module(self):
         return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
@@ -292,6 +294,7 @@ ENGINES: dict[str, Engine] = {
             module="taperfold.runners.vllm",
             caches=(GROWING,),  # its own paged cache, which grows with the sequence
             prefills=False,
+            serves=True,
         ),
     )
 }

@@ -368,3 +368,37 @@ def test_no_vllm_environment_is_one_line(exported, tmp_path, monkeypatch):
     monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", os.sys.executable)  # taperfold's own Python: no vllm module
     one_line(run_cli("verify", exported[1], "--engine", "vllm"), "has no vllm module")
     assert not (exported[1] / "against").exists()
+
+
+@needs_vllm
+def test_bench_mode_serve_drives_vllms_server_on_the_folded_and_the_stock_model(exported, vllm_env, tmp_path):
+    """One round: the folded checkpoint's server, then stock vLLM's on the plain directory, each driven by
+    vllm.benchmarks.serve at concurrency 1 and 4; no server left running."""
+    out = tmp_path / "out"
+    shutil.copytree(exported[1], out)
+    result = run_cli("bench", out, "--engine", "vllm", "--mode", "serve", "--concurrency", "1,4", "--against", "vllm",
+                     "--prompt", "16", "--new-tokens", "8", "--requests", "8", "--rounds", "1")  # fmt: skip
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert report["mode"] == "serve" and [c["label"] for c in report["contenders"]] == ["folded", "vllm"]
+    rows = {(r["contender"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {("folded", 1), ("folded", 4), ("vllm", 1), ("vllm", 4)}
+    for row in rows.values():
+        assert row["failed"] == 0 and row["requests"] == 8 and len(row["rounds"]) == 1
+        assert row["rounds"][0]["completed"] == 8 and row["rounds"][0]["total_output_tokens"] == 64
+        assert (
+            row["median"]["output_throughput"] > 0 and row["median"]["p99_ttft_ms"] >= row["median"]["median_ttft_ms"]
+        )
+    logs = sorted(p.name for p in (out / "bench-serve-logs").iterdir())
+    assert logs == [f"{c}-round1.{what}.log" for c in ("folded", "vllm") for what in ("bench", "server")]
+    assert "Application startup complete" in (out / "bench-serve-logs" / "folded-round1.server.log").read_text()
+
+
+def test_bench_mode_serve_refusals_are_one_line(exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", str(tmp_path / "none"))
+    out = exported[1]
+    one_line(run_cli("bench", out, "--engine", "ort", "--mode", "serve"), "--mode serve", "--engine vllm")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--concurrency", "1,8"), "--concurrency", "--mode serve")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--mode", "serve", "--concurrency", "0"), "--concurrency: '0'")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--mode", "serve"), "no such file", "scripts/setup-vllm")
+    assert not (out / "bench-serve-logs").exists()

@@ -59,6 +59,11 @@ def vllm_python() -> Path | None:
     return None
 
 
+def taperfold_root() -> str:
+    """The directory this taperfold is imported from: first on vLLM's children's PYTHONPATH, so that they import it."""
+    return str(Path(taperfold.__file__).resolve().parents[1])
+
+
 @functools.lru_cache(maxsize=8)
 def _python_problem(python: str) -> str | None:
     """Why `python` cannot run vLLM's child here, or None: asked of it without importing vLLM (a second or more)."""
@@ -138,7 +143,7 @@ class VllmRunner(Runner):
             raise TaperfoldError(problem)
         python = vllm_python()
         settings = {"model": str(self.folder), "dtype": self.dtype, "max_model_len": self.max_model_len, "seed": 0}
-        here = str(Path(taperfold.__file__).resolve().parents[1])
+        here = taperfold_root()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
