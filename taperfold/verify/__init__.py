@@ -145,14 +145,17 @@ def verify_export(
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     graph_engine = ENGINES.get(engine)
-    if graph_engine is None or graph_engine.runs_models:
-        others = [e.name for e in ENGINES.values() if not e.runs_models]
-        raise TaperfoldError(f"--engine {engine}: verify runs an export's artifacts on {' or '.join(others)}")
+    if graph_engine is None or not _chosen_by_engine(graph_engine.runs):
+        others = [e.name for e in ENGINES.values() if not e.runs_models and _chosen_by_engine(e.runs)]
+        raise TaperfoldError(
+            f"--engine {engine}: verify's --engine chooses what runs the ONNX graphs, or an engine of artifacts "
+            f"otherwise only checked: {' or '.join(others)} (other artifacts run on their own engine anyway)"
+        )
     if graph_engine.runs != "onnx" and not manifest.records(graph_engine.runs):
         raise TaperfoldError(
             f"--engine {engine}: {export_dir} holds no artifact {graph_engine.title} runs (kind {graph_engine.runs!r})"
         )
-    graph_engine.require(device if device in graph_engine.devices else graph_engine.default_device)
+    graph_engine.require(device)
     ckpt = _load_reference_checkpoint(manifest)
     cfg, forced = ckpt.config, manifest.forced_gate0
     checkpoint_path, stored_gate = ckpt.path, ckpt.gate
@@ -219,6 +222,16 @@ def verify_export(
         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
         pairs=[*judge.results(), *plan.checked, *generated],
     )
+
+
+def _chosen_by_engine(kind: str) -> bool:
+    """Whether --engine chooses how artifacts of `kind` are verified: the ONNX graphs (ort or openvino), or a kind
+    otherwise only checked, whose engine then runs it too (vllm)."""
+    from taperfold.artifacts import artifact_kind
+    from taperfold.artifacts.base import CHECKED
+    from taperfold.engines import MODELS
+
+    return kind == "onnx" or (kind != MODELS and artifact_kind(kind).verified == CHECKED)
 
 
 def _generations(check: GenerationCheck, models: TorchModels) -> PairResult:
