@@ -496,10 +496,12 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 )
 @click.option(
     "--engine",
-    type=click.Choice([e.name for e in ENGINES.values() if e.runs == "onnx"]),
+    type=click.Choice([e.name for e in ENGINES.values() if not e.runs_models]),
     default="ort",
     show_default=True,
-    help="What runs the ONNX graphs: ONNX Runtime or OpenVINO (other artifacts run on their own engine).",
+    help="What runs the ONNX graphs: ONNX Runtime or OpenVINO (other artifacts run on their own engine). An engine of "
+    "artifacts otherwise only checked also runs them: vllm holds vLLM's greedy generations of DIR/vllm/folded "
+    "(export --vllm) to the checkpoint's.",
 )
 @click.option(
     "--tokens",
@@ -639,10 +641,21 @@ def _engine_options(command):
 @click.option("--rounds", type=click.IntRange(min=1), help="Alternation rounds. Default: min(5, iters).")
 @click.option(
     "--mode",
-    type=click.Choice(["prefill", "decode"]),
+    type=click.Choice(["prefill", "decode", "serve"]),
     default="prefill",
     show_default=True,
-    help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache).",
+    help="decode: a prompt, then --new-tokens KV-cached greedy steps (needs an export with --kv-cache). serve "
+    "(--engine vllm): vLLM's OpenAI server on DIR's folded checkpoint (and stock vLLM's with --against vllm), "
+    "driven by vLLM's serving benchmark at each --concurrency.",
+)
+@click.option(
+    "--concurrency",
+    help="--mode serve: requests in flight, comma-separated.  [default: 1,8,32]",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    help="--mode serve: requests per concurrency.  [default: 4 x the concurrency, at least 16]",
 )
 @click.option(
     "--prompt",
@@ -733,6 +746,8 @@ def bench(
     iters,
     rounds,
     mode,
+    concurrency,
+    requests,
     prompt,
     new_tokens,
     kv_cache,
@@ -762,11 +777,14 @@ def bench(
       taperfold bench out/ --engine genai --mode decode --against genai-builder
       taperfold bench out/ --engine openvino-ir --mode decode --against optimum-intel
       taperfold bench out/ --engine openvino-ir --mode decode --precision int4
+      taperfold bench out/ --engine vllm --mode decode --against vllm
+      taperfold bench out/ --engine vllm --mode serve --concurrency 1,8,32 --against vllm
       taperfold bench --preset paper-30m --engine torch --device cuda --dtype bf16
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --cuda-graph
       taperfold bench --preset paper-30m --device cuda --dtype bf16 --compile --compile-mode reduce-overhead
       taperfold bench out/ --engine torch --no-fuse-projections
-    Writes DIR/bench.json (prefill) or DIR/bench-decode.json (decode) when DIR is given.
+    Writes DIR/bench.json (prefill), DIR/bench-decode.json (decode) or DIR/bench-serve.json (serve, the servers' logs
+    in DIR/bench-serve-logs/) when DIR is given.
     """
     from taperfold.bench.measure import (
         AUTO,
@@ -813,6 +831,14 @@ def bench(
         ],
     )
     engine = engine or ("ort" if export_dir else "torch")
+    if mode == "serve" or concurrency or requests:
+        from taperfold.bench.serve import bench_serve_command
+
+        bench_serve_command(
+            source, ENGINES[engine], mode, against, concurrency, requests, prompt, new_tokens, rounds, seed,
+            json_path, csv_path, plot_path, dir_report, plan,
+        )  # fmt: skip
+        return
     opts = BenchOptions(
         engine=engine,
         variants=names,
@@ -857,7 +883,7 @@ def bench(
             write(path)
 
 
-BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json"}  # in the export directory
+BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json", "serve": "bench-serve.json"}  # in DIR
 
 
 def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:

@@ -65,6 +65,8 @@ class Engine:
     prefills: bool = True  # runs single prefill calls (False: whole generations only, bench --mode decode)
     # its generations count the last chosen token (never run) in the context too: onnxruntime-genai's max_length
     keeps_last_token: bool = False
+    # serves an OpenAI-compatible server that bench --mode serve drives (taperfold.bench.serve: vLLM's)
+    serves: bool = False
 
     def _runner_module(self):
         return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
@@ -280,6 +282,19 @@ ENGINES: dict[str, Engine] = {
             module="taperfold.runners.openvino_ir",
             caches=(GROWING,),
             prefills=False,
+        ),
+        Engine(
+            "vllm",
+            "vLLM",
+            "vllm",
+            default_device="cpu",
+            devices=("cpu",),
+            decodes=True,
+            options=(),
+            module="taperfold.runners.vllm",
+            caches=(GROWING,),  # its own paged cache, which grows with the sequence
+            prefills=False,
+            serves=True,
         ),
     )
 }

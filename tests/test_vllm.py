@@ -1,12 +1,15 @@
 """`export --vllm` and the vLLM plugin (taperfold.serving): a tiny tapered Hugging Face Llama exported `--vllm` is a
 checkpoint that stock transformers and stock vLLM refuse, that transformers loads through taperfold's registration with
-the checkpoint's logits, and that vLLM serves through taperfold's entry point with the checkpoint's greedy tokens.
-vLLM runs in .venv-vllm (scripts/setup-vllm), in a child process; those tests are skipped where it is absent."""
+the checkpoint's logits, and that vLLM serves through taperfold's entry point with the checkpoint's greedy tokens; the
+engine `vllm`: `verify --engine vllm` (vLLM's generations held to the checkpoint, a broken checkpoint failing) and
+`bench --engine vllm --mode decode --against vllm`. vLLM runs in .venv-vllm (scripts/setup-vllm), in a child process;
+those tests are skipped where it is absent."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -264,3 +267,138 @@ def test_a_taperfold_checkpoint_is_refused_in_one_line(tmp_path, no_export_work)
     path = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny"), step=0), tmp_path / "tiny.pt")
     result = run_cli("export", path, "-o", tmp_path / "out", "--vllm")
     one_line(result, "--vllm writes the folded form of a Hugging Face directory")
+
+
+# ---- the engine `vllm`: verify and bench ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def vllm_env(monkeypatch):
+    """What a user of this CPU sets: the KV cache's size (GB); .venv-vllm is found in the current directory."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("TAPERFOLD_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.chdir(ROOT)
+
+
+def _generation_pair(report: dict) -> dict:
+    (pair,) = [p for p in report["pairs"] if p["kind"] == "generate"]
+    return pair
+
+
+@needs_vllm
+def test_verify_engine_vllm_holds_vllms_generations_to_the_checkpoint(exported, vllm_env, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(exported[1], out)  # verify writes verify.json beside the export
+    result = run_cli("verify", out, "--engine", "vllm", "--json")
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    pair = _generation_pair(report)
+    assert (pair["name"], pair["status"]) == ("checkpoint -> folded.vllm", "pass"), pair
+    assert "4 prompts alone and 4 at once, 8 tokens each" in pair["reason"]
+    runs = [r for r in pair["per_input"] if "logprob_errors" in r]
+    assert len(runs) == 8 and all(len(r["tokens"]) == 8 and max(r["logprob_errors"]) < 1e-3 for r in runs)
+    alone, together = runs[:4], runs[4:]
+    assert [r["tokens"] for r in alone] == [r["tokens"] for r in together]  # no near-tie in this model
+    assert next(p for p in report["pairs"] if p["candidate"] == "folded.vllm" and p["kind"] == "check")["status"] == (
+        "pass"
+    )
+
+
+@needs_vllm
+def test_verify_engine_vllm_fails_a_folded_checkpoint_whose_weight_is_off(exported, vllm_env, tmp_path):
+    """A fold's gain off by 10 % on the MLP's inputs of one layer (the file's size unchanged: its own check passes)."""
+    out = tmp_path / "out"
+    shutil.copytree(exported[1], out)
+    _scale_in_place(out / "vllm" / "folded" / "model.safetensors", "model.layers.0.mlp.gate_proj.weight", 1.1)
+    result = run_cli("verify", out, "--engine", "vllm", "--json")
+    assert result.exit_code == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    pair = _generation_pair(report)
+    assert pair["status"] == "fail" and any("|logprob error|" in v for v in pair["violations"]), pair
+    assert [p["name"] for p in report["pairs"] if p["status"] == "fail"] == ["checkpoint -> folded.vllm"]
+    assert "checkpoint -> folded.vllm: " in result.stderr
+
+
+def _scale_in_place(path: Path, name: str, factor: float) -> None:
+    """Multiply one fp32 tensor of a safetensors file by `factor`, its bytes rewritten where they are."""
+    import numpy as np
+
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+        start, end = entry["data_offsets"]
+        assert entry["dtype"] == "F32"
+        f.seek(8 + size + start)
+        values = np.frombuffer(f.read(end - start), dtype="<f4") * np.float32(factor)
+        f.seek(8 + size + start)
+        f.write(values.astype("<f4").tobytes())
+
+
+@needs_vllm
+def test_bench_engine_vllm_times_the_folded_checkpoint_against_stock_vllm(exported, vllm_env, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(exported[1], out)
+    report_path = tmp_path / "bench.json"
+    result = run_cli("bench", out, "--engine", "vllm", "--mode", "decode", "--against", "vllm", "--batch", "1,4",
+                     "--prompt", "16", "--new-tokens", "8", "--warmup", "1", "--iters", "2", "--rounds", "2",
+                     "--report", report_path)  # fmt: skip
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["engine"] == "vllm" and report["mode"] == "decode"
+    rows = {(r["variant"], r["phase"], r["batch"]) for r in report["results"]}
+    assert rows == {(v, phase, b) for v in ("folded", "vllm") for phase in ("prefill", "decode") for b in (1, 4)}
+    assert all(r["tokens_per_s"] > 0 for r in report["results"])
+    (against,) = report["against"]
+    assert against["tool"] == "stock vLLM" and against["dtype"] == "float32" and "0.32" in against["version"]
+    assert (out / "against" / "vllm-fp32" / "plain-hf" / "config.json").is_file()
+    assert (out / "bench-decode.json").is_file()
+
+
+def test_no_vllm_environment_is_one_line(exported, tmp_path, monkeypatch):
+    """Where no vLLM environment is found, verify --engine vllm and bench --engine vllm stop in one line (exit 2)
+    before any work."""
+    missing = tmp_path / "no-such-env" / "bin" / "python"
+    monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", str(missing))
+    for args in (
+        ["verify", exported[1], "--engine", "vllm"],
+        ["bench", exported[1], "--engine", "vllm", "--mode", "decode"],
+    ):
+        one_line(run_cli(*args), f"TAPERFOLD_VLLM_PYTHON={missing}: no such file", "scripts/setup-vllm")
+    monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", os.sys.executable)  # taperfold's own Python: no vllm module
+    one_line(run_cli("verify", exported[1], "--engine", "vllm"), "has no vllm module")
+    assert not (exported[1] / "against").exists()
+
+
+@needs_vllm
+def test_bench_mode_serve_drives_vllms_server_on_the_folded_and_the_stock_model(exported, vllm_env, tmp_path):
+    """One round: the folded checkpoint's server, then stock vLLM's on the plain directory, each driven by
+    vllm.benchmarks.serve at concurrency 1 and 4; no server left running."""
+    out = tmp_path / "out"
+    shutil.copytree(exported[1], out)
+    result = run_cli("bench", out, "--engine", "vllm", "--mode", "serve", "--concurrency", "1,4", "--against", "vllm",
+                     "--prompt", "16", "--new-tokens", "8", "--requests", "8", "--rounds", "1")  # fmt: skip
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert report["mode"] == "serve" and [c["label"] for c in report["contenders"]] == ["folded", "vllm"]
+    rows = {(r["contender"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {("folded", 1), ("folded", 4), ("vllm", 1), ("vllm", 4)}
+    for row in rows.values():
+        assert row["failed"] == 0 and row["requests"] == 8 and len(row["rounds"]) == 1
+        assert row["rounds"][0]["completed"] == 8 and row["rounds"][0]["total_output_tokens"] == 64
+        assert (
+            row["median"]["output_throughput"] > 0 and row["median"]["p99_ttft_ms"] >= row["median"]["median_ttft_ms"]
+        )
+    logs = sorted(p.name for p in (out / "bench-serve-logs").iterdir())
+    assert logs == [f"{c}-round1.{what}.log" for c in ("folded", "vllm") for what in ("bench", "server")]
+    assert "Application startup complete" in (out / "bench-serve-logs" / "folded-round1.server.log").read_text()
+
+
+def test_bench_mode_serve_refusals_are_one_line(exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", str(tmp_path / "none"))
+    out = exported[1]
+    one_line(run_cli("bench", out, "--engine", "ort", "--mode", "serve"), "--mode serve", "--engine vllm")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--concurrency", "1,8"), "--concurrency", "--mode serve")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--mode", "serve", "--concurrency", "0"), "--concurrency: '0'")
+    one_line(run_cli("bench", out, "--engine", "vllm", "--mode", "serve"), "no such file", "scripts/setup-vllm")
+    assert not (out / "bench-serve-logs").exists()

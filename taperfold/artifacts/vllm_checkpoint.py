@@ -141,6 +141,21 @@ class VllmCheckpoint(ArtifactKind):
         )
         return [record]
 
+    def files(
+        self, manifest: Export, variants: list[str], graph: Graph, precision: str | None = None
+    ) -> dict[str, Path]:
+        """{variant: its folder's config.json} of the variants among `variants` the export has a folder of (the folded
+        one: the untapered model needs none, and `bench --against vllm` times it from the source directory); one line
+        where it has none of them. A folder serves any cache: `graph` is not asked."""
+        records = {r.variant: r for r in manifest.records(self.name) if r.precision == (precision or manifest.dtype)}
+        files = {v: manifest.file(records[v]) for v in variants if v in records}
+        if not files:
+            raise TaperfoldError(
+                f"{manifest.path}: no vLLM checkpoint of {', '.join(variants)} (export --vllm writes the folded "
+                "model's; stock vLLM runs the untapered model: bench --against vllm)"
+            )
+        return files
+
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The default's, and each weights file the record names present."""
         folder = Path(record.path).parent.as_posix()

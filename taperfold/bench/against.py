@@ -12,6 +12,8 @@ version, the precision and the command (BenchReport.against).
                     IR run by OpenVINO as optimum-intel's OVModelForCausalLM runs it (taperfold.runners.openvino).
                     optimum-intel pins transformers < 5.6, so it lives in an environment of its own: its
                     `optimum-cli` is found on PATH and run as a command (scripts/setup-optimum-intel)
+    vllm            stock vLLM on the source's plain save_pretrained directory, run as the vllm engine runs the
+                    folded checkpoint: vLLM's offline LLM, in vLLM's own environment (taperfold.runners.vllm)
 
 Adding a contender is a class that is a `Tool`, and one entry in CONTENDERS.
 """
@@ -277,9 +279,62 @@ class OptimumIntel:
         return StatefulOpenVinoRunner(folder, threads=threads, name=label)
 
 
+class StockVllm:
+    """The untapered model as vLLM's users serve it: stock vLLM on the source's plain save_pretrained directory (its
+    weights, its norms real, no taperfold block or buffers, which stock vLLM refuses: it names every tensor of a
+    directory it loads), written into the contender's folder, run as the vllm engine runs the folded checkpoint
+    (taperfold.runners.vllm: vLLM's offline LLM in vLLM's environment)."""
+
+    name: ClassVar[str] = "vllm"
+    title: ClassVar[str] = "stock vLLM"
+    decodes_only: ClassVar[bool] = True
+    keeps_last_token: ClassVar[bool] = False
+    MODEL: ClassVar[str] = "plain-hf"  # the plain directory, in the contender's folder
+
+    def check(self, manifest: Manifest, precision: str) -> None:
+        from taperfold.runners.vllm import DTYPES, environment_problem
+
+        problem = environment_problem()
+        if problem:
+            raise TaperfoldError(f"--against {self.name}: {problem}")
+        _plain_huggingface(self.name, manifest)
+        if precision not in DTYPES:
+            raise TaperfoldError(
+                f"--against {self.name}: vLLM serves the source in {', '.join(DTYPES)}, not {precision}"
+            )
+
+    def version(self) -> str:
+        from taperfold.runners.vllm import vllm_python, vllm_version
+
+        python = vllm_python()
+        return vllm_version(python) if python is not None else "unknown"
+
+    def build(self, manifest: Manifest, precision: str, folder: Path) -> dict[str, Any]:
+        from taperfold.runners.vllm import DTYPES
+        from taperfold.sources import open_source
+
+        started = time.perf_counter()
+        open_source(manifest.checkpoint).write_plain_directory(folder / self.MODEL)
+        dtype = DTYPES[precision]
+        command = f"python -m vllm.entrypoints.openai.api_server --model PLAIN_HF_DIR --dtype {dtype}"
+        return {"dtype": dtype, "command": command, "build_s": round(time.perf_counter() - started, 1)}
+
+    def check_built(self, folder: Path) -> None:
+        _built_as_expected(
+            self.name, "save_pretrained", folder, lambda: read_json_object(folder / self.MODEL / "config.json")
+        )
+
+    def runner(self, folder: Path, threads: int | None, label: str) -> Runner:
+        from taperfold.runners.vllm import VllmRunner
+
+        made = read_json_object(folder / RECORD)
+        return VllmRunner(folder / self.MODEL, threads=threads, name=label, dtype=made["dtype"])
+
+
 CONTENDERS: dict[str, Tool] = {
     GenaiBuilder.name: GenaiBuilder(),
     OptimumIntel.name: OptimumIntel(),
+    StockVllm.name: StockVllm(),
 }
 
 

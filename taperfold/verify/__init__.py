@@ -20,7 +20,9 @@ The reference is the checkpoint named in manifest.json, rebuilt in PyTorch (fp32
 - with decoders (`export --kv-cache`), every `*.decoder.onnx` and `*.static.onnx` against the same torch model
   decoding with a growing cache: a prompt with an empty past, then DECODE_STEPS KV-cached steps, each step's
   logits compared (a static decoder's prompt and steps write its fixed-size cache at their positions)
-- any other artifact as its kind says (an engine's logits, or the kind's own check)
+- any other artifact as its kind says (an engine's logits, or the kind's own check); with `--engine` naming the
+  engine of a checked kind (vllm), that engine's greedy generations too: tokens and log-probabilities, each prompt
+  alone and all at once, against the checkpoint (taperfold.verify.generations)
 
 Every graph runs on shapes far from the one the exporter traced (export.TRACE_SHAPE, TRACE_PAST):
 batch 1 and 4, sequence 1 to the model's longest, past 0 to the longest, so a graph that only works
@@ -42,7 +44,9 @@ import torch
 from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
 from taperfold.manifest import Manifest, read_manifest
+from taperfold.runners.base import RunnerError
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
+from taperfold.verify.generations import GenerationCheck, run_generation_check
 from taperfold.verify.inputs import (
     DECODE_STEPS,
     InputBatch,
@@ -54,7 +58,7 @@ from taperfold.verify.inputs import (
     tokens_from_file,
 )
 from taperfold.verify.judge import Judge
-from taperfold.verify.plan import TORCH_BASELINE, PlanContext, make_plan
+from taperfold.verify.plan import REFERENCE_ENGINE, TORCH_BASELINE, PlanContext, make_plan
 from taperfold.verify.report import REPORT, PairResult, VerifyReport
 from taperfold.verify.run import run_models
 
@@ -141,9 +145,16 @@ def verify_export(
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     graph_engine = ENGINES.get(engine)
-    if graph_engine is None or graph_engine.runs != "onnx":
-        others = [e.name for e in ENGINES.values() if e.runs == "onnx"]
-        raise TaperfoldError(f"--engine {engine}: verify runs the ONNX graphs on {' or '.join(others)}")
+    if graph_engine is None or not _chosen_by_engine(graph_engine.runs):
+        others = [e.name for e in ENGINES.values() if not e.runs_models and _chosen_by_engine(e.runs)]
+        raise TaperfoldError(
+            f"--engine {engine}: verify's --engine chooses what runs the ONNX graphs, or an engine of artifacts "
+            f"otherwise only checked: {' or '.join(others)} (other artifacts run on their own engine anyway)"
+        )
+    if graph_engine.runs != "onnx" and not manifest.records(graph_engine.runs):
+        raise TaperfoldError(
+            f"--engine {engine}: {export_dir} holds no artifact {graph_engine.title} runs (kind {graph_engine.runs!r})"
+        )
     graph_engine.require(device)
     ckpt = _load_reference_checkpoint(manifest)
     cfg, forced = ckpt.config, manifest.forced_gate0
@@ -191,6 +202,7 @@ def verify_export(
             torch.set_num_threads(threads)
         for outputs in run_models(plan.models, on_progress or (lambda done, total, description: None)):
             judge.take(outputs)
+        generated = [_generations(check, models) for check in plan.generations]
     finally:
         torch.set_num_threads(torch_threads)
     return VerifyReport(
@@ -208,5 +220,26 @@ def verify_export(
             "reference_gate": 0.0 if forced else stored_gate,
         },
         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
-        pairs=[*judge.results(), *plan.checked],
+        pairs=[*judge.results(), *plan.checked, *generated],
     )
+
+
+def _chosen_by_engine(kind: str) -> bool:
+    """Whether --engine chooses how artifacts of `kind` are verified: the ONNX graphs (ort or openvino), or a kind
+    otherwise only checked, whose engine then runs it too (vllm)."""
+    from taperfold.artifacts import artifact_kind
+    from taperfold.artifacts.base import CHECKED
+    from taperfold.engines import MODELS
+
+    return kind == "onnx" or (kind != MODELS and artifact_kind(kind).verified == CHECKED)
+
+
+def _generations(check: GenerationCheck, models: TorchModels) -> PairResult:
+    """`check` run and judged (taperfold.verify.generations); a runner that fails fails its pair, in one line."""
+    try:
+        return run_generation_check(check, models[check.reference], ENGINES[REFERENCE_ENGINE])
+    except RunnerError as e:
+        check.result.status, check.result.reason = "fail", f"{check.candidate} did not run: {e}"
+        return check.result
+    finally:
+        models.release()

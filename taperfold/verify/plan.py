@@ -9,7 +9,9 @@ Every artifact the manifest records is verified as its kind says (taperfold.arti
   the torch model decoding with a growing cache; the decode cases are the user's own tokens when given). Where its
   engine cannot run here (no TensorRT, no GPU), a bf16 decoder (numpy cannot feed it) or a cache too short for a
   case, the pair is skipped with the reason;
-- a CHECKED kind is checked by the kind itself.
+- a CHECKED kind is checked by the kind itself; where --engine names an engine that runs the kind (vLLM's
+  checkpoints: `verify --engine vllm`), that engine's greedy generations are held to the variant's torch model as
+  well (taperfold.verify.generations), after the other models have run.
 
 And three pairs that isolate one step: unfolded -> folded (the fold alone), baseline-decomposed -> baseline (the
 fused norm alone), both anchored on their first graph's own pair; and, for an export with --force-gate0,
@@ -43,6 +45,7 @@ from taperfold.exportdir import (
     Graph,
 )
 from taperfold.manifest import Manifest
+from taperfold.verify.generations import GENERATION_TOLERANCES, GenerationCheck, generation_prompts
 from taperfold.verify.inputs import USER_DECODE_STEPS, InputBatch, decode_cases, decode_steps
 from taperfold.verify.judge import PlannedPair
 from taperfold.verify.report import CHECK, COST, EXPORT, FOLD, FUSE, PairResult
@@ -59,6 +62,7 @@ class Plan:
     pairs: list[PlannedPair]
     models: list[ModelRun]  # in the order they run
     checked: list[PairResult] = field(default_factory=list)  # CHECKED kinds, judged when the plan was made
+    generations: list[GenerationCheck] = field(default_factory=list)  # run after the models (verify.generations)
     scored: dict[str, Case] = field(default_factory=dict)  # the cases of the user's tokens, by label (perplexity)
 
 
@@ -105,6 +109,7 @@ class PlanContext:
 def make_plan(ctx: PlanContext) -> Plan:
     pairs: list[PlannedPair] = []
     checked: list[PairResult] = []
+    generations: list[GenerationCheck] = []
     runs: dict[tuple[str, str], ModelRun] = {}  # (model name, graph) -> its run, cases added as pairs need them
     prefill_cases = [Case(batch.label, ids, scored=ctx.user_tokens) for batch, ids in ctx.batches]
     manifest = ctx.manifest
@@ -148,6 +153,9 @@ def make_plan(ctx: PlanContext) -> Plan:
             continue
         kind = artifact_kind(record.kind)
         if kind.verified == CHECKED:
+            named = ENGINES.get(ctx.engine)
+            if named is not None and named.runs == kind.name:  # --engine names what runs it: its generations too
+                generations.append(_generation_check(ctx, record, named))
             problems = kind.check(manifest, record)
             checked.append(
                 PairResult(
@@ -180,7 +188,22 @@ def make_plan(ctx: PlanContext) -> Plan:
     pairs = _with_step_pairs(ctx, pairs, prefill_cases, torch_cases)
     models = _run_order(list(runs.values()), ctx)
     scored = {case.label: case for run in models for case in run.cases if case.scored}
-    return Plan(pairs, models, checked, scored)
+    return Plan(pairs, models, checked, generations, scored)
+
+
+def _generation_check(ctx: PlanContext, record: ArtifactRecord, engine: Engine) -> GenerationCheck:
+    """`record`'s artifact generating on `engine` (the one --engine names), held to its variant's torch model."""
+    device = ctx.device if ctx.device in engine.devices else engine.default_device
+    given = [ids for _, ids in ctx.batches] if ctx.user_tokens else None
+    prompts, steps = generation_prompts(ctx.cfg.vocab_size, ctx.cfg.max_seq_len, ctx.seed, given)
+    return GenerationCheck(
+        record.key,
+        ctx.reference_of(record.variant),
+        lambda: engine.runner(ctx.manifest.file(record), device=device, threads=ctx.threads),
+        prompts,
+        steps,
+        GENERATION_TOLERANCES[ctx.manifest.dtype],
+    )
 
 
 def _report_order(record: ArtifactRecord) -> tuple[int, int, int]:

@@ -20,7 +20,8 @@ FOLD = "fold"  # a graph against the graph the fold made it from (the fold alone
 FUSE = "fuse"  # the fused-norm baseline against the plain ops it replaced
 COST = "cost"  # reported, never judged: what forcing g = 0 cost
 CHECK = "check"  # an artifact no engine runs, checked by its kind (taperfold.artifacts)
-PAIR_KINDS = (EXPORT, FOLD, FUSE, COST, CHECK)
+GENERATE = "generate"  # an engine's greedy generations held to the checkpoint's (taperfold.verify.generations)
+PAIR_KINDS = (EXPORT, FOLD, FUSE, COST, CHECK, GENERATE)
 STATUSES = ("pass", "fail", "info", "skipped")
 
 
@@ -125,7 +126,7 @@ class VerifyReport:
         where = f" (worst input: {worst.worst_input})" if worst.worst_input else ""
         more = f"; {len(failed) - 1} more pair(s) failed" if len(failed) > 1 else ""
         detail = worst.reason or ", ".join(worst.violations)
-        what = "logits " if worst.kind != CHECK else ""
+        what = "logits " if worst.kind not in (CHECK, GENERATE) else ""
         return f"{worst.name}: {what}{detail}{where}{more}"
 
     def closer(self) -> str:
