@@ -41,7 +41,7 @@ from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
 from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
 from taperfold.taper import fold_target, stored_in_out
-from taperfold.variants import reader_writes
+from taperfold.variants import producer_writes, reader_writes
 
 if TYPE_CHECKING:
     from taperfold.hf.source import HFCheckpoint
@@ -173,6 +173,18 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
             f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
             "(TaperNorm), which leave only the residual add behind"
         )
+    if served.tied_head:
+        head = source.family.head
+        if not source.hf_config_dict.get("tie_word_embeddings", True):
+            raise TaperfoldError(
+                f"{origin}: --vllm: its head is untied (tie_word_embeddings false), and vLLM's "
+                f"{served.model_class} reads the logits from the embedding: it would serve the wrong head"
+            )
+        if any(head in tapering.folds_into(path) for path in tapering.norms):
+            raise TaperfoldError(
+                f"{origin}: --vllm: the final norm folds into the head, which unties it from the embedding, and "
+                f"vLLM's {served.model_class} reads the logits from the embedding; taper the internal norms only"
+            )
     return source, served
 
 
@@ -203,7 +215,7 @@ class FoldedWeights:
         return {name: (t.shape, self._stored_dtype(t)) for name, t in self.source.items()}
 
     def tensor(self, name: str) -> torch.Tensor:
-        layer = name.rpartition(".")[0]
+        layer = name if name in self.norm_of else name.rpartition(".")[0]  # a bare weight is its own target
         if layer not in self.norm_of:
             tensor = self.source[name]
             return tensor.to(self._stored_dtype(tensor))
@@ -213,15 +225,28 @@ class FoldedWeights:
 
     @torch.no_grad()
     def _folded(self, target: str) -> dict[str, torch.Tensor]:
-        """The tensors of layer `target` once its norm's map is folded in (float64, then cast once)."""
-        norm = self.network.get_submodule(self.norm_of[target])
+        """The tensors of layer `target` once its norm's map is folded in (float64, then cast once): into its input
+        rows where it reads the norm, into its output columns where it produces a post-norm's input."""
+        norm_path = self.norm_of[target]
+        norm = self.network.get_submodule(norm_path)
         constant = self.tapering.kind.constant_map(norm)
         reader = fold_target(self.network, target)
-        assert isinstance(reader, nn.Module)  # the served families' readers are linear layers, not bare weights
+        if isinstance(reader, nn.Parameter):  # a router's or stacked experts' weight: a tensor of its own
+            weight = nn.Parameter(reader.detach().double())
+            in_out = stored_in_out(self.network, target, len(constant.scale))
+            for write in reader_writes(weight, constant, in_out):
+                if reason := write.past_range(self.dtype):
+                    raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
+                write.apply()
+            return {target: weight.detach().to(self.dtype)}
         layer = copy.deepcopy(reader).double()  # this layer only
-        for write in reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale))):
+        if norm_path in self.tapering.producers:
+            writes = producer_writes(layer, constant)
+        else:
+            writes = reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale)))
+        for write in writes:
             if reason := write.past_range(self.dtype):  # in the dtype it is stored in
-                raise TaperfoldError(f"--vllm: {self.norm_of[target]} cannot be folded into {target} ({reason})")
+                raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
             write.apply()
         return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
 

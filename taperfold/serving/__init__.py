@@ -28,6 +28,8 @@ CONFIG_KEY = "taperfold_folded_norms"  # config.json: the module paths of the no
 class ServedFamily:
     family: str  # taperfold's family (taperfold.families)
     model_class: str  # the family's causal LM class, as transformers and vLLM's registry both name it
+    config_name: str | None = None  # transformers' config class where it is not the model class's (Gemma 3's text)
+    tied_head: bool = False  # vLLM's class reads the logits from the embedding, whatever the config says (Gemma 2)
 
     @property
     def model_type(self) -> str:
@@ -42,7 +44,7 @@ class ServedFamily:
     @property
     def config_class(self) -> str:
         """transformers' config class of the family."""
-        return self.model_class.replace("ForCausalLM", "Config")
+        return self.config_name or self.model_class.replace("ForCausalLM", "Config")
 
 
 SERVED = {
@@ -52,6 +54,11 @@ SERVED = {
         ServedFamily("mistral", "MistralForCausalLM"),
         ServedFamily("qwen2", "Qwen2ForCausalLM"),
         ServedFamily("qwen3", "Qwen3ForCausalLM"),
+        ServedFamily("phi3", "Phi3ForCausalLM"),
+        ServedFamily("granite", "GraniteForCausalLM"),
+        ServedFamily("gemma", "GemmaForCausalLM"),
+        ServedFamily("gemma2", "Gemma2ForCausalLM", tied_head=True),
+        ServedFamily("gemma3", "Gemma3ForCausalLM", config_name="Gemma3TextConfig"),
     )
 }
 
