@@ -182,6 +182,8 @@ FAMILIES = {
     "gemma": ("gemma", {}),
     "gemma2": ("gemma2", {"tie_word_embeddings": True}),  # vLLM's Gemma 2 reads its logits from the embedding
     "gemma3": ("gemma3_text", {}),
+    "mixtral": ("mixtral", {}),  # the experts stored one by one under the checkpoint's names, as vLLM loads them
+    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32}),
 }
 
 

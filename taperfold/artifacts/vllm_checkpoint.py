@@ -209,12 +209,36 @@ class FoldedWeights:
             and (name not in tied or name in self.untied)
         }
         self._pending: dict[str, torch.Tensor] = {}  # a folded layer's tensors not yet asked for
+        self._ready: dict[str, torch.Tensor] = {}  # stored tensors made from a model tensor, not yet asked for
+        self._model_name: dict[str, str] = {}  # a stored name -> the model's tensor it is (a part of)
 
     def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Each tensor's shape and stored dtype, in the order they are written."""
-        return {name: (t.shape, self._stored_dtype(t)) for name, t in self.source.items()}
+        """Each tensor's name as checkpoints store it, its shape and stored dtype, in the order they are written."""
+        shapes = {}
+        for name, t in self.source.items():
+            for stored, part in self._stored(name, torch.empty(t.shape, device="meta")).items():
+                self._model_name[stored] = name
+                shapes[stored] = (part.shape, self._stored_dtype(t))
+        return shapes
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _stored(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's tensor `name` as checkpoints of its family store it: transformers' conversion mapping
+        reversed, as save_pretrained writes it (MoE experts stacked in the model, `mlp.experts.gate_up_proj`, stored
+        one by one under the checkpoint's names, `block_sparse_moe.experts.0.w1.weight`, which vLLM loads)."""
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # an older transformers: names are stored as the modules have them
+            return {name: tensor}
+        return revert_weight_conversion(self.network, {name: tensor})
+
+    def tensor(self, stored: str) -> torch.Tensor:
+        """The tensor stored as `stored` (a name `shapes()` gave)."""
+        if stored not in self._ready:
+            name = self._model_name.get(stored, stored)
+            self._ready.update(self._stored(name, self._model_tensor(name)))
+        return self._ready.pop(stored).contiguous()
+
+    def _model_tensor(self, name: str) -> torch.Tensor:
         layer = name if name in self.norm_of else name.rpartition(".")[0]  # a bare weight is its own target
         if layer not in self.norm_of:
             tensor = self.source[name]

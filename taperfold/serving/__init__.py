@@ -10,9 +10,12 @@ building the stock model with its norms re-initialised to ones. Two registration
     taperfold.serving.vllm_plugin           vLLM's `vllm.general_plugins` entry point: vLLM's own class of the family
                                             with each folded norm the residual add alone (taperfold.serving.vllm_models)
 
-A family is served where its decoder layers are Llama's as both libraries write them: pre-norm RMSNorms read by
-linear layers (`input_layernorm`, `post_attention_layernorm`), the residual added outside the norm in transformers and
-inside it in vLLM (`norm(x, residual)`), and the same module paths in both.
+A family is served where both libraries call each folded norm the same simple way, at the same module path:
+transformers as `norm(x)` with the residual added outside it, vLLM as `norm(x)` or `norm(x, residual)` (its fused
+add-and-normalize): pre-norms read by linear layers (Llama's `input_layernorm`, `post_attention_layernorm`; MoE
+routers and experts), and post-norms on a sub-block's output folded back into the projection producing it (Gemma 2/3's
+`post_attention_layernorm`, `post_feedforward_layernorm`, called `norm(x)` before the residual add). Measured, tiny
+models, greedy tokens equal (tests/test_vllm.py).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ SERVED = {
         ServedFamily("gemma", "GemmaForCausalLM"),
         ServedFamily("gemma2", "Gemma2ForCausalLM", tied_head=True),
         ServedFamily("gemma3", "Gemma3ForCausalLM", config_name="Gemma3TextConfig"),
+        ServedFamily("mixtral", "MixtralForCausalLM"),
+        ServedFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
     )
 }
 

@@ -48,3 +48,22 @@ def register_with_transformers() -> None:
     for family, (config, model) in CLASSES.items():
         transformers.AutoConfig.register(SERVED[family].model_type, config, exist_ok=True)
         transformers.AutoModelForCausalLM.register(config, model, exist_ok=True)
+        _share_conversion_mapping(
+            SERVED[family].model_type, getattr(transformers, SERVED[family].config_class).model_type
+        )
+
+
+def _share_conversion_mapping(model_type: str, family_type: str) -> None:
+    """The family's checkpoint conversion mapping (its MoE experts stored one by one, stacked on loading) for
+    taperfold's model type too, which transformers looks the mapping up by: the folded checkpoint stores the family's
+    names (taperfold.artifacts.vllm_checkpoint). A transformers without such mappings stores the modules' names."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    mapping = get_checkpoint_conversion_mapping(family_type)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
