@@ -184,6 +184,8 @@ FAMILIES = {
     "gemma3": ("gemma3_text", {}),
     "mixtral": ("mixtral", {}),  # the experts stored one by one under the checkpoint's names, as vLLM loads them
     "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32}),
+    "smollm3": ("smollm3", {}),  # vLLM serves SmolLM3 and OLMo 2 with its Transformers backend
+    "olmo2": ("olmo2", {}),  # post-norms only, folded back into o_proj and down_proj
 }
 
 

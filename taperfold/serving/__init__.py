@@ -45,6 +45,11 @@ class ServedFamily:
         return f"Taperfold{self.model_class}"
 
     @property
+    def base_model_class(self) -> str:
+        """transformers' model class of the family without its head (what vLLM's Transformers backend builds)."""
+        return self.model_class.replace("ForCausalLM", "Model")
+
+    @property
     def config_class(self) -> str:
         """transformers' config class of the family."""
         return self.config_name or self.model_class.replace("ForCausalLM", "Config")
@@ -64,6 +69,8 @@ SERVED = {
         ServedFamily("gemma3", "Gemma3ForCausalLM", config_name="Gemma3TextConfig"),
         ServedFamily("mixtral", "MixtralForCausalLM"),
         ServedFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ServedFamily("smollm3", "SmolLM3ForCausalLM"),
+        ServedFamily("olmo2", "Olmo2ForCausalLM"),
     )
 }
 
