@@ -323,6 +323,15 @@ def test_an_unserved_family_is_refused_in_one_line_before_the_work(tmp_path, no_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_family_found_unservable_is_refused_in_one_line_with_the_reason(tmp_path, no_export_work):
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tiny_tapered("stablelm"), tmp_path / "stablelm")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "the stablelm family is not served yet: its LayerNorms' β folds into a bias")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_untied_gemma2_is_refused_in_one_line_before_the_work(tmp_path, no_export_work):
     """vLLM's Gemma 2 reads its logits from the embedding whatever config.json says: an untied head is refused."""
     from taperfold.hf import save_hf_directory

@@ -272,7 +272,10 @@ class FoldedWeights:
             if reason := write.past_range(self.dtype):  # in the dtype it is stored in
                 raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
             write.apply()
-        return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
+        tensors = {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
+        if added := sorted(set(tensors) - set(self.source)):  # a bias a LayerNorm's β would add
+            raise TaperfoldError(f"--vllm: folding {norm_path} gives {target} tensors it has not got: {added}")
+        return tensors
 
     def _stored_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self.dtype if tensor.is_floating_point() else tensor.dtype

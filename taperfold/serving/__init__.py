@@ -75,11 +75,21 @@ SERVED = {
 }
 
 
+# families looked at and not served, with what was found (docs/deployment.md, Serving with vLLM)
+NOT_SERVED = {
+    "stablelm": "its LayerNorms' β folds into a bias of the MLP's gate/up projections, which vLLM's StableLM has not "
+    "got",
+    "gpt_neox": "vLLM's Transformers backend, which serves it, gives other tokens than the checkpoint's for its "
+    "folded form (measured on a tiny model; stock GPT-NeoX matches)",
+}
+
+
 def served_family(family: str, origin: str) -> ServedFamily:
-    """The served form of taperfold family `family`, or one line saying it is not served yet."""
+    """The served form of taperfold family `family`, or one line saying it is not served yet (and why, where known)."""
     if family not in SERVED:
+        why = f": {NOT_SERVED[family]}" if family in NOT_SERVED else ""
         raise TaperfoldError(
-            f"{origin}: --vllm: the {family} family is not served yet (served: {', '.join(SERVED)}); "
+            f"{origin}: --vllm: the {family} family is not served yet{why} (served: {', '.join(SERVED)}); "
             "export it without --vllm"
         )
     return SERVED[family]

@@ -62,15 +62,17 @@ def register_with_transformers() -> None:
         transformers.AutoModelForCausalLM.register(config, model, exist_ok=True)
         # vLLM's Transformers backend builds the family's model without its head through AutoModel
         transformers.AutoModel.register(config, BASE_CLASSES[family], exist_ok=True)
-        _share_conversion_mapping(
-            SERVED[family].model_type, getattr(transformers, SERVED[family].config_class).model_type
-        )
+        served = SERVED[family]
+        family_type = getattr(transformers, served.config_class).model_type
+        _share_conversion_mapping(served.model_type, family_type)
+        _share_conversion_mapping(served.architecture, served.model_class)  # by class (a legacy name)
 
 
-def _share_conversion_mapping(model_type: str, family_type: str) -> None:
-    """The family's checkpoint conversion mapping (its MoE experts stored one by one, stacked on loading) for
-    taperfold's model type too, which transformers looks the mapping up by: the folded checkpoint stores the family's
-    names (taperfold.artifacts.vllm_checkpoint). A transformers without such mappings stores the modules' names."""
+def _share_conversion_mapping(ours: str, family: str) -> None:
+    """The family's checkpoint conversion mapping (its MoE experts stored one by one, stacked on loading; a legacy
+    name) for taperfold's model type or class too (`ours`), which transformers and vLLM's Transformers backend look
+    mappings up by: the folded checkpoint stores the family's names (taperfold.artifacts.vllm_checkpoint). A
+    transformers without such mappings stores the modules' names."""
     try:
         from transformers.conversion_mapping import (
             get_checkpoint_conversion_mapping,
@@ -78,6 +80,6 @@ def _share_conversion_mapping(model_type: str, family_type: str) -> None:
         )
     except ImportError:
         return
-    mapping = get_checkpoint_conversion_mapping(family_type)
+    mapping = get_checkpoint_conversion_mapping(family)
     if mapping is not None:
-        register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+        register_checkpoint_conversion_mapping(ours, mapping, overwrite=True)
