@@ -76,7 +76,7 @@ class VllmCheckpoint(ArtifactKind):
             is_flag=True,
             help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's "
             "plugin (vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face "
-            "sources of the Llama-like families (docs/deployment.md, Serving with vLLM).",
+            "sources of the served families (docs/deployment.md, Serving with vLLM).",
         ),
     )
     request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
