@@ -62,11 +62,15 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(exported):
+    return greedy_reference(exported[0])
+
+
+def greedy_reference(source: Path) -> list[dict]:
     """The checkpoint's own greedy continuation of each prompt at g = 0 (transformers' forward, taperfold's tapered
     norms), and the log-probability of each token it chose."""
     from taperfold.sources import open_source
 
-    model = open_source(exported[0]).build(gate=0.0).network.eval()
+    model = open_source(source).build(gate=0.0).network.eval()
     result = []
     for prompt in PROMPTS:
         ids, logprobs = torch.tensor([prompt]), []
@@ -171,6 +175,76 @@ def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_chec
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
+# each served family but llama (the tests above): the tiny config's model type (tests/hf_models.py) and its changes
+FAMILIES = {
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
+    "granite": ("granite", {}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {"tie_word_embeddings": True}),  # vLLM's Gemma 2 reads its logits from the embedding
+    "gemma3": ("gemma3_text", {}),
+    "mixtral": ("mixtral", {}),  # the experts stored one by one under the checkpoint's names, as vLLM loads them
+    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32}),
+    "smollm3": ("smollm3", {}),  # vLLM serves SmolLM3 and OLMo 2 with its Transformers backend
+    "olmo2": ("olmo2", {}),  # post-norms only, folded back into o_proj and down_proj
+}
+
+
+def tiny_tapered(model_type: str, **changes):
+    """A tiny tapered model at g = 0 of Llama's test shape (head size 32, untied head, larger weights)."""
+    from hf_models import tapered_tiny_model
+
+    shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                 max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
+    return tapered_tiny_model(model_type, **{**shape, **changes})
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_exported(request, tmp_path_factory):
+    """(family, tapered source, its folded checkpoint folder) of `taperfold export SOURCE --vllm` for a tiny tapered
+    model of each served family."""
+    from taperfold.hf import save_hf_directory
+
+    root = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    model_type, changes = FAMILIES[request.param]
+    source = save_hf_directory(tiny_tapered(model_type, **changes), root / "tapered")
+    result = run_cli("export", source, "-o", root / "out", "--vllm")
+    assert result.exit_code == 0, result.stderr
+    return request.param, source, root / "out" / "vllm" / "folded"
+
+
+def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(family_exported):
+    from taperfold.serving import SERVED
+    from taperfold.serving.transformers_models import register_with_transformers
+    from taperfold.sources import open_source
+
+    family, source, folder = family_exported
+    register_with_transformers()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(folded).__name__ == SERVED[family].architecture
+    folded_norms = json.loads((folder / "config.json").read_text())["taperfold_folded_norms"]
+    assert folded_norms and all(isinstance(folded.get_submodule(p), torch.nn.Identity) for p in folded_norms)
+    checkpoint = open_source(source).build(gate=0.0).network.eval()
+    ids = torch.tensor(PROMPTS[2:] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, checkpoint(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_vllm
+def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(family_exported):
+    family, source, folder = family_exported
+    reference = greedy_reference(source)
+    run = run_vllm(folder)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
+    served = json.loads(lines[-1].removeprefix("RESULT "))
+    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference], family
+    for got, want in zip(served, reference):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
 @needs_vllm
 def test_stock_vllm_refuses_the_folded_checkpoint(exported):
     run = run_vllm(exported[1] / "vllm" / "folded", plugins="")
@@ -244,10 +318,30 @@ def test_an_unserved_family_is_refused_in_one_line_before_the_work(tmp_path, no_
     from hf_models import tapered_tiny_model
 
     from taperfold.hf import save_hf_directory
+    from taperfold.serving import SERVED
 
-    source = save_hf_directory(tapered_tiny_model("gemma"), tmp_path / "gemma")
+    source = save_hf_directory(tapered_tiny_model("phi"), tmp_path / "phi")
     result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
-    one_line(result, "--vllm: the gemma family is not served yet", "served: llama, mistral, qwen2, qwen3")
+    one_line(result, "--vllm: the phi family is not served yet", f"served: {', '.join(SERVED)}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_family_found_unservable_is_refused_in_one_line_with_the_reason(tmp_path, no_export_work):
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tiny_tapered("stablelm"), tmp_path / "stablelm")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "the stablelm family is not served yet: its LayerNorms' β folds into a bias")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_untied_gemma2_is_refused_in_one_line_before_the_work(tmp_path, no_export_work):
+    """vLLM's Gemma 2 reads its logits from the embedding whatever config.json says: an untied head is refused."""
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tiny_tapered("gemma2"), tmp_path / "gemma2")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "its head is untied", "Gemma2ForCausalLM reads the logits from the embedding")
     assert not (tmp_path / "out").exists()
 
 

@@ -41,7 +41,7 @@ from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
 from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
 from taperfold.taper import fold_target, stored_in_out
-from taperfold.variants import reader_writes
+from taperfold.variants import producer_writes, reader_writes
 
 if TYPE_CHECKING:
     from taperfold.hf.source import HFCheckpoint
@@ -76,7 +76,7 @@ class VllmCheckpoint(ArtifactKind):
             is_flag=True,
             help="Also write the folded model as a Hugging Face-style checkpoint that vLLM serves through taperfold's "
             "plugin (vllm/folded/: safetensors, config.json naming taperfold's architecture, tokenizer); Hugging Face "
-            "sources of the Llama-like families (docs/deployment.md, Serving with vLLM).",
+            "sources of the served families (docs/deployment.md, Serving with vLLM).",
         ),
     )
     request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
@@ -188,6 +188,18 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
             f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
             "(TaperNorm), which leave only the residual add behind"
         )
+    if served.tied_head:
+        head = source.family.head
+        if not source.hf_config_dict.get("tie_word_embeddings", True):
+            raise TaperfoldError(
+                f"{origin}: --vllm: its head is untied (tie_word_embeddings false), and vLLM's "
+                f"{served.model_class} reads the logits from the embedding: it would serve the wrong head"
+            )
+        if any(head in tapering.folds_into(path) for path in tapering.norms):
+            raise TaperfoldError(
+                f"{origin}: --vllm: the final norm folds into the head, which unties it from the embedding, and "
+                f"vLLM's {served.model_class} reads the logits from the embedding; taper the internal norms only"
+            )
     return source, served
 
 
@@ -212,13 +224,37 @@ class FoldedWeights:
             and (name not in tied or name in self.untied)
         }
         self._pending: dict[str, torch.Tensor] = {}  # a folded layer's tensors not yet asked for
+        self._ready: dict[str, torch.Tensor] = {}  # stored tensors made from a model tensor, not yet asked for
+        self._model_name: dict[str, str] = {}  # a stored name -> the model's tensor it is (a part of)
 
     def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Each tensor's shape and stored dtype, in the order they are written."""
-        return {name: (t.shape, self._stored_dtype(t)) for name, t in self.source.items()}
+        """Each tensor's name as checkpoints store it, its shape and stored dtype, in the order they are written."""
+        shapes = {}
+        for name, t in self.source.items():
+            for stored, part in self._stored(name, torch.empty(t.shape, device="meta")).items():
+                self._model_name[stored] = name
+                shapes[stored] = (part.shape, self._stored_dtype(t))
+        return shapes
 
-    def tensor(self, name: str) -> torch.Tensor:
-        layer = name.rpartition(".")[0]
+    def _stored(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's tensor `name` as checkpoints of its family store it: transformers' conversion mapping
+        reversed, as save_pretrained writes it (MoE experts stacked in the model, `mlp.experts.gate_up_proj`, stored
+        one by one under the checkpoint's names, `block_sparse_moe.experts.0.w1.weight`, which vLLM loads)."""
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # an older transformers: names are stored as the modules have them
+            return {name: tensor}
+        return revert_weight_conversion(self.network, {name: tensor})
+
+    def tensor(self, stored: str) -> torch.Tensor:
+        """The tensor stored as `stored` (a name `shapes()` gave)."""
+        if stored not in self._ready:
+            name = self._model_name.get(stored, stored)
+            self._ready.update(self._stored(name, self._model_tensor(name)))
+        return self._ready.pop(stored).contiguous()
+
+    def _model_tensor(self, name: str) -> torch.Tensor:
+        layer = name if name in self.norm_of else name.rpartition(".")[0]  # a bare weight is its own target
         if layer not in self.norm_of:
             tensor = self.source[name]
             return tensor.to(self._stored_dtype(tensor))
@@ -228,17 +264,33 @@ class FoldedWeights:
 
     @torch.no_grad()
     def _folded(self, target: str) -> dict[str, torch.Tensor]:
-        """The tensors of layer `target` once its norm's map is folded in (float64, then cast once)."""
-        norm = self.network.get_submodule(self.norm_of[target])
+        """The tensors of layer `target` once its norm's map is folded in (float64, then cast once): into its input
+        rows where it reads the norm, into its output columns where it produces a post-norm's input."""
+        norm_path = self.norm_of[target]
+        norm = self.network.get_submodule(norm_path)
         constant = self.tapering.kind.constant_map(norm)
         reader = fold_target(self.network, target)
-        assert isinstance(reader, nn.Module)  # the served families' readers are linear layers, not bare weights
+        if isinstance(reader, nn.Parameter):  # a router's or stacked experts' weight: a tensor of its own
+            weight = nn.Parameter(reader.detach().double())
+            in_out = stored_in_out(self.network, target, len(constant.scale))
+            for write in reader_writes(weight, constant, in_out):
+                if reason := write.past_range(self.dtype):
+                    raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
+                write.apply()
+            return {target: weight.detach().to(self.dtype)}
         layer = copy.deepcopy(reader).double()  # this layer only
-        for write in reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale))):
+        if norm_path in self.tapering.producers:
+            writes = producer_writes(layer, constant)
+        else:
+            writes = reader_writes(layer, constant, stored_in_out(self.network, target, len(constant.scale)))
+        for write in writes:
             if reason := write.past_range(self.dtype):  # in the dtype it is stored in
-                raise TaperfoldError(f"--vllm: {self.norm_of[target]} cannot be folded into {target} ({reason})")
+                raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
             write.apply()
-        return {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
+        tensors = {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
+        if added := sorted(set(tensors) - set(self.source)):  # a bias a LayerNorm's β would add
+            raise TaperfoldError(f"--vllm: folding {norm_path} gives {target} tensors it has not got: {added}")
+        return tensors
 
     def _stored_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self.dtype if tensor.is_floating_point() else tensor.dtype

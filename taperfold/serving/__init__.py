@@ -10,9 +10,12 @@ building the stock model with its norms re-initialised to ones. Two registration
     taperfold.serving.vllm_plugin           vLLM's `vllm.general_plugins` entry point: vLLM's own class of the family
                                             with each folded norm the residual add alone (taperfold.serving.vllm_models)
 
-A family is served where its decoder layers are Llama's as both libraries write them: pre-norm RMSNorms read by
-linear layers (`input_layernorm`, `post_attention_layernorm`), the residual added outside the norm in transformers and
-inside it in vLLM (`norm(x, residual)`), and the same module paths in both.
+A family is served where both libraries call each folded norm the same simple way, at the same module path:
+transformers as `norm(x)` with the residual added outside it, vLLM as `norm(x)` or `norm(x, residual)` (its fused
+add-and-normalize): pre-norms read by linear layers (Llama's `input_layernorm`, `post_attention_layernorm`; MoE
+routers and experts), and post-norms on a sub-block's output folded back into the projection producing it (Gemma 2/3's
+`post_attention_layernorm`, `post_feedforward_layernorm`, called `norm(x)` before the residual add). Measured, tiny
+models, greedy tokens equal (tests/test_vllm.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ CONFIG_KEY = "taperfold_folded_norms"  # config.json: the module paths of the no
 class ServedFamily:
     family: str  # taperfold's family (taperfold.families)
     model_class: str  # the family's causal LM class, as transformers and vLLM's registry both name it
+    config_name: str | None = None  # transformers' config class where it is not the model class's (Gemma 3's text)
+    tied_head: bool = False  # vLLM's class reads the logits from the embedding, whatever the config says (Gemma 2)
 
     @property
     def model_type(self) -> str:
@@ -40,9 +45,14 @@ class ServedFamily:
         return f"Taperfold{self.model_class}"
 
     @property
+    def base_model_class(self) -> str:
+        """transformers' model class of the family without its head (what vLLM's Transformers backend builds)."""
+        return self.model_class.replace("ForCausalLM", "Model")
+
+    @property
     def config_class(self) -> str:
         """transformers' config class of the family."""
-        return self.model_class.replace("ForCausalLM", "Config")
+        return self.config_name or self.model_class.replace("ForCausalLM", "Config")
 
 
 SERVED = {
@@ -52,15 +62,34 @@ SERVED = {
         ServedFamily("mistral", "MistralForCausalLM"),
         ServedFamily("qwen2", "Qwen2ForCausalLM"),
         ServedFamily("qwen3", "Qwen3ForCausalLM"),
+        ServedFamily("phi3", "Phi3ForCausalLM"),
+        ServedFamily("granite", "GraniteForCausalLM"),
+        ServedFamily("gemma", "GemmaForCausalLM"),
+        ServedFamily("gemma2", "Gemma2ForCausalLM", tied_head=True),
+        ServedFamily("gemma3", "Gemma3ForCausalLM", config_name="Gemma3TextConfig"),
+        ServedFamily("mixtral", "MixtralForCausalLM"),
+        ServedFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ServedFamily("smollm3", "SmolLM3ForCausalLM"),
+        ServedFamily("olmo2", "Olmo2ForCausalLM"),
     )
 }
 
 
+# families looked at and not served, with what was found (docs/deployment.md, Serving with vLLM)
+NOT_SERVED = {
+    "stablelm": "its LayerNorms' β folds into a bias of the MLP's gate/up projections, which vLLM's StableLM has not "
+    "got",
+    "gpt_neox": "vLLM's Transformers backend, which serves it, gives other tokens than the checkpoint's for its "
+    "folded form (measured on a tiny model; stock GPT-NeoX matches)",
+}
+
+
 def served_family(family: str, origin: str) -> ServedFamily:
-    """The served form of taperfold family `family`, or one line saying it is not served yet."""
+    """The served form of taperfold family `family`, or one line saying it is not served yet (and why, where known)."""
     if family not in SERVED:
+        why = f": {NOT_SERVED[family]}" if family in NOT_SERVED else ""
         raise TaperfoldError(
-            f"{origin}: --vllm: the {family} family is not served yet (served: {', '.join(SERVED)}); "
+            f"{origin}: --vllm: the {family} family is not served yet{why} (served: {', '.join(SERVED)}); "
             "export it without --vllm"
         )
     return SERVED[family]

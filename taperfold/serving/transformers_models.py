@@ -38,9 +38,21 @@ def _folded_classes(served: ServedFamily) -> tuple[type, type]:
     return config, model
 
 
+def _base_class(served: ServedFamily, config: type) -> type:
+    """The family's model without its head, for the folded config (what vLLM's Transformers backend builds through
+    AutoModel, whose registration asks for the model's config class to be the config's): its norms as they are, the
+    backend's caller replaces the folded ones (taperfold.serving.vllm_models)."""
+    base = getattr(transformers, served.base_model_class)
+    name = f"Taperfold{served.base_model_class}"
+    return type(name, (base,), {"config_class": config, "__module__": __name__})
+
+
 CLASSES = {family: _folded_classes(served) for family, served in SERVED.items()}
+BASE_CLASSES = {family: _base_class(SERVED[family], config) for family, (config, _) in CLASSES.items()}
 for _config, _model in CLASSES.values():
     globals()[_config.__name__], globals()[_model.__name__] = _config, _model
+for _base in BASE_CLASSES.values():
+    globals()[_base.__name__] = _base
 
 
 def register_with_transformers() -> None:
@@ -48,3 +60,26 @@ def register_with_transformers() -> None:
     for family, (config, model) in CLASSES.items():
         transformers.AutoConfig.register(SERVED[family].model_type, config, exist_ok=True)
         transformers.AutoModelForCausalLM.register(config, model, exist_ok=True)
+        # vLLM's Transformers backend builds the family's model without its head through AutoModel
+        transformers.AutoModel.register(config, BASE_CLASSES[family], exist_ok=True)
+        served = SERVED[family]
+        family_type = getattr(transformers, served.config_class).model_type
+        _share_conversion_mapping(served.model_type, family_type)
+        _share_conversion_mapping(served.architecture, served.model_class)  # by class (a legacy name)
+
+
+def _share_conversion_mapping(ours: str, family: str) -> None:
+    """The family's checkpoint conversion mapping (its MoE experts stored one by one, stacked on loading; a legacy
+    name) for taperfold's model type or class too (`ours`), which transformers and vLLM's Transformers backend look
+    mappings up by: the folded checkpoint stores the family's names (taperfold.artifacts.vllm_checkpoint). A
+    transformers without such mappings stores the modules' names."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    mapping = get_checkpoint_conversion_mapping(family)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(ours, mapping, overwrite=True)

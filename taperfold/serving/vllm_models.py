@@ -1,7 +1,9 @@
 """vLLM's model classes for folded checkpoints (`export --vllm`), imported by vLLM where it builds a model (the
 plugin registers them by name: taperfold.serving.vllm_plugin).
 
-Each is vLLM's own class of the family (found in vLLM's registry under the family's architecture), with each norm
+Each is vLLM's own class of the family (found in vLLM's registry under the family's architecture: its own model file,
+or for families it has none for, SmolLM3 and OLMo 2, its Transformers backend, which builds transformers' model
+without its head through AutoModel: taperfold.serving.transformers_models registers it), with each norm
 config.json lists as folded (`taperfold_folded_norms`) replaced by `ResidualAdd`; everything else, the real norms
 (the final norm, the scale anchor; per-head q/k norms) included, stays vLLM's: its attention, kernels, weight loading
 (the folded norms' weights are not in the checkpoint, and the model no longer asks for them), tensor and pipeline
@@ -22,8 +24,10 @@ from taperfold.serving import CONFIG_KEY, SERVED, ServedFamily
 
 class ResidualAdd(nn.Module):
     """What a folded norm leaves in a vLLM decoder layer. vLLM's layers call a norm as `norm(x)` (the first layer's
-    input norm) and expect the normalized x, or as `norm(x, residual)` (its fused add-and-normalize) and expect
-    (normalized sum, sum); the norm's map now lives in the weights of the layers reading it, so x, or the sum twice."""
+    input norm; a post-norm on a sub-block's output; every norm of a layer transformers writes, which adds the
+    residual outside) and expect the normalized x, or as `norm(x, residual)` (its fused add-and-normalize) and expect
+    (normalized sum, sum); the norm's map now lives in the weights of the layers reading (or producing) its input, so
+    x, or the sum twice."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
