@@ -86,13 +86,13 @@ def quick_exporter(monkeypatch, tiny_export):
     write, commit) run for real in a second instead of twenty."""
     import onnx_ir
 
-    import taperfold.export
+    import taperfold.tracing
 
     def export_to_ir(model, opts, graph="prefill", **options):
         name = "baseline" if model.cfg.taper == "none" else "unfolded"
         return onnx_ir.load(tiny_export / onnx_file(name, graph))
 
-    monkeypatch.setattr(taperfold.export, "export_to_ir", export_to_ir)
+    monkeypatch.setattr(taperfold.tracing, "export_to_ir", export_to_ir)
 
 
 def tapered_norms(work: Path) -> int:
@@ -405,7 +405,7 @@ def test_an_interrupt_swallowed_inside_the_exporter_still_stops_the_export(work,
     the export went on to exit 0. The recorded signal stops it at the next stage or commit."""
     import onnx_ir
 
-    import taperfold.export
+    import taperfold.tracing
 
     class Finalizer:
         def __del__(self):
@@ -415,7 +415,7 @@ def test_an_interrupt_swallowed_inside_the_exporter_still_stops_the_export(work,
         Finalizer()  # collected at once: the interrupt lands in its __del__ and is swallowed
         return onnx_ir.load(tiny_export / "unfolded.onnx")
 
-    monkeypatch.setattr(taperfold.export, "export_to_ir", export_to_ir)
+    monkeypatch.setattr(taperfold.tracing, "export_to_ir", export_to_ir)
     before = snapshot(work)
     r = run_cli("export", "ckpt.pt", "-o", "out", "--no-baseline")
     assert r.exit_code == 130, r.stderr
