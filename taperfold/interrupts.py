@@ -8,6 +8,10 @@ A second signal while the first one's cleanup runs is not raised again (the comm
 Once the command is done (`finishing`), a signal ends the process at once with the same one line: nothing is
 left to clean up, and an interpreter shutting down can neither drop it nor die of it without a word.
 Exit codes: 130 for SIGINT, 143 for SIGTERM (128 + the signal number, as a shell reports them).
+
+A child process whose own children must not outlive it (a contender's tool, vLLM's server and engine, the serving
+benchmark) runs in a process group of its own (`process_group`, or `start_group` and `end_group` where it outlives a
+block), ended whole however the command stops.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
@@ -110,3 +116,39 @@ def deferred() -> Iterator[None]:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a pending signal is delivered here
     check()
+
+
+def start_group(command: list[str], **popen: Any) -> subprocess.Popen:
+    """`command` started (`popen`: subprocess.Popen's options) in a session of its own, so in a process group of its
+    own, which `end_group` ends whole. A terminal's Ctrl-C then reaches taperfold alone, whose cleanup ends the group;
+    the child keeps the signal handling it inherits (under a pytest-xdist worker, SIGINT ignored)."""
+    return subprocess.Popen(command, start_new_session=True, **popen)
+
+
+def end_group(process: subprocess.Popen, stop_signal: int | None = None, grace_s: float = 0) -> None:
+    """End `process` and every process in its group (what it started: a shell's children, workers, an engine process):
+    `stop_signal`, if given, to the group and up to `grace_s` for `process` to exit on it, then SIGKILL to what is
+    left, even when a Ctrl-C cuts that wait short; `process` reaped. A group already gone is no error."""
+    try:
+        if stop_signal is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, stop_signal)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=grace_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextlib.contextmanager
+def process_group(
+    command: list[str], *, stop_signal: int | None = None, grace_s: float = 0, **popen: Any
+) -> Iterator[subprocess.Popen]:
+    """`command` in a process group of its own (`start_group`), ended whole (`end_group`) however the block is left:
+    done, by an error, a timeout or Ctrl-C; its pipes closed."""
+    with start_group(command, **popen) as process:
+        try:
+            yield process
+        finally:
+            end_group(process, stop_signal, grace_s)

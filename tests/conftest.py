@@ -8,6 +8,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,15 @@ def one_line(result: CliResult, *needles) -> None:
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("taperfold: error: "), result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` is alive (a zombie waiting for its reaper is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
 
 
 @pytest.fixture

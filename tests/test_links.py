@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_S, one_line, run_cli
+from conftest import HANG_S, is_running, one_line, run_cli
 
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
@@ -297,16 +297,7 @@ def test_a_contender_interrupted_while_it_builds_leaves_nothing(tmp_path, hf_exp
     finally:
         child.kill()
     assert tree(out) == before
-    assert not _running(int(worker.read_text())), "the tool's worker outlived the interrupt"
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` is alive (a zombie waiting for its reaper is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
+    assert not is_running(int(worker.read_text())), "the tool's worker outlived the interrupt"
 
 
 def test_a_contender_folder_planted_as_a_link_is_refused(tmp_path, victim, monkeypatch, hf_export):

@@ -148,7 +148,7 @@ def test_transformers_with_taperfolds_registration_gives_the_checkpoints_logits(
 
 
 def test_weights_past_the_shard_size_are_sharded_with_an_index_and_read_back_alike(exported, tmp_path):
-    from taperfold.artifacts.vllm_checkpoint import FoldedWeights, write_safetensors
+    from taperfold.artifacts.vllm_weights import FoldedWeights, write_safetensors
     from taperfold.hf.weights import read_weights
     from taperfold.sources import open_source
 

@@ -20,11 +20,9 @@ Adding a contender is a class that is a `Tool`, and one entry in CONTENDERS.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -35,6 +33,7 @@ from typing import Any, ClassVar, Protocol
 
 from taperfold.errors import TaperfoldError
 from taperfold.fsutil import atomic_dir, check_inside, read_json_object
+from taperfold.interrupts import process_group
 from taperfold.manifest import Manifest
 from taperfold.runners.base import Runner
 
@@ -87,18 +86,10 @@ def _run_on_plain_model(
 
 def _run_tool(command: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run a contender's tool to the end: (exit code, stderr). The tool runs in a process group of its own, killed
-    whole when the run stops (Ctrl-C, an error), so that no process it started (a shell's child, a worker) lives on
-    writing into the folder being removed."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
+    whole when it exits or the run stops (Ctrl-C, an error), so that no process it started (a shell's child, a worker)
+    lives on writing into the folder being removed."""
+    with process_group(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
         _, stderr = process.communicate()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
     return process.returncode, stderr
 
 

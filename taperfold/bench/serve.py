@@ -32,11 +32,13 @@ from typing import Any
 from taperfold.bench.harness import rotated
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
+from taperfold.interrupts import process_group
 
 REPORT = "bench-serve.json"
 LOGS = "bench-serve-logs"
 FORMAT = "taperfold-bench-serve"
 HEALTH_TIMEOUT_S = 900  # a large model's load and warm-up
+STOP_GRACE_S = 60  # a server told to stop (SIGTERM) shuts vLLM's engine down; then SIGKILL to what lingers
 # the figures reported per contender and concurrency (vllm.benchmarks.serve's names)
 FIGURES = (
     "request_throughput",
@@ -97,28 +99,24 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """The server and everything it started (vLLM's engine process): SIGTERM to its group, SIGKILL if it lingers."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=60)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 @contextlib.contextmanager
 def served(python: Path, contender: ServeContender, log: Path):
-    """vLLM's OpenAI server on `contender` at 127.0.0.1 and a free port, healthy; its URL. Stopped on leaving."""
+    """vLLM's OpenAI server on `contender` at 127.0.0.1 and a free port, healthy; its URL. Stopped on leaving, with
+    everything it started (vLLM's engine process): SIGTERM to its group, SIGKILL if it lingers."""
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(contender.model),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", contender.dtype]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
-        )
-    try:
+    with (
+        open(log, "w") as out,
+        process_group(
+            command,
+            stop_signal=signal.SIGTERM,
+            grace_s=STOP_GRACE_S,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_child_env(),
+        ) as process,
+    ):
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while True:
@@ -134,8 +132,6 @@ def served(python: Path, contender: ServeContender, log: Path):
                 raise TaperfoldError(f"--mode serve: vLLM's server was not healthy within {HEALTH_TIMEOUT_S} s ({log})")
             time.sleep(1)
         yield url
-    finally:
-        _stop(process)
 
 
 def _last_line(log: Path) -> str:
@@ -147,17 +143,11 @@ def run_benchmark(python: Path, url: str, contender: ServeContender, args: list[
     """vllm.benchmarks.serve against `url` (its options `args`), its stderr appended to `log`; its figures."""
     command = [str(python), "-m", "taperfold.serving.vllm_serve_bench", "--backend", "vllm", "--base-url", url,
                "--model", str(contender.model), "--tokenizer", str(contender.model), *args]  # fmt: skip
-    with open(log, "a") as err:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env(), start_new_session=True
-        )
-        try:
-            stdout, _ = process.communicate()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
+    with (
+        open(log, "a") as err,
+        process_group(command, stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env()) as process,
+    ):
+        stdout, _ = process.communicate()
     lines = [line for line in stdout.splitlines() if line.strip()]
     result = json.loads(lines[-1]) if lines else {"error": f"exit code {process.returncode}: {_last_line(log)}"}
     if "error" in result:

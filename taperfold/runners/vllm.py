@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,7 @@ import numpy as np
 import taperfold
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import INPUT, OUTPUT
+from taperfold.interrupts import end_group, start_group
 from taperfold.runners.base import Generation, Runner
 
 ENV_VAR = "TAPERFOLD_VLLM_PYTHON"
@@ -148,14 +148,13 @@ class VllmRunner(Runner):
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self._log = tempfile.TemporaryFile(mode="w+", prefix="taperfold-vllm-")  # noqa: SIM115 - closed in _stop
-        self._process = subprocess.Popen(
+        self._process = start_group(  # its own process group: ended whole, vLLM's engine process with it
             [str(python), "-m", CHILD, json.dumps(settings)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
             env=env,
-            start_new_session=True,  # its own process group: ended whole, vLLM's engine process with it
         )
         try:
             ready = self._read("loading the model")
@@ -209,25 +208,26 @@ class VllmRunner(Runner):
             raise
 
     def _stop(self, kill: bool = False) -> None:
-        """End the child: asked to quit (vLLM shuts its engine down) unless `kill`, then its whole process group."""
+        """End the child: asked to quit (vLLM shuts its engine down) unless `kill`, then its whole process group (a
+        Ctrl-C while it quits included)."""
         process, self._process = self._process, None
-        if process is not None:
-            if not kill:
+        try:
+            if process is not None and not kill:
                 with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                     assert process.stdin is not None
                     process.stdin.write(json.dumps({"op": "quit"}) + "\n")
                     process.stdin.close()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):  # what is left of its group: vLLM's engine process
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            with contextlib.suppress(OSError, ValueError):
-                assert process.stdout is not None
-                process.stdout.close()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        finally:
+            if process is not None:
+                end_group(process)  # what is left of its group: vLLM's engine process
+                with contextlib.suppress(OSError, ValueError):
+                    assert process.stdout is not None
+                    process.stdout.close()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
 
     def _close(self) -> None:
         self._stop()
