@@ -13,10 +13,10 @@
     DIR/*.onnx.data            each graph's weights (external data)
 
 `VARIANT_TABLE` names every variant with its files and meaning; `unfused` (the paper's word) is accepted
-wherever a user types `unfolded`. `GRAPHS` names the graphs a variant may have (prefill and the KV-cached
-decoders). Other modules ask this one for file names, dtypes and decoder tensor names instead of spelling them out
-(CLI choices and docs/design.md's variant table come from it); artifact kinds (taperfold.artifacts) name their files
-from these.
+wherever a user types `unfolded`. `GRAPH_TYPES` describes the graphs a variant may have (prefill and the
+KV-cached decoders: file suffix, past, cache), `GRAPHS` names them. Other modules ask this one for file names, dtypes,
+graph types and decoder tensor names instead of spelling them out (CLI choices and docs/design.md's variant table come
+from it); artifact kinds (taperfold.artifacts) name their files from these.
 """
 
 from __future__ import annotations
@@ -117,9 +117,32 @@ Graph = Literal["prefill", "growing", "static"]
 PREFILL: Graph = "prefill"
 GROWING: Graph = "growing"
 STATIC: Graph = "static"
-GRAPHS: tuple[Graph, ...] = (PREFILL, GROWING, STATIC)
-KV_CACHES: tuple[Graph, ...] = (GROWING, STATIC)  # the decoders
-_FILE_SUFFIX = {PREFILL: "", GROWING: ".decoder", STATIC: ".static"}
+
+
+@dataclass(frozen=True)
+class GraphType:
+    """What the modules that run, verify and time a graph ask of its type, looked up instead of branched on
+    (torch-free; how the type is traced is tracing.GRAPH_SPECS)."""
+
+    file_suffix: str  # its files STEM{suffix}.onnx and its manifest key VARIANT{suffix}
+    has_past: bool  # a KV-cached decoder: takes past_key_values.*, returns logits and present.*
+    # its cache is buffers of one length (export --max-cache), written in place at `cache_position` (an input): the
+    # presents are the pasts, and every step has the same shapes
+    fixed_cache: bool = False
+
+    @property
+    def grows(self) -> bool:
+        """Its cache grows by the new tokens every call: every step has new shapes."""
+        return self.has_past and not self.fixed_cache
+
+
+GRAPH_TYPES: dict[Graph, GraphType] = {
+    PREFILL: GraphType("", has_past=False),
+    GROWING: GraphType(".decoder", has_past=True),
+    STATIC: GraphType(".static", has_past=True, fixed_cache=True),
+}
+GRAPHS: tuple[Graph, ...] = tuple(GRAPH_TYPES)
+KV_CACHES: tuple[Graph, ...] = tuple(g for g, t in GRAPH_TYPES.items() if t.has_past)  # the decoders
 
 
 def check_graph(graph: str) -> Graph:
@@ -136,23 +159,20 @@ def kv_cache(name: str) -> Graph:
     return check_graph(name)
 
 
-def is_decoder(graph: Graph) -> bool:
-    return check_graph(graph) != PREFILL
-
-
 def graph_key(variant: str, graph: Graph = PREFILL) -> str:
     """`folded`, `unfolded.decoder`, `folded.static`...: how manifest.json and reports name a variant's graph."""
-    return canonical_variant(variant) + _FILE_SUFFIX[check_graph(graph)]
+    return canonical_variant(variant) + GRAPH_TYPES[check_graph(graph)].file_suffix
 
 
 def onnx_file(variant: str, graph: Graph = PREFILL) -> str:
     """`model.onnx`, `unfolded.decoder.onnx`, `model.static.onnx`...: the file name export writes for a variant."""
-    return f"{VARIANTS_BY_NAME[canonical_variant(variant)].stem}{_FILE_SUFFIX[check_graph(graph)]}.onnx"
+    return f"{VARIANTS_BY_NAME[canonical_variant(variant)].stem}{GRAPH_TYPES[check_graph(graph)].file_suffix}.onnx"
 
 
 def parse_graph_key(key: str) -> tuple[str, Graph] | None:
     """(variant, graph) of a key `graph_key` wrote, or None."""
-    for graph, suffix in _FILE_SUFFIX.items():
+    for graph, graph_type in GRAPH_TYPES.items():
+        suffix = graph_type.file_suffix
         variant = key.removesuffix(suffix) if suffix else key
         if (not suffix or key.endswith(suffix)) and variant in VARIANTS_BY_NAME:
             return variant, graph
@@ -190,7 +210,7 @@ def decoder_io_names(n_layers: int, graph: Graph = GROWING) -> tuple[list[str], 
     binds the two to one buffer (shape [batch, kv_heads, cache length, head_dim])."""
     past = [f"{PAST}{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    positions = [CACHE_POSITION] if check_graph(graph) == STATIC else []
+    positions = [CACHE_POSITION] if GRAPH_TYPES[check_graph(graph)].fixed_cache else []
     return [INPUT, *positions, *past], [OUTPUT, *present]
 
 

@@ -3,9 +3,10 @@ dynamo exporter, into an onnx_ir model.
 
 Each graph type is one `GraphSpec` (GRAPH_SPECS): the call it is traced from (the model itself, or a wrapper that
 flattens the KV cache into named tensors), its example arguments and dynamic axes, its input and output names, the
-opset table's row it takes and the prefix its wrapper adds to module paths. taperfold.export runs the graph pipeline
-around a trace (layer stamping, the fold, fusions, the manifest); an artifact kind that converts the model itself
-(OpenVINO's PyTorch frontend) traces the same call.
+opset table's row it takes and the prefix its wrapper adds to module paths. What the type is (its files, whether it
+carries a past, a cache of fixed length) is exportdir.GRAPH_TYPES, keyed alike and torch-free. taperfold.export runs
+the graph pipeline around a trace (layer stamping, the fold, fusions, the manifest); an artifact kind that converts
+the model itself (OpenVINO's PyTorch frontend) traces the same call.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ import pytest
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import (
+    GRAPH_TYPES,
     GRAPHS,
     GROWING,
+    KV_CACHES,
     PREFILL,
     STATIC,
     canonical_variant,
@@ -46,6 +48,21 @@ def test_a_graph_is_one_of_three_and_its_key_reads_back():
     for wrong in (True, False, "decoder", None):  # the spellings of the bool | str flag this replaced
         with pytest.raises(ValueError, match="a graph is one of"):
             check_graph(wrong)
+
+
+def test_each_graph_type_says_if_it_carries_a_past_and_a_cache_of_fixed_length():
+    prefill, growing, static = (GRAPH_TYPES[g] for g in GRAPHS)
+    assert not prefill.has_past and not prefill.fixed_cache and not prefill.grows
+    assert growing.has_past and not growing.fixed_cache and growing.grows
+    assert static.has_past and static.fixed_cache and not static.grows
+    assert KV_CACHES == (GROWING, STATIC)  # the types with a past
+    assert decoder_io_names(1, STATIC)[0][:2] == ["input_ids", "cache_position"]  # a fixed cache is written at it
+
+
+def test_every_graph_type_has_a_trace_spec():
+    from taperfold.tracing import GRAPH_SPECS
+
+    assert tuple(GRAPH_SPECS) == GRAPHS
 
 
 class Shape:

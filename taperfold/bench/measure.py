@@ -24,6 +24,7 @@ from taperfold.exportdir import (
     ALL_VARIANTS,
     BASELINE,
     DECOMPOSED_BASELINE,
+    GRAPH_TYPES,
     GRAPHS,
     GROWING,
     INPUT,
@@ -32,6 +33,7 @@ from taperfold.exportdir import (
     STATIC,
     VARIANTS,
     Graph,
+    check_graph,
     torch_dtype,
 )
 from taperfold.models import ModelConfig
@@ -101,7 +103,7 @@ def fit_to_context(
     chosen = engine(opts.engine)
     _check_request(chosen, source, opts)
     context, notes = source.config.max_seq_len, []
-    static = _static_cache_length(chosen, source, opts) if opts.mode == "decode" else None
+    static = _fixed_cache_length(source, _chosen_cache(chosen, source, opts)) if opts.mode == "decode" else None
     if opts.mode == "prefill" and not seqs_given:
         fit = [s for s in opts.seqs if s <= context]
         if len(fit) < len(opts.seqs):
@@ -183,15 +185,14 @@ def decode_cache(chosen: Engine, source: Source, opts: BenchOptions) -> tuple[Gr
     """The decoders' KV cache (--kv-cache; else `default_cache`) and the static cache's length (the export's
     --max-cache, else the context; None for a growing cache). A torch model that takes no static cache is refused by
     its runner."""
-    length = _static_cache_length(chosen, source, opts)
-    if length is None:
-        return GROWING, None
-    if opts.prompt + opts.new_tokens > length:
+    cache = _chosen_cache(chosen, source, opts)
+    length = _fixed_cache_length(source, cache)
+    if length is not None and opts.prompt + opts.new_tokens > length:
         raise TaperfoldError(
             f"--prompt {opts.prompt} + --new-tokens {opts.new_tokens} exceeds the static cache "
             f"({length} positions: export --max-cache, else the context)"
         )
-    return STATIC, length
+    return cache, length
 
 
 # The cache bench decodes with when not told, per device, and why: on the CPU the growing cache was as fast or faster
@@ -229,24 +230,29 @@ def default_cache(chosen: Engine, source: Source, opts: BenchOptions) -> Graph:
             return False
         if manifest is not None and not chosen.runs_models:
             return all(manifest.has_artifact(v, cache) for v in opts.variants)
-        return cache == GROWING or (chosen.runs_models and isinstance(source.config, ModelConfig))
+        return not GRAPH_TYPES[cache].fixed_cache or (chosen.runs_models and isinstance(source.config, ModelConfig))
 
     others = [c for c in KV_CACHES if c != preferred]
     return next((c for c in [preferred, *others] if available(c)), GROWING)
 
 
-def _static_cache_length(chosen: Engine, source: Source, opts: BenchOptions) -> int | None:
-    """The static cache's length when decode runs one (see decode_cache), else None (a growing cache)."""
-    manifest = source.manifest
+def _chosen_cache(chosen: Engine, source: Source, opts: BenchOptions) -> Graph:
+    """The cache decode runs (--kv-cache, else `default_cache`), refused where the engine decodes with another."""
     if opts.kv_cache != AUTO and opts.kv_cache not in KV_CACHES:
         raise TaperfoldError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {opts.kv_cache!r}")
-    cache = default_cache(chosen, source, opts) if opts.kv_cache == AUTO else opts.kv_cache
+    cache = default_cache(chosen, source, opts) if opts.kv_cache == AUTO else check_graph(opts.kv_cache)
     if cache not in chosen.caches:
         raise TaperfoldError(
             f"--kv-cache {cache}: {chosen.title} decodes with a {' or '.join(chosen.caches)} cache only"
         )
-    if cache == GROWING:
+    return cache
+
+
+def _fixed_cache_length(source: Source, cache: Graph) -> int | None:
+    """The length of a cache of fixed length (the export's --max-cache, else the context); None for a growing one."""
+    if not GRAPH_TYPES[cache].fixed_cache:
         return None
+    manifest = source.manifest
     return manifest.max_cache if manifest is not None and manifest.max_cache else source.config.max_seq_len
 
 
@@ -343,12 +349,13 @@ def load_bench(source: Source, opts: BenchOptions) -> Iterator[LoadedBench]:
         )
 
 
-def shape_count(opts: BenchOptions, cache: str | None = GROWING) -> int:
+def shape_count(opts: BenchOptions, cache: Graph | None = GROWING) -> int:
     """Distinct input shapes one runner sees: a cell each in prefill; in decode the prompt and every step per batch
     size with a growing cache (one longer each step), the prompt and one step shape with a static cache."""
     if opts.mode != "decode":
         return len(cells(opts))
-    return len(cells(opts)) * (2 if cache == STATIC else 1 + opts.new_tokens)
+    steps_share_a_shape = cache is not None and GRAPH_TYPES[cache].fixed_cache
+    return len(cells(opts)) * (2 if steps_share_a_shape else 1 + opts.new_tokens)
 
 
 GRAPH_LABEL = " (cuda graph)"
@@ -408,7 +415,7 @@ def make_runners(
     `precision`, default the export's dtype)."""
     check_options(engine, options, device)
     engine.require(device)
-    if graph != PREFILL and not engine.decodes:
+    if GRAPH_TYPES[graph].has_past and not engine.decodes:
         others = " or ".join(f"--engine {e}" for e, spec in ENGINES.items() if spec.decodes)
         raise TaperfoldError(f"--mode decode: {engine.title} runs no KV-cached decoders; use {others}")
     targets: dict[str, Any]  # what each runner opens: a file, or a torch model

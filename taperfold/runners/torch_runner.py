@@ -40,12 +40,11 @@ from taperfold.engines import COMPILE_MODES
 from taperfold.errors import first_line
 from taperfold.exportdir import (
     CACHE_POSITION,
-    GROWING,
+    GRAPH_TYPES,
     INPUT,
     NEXT_TOKEN,
     OUTPUT,
     PREFILL,
-    STATIC,
     Graph,
     check_graph,
     decoder_io_names,
@@ -117,7 +116,8 @@ class TorchRunner(Runner):
         if cuda_graph and compile:
             raise self.error("choose torch.compile or CUDA graphs, not both")
         self.model, self.compile, self.graph, self.logits = model, compile, check_graph(graph), logits
-        if graph == STATIC and not model.static_cache:
+        self.graph_type = GRAPH_TYPES[self.graph]
+        if self.graph_type.fixed_cache and not model.static_cache:
             raise self.error(
                 "this model takes no static KV cache (its transformers cache has layers that hold more than keys "
                 "and values); use --kv-cache growing"
@@ -126,11 +126,12 @@ class TorchRunner(Runner):
         self._outputs_in_graph_pool = (
             compile and compile_mode in ("reduce-overhead", "max-autotune") and self.device.startswith("cuda")
         )
-        if graph == PREFILL:
-            self._inputs, self._outputs = [INPUT], [OUTPUT]
-        else:
+        if self.graph_type.has_past:
             self._inputs, self._outputs = decoder_io_names(model.cfg.n_layers, graph)
-        if graph == STATIC:
+        else:
+            self._inputs, self._outputs = [INPUT], [OUTPUT]
+        # a cache written in place leaves the greedy token (taken on the device) all that a step feeds back
+        if self.graph_type.fixed_cache:
             self._outputs.append(NEXT_TOKEN)
         self._specs = {n: InputSpec(rank=4, floating=True) for n in self._inputs}
         self._specs[INPUT] = InputSpec(rank=2, floating=False)
@@ -158,7 +159,7 @@ class TorchRunner(Runner):
                 own_forward(self.model),
                 mode=None if self.compile_mode == "default" else self.compile_mode,
                 fullgraph=True,
-                dynamic=None if self.graph == GROWING else False,
+                dynamic=None if self.graph_type.grows else False,
             )
 
     # ---- running ----
@@ -169,7 +170,7 @@ class TorchRunner(Runner):
         dtype = next(self.model.parameters()).dtype
         out = {}
         for name, value in feeds.items():
-            if isinstance(value, np.ndarray) and self.graph == STATIC:
+            if isinstance(value, np.ndarray) and self.graph_type.fixed_cache:
                 value = np.array(value)  # the model writes into its cache: never into the caller's arrays
             t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
             if t.is_floating_point():
@@ -187,11 +188,11 @@ class TorchRunner(Runner):
 
     def _forward(self, prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
-            if self.graph == PREFILL:
+            if not self.graph_type.has_past:
                 return {OUTPUT: self._module(prepared[INPUT], logits=self.logits)}
             cache_names = [n for n in self._inputs if n not in (INPUT, CACHE_POSITION)]  # key, value per layer
             past = [(prepared[k], prepared[v]) for k, v in zip(cache_names[::2], cache_names[1::2])]
-            if self.graph == STATIC:
+            if self.graph_type.fixed_cache:
                 logits, present = self._module(
                     prepared[INPUT],
                     logits="last",

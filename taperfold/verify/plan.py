@@ -38,6 +38,7 @@ from taperfold.exportdir import (
     DECOMPOSED_BASELINE,
     DTYPES,
     FOLDED,
+    GRAPH_TYPES,
     GRAPHS,
     GROWING,
     PREFILL,
@@ -131,6 +132,7 @@ def make_plan(ctx: PlanContext) -> Plan:
         if run is None:
             engine = ENGINES[REFERENCE_ENGINE]
             label = {TORCH_BASELINE: "with plain norms (reference)", ctx.reference: "(reference)"}.get(name, "")
+            decoder = " decoder" if GRAPH_TYPES[graph].has_past else ""
             run = runs[(name, graph)] = ModelRun(
                 name,
                 lambda: engine.runner(
@@ -138,7 +140,7 @@ def make_plan(ctx: PlanContext) -> Plan:
                     device="cpu",
                     logits=manifest.logits,
                     graph=graph,
-                    name=f"{manifest.checkpoint} {label or name}".strip() + (" decoder" if graph != PREFILL else ""),
+                    name=f"{manifest.checkpoint} {label or name}".strip() + decoder,
                 ),
                 [],
                 ctx.cfg,
@@ -173,7 +175,8 @@ def make_plan(ctx: PlanContext) -> Plan:
         judged = record.precision in DTYPES or record.precision in QUANTIZED_TOLERANCES
         tolerance = ctx.tolerance(EXPORT, record.precision) if judged else None
         result = PairResult(reference, record.key, EXPORT, tolerance)
-        cases = prefill_cases if graph == PREFILL else _decode_cases(ctx, record)
+        decodes = GRAPH_TYPES[graph].has_past
+        cases = _decode_cases(ctx, graph) if decodes else prefill_cases
         why_not = _why_not(ctx, kind.name, graph, cases)
         if why_not:
             result.status, result.reason = "skipped", why_not
@@ -182,7 +185,7 @@ def make_plan(ctx: PlanContext) -> Plan:
         engine = ctx.engine_of(kind.name)
         assert engine is not None  # _why_not said so otherwise
         graph_run(record, engine.name, cases)
-        torch_cases(reference, graph if graph == PREFILL else GROWING, cases)
+        torch_cases(reference, GROWING if decodes else graph, cases)  # torch decodes with a growing cache
         pairs.append(PlannedPair(result, [c.label for c in cases], graph=graph))
 
     pairs = _with_step_pairs(ctx, pairs, prefill_cases, torch_cases)
@@ -211,11 +214,11 @@ def _report_order(record: ArtifactRecord) -> tuple[int, int, int]:
     return GRAPHS.index(record.graph or PREFILL), record.kind != "onnx", variant
 
 
-def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
+def _decode_cases(ctx: PlanContext, graph: Graph) -> list[Case]:
     """The decode cases of a decoder graph: the user's tokens (as much of each batch as its cache holds), or random
     ones that fit its cache."""
     cfg = ctx.cfg
-    cache_len = None if record.graph == GROWING else (ctx.manifest.max_cache or cfg.max_seq_len)
+    cache_len = (ctx.manifest.max_cache or cfg.max_seq_len) if GRAPH_TYPES[graph].fixed_cache else None
     length = cache_len or cfg.max_seq_len
     if ctx.user_tokens:
         cases = []
@@ -233,7 +236,7 @@ def _decode_cases(ctx: PlanContext, record: ArtifactRecord) -> list[Case]:
     ]
 
 
-def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str | None:
+def _why_not(ctx: PlanContext, kind: str, graph: Graph, cases: list[Case]) -> str | None:
     """Why an artifact of `kind` and `graph` cannot be run here, or None."""
     engine = ctx.engine_of(kind)
     if engine is None:
@@ -242,14 +245,15 @@ def _why_not(ctx: PlanContext, kind: str, graph: str, cases: list[Case]) -> str 
     why = engine.unavailable(device)
     if why:
         return why
-    if graph != PREFILL:
+    if GRAPH_TYPES[graph].has_past:
         if not engine.decodes:
             return f"{engine.title} runs no KV-cached decoders"
         if ctx.manifest.dtype == "bf16":
             return "bf16: numpy has no bfloat16 to feed the KV cache from the host"
         if not cases:
-            holder = "the static cache" if graph != GROWING else "the context"
-            length = ctx.manifest.max_cache if graph != GROWING else None
+            fixed = GRAPH_TYPES[graph].fixed_cache
+            holder = "the static cache" if fixed else "the context"
+            length = ctx.manifest.max_cache if fixed else None
             return f"{holder} ({length or ctx.cfg.max_seq_len}) holds no prompt and a step"
     return None
 
