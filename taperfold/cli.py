@@ -572,18 +572,6 @@ def verify(
 # ---- bench -------------------------------------------------------------------------------------------
 
 
-def _int_list(option: str, text: str, maximum: int | None = None) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise TaperfoldError(f"{option}: {text!r} is not a comma-separated list of positive integers")
-    if maximum is not None and max(values) > maximum:
-        raise TaperfoldError(f"{option}: {max(values)} is above the largest allowed, {maximum}")
-    return list(dict.fromkeys(values))
-
-
 def _engine_options(command):
     """One flag per engine option in the registry (e.g. --compile, --ort-optimization, --cuda-graph); an option
     several engines share (--cuda-graph) is one flag."""
@@ -736,36 +724,7 @@ def _engine_options(command):
     help="Write one row per variant, cell and phase ('-': stdout).",
 )
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
-def bench(
-    export_dir,
-    engine,
-    variants,
-    batches,
-    seqs,
-    warmup,
-    iters,
-    rounds,
-    mode,
-    concurrency,
-    requests,
-    prompt,
-    new_tokens,
-    kv_cache,
-    dtype,
-    against,
-    precision,
-    device,
-    threads,
-    fuse_projections,
-    checkpoint,
-    preset,
-    arch,
-    seed,
-    json_path,
-    csv_path,
-    plot_path,
-    **engine_options,
-):
+def bench(**params):
     """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
     \b
@@ -786,108 +745,13 @@ def bench(
     Writes DIR/bench.json (prefill), DIR/bench-decode.json (decode) or DIR/bench-serve.json (serve, the servers' logs
     in DIR/bench-serve-logs/) when DIR is given.
     """
-    from taperfold.bench.measure import (
-        AUTO,
-        DEFAULT_NEW_TOKENS,
-        DEFAULT_PROMPT,
-        DEFAULT_SEQS,
-        FUSED,
-        MAX_BATCH,
-        UNFUSED,
-        BenchOptions,
-        cells,
-        fit_to_context,
-        load_bench,
-        run_bench,
-    )
-    from taperfold.bench.report import require_matplotlib, write_csv, write_plot
-    from taperfold.bench.source import resolve_source
-    from taperfold.engines import changed_options
-    from taperfold.exportdir import canonical_variants
-    from taperfold.fsutil import Output, check_outputs, write_json_atomic
-    from taperfold.ui import bench_progress, err, print_bench
+    from taperfold.bench.command import BenchRequest, run_request
 
-    try:
-        names = canonical_variants([v.strip() for v in variants.split(",") if v.strip()])
-    except TaperfoldError as e:
-        raise TaperfoldError(f"--variants: {e}") from None
-    if rounds is not None and rounds > iters:
-        raise TaperfoldError(f"--rounds {rounds} exceeds --iters {iters}: every round needs a timed call")
-    if plot_path:
-        require_matplotlib()
-    source = resolve_source(export_dir, checkpoint, preset, arch)
-    dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
-    plan = check_outputs(
-        [
-            Output(json_path, "--report", stream=True),
-            Output(csv_path, "--csv", stream=True),
-            Output(plot_path, "--plot", stream=True),
-            Output(dir_report, BENCH_REPORTS[mode], within=export_dir),
-        ],
-        inputs=[
-            checkpoint,
-            source.manifest.checkpoint if source.manifest is not None else None,
-            *_export_files(export_dir, keep=dir_report),
-        ],
-    )
-    engine = engine or ("ort" if export_dir else "torch")
-    if mode == "serve" or concurrency or requests:
-        from taperfold.bench.serve import bench_serve_command
-
-        bench_serve_command(
-            source, ENGINES[engine], mode, against, concurrency, requests, prompt, new_tokens, rounds, seed,
-            json_path, csv_path, plot_path, dir_report, plan,
-        )  # fmt: skip
-        return
-    opts = BenchOptions(
-        engine=engine,
-        variants=names,
-        batches=_int_list("--batch", batches, MAX_BATCH),
-        seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS),
-        warmup=warmup,
-        iters=iters,
-        rounds=rounds or min(5, iters),
-        mode=mode,
-        prompt=prompt or DEFAULT_PROMPT,
-        new_tokens=new_tokens or DEFAULT_NEW_TOKENS,
-        kv_cache=kv_cache or AUTO,
-        dtype=dtype,
-        device=device or ENGINES[engine].default_device,
-        threads=threads,
-        engine_options=changed_options(engine_options),
-        seed=seed,
-        fuse_projections=AUTO if fuse_projections is None else FUSED if fuse_projections else UNFUSED,
-        precision=precision,
-        against=[name.strip() for name in (against or "").split(",") if name.strip()],
-    )
-    opts, notes = fit_to_context(
-        opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None, new_tokens_given=new_tokens is not None
-    )
-    runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
-    total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
-    with load_bench(source, opts) as loaded:
-        for note in notes:  # once every runner has opened: a refusal stays one line
-            err.print(f"note: {note}", highlight=False, soft_wrap=True)
-        with bench_progress(total) as on_call:
-            report = run_bench(loaded, on_call)
-    with plan.human_output():
-        print_bench(report)
-    outputs = [  # the report's files: JSON, CSV and the plot are views of one BenchReport
-        (json_path, lambda path: write_json_atomic(path, report.to_json())),
-        (csv_path, lambda path: write_csv(path, report)),
-        (plot_path, lambda path: write_plot(path, report)),
-        (dir_report, lambda path: write_json_atomic(path, report.to_json(), within=export_dir)),
-    ]
-    for path, write in outputs:
-        if path:
-            write(path)
-
-
-BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json", "serve": "bench-serve.json"}  # in DIR
+    run_request(BenchRequest.from_cli(params))
 
 
 def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
-    """An export directory's files: inputs of bench that its outputs must not overwrite."""
+    """An export directory's files: inputs of verify that its outputs must not overwrite."""
     folder = Path(export_dir) if export_dir else None
     if folder is None or not folder.is_dir():
         return []
