@@ -415,12 +415,9 @@ def export(
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
-    from taperfold import interrupts
     from taperfold.artifacts import default_target, requests
-    from taperfold.export import ExportOptions, check_options, export_checkpoint
-    from taperfold.fsutil import Output, check_outputs
-    from taperfold.manifest import is_export_dir
-    from taperfold.ui import print_export, stage_status
+    from taperfold.export import ExportOptions, export_to_dir
+    from taperfold.ui import print_export
 
     opts = ExportOptions(
         logits=logits,
@@ -437,18 +434,7 @@ def export(
     )
     artifacts = requests(kind_values, opts)  # each kind's request, made once from the values of every kind's options
     opts = replace(opts, artifacts=artifacts, target=target or default_target(artifacts))
-    check_options(opts)
-    check_outputs(
-        [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
-        inputs=[checkpoint],
-    )
-    with stage_status(quiet=as_json) as show_stage:
-
-        def on_stage(name: str) -> None:
-            interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
-            show_stage(name)
-
-        result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
+    result = export_to_dir(checkpoint, out_dir, opts, overwrite=overwrite, quiet=as_json)
     _print_json(result.manifest.to_json()) if as_json else print_export(result.manifest, result.out_dir)
 
 
@@ -535,36 +521,23 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 def verify(
     export_dir, device, engine, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, max_ppl_ratio, as_json
 ):
-    from taperfold.fsutil import Output, check_outputs, write_json_atomic
-    from taperfold.manifest import read_manifest
-    from taperfold.ui import print_verify, step_progress
-    from taperfold.verify import REPORT, tokens_from_file, verify_export
+    from taperfold.ui import print_verify
+    from taperfold.verify import verify_and_write
 
     if tokens_file and text_file:
         raise click.UsageError("pass --tokens or --text, not both")
-    manifest = read_manifest(export_dir)  # the clearest message for a directory that is not an export
-    report_path = Path(export_dir) / REPORT
-    check_outputs(
-        [Output(report_path, REPORT, within=export_dir)],
-        inputs=[tokens_file, text_file, manifest.checkpoint, *_export_files(export_dir, keep=report_path)],
+    report = verify_and_write(
+        export_dir,
+        tokens_file=tokens_file,
+        text=text_file,
+        device=device,
+        engine=engine,
+        tolerances={"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio},
+        seed=seed,
+        threads=threads,
+        quiet=as_json,
     )
-    inputs = tokens_from_file(tokens_file) if tokens_file else None
-    overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio}
-    with step_progress("verifying", quiet=as_json) as on_step:
-        report = verify_export(
-            export_dir,
-            inputs=inputs,
-            device=device,
-            tolerances=overrides,
-            seed=seed,
-            threads=threads,
-            on_progress=on_step,
-            engine=engine,
-            text=text_file,
-        )
-    result = report.to_json()
-    write_json_atomic(report_path, result, within=export_dir)
-    _print_json(result) if as_json else print_verify(report)
+    _print_json(report.to_json()) if as_json else print_verify(report)
     if not report.passed:
         raise NumericMismatch(report.failure_message())
 
@@ -748,14 +721,6 @@ def bench(**params):
     from taperfold.bench.command import BenchRequest, run_request
 
     run_request(BenchRequest.from_cli(params))
-
-
-def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
-    """An export directory's files: inputs of verify that its outputs must not overwrite."""
-    folder = Path(export_dir) if export_dir else None
-    if folder is None or not folder.is_dir():
-        return []
-    return [p for p in folder.iterdir() if p.is_file() and p != keep]
 
 
 # ---- demo --------------------------------------------------------------------------------------------
