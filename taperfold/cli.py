@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -197,7 +196,7 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     from taperfold.models import preset_config
     from taperfold.train import TrainOptions
     from taperfold.train import train as train_preset
-    from taperfold.ui import train_progress
+    from taperfold.ui import print_trained, train_progress
 
     aux = aux and norm is None
     if norm and taper == "none":
@@ -240,9 +239,7 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     if as_json:
         _print_json(summary)
     else:
-        click.echo(
-            f"validation loss {result.val_loss:.4f} (gate {gate:g}, {steps} steps, {result.seconds:.0f} s) -> {out}"
-        )
+        print_trained(result.val_loss, gate, steps, result.seconds, out)
 
 
 def _check_fine_tune(source: str, out: str) -> None:
@@ -745,71 +742,12 @@ def bench(**params):
     show_default=True,
     help=f"Training steps (at least {MIN_STEPS}).",
 )
-@click.pass_context
-def demo(ctx, out_dir, steps):
+def demo(out_dir, steps):
     """The whole flow on the embedded default: train the tiny Internal-Taper llama on the Python standard
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
-    from rich.rule import Rule
+    from taperfold.demo import run_demo
 
-    from taperfold.fsutil import Output, check_outputs, write_errors
-    from taperfold.manifest import is_export_dir
-    from taperfold.ui import out
-
-    root = Path(out_dir)
-    ckpt, export_dir = root / "tiny.safetensors", root / "export"
-    created = not root.is_dir()
-    if created:
-        check_outputs([Output(root, "-o", directory="taperfold demo")])
-        with write_errors(root):
-            root.mkdir(parents=True)
-    else:  # every output checked before the training, as each command does for its own
-        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
-    stages = [
-        (
-            "1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper",
-            train,
-            dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt)),
-        ),
-        ("2/6 inspect", inspect, dict(checkpoint=str(ckpt))),
-        (
-            "3/6 export: baseline, unfolded and folded ONNX",
-            export,
-            dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache="growing"),
-        ),
-        ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
-        (
-            "5/6 bench: last-token logits (prefill), ONNX Runtime CPU",
-            bench,
-            dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20, threads=1),
-        ),
-        (
-            "6/6 bench: KV-cached decoding, ONNX Runtime CPU",
-            bench,
-            dict(
-                export_dir=str(export_dir),
-                engine="ort",
-                mode="decode",
-                batches="1",
-                prompt=32,
-                new_tokens=32,
-                warmup=2,
-                iters=4,
-                threads=1,
-            ),
-        ),
-    ]
-    rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
-    try:
-        for title, command, kwargs in stages:
-            out.print(Rule(title), width=rule_width)
-            ctx.invoke(command, **kwargs)
-    except BaseException:  # a failed stage, or a signal: a folder the demo made for itself goes with it
-        if created:
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    out.print(Rule(), width=rule_width)
-    written = ", ".join(sorted(p.name for p in export_dir.glob("*.json")))
-    out.print(f"done: checkpoint {ckpt}, export {export_dir} ({written})")
+    run_demo(out_dir, steps)
 
 
 def main() -> None:
