@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -197,7 +196,7 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     from taperfold.models import preset_config
     from taperfold.train import TrainOptions
     from taperfold.train import train as train_preset
-    from taperfold.ui import train_progress
+    from taperfold.ui import print_trained, train_progress
 
     aux = aux and norm is None
     if norm and taper == "none":
@@ -240,9 +239,7 @@ def train(arch, preset, taper, norm, aux, steps, batch_size, lr, seed, data, out
     if as_json:
         _print_json(summary)
     else:
-        click.echo(
-            f"validation loss {result.val_loss:.4f} (gate {gate:g}, {steps} steps, {result.seconds:.0f} s) -> {out}"
-        )
+        print_trained(result.val_loss, gate, steps, result.seconds, out)
 
 
 def _check_fine_tune(source: str, out: str) -> None:
@@ -415,12 +412,9 @@ def export(
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
     with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
-    from taperfold import interrupts
     from taperfold.artifacts import default_target, requests
-    from taperfold.export import ExportOptions, check_options, export_checkpoint
-    from taperfold.fsutil import Output, check_outputs
-    from taperfold.manifest import is_export_dir
-    from taperfold.ui import print_export, stage_status
+    from taperfold.export import ExportOptions, export_to_dir
+    from taperfold.ui import print_export
 
     opts = ExportOptions(
         logits=logits,
@@ -437,18 +431,7 @@ def export(
     )
     artifacts = requests(kind_values, opts)  # each kind's request, made once from the values of every kind's options
     opts = replace(opts, artifacts=artifacts, target=target or default_target(artifacts))
-    check_options(opts)
-    check_outputs(
-        [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
-        inputs=[checkpoint],
-    )
-    with stage_status(quiet=as_json) as show_stage:
-
-        def on_stage(name: str) -> None:
-            interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
-            show_stage(name)
-
-        result = export_checkpoint(checkpoint, out_dir, opts, on_stage=on_stage)
+    result = export_to_dir(checkpoint, out_dir, opts, overwrite=overwrite, quiet=as_json)
     _print_json(result.manifest.to_json()) if as_json else print_export(result.manifest, result.out_dir)
 
 
@@ -535,53 +518,28 @@ _VERIFY_HELP = f"""Check DIR's models against the checkpoint they were exported 
 def verify(
     export_dir, device, engine, tokens_file, text_file, seed, threads, rtol, min_top1, max_kl, max_ppl_ratio, as_json
 ):
-    from taperfold.fsutil import Output, check_outputs, write_json_atomic
-    from taperfold.manifest import read_manifest
-    from taperfold.ui import print_verify, step_progress
-    from taperfold.verify import REPORT, tokens_from_file, verify_export
+    from taperfold.ui import print_verify
+    from taperfold.verify import verify_and_write
 
     if tokens_file and text_file:
         raise click.UsageError("pass --tokens or --text, not both")
-    manifest = read_manifest(export_dir)  # the clearest message for a directory that is not an export
-    report_path = Path(export_dir) / REPORT
-    check_outputs(
-        [Output(report_path, REPORT, within=export_dir)],
-        inputs=[tokens_file, text_file, manifest.checkpoint, *_export_files(export_dir, keep=report_path)],
+    report = verify_and_write(
+        export_dir,
+        tokens_file=tokens_file,
+        text=text_file,
+        device=device,
+        engine=engine,
+        tolerances={"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio},
+        seed=seed,
+        threads=threads,
+        quiet=as_json,
     )
-    inputs = tokens_from_file(tokens_file) if tokens_file else None
-    overrides = {"rtol": rtol, "min_top1": min_top1, "max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio}
-    with step_progress("verifying", quiet=as_json) as on_step:
-        report = verify_export(
-            export_dir,
-            inputs=inputs,
-            device=device,
-            tolerances=overrides,
-            seed=seed,
-            threads=threads,
-            on_progress=on_step,
-            engine=engine,
-            text=text_file,
-        )
-    result = report.to_json()
-    write_json_atomic(report_path, result, within=export_dir)
-    _print_json(result) if as_json else print_verify(report)
+    _print_json(report.to_json()) if as_json else print_verify(report)
     if not report.passed:
         raise NumericMismatch(report.failure_message())
 
 
 # ---- bench -------------------------------------------------------------------------------------------
-
-
-def _int_list(option: str, text: str, maximum: int | None = None) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise TaperfoldError(f"{option}: {text!r} is not a comma-separated list of positive integers")
-    if maximum is not None and max(values) > maximum:
-        raise TaperfoldError(f"{option}: {max(values)} is above the largest allowed, {maximum}")
-    return list(dict.fromkeys(values))
 
 
 def _engine_options(command):
@@ -736,36 +694,7 @@ def _engine_options(command):
     help="Write one row per variant, cell and phase ('-': stdout).",
 )
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write throughput and speedup as a PNG.")
-def bench(
-    export_dir,
-    engine,
-    variants,
-    batches,
-    seqs,
-    warmup,
-    iters,
-    rounds,
-    mode,
-    concurrency,
-    requests,
-    prompt,
-    new_tokens,
-    kv_cache,
-    dtype,
-    against,
-    precision,
-    device,
-    threads,
-    fuse_projections,
-    checkpoint,
-    preset,
-    arch,
-    seed,
-    json_path,
-    csv_path,
-    plot_path,
-    **engine_options,
-):
+def bench(**params):
     """Throughput of baseline, unfolded and folded models (the paper's Table 3), variants alternated in rounds.
 
     \b
@@ -786,112 +715,9 @@ def bench(
     Writes DIR/bench.json (prefill), DIR/bench-decode.json (decode) or DIR/bench-serve.json (serve, the servers' logs
     in DIR/bench-serve-logs/) when DIR is given.
     """
-    from taperfold.bench.measure import (
-        AUTO,
-        DEFAULT_NEW_TOKENS,
-        DEFAULT_PROMPT,
-        DEFAULT_SEQS,
-        FUSED,
-        MAX_BATCH,
-        UNFUSED,
-        BenchOptions,
-        cells,
-        fit_to_context,
-        load_bench,
-        run_bench,
-    )
-    from taperfold.bench.report import require_matplotlib, write_csv, write_plot
-    from taperfold.bench.source import resolve_source
-    from taperfold.engines import changed_options
-    from taperfold.exportdir import canonical_variants
-    from taperfold.fsutil import Output, check_outputs, write_json_atomic
-    from taperfold.ui import bench_progress, err, print_bench
+    from taperfold.bench.command import BenchRequest, run_request
 
-    try:
-        names = canonical_variants([v.strip() for v in variants.split(",") if v.strip()])
-    except TaperfoldError as e:
-        raise TaperfoldError(f"--variants: {e}") from None
-    if rounds is not None and rounds > iters:
-        raise TaperfoldError(f"--rounds {rounds} exceeds --iters {iters}: every round needs a timed call")
-    if plot_path:
-        require_matplotlib()
-    source = resolve_source(export_dir, checkpoint, preset, arch)
-    dir_report = Path(export_dir) / BENCH_REPORTS[mode] if export_dir else None
-    plan = check_outputs(
-        [
-            Output(json_path, "--report", stream=True),
-            Output(csv_path, "--csv", stream=True),
-            Output(plot_path, "--plot", stream=True),
-            Output(dir_report, BENCH_REPORTS[mode], within=export_dir),
-        ],
-        inputs=[
-            checkpoint,
-            source.manifest.checkpoint if source.manifest is not None else None,
-            *_export_files(export_dir, keep=dir_report),
-        ],
-    )
-    engine = engine or ("ort" if export_dir else "torch")
-    if mode == "serve" or concurrency or requests:
-        from taperfold.bench.serve import bench_serve_command
-
-        bench_serve_command(
-            source, ENGINES[engine], mode, against, concurrency, requests, prompt, new_tokens, rounds, seed,
-            json_path, csv_path, plot_path, dir_report, plan,
-        )  # fmt: skip
-        return
-    opts = BenchOptions(
-        engine=engine,
-        variants=names,
-        batches=_int_list("--batch", batches, MAX_BATCH),
-        seqs=_int_list("--seq", seqs) if seqs else list(DEFAULT_SEQS),
-        warmup=warmup,
-        iters=iters,
-        rounds=rounds or min(5, iters),
-        mode=mode,
-        prompt=prompt or DEFAULT_PROMPT,
-        new_tokens=new_tokens or DEFAULT_NEW_TOKENS,
-        kv_cache=kv_cache or AUTO,
-        dtype=dtype,
-        device=device or ENGINES[engine].default_device,
-        threads=threads,
-        engine_options=changed_options(engine_options),
-        seed=seed,
-        fuse_projections=AUTO if fuse_projections is None else FUSED if fuse_projections else UNFUSED,
-        precision=precision,
-        against=[name.strip() for name in (against or "").split(",") if name.strip()],
-    )
-    opts, notes = fit_to_context(
-        opts, source, seqs_given=bool(seqs), prompt_given=prompt is not None, new_tokens_given=new_tokens is not None
-    )
-    runners = len(names) * (2 if opts.engine_options.get("cuda_graph") else 1)  # --cuda-graph: plain + graph each
-    total = len(cells(opts)) * runners * opts.schedule.calls_per_variant()
-    with load_bench(source, opts) as loaded:
-        for note in notes:  # once every runner has opened: a refusal stays one line
-            err.print(f"note: {note}", highlight=False, soft_wrap=True)
-        with bench_progress(total) as on_call:
-            report = run_bench(loaded, on_call)
-    with plan.human_output():
-        print_bench(report)
-    outputs = [  # the report's files: JSON, CSV and the plot are views of one BenchReport
-        (json_path, lambda path: write_json_atomic(path, report.to_json())),
-        (csv_path, lambda path: write_csv(path, report)),
-        (plot_path, lambda path: write_plot(path, report)),
-        (dir_report, lambda path: write_json_atomic(path, report.to_json(), within=export_dir)),
-    ]
-    for path, write in outputs:
-        if path:
-            write(path)
-
-
-BENCH_REPORTS = {"prefill": "bench.json", "decode": "bench-decode.json", "serve": "bench-serve.json"}  # in DIR
-
-
-def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
-    """An export directory's files: inputs of bench that its outputs must not overwrite."""
-    folder = Path(export_dir) if export_dir else None
-    if folder is None or not folder.is_dir():
-        return []
-    return [p for p in folder.iterdir() if p.is_file() and p != keep]
+    run_request(BenchRequest.from_cli(params))
 
 
 # ---- demo --------------------------------------------------------------------------------------------
@@ -916,71 +742,12 @@ def _export_files(export_dir: str | None, keep: Path | None) -> list[Path]:
     show_default=True,
     help=f"Training steps (at least {MIN_STEPS}).",
 )
-@click.pass_context
-def demo(ctx, out_dir, steps):
+def demo(out_dir, steps):
     """The whole flow on the embedded default: train the tiny Internal-Taper llama on the Python standard
     library's sources, inspect it, export it (with KV-cache decoders), verify the fold, benchmark it."""
-    from rich.rule import Rule
+    from taperfold.demo import run_demo
 
-    from taperfold.fsutil import Output, check_outputs, write_errors
-    from taperfold.manifest import is_export_dir
-    from taperfold.ui import out
-
-    root = Path(out_dir)
-    ckpt, export_dir = root / "tiny.safetensors", root / "export"
-    created = not root.is_dir()
-    if created:
-        check_outputs([Output(root, "-o", directory="taperfold demo")])
-        with write_errors(root):
-            root.mkdir(parents=True)
-    else:  # every output checked before the training, as each command does for its own
-        check_outputs([Output(ckpt, "-o"), Output(export_dir, "-o", directory="taperfold export", owned=is_export_dir)])
-    stages = [
-        (
-            "1/6 train: tiny llama, Internal-Taper (+aux), through the whole taper",
-            train,
-            dict(arch="llama", preset="tiny", taper="internal", aux=True, steps=steps, out=str(ckpt)),
-        ),
-        ("2/6 inspect", inspect, dict(checkpoint=str(ckpt))),
-        (
-            "3/6 export: baseline, unfolded and folded ONNX",
-            export,
-            dict(checkpoint=str(ckpt), out_dir=str(export_dir), kv_cache="growing"),
-        ),
-        ("4/6 verify: checkpoint vs unfolded vs folded in ONNX Runtime", verify, dict(export_dir=str(export_dir))),
-        (
-            "5/6 bench: last-token logits (prefill), ONNX Runtime CPU",
-            bench,
-            dict(export_dir=str(export_dir), engine="ort", batches="1,4", seqs="32,128", warmup=3, iters=20, threads=1),
-        ),
-        (
-            "6/6 bench: KV-cached decoding, ONNX Runtime CPU",
-            bench,
-            dict(
-                export_dir=str(export_dir),
-                engine="ort",
-                mode="decode",
-                batches="1",
-                prompt=32,
-                new_tokens=32,
-                warmup=2,
-                iters=4,
-                threads=1,
-            ),
-        ),
-    ]
-    rule_width = min(out.width, 100)  # piped output is laid out 240 wide for tables; rules need not be
-    try:
-        for title, command, kwargs in stages:
-            out.print(Rule(title), width=rule_width)
-            ctx.invoke(command, **kwargs)
-    except BaseException:  # a failed stage, or a signal: a folder the demo made for itself goes with it
-        if created:
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    out.print(Rule(), width=rule_width)
-    written = ", ".join(sorted(p.name for p in export_dir.glob("*.json")))
-    out.print(f"done: checkpoint {ckpt}, export {export_dir} ({written})")
+    run_demo(out_dir, steps)
 
 
 def main() -> None:

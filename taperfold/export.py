@@ -47,6 +47,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from taperfold import interrupts
 from taperfold.artifacts import artifact_kind, in_build_order
 from taperfold.artifacts.base import ArtifactKind, ArtifactRecord
 from taperfold.artifacts.onnx_graph import ONNX_GRAPH
@@ -71,9 +72,9 @@ from taperfold.exportdir import (
     onnx_file,
     torch_dtype,
 )
-from taperfold.fsutil import atomic_dir
+from taperfold.fsutil import Output, atomic_dir, check_outputs
 from taperfold.layer_trace import MIN_LAYERS, few_layer_model, why_trace_every_layer
-from taperfold.manifest import Manifest, new_manifest, read_manifest
+from taperfold.manifest import Manifest, is_export_dir, new_manifest, read_manifest
 from taperfold.nn import TaperedNorm
 from taperfold.norms import is_norm_module, norm_kinds, tapered_kind
 from taperfold.opsets import (
@@ -223,6 +224,28 @@ def _check_caches(source: ModelSource, model: TaperedLM, opts: ExportOptions) ->
             f"--max-cache {opts.max_cache} exceeds the model's context (max_seq_len "
             f"{source.config.max_seq_len}): positions beyond it have no embedding"
         )
+
+
+def export_to_dir(
+    ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions, *, overwrite: bool = False, quiet: bool = False
+) -> ExportResult:
+    """`export_checkpoint` as `taperfold export` runs it: the options, then `out_dir` checked before any work (an
+    existing directory is replaced only if it is an export, or with `overwrite`), the current stage shown on a
+    terminal unless `quiet`, and a signal stopping it at the next stage."""
+    from taperfold.ui import stage_status
+
+    check_options(opts)
+    check_outputs(
+        [Output(out_dir, "-o", directory="taperfold export", owned=is_export_dir, overwrite=overwrite)],
+        inputs=[ckpt_path],
+    )
+    with stage_status(quiet=quiet) as show_stage:
+
+        def on_stage(name: str) -> None:
+            interrupts.check()  # stops here even if a library swallowed the KeyboardInterrupt
+            show_stage(name)
+
+        return export_checkpoint(ckpt_path, out_dir, opts, on_stage=on_stage)
 
 
 def export_checkpoint(

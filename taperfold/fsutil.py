@@ -119,6 +119,15 @@ class OutputPlan:
         return contextlib.redirect_stdout(sys.stderr) if self.uses_stdout else contextlib.nullcontext()
 
 
+def files_in(folder: str | os.PathLike | None, keep: Path | None = None) -> list[Path]:
+    """The files directly in `folder` (none where it is None or not a directory), `keep` left out: what a command
+    reads from an export directory, which its outputs there (but `keep`, the one it replaces) must not overwrite."""
+    directory = Path(folder) if folder else None
+    if directory is None or not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.is_file() and p != keep]
+
+
 def check_outputs(outputs: Iterable[Output], inputs: Iterable[str | os.PathLike | None] = ()) -> OutputPlan:
     """Raise one `TaperfoldError` for the first output that cannot or must not be written."""
     requested = [(o, o.path) for o in outputs if o.path is not None]

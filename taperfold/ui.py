@@ -73,6 +73,16 @@ def train_progress(total: int, quiet: bool = False):
         yield on_step
 
 
+def print_trained(val_loss: float, gate: float, steps: int, seconds: float, checkpoint: str | os.PathLike) -> None:
+    """The line `taperfold train` ends with: the validation loss, the gate it ended at, and where it went."""
+    out.print(
+        f"validation loss {val_loss:.4f} (gate {gate:g}, {steps} steps, {seconds:.0f} s) -> {checkpoint}",
+        markup=False,
+        emoji=False,
+        soft_wrap=True,
+    )
+
+
 @contextlib.contextmanager
 def stage_status(quiet: bool = False):
     """Yields on_stage(name): a spinner naming the current long step."""

@@ -585,6 +585,31 @@ def test_bench_torch_engine_from_a_checkpoint(tiny_checkpoint, tmp_path, cli):
     assert [row["engine"] for row in rows] == ["torch"] * 3
 
 
+def test_a_bench_request_made_in_python_runs_as_the_command_does(tiny_checkpoint, tmp_path, capsys):
+    from taperfold.bench.command import BenchRequest, run_request
+
+    request = BenchRequest(
+        checkpoint=str(tiny_checkpoint), variants=("folded",), batches="1", seqs="8", iters=2, warmup=0,
+        csv_path=str(tmp_path / "t.csv"),
+    )  # fmt: skip
+    report = run_request(request)
+    assert report.engine == "torch" and [r.variant for r in report.results] == ["folded"]
+    assert "folded" in capsys.readouterr().out  # the command's tables
+    assert [row["variant"] for row in csv.DictReader((tmp_path / "t.csv").open())] == ["folded"]
+
+
+def test_a_bench_request_from_the_command_line_is_normalised_once():
+    from taperfold.bench.command import BenchRequest
+    from taperfold.cli import cli as taperfold_cli
+
+    argv = ["--preset", "tiny", "--variants", "unfused, folded", "--against", "genai-builder,", "--cuda-graph"]
+    with taperfold_cli.commands["bench"].make_context("bench", argv) as ctx:
+        request = BenchRequest.from_cli(ctx.params)
+    assert request.variants == ("unfolded", "folded") and request.against == ("genai-builder",)
+    assert request.engine_options == {"cuda_graph": True}  # only the engine options the user set
+    assert request.engine_name == "torch" and request.batches == "1,4"  # lists parsed by the mode that reads them
+
+
 def test_decode_without_decoder_graphs_says_re_export(bench_export, tmp_path, cli):
     manifest = json.loads((Path(bench_export) / "manifest.json").read_text())
     manifest["artifacts"] = {v: manifest["artifacts"][v] for v in ("baseline", "unfolded", "folded")}

@@ -27,14 +27,18 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from taperfold.bench.harness import rotated
 from taperfold.environment import machine_info
 from taperfold.errors import TaperfoldError
 from taperfold.interrupts import process_group
 
-REPORT = "bench-serve.json"
+if TYPE_CHECKING:
+    from taperfold.bench.command import BenchRequest
+    from taperfold.bench.source import Source
+    from taperfold.fsutil import OutputPlan
+
 LOGS = "bench-serve-logs"
 FORMAT = "taperfold-bench-serve"
 HEALTH_TIMEOUT_S = 900  # a large model's load and warm-up
@@ -220,47 +224,35 @@ DEFAULT_ROUNDS = 2  # every round starts each contender's server again (tens of 
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 128, 32  # bench's --prompt / --new-tokens defaults, capped to the context
 
 
-def bench_serve_command(
-    source: Any,
-    engine: Any,
-    mode: str,
-    against: str | None,
-    concurrency: str | None,
-    requests: int | None,
-    prompt: int | None,
-    new_tokens: int | None,
-    rounds: int | None,
-    seed: int,
-    json_path: str | None,
-    csv_path: str | None,
-    plot_path: str | None,
-    dir_report: Path | None,
-    plan: Any,
-) -> None:
-    """`taperfold bench DIR --engine vllm --mode serve`: checked in one line each, run, printed, written."""
+def bench_serve(request: BenchRequest, source: Source, dir_report: Path | None, plan: OutputPlan) -> ServeReport:
+    """`taperfold bench DIR --engine vllm --mode serve` (bench.command.run_request, the outputs checked): checked in
+    one line each, run, printed, written."""
     from taperfold.bench.against import contender, prepare_contender
+    from taperfold.bench.command import int_list
+    from taperfold.engines import ENGINES
     from taperfold.fsutil import write_json_atomic
     from taperfold.runners.vllm import environment_problem, vllm_python, vllm_version
     from taperfold.ui import err
 
-    if mode != "serve":
+    engine = ENGINES[request.engine_name]
+    if request.mode != "serve":
         raise TaperfoldError("--concurrency and --requests apply to --mode serve")
     if not engine.serves:
         servers = " or ".join(f"--engine {e}" for e in _serving_engines())
         raise TaperfoldError(f"--mode serve drives a serving engine's OpenAI server: use {servers}")
-    if csv_path or plot_path:
+    if request.csv_path or request.plot_path:
         raise TaperfoldError("--mode serve writes its report as JSON (--report), not --csv or --plot")
     manifest = source.manifest
     if manifest is None:
         raise TaperfoldError(f"--engine {engine.name} serves an export's checkpoint: give an export directory (DIR)")
-    concurrencies = _concurrencies(concurrency)
-    names = [name.strip() for name in (against or "").split(",") if name.strip()]
-    for name in names:
+    given = request.concurrency
+    concurrencies = list(DEFAULT_CONCURRENCY) if given is None else int_list("--concurrency", given)
+    for name in request.against:
         if name != engine.name:
             raise TaperfoldError(f"--mode serve: --against {name}: only --against {engine.name} is served")
     context = manifest.config().max_seq_len
-    input_len = prompt or min(DEFAULT_INPUT_LEN, context // 2)
-    output_len = new_tokens or min(DEFAULT_OUTPUT_LEN, context - input_len)
+    input_len = request.prompt or min(DEFAULT_INPUT_LEN, context // 2)
+    output_len = request.new_tokens or min(DEFAULT_OUTPUT_LEN, context - input_len)
     if input_len + output_len > context:
         raise TaperfoldError(
             f"--prompt {input_len} + --new-tokens {output_len} exceeds the model's context ({context})"
@@ -273,7 +265,7 @@ def bench_serve_command(
     folded = engine.files(manifest, ["folded"], "growing")["folded"].parent
     dtype = DTYPES.get(manifest.dtype, "float32")
     contenders = [ServeContender("folded", folded, dtype, "the folded checkpoint, through taperfold's plugin")]
-    for name in names:
+    for name in request.against:
         contender(name).check(manifest, manifest.dtype)
         made = prepare_contender(name, manifest, manifest.dtype)
         contenders.append(
@@ -286,38 +278,27 @@ def bench_serve_command(
         python,
         contenders,
         concurrencies=concurrencies,
-        requests=requests,
+        requests=request.requests,
         input_len=input_len,
         output_len=output_len,
-        rounds=rounds or DEFAULT_ROUNDS,
-        seed=seed,
+        rounds=request.rounds or DEFAULT_ROUNDS,
+        seed=request.seed,
         logs=logs,
         version=vllm_version(python),
         on_run=lambda what: err.print(what, highlight=False),
     )
     with plan.human_output():
         print_serve(report)
-    for path in (json_path, dir_report):
+    for path in (request.json_path, dir_report):
         if path:
             write_json_atomic(path, report.to_json())
+    return report
 
 
 def _serving_engines() -> list[str]:
     from taperfold.engines import ENGINES
 
     return [e.name for e in ENGINES.values() if e.serves]
-
-
-def _concurrencies(text: str | None) -> list[int]:
-    if text is None:
-        return list(DEFAULT_CONCURRENCY)
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise TaperfoldError(f"--concurrency: {text!r} is not a comma-separated list of positive integers")
-    return list(dict.fromkeys(values))
 
 
 def print_serve(report: ServeReport) -> None:

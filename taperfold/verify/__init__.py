@@ -43,6 +43,7 @@ import torch
 
 from taperfold.engines import ENGINES
 from taperfold.errors import TaperfoldError
+from taperfold.fsutil import Output, check_outputs, files_in, write_json_atomic
 from taperfold.manifest import Manifest, read_manifest
 from taperfold.runners.base import RunnerError
 from taperfold.sources import ModelSource, checkpoint_digest, open_source
@@ -77,6 +78,7 @@ __all__ = [
     "decode_cases",
     "random_inputs",
     "tokens_from_file",
+    "verify_and_write",
     "verify_export",
 ]
 
@@ -222,6 +224,47 @@ def verify_export(
         inputs=[{"label": b.label, "shape": list(ids.shape)} for b, ids in zip(batches, id_arrays)],
         pairs=[*judge.results(), *plan.checked, *generated],
     )
+
+
+def verify_and_write(
+    export_dir: str | Path,
+    *,
+    tokens_file: str | Path | None = None,
+    text: str | Path | None = None,
+    device: str = "cpu",
+    engine: str = GRAPH_ENGINE,
+    tolerances: dict | None = None,
+    seed: int = 0,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> VerifyReport:
+    """`verify_export` as `taperfold verify` runs it: DIR/verify.json checked before any work (it may replace only
+    itself, never an input), the token ids of `tokens_file` read (verify.inputs.tokens_from_file), every pair run with
+    a progress bar on a terminal unless `quiet`, and the report written to DIR/verify.json. A failed pair is in the
+    report (`passed`), not raised."""
+    from taperfold.ui import step_progress
+
+    manifest = read_manifest(export_dir)  # the clearest message for a directory that is not an export
+    report_path = Path(export_dir) / REPORT
+    check_outputs(
+        [Output(report_path, REPORT, within=export_dir)],
+        inputs=[tokens_file, text, manifest.checkpoint, *files_in(export_dir, keep=report_path)],
+    )
+    inputs = tokens_from_file(tokens_file) if tokens_file else None
+    with step_progress("verifying", quiet=quiet) as on_step:
+        report = verify_export(
+            export_dir,
+            inputs=inputs,
+            device=device,
+            tolerances=tolerances,
+            seed=seed,
+            threads=threads,
+            on_progress=on_step,
+            engine=engine,
+            text=text,
+        )
+    write_json_atomic(report_path, report.to_json(), within=export_dir)
+    return report
 
 
 def _chosen_by_engine(kind: str) -> bool:
