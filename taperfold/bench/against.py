@@ -141,7 +141,7 @@ class GenaiBuilder:
         architecture, known = type(plain.network).__name__, builder_architectures()
         if known and architecture not in known:
             raise TaperfoldError(f"--against genai-builder: onnxruntime-genai's builder does not build {architecture}")
-        no_rope = nope_layers(plain.network.config)
+        no_rope = nope_layers(getattr(plain.network, "config", None))  # a network of no Hugging Face config has none
         if no_rope:
             raise TaperfoldError(f"--against genai-builder: {NOPE_REASON.format(layer=no_rope[0])}")
         wide = vocab_wide_layers(plain)
