@@ -84,13 +84,18 @@ def greedy_reference(source: Path) -> list[dict]:
     return result
 
 
-def run_vllm(model: Path, plugins: str | None = None) -> subprocess.CompletedProcess:
-    """tests/vllm_generate.py on `model` in .venv-vllm (`plugins`: VLLM_PLUGINS, "" loading none)."""
+def run_vllm(model: Path, plugins: str | None = None, tensor_parallel: int = 1) -> subprocess.CompletedProcess:
+    """tests/vllm_generate.py on `model` in .venv-vllm (`plugins`: VLLM_PLUGINS, "" loading none), its weights split
+    over `tensor_parallel` worker processes."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    command = [str(VLLM_PYTHON), str(GENERATE), str(model), json.dumps(PROMPTS), str(NEW_TOKENS)]
+    if tensor_parallel > 1:  # vLLM's CPU backend binds each worker to a NUMA node of its own unless told its cores
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(cpu) for cpu in sorted(os.sched_getaffinity(0))[:tensor_parallel]
+        )
+    command = [str(VLLM_PYTHON), str(GENERATE), str(model), json.dumps(PROMPTS), str(NEW_TOKENS), str(tensor_parallel)]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=model)
 
 
@@ -167,6 +172,20 @@ def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_chec
     exported, reference
 ):
     run = run_vllm(exported[1] / "vllm" / "folded")
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
+    served = json.loads(lines[-1].removeprefix("RESULT "))
+    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference]
+    for got, want in zip(served, reference):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+@needs_vllm
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel 2 needs 2 CPUs, one per worker")
+def test_vllm_serves_the_folded_checkpoint_split_over_two_tensor_parallel_workers(exported, reference):
+    """Tensor parallel 2: each worker holds half of every projection (vLLM's own sharded layers, the plugin's class
+    unchanged) and the folded checkpoint still gives the checkpoint's greedy tokens."""
+    run = run_vllm(exported[1] / "vllm" / "folded", tensor_parallel=2)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
     served = json.loads(lines[-1].removeprefix("RESULT "))

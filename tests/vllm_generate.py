@@ -2,7 +2,7 @@
 and their logprobs printed as one JSON line; a failure to load is one line `ERROR: ...` (vLLM's message, its lines
 joined) and exit 1.
 
-    vllm_generate.py MODEL PROMPTS_JSON MAX_TOKENS
+    vllm_generate.py MODEL PROMPTS_JSON MAX_TOKENS [TENSOR_PARALLEL]
 
 The guard is vLLM's requirement: `LLM(...)` spawns its engine process, which imports this module again."""
 
@@ -14,8 +14,17 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
 
     model, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    tensor_parallel = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     try:
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            seed=0,
+            tensor_parallel_size=tensor_parallel,
+            distributed_executor_backend="mp" if tensor_parallel > 1 else None,
+        )
     except Exception as e:  # noqa: BLE001 - the test reads what vLLM says, whatever its type
         print("ERROR:", type(e).__name__, " ".join(str(e).split()))
         sys.exit(1)
