@@ -78,7 +78,8 @@ class BenchRequest:
         keyword, engines.all_options): --variants made canonical (refused in one line naming the option), --against
         split, and only the engine options the user changed kept."""
         given = dict(params)
-        engine_options = changed_options({name: given.pop(name) for name in all_options()})
+        # the engine options the command line offers (those registered before it was built: engines.register)
+        engine_options = changed_options({name: given.pop(name) for name in all_options() if name in given})
         spelled = given.pop("variants")
         try:
             variants = canonical_variants([v.strip() for v in spelled.split(",") if v.strip()])
