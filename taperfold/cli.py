@@ -715,7 +715,8 @@ def bench(**params):
     Writes DIR/bench.json (prefill), DIR/bench-decode.json (decode) or DIR/bench-serve.json (serve, the servers' logs
     in DIR/bench-serve-logs/) when DIR is given.
     """
-    from taperfold.bench.command import BenchRequest, run_request
+    from taperfold.bench.command import run_request
+    from taperfold.bench.request import BenchRequest
 
     run_request(BenchRequest.from_cli(params))
 

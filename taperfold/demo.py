@@ -91,7 +91,8 @@ def _verify(export_dir: Path) -> None:
 
 
 def _bench_prefill(export_dir: Path) -> None:
-    from taperfold.bench.command import BenchRequest, run_request
+    from taperfold.bench.command import run_request
+    from taperfold.bench.request import BenchRequest
 
     run_request(
         BenchRequest(
@@ -101,7 +102,8 @@ def _bench_prefill(export_dir: Path) -> None:
 
 
 def _bench_decode(export_dir: Path) -> None:
-    from taperfold.bench.command import BenchRequest, run_request
+    from taperfold.bench.command import run_request
+    from taperfold.bench.request import BenchRequest
 
     run_request(
         BenchRequest(

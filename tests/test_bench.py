@@ -586,7 +586,8 @@ def test_bench_torch_engine_from_a_checkpoint(tiny_checkpoint, tmp_path, cli):
 
 
 def test_a_bench_request_made_in_python_runs_as_the_command_does(tiny_checkpoint, tmp_path, capsys):
-    from taperfold.bench.command import BenchRequest, run_request
+    from taperfold.bench.command import run_request
+    from taperfold.bench.request import BenchRequest
 
     request = BenchRequest(
         checkpoint=str(tiny_checkpoint), variants=("folded",), batches="1", seqs="8", iters=2, warmup=0,
@@ -599,7 +600,7 @@ def test_a_bench_request_made_in_python_runs_as_the_command_does(tiny_checkpoint
 
 
 def test_a_bench_request_from_the_command_line_is_normalised_once():
-    from taperfold.bench.command import BenchRequest
+    from taperfold.bench.request import BenchRequest
     from taperfold.cli import cli as taperfold_cli
 
     argv = ["--preset", "tiny", "--variants", "unfused, folded", "--against", "genai-builder,", "--cuda-graph"]

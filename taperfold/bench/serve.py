@@ -35,7 +35,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.interrupts import process_group
 
 if TYPE_CHECKING:
-    from taperfold.bench.command import BenchRequest
+    from taperfold.bench.request import BenchRequest
     from taperfold.bench.source import Source
     from taperfold.fsutil import OutputPlan
 
@@ -228,7 +228,7 @@ def bench_serve(request: BenchRequest, source: Source, dir_report: Path | None, 
     """`taperfold bench DIR --engine vllm --mode serve` (bench.command.run_request, the outputs checked): checked in
     one line each, run, printed, written."""
     from taperfold.bench.against import contender, prepare_contender
-    from taperfold.bench.command import int_list
+    from taperfold.bench.request import int_list
     from taperfold.engines import ENGINES
     from taperfold.fsutil import write_json_atomic
     from taperfold.runners.vllm import environment_problem, vllm_python, vllm_version
