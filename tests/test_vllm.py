@@ -99,6 +99,16 @@ def run_vllm(model: Path, plugins: str | None = None, tensor_parallel: int = 1) 
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=model)
 
 
+def assert_gives_the_reference(run: subprocess.CompletedProcess, reference: list[dict], label: str = "") -> None:
+    """vllm_generate.py's run gave the reference's greedy tokens, each step's logprob within 1e-4."""
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
+    served = json.loads(lines[-1].removeprefix("RESULT "))
+    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference], label
+    for got, want in zip(served, reference):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
 def test_the_folded_checkpoint_names_taperfolds_architecture_and_holds_no_folded_norm(exported):
     from taperfold.hf.weights import read_weights
     from taperfold.manifest import read_manifest
@@ -172,12 +182,7 @@ def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_chec
     exported, reference
 ):
     run = run_vllm(exported[1] / "vllm" / "folded")
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
-    served = json.loads(lines[-1].removeprefix("RESULT "))
-    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference]
-    for got, want in zip(served, reference):
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert_gives_the_reference(run, reference)
 
 
 @needs_vllm
@@ -186,12 +191,7 @@ def test_vllm_serves_the_folded_checkpoint_split_over_two_tensor_parallel_worker
     """Tensor parallel 2: each worker holds half of every projection (vLLM's own sharded layers, the plugin's class
     unchanged) and the folded checkpoint still gives the checkpoint's greedy tokens."""
     run = run_vllm(exported[1] / "vllm" / "folded", tensor_parallel=2)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
-    served = json.loads(lines[-1].removeprefix("RESULT "))
-    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference]
-    for got, want in zip(served, reference):
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert_gives_the_reference(run, reference)
 
 
 # each served family but llama (the tests above): the tiny config's model type (tests/hf_models.py) and its changes
@@ -259,12 +259,7 @@ def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(famil
     family, source, folder = family_exported
     reference = greedy_reference(source)
     run = run_vllm(folder)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
-    served = json.loads(lines[-1].removeprefix("RESULT "))
-    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference], family
-    for got, want in zip(served, reference):
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert_gives_the_reference(run, reference, family)
 
 
 @needs_vllm
