@@ -67,6 +67,8 @@ class Engine:
     keeps_last_token: bool = False
     # serves an OpenAI-compatible server that bench --mode serve drives (taperfold.bench.serve: vLLM's)
     serves: bool = False
+    # (device, dtype) pairs it has no kernels for: its runner refuses such a model when it loads
+    lacks_kernels: tuple[tuple[str, str], ...] = ()
 
     def _runner_module(self):
         return importlib.import_module(self.module) if isinstance(self.module, str) else self.module
@@ -104,6 +106,12 @@ class Engine:
     @property
     def runs_models(self) -> bool:
         return self.runs == MODELS
+
+    @property
+    def feeds_cache_from_host(self) -> bool:
+        """Its decoders take the KV cache as host arrays at every step (the ONNX graphs' engines); torch models and
+        whole-generation engines (onnxruntime-genai, OpenVINO's stateful IR, vLLM) keep their own."""
+        return not self.runs_models and self.prefills
 
     def files(
         self, manifest: Manifest, variants: list[str], graph: Graph, precision: str | None = None
@@ -226,6 +234,7 @@ ENGINES: dict[str, Engine] = {
             default_device="cpu",
             devices=("cpu", "cuda"),
             decodes=True,
+            lacks_kernels=(("cpu", "bf16"),),  # its CPU provider: "Could not find an implementation for Mul(14)"
             options=(
                 Option(
                     "optimization",

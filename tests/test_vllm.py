@@ -416,6 +416,59 @@ def test_verify_engine_vllm_holds_vllms_generations_to_the_checkpoint(exported, 
     )
 
 
+@pytest.fixture(scope="module")
+def bf16_exported(exported, tmp_path_factory):
+    """`export SOURCE --vllm --dtype bf16 --no-baseline` of the tiny Llama: bf16, what vLLM serves in on a CPU with
+    bf16 units."""
+    out = tmp_path_factory.mktemp("vllm-bf16") / "out"
+    result = run_cli("export", exported[0], "-o", out, "--vllm", "--dtype", "bf16", "--no-baseline")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((out / "vllm" / "folded" / "config.json").read_text())["dtype"] == "bfloat16"
+    return out
+
+
+@needs_vllm
+def test_verify_engine_vllm_holds_a_bf16_export_skipping_the_graphs_onnx_runtimes_cpu_cannot_run(
+    bf16_exported, vllm_env, tmp_path
+):
+    """vLLM serves the checkpoint in the dtype its config names, held to the checkpoint within bf16's bounds; the bf16
+    ONNX graphs, which ONNX Runtime's CPU provider cannot load, are skipped with that reason rather than stopping the
+    verify (plain `verify` on them still stops in one line: tests/test_hf_dtypes.py)."""
+    out = tmp_path / "out"
+    shutil.copytree(bf16_exported, out)
+    result = run_cli("verify", out, "--engine", "vllm", "--json")
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    pair = _generation_pair(report)
+    assert pair["status"] == "pass" and "(bound 0.15)" in pair["reason"] and "(margin 0.3)" in pair["reason"], pair
+    runs = [r for r in pair["per_input"] if "logprob_errors" in r]
+    assert len(runs) == 8 and max(max(r["logprob_errors"]) for r in runs) > 1e-3  # bf16's rounding, not fp32's
+    graphs = [p for p in report["pairs"] if p["kind"] == "export"]
+    assert graphs and all(
+        p["status"] == "skipped" and "ONNX Runtime has no bf16 kernels on the cpu" in p["reason"] for p in graphs
+    ), graphs
+
+
+@needs_vllm
+def test_bench_decode_of_a_bf16_export_runs_on_vllm_and_is_refused_where_the_host_feeds_the_cache(
+    bf16_exported, vllm_env, tmp_path
+):
+    """vLLM keeps its own KV cache, so a bf16 export decodes on it; ONNX Runtime's decoders take the cache from numpy,
+    which has no bfloat16: refused in one line before the work."""
+    out = tmp_path / "out"
+    shutil.copytree(bf16_exported, out)
+    lengths = ("--batch", "1", "--prompt", "8", "--new-tokens", "4", "--warmup", "1", "--iters", "1", "--rounds", "1")
+    result = run_cli("bench", out, "--engine", "ort", "--mode", "decode", *lengths)
+    one_line(result, "numpy has no bfloat16 to feed the KV cache")
+    report_path = tmp_path / "bench.json"
+    result = run_cli("bench", out, "--engine", "vllm", "--mode", "decode", "--variants", "folded", *lengths,
+                     "--report", report_path)  # fmt: skip
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert {(r["variant"], r["phase"]) for r in report["results"]} == {("folded", "prefill"), ("folded", "decode")}
+    assert all(r["tokens_per_s"] > 0 for r in report["results"])
+
+
 @needs_vllm
 def test_verify_engine_vllm_fails_a_folded_checkpoint_whose_weight_is_off(exported, vllm_env, tmp_path):
     """A fold's gain off by 10 % on the MLP's inputs of one layer (the file's size unchanged: its own check passes)."""

@@ -174,7 +174,7 @@ def _check(opts: BenchOptions, cfg, dtype: str) -> None:
         what += " + the last chosen token (onnxruntime-genai keeps it in the context)"
     if longest > cfg.max_seq_len:
         raise TaperfoldError(f"{what} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
-    if opts.mode == "decode" and not engine(opts.engine).runs_models and dtype == "bf16":
+    if opts.mode == "decode" and engine(opts.engine).feeds_cache_from_host and dtype == "bf16":
         raise TaperfoldError(
             "--mode decode with a bf16 export: numpy has no bfloat16 to feed the KV cache; "
             "use --engine torch --dtype bf16"

@@ -7,8 +7,9 @@ Every artifact the manifest records is verified as its kind says (taperfold.arti
   variants (at g = 0 when the export forced it), the checkpoint with plain norms for the baselines. A prefill graph
   runs the input batches; a decoder graph decodes the decode cases (a growing decoder and a static one alike, against
   the torch model decoding with a growing cache; the decode cases are the user's own tokens when given). Where its
-  engine cannot run here (no TensorRT, no GPU), a bf16 decoder (numpy cannot feed it) or a cache too short for a
-  case, the pair is skipped with the reason;
+  engine cannot run here (no TensorRT, no GPU), a bf16 decoder (numpy cannot feed it), a dtype its engine has no
+  kernels for on the device while --engine names another engine (a bf16 export verified `--engine vllm` on the CPU,
+  where ONNX Runtime has no bf16 kernels) or a cache too short for a case, the pair is skipped with the reason;
 - a CHECKED kind is checked by the kind itself; where --engine names an engine that runs the kind (vLLM's
   checkpoints: `verify --engine vllm`), that engine's greedy generations are held to the variant's torch model as
   well (taperfold.verify.generations), after the other models have run.
@@ -245,10 +246,15 @@ def _why_not(ctx: PlanContext, kind: str, graph: Graph, cases: list[Case]) -> st
     why = engine.unavailable(device)
     if why:
         return why
+    dtype = ctx.manifest.dtype
+    if (device, dtype) in engine.lacks_kernels and ctx.engine != engine.name:
+        # the artifacts --engine names are what is verified (`--engine vllm` on a bf16 export); where --engine
+        # names this engine, its runner refuses the graph in one line instead
+        return f"{engine.title} has no {dtype} kernels on the {device} (--device cuda runs them)"
     if GRAPH_TYPES[graph].has_past:
         if not engine.decodes:
             return f"{engine.title} runs no KV-cached decoders"
-        if ctx.manifest.dtype == "bf16":
+        if dtype == "bf16":
             return "bf16: numpy has no bfloat16 to feed the KV cache from the host"
         if not cases:
             fixed = GRAPH_TYPES[graph].fixed_cache
