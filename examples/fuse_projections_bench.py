@@ -22,6 +22,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from taperfold.artifacts.base import details_of
+from taperfold.artifacts.onnx_graph import OnnxDetails
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.exportdir import FOLDED
@@ -66,7 +68,7 @@ def measure(preset: str, args, workdir: Path) -> list[dict]:
         out = workdir / f"{preset}-{kind}"
         export_checkpoint(ckpt, out, ExportOptions(baseline=False, fuse_projections=kind == "fused"))
         manifest = read_manifest(out)
-        projections = manifest.find(FOLDED).details["projections"]
+        projections = details_of(manifest.find(FOLDED), OnnxDetails).projections
         groups[kind] = projections["summary"]["groups"] if projections else 0
         sessions[kind] = ort.InferenceSession(
             str(manifest.artifact(FOLDED)), options, providers=["CPUExecutionProvider"]

@@ -121,7 +121,8 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
     with the same options."""
     import torch
 
-    from taperfold.artifacts.onnx_graph import ONNX_GRAPH
+    from taperfold.artifacts.base import details_of
+    from taperfold.artifacts.onnx_graph import ONNX_GRAPH, OnnxDetails
     from taperfold.checkpoint import load_checkpoint
     from taperfold.export import ExportOptions
     from taperfold.exportdir import GRAPHS, NONORM, STATIC, torch_dtype
@@ -136,7 +137,7 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
             folded = manifest.find("folded", graph)
             if folded is None:
                 continue
-            opset = folded.details["opset"]  # the same opset as the folded graph it is compared with
+            opset = details_of(folded, OnnxDetails).opset  # the same opset as the folded graph it is compared with
             decoders = (STATIC,) if graph == STATIC else ()
             opts = ExportOptions(
                 logits=manifest.logits,
@@ -147,7 +148,7 @@ def add_nonorm(export_dir: Path, ckpt: Path) -> None:
             )
             model_ir = export_to_ir(model, opts, graph)
             manifest.add_artifact(
-                ONNX_GRAPH.write(model_ir, export_dir, NONORM, graph, manifest.dtype, {"opset": opset})
+                ONNX_GRAPH.write(model_ir, export_dir, NONORM, graph, manifest.dtype, OnnxDetails(opset=opset))
             )
     manifest.write()
 

@@ -33,15 +33,24 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from taperfold.artifacts import register_kind
-from taperfold.artifacts.base import CHECKED, EXPORT, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field, Option
+from taperfold.artifacts.base import (
+    CHECKED,
+    EXPORT,
+    ArtifactKind,
+    ArtifactRecord,
+    Export,
+    ExportRequest,
+    Option,
+    details_of,
+)
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
 from taperfold.fsutil import sha256_file, write_json_atomic
+from taperfold.jsonfields import Fields
 from taperfold.manifest import read_manifest
 from taperfold.models import random_gate0_model
 from taperfold.verify import verify_export
@@ -56,6 +65,22 @@ class CardRequest:
     note: str | None = None
 
 
+@dataclass(frozen=True)
+class CardDetails:
+    """What the manifest records of a card beside the keys every artifact has: read once when the manifest is read,
+    each key through `entry` (one line naming the file and the key when one is wrong), written back as the same keys."""
+
+    sha256: str  # the card's own digest
+    graphs: int  # how many graphs the card lists
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> CardDetails:
+        return cls(sha256=entry.text("sha256"), graphs=entry.count("graphs"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "graphs": self.graphs}
+
+
 class ModelCard(ArtifactKind):
     """What an export holds, as a JSON card: one per export, built from its manifest, checked against it."""
 
@@ -63,12 +88,7 @@ class ModelCard(ArtifactKind):
     title = "model card"
     built_from = EXPORT
     verified = CHECKED
-    fields = MappingProxyType(
-        {
-            "sha256": Field((str,), required=True, help="the card's own digest"),
-            "graphs": Field((int,), required=True, help="how many graphs the card lists"),
-        }
-    )
+    details_type = CardDetails
     options = (
         Option("--model-card", is_flag=True, help="Also write model-card.json: what the export holds (a plug-in)."),
         Option("--model-card-note", metavar="TEXT", help="--model-card: a note written into the card."),
@@ -112,7 +132,7 @@ class ModelCard(ArtifactKind):
                 graph=None,
                 precision=manifest.dtype,
                 bytes=path.stat().st_size,
-                details={"sha256": sha256_file(path), "graphs": len(graphs)},
+                details=CardDetails(sha256=sha256_file(path), graphs=len(graphs)),
             )
         ]
 
@@ -121,7 +141,7 @@ class ModelCard(ArtifactKind):
         if problems:
             return problems
         path = manifest.directory / record.path
-        if sha256_file(path) != record.details["sha256"]:
+        if sha256_file(path) != details_of(record, CardDetails).sha256:
             return [f"{record.path}: changed since it was written (sha256)"]
         listed = {g["key"] for g in json.loads(path.read_text())["graphs"]}
         missing = sorted({r.key for r in manifest.records("onnx")} - listed)
@@ -147,7 +167,7 @@ def main(kind: ArtifactKind | None = None) -> int:
         manifest = read_manifest(out)
         record = manifest.record(kind.key(None))
         card = json.loads(manifest.file(record).read_text())
-        print(f"{record.key}: {record.path}, {record.bytes} bytes, {record.details['graphs']} graphs")
+        print(f"{record.key}: {record.path}, {record.bytes} bytes, {details_of(record, CardDetails).graphs} graphs")
         for graph in card["graphs"]:
             print(
                 f"  {graph['key']:<22} {graph['file']:<28} {graph['megabytes']:>6} MB  "

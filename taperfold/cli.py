@@ -264,7 +264,7 @@ def inspect(checkpoint, as_json):
     from taperfold.ui import print_inspect
 
     info = describe(open_source(checkpoint))
-    _print_json(info) if as_json else print_inspect(info)
+    _print_json(info.to_json()) if as_json else print_inspect(info)
 
 
 # ---- export ------------------------------------------------------------------------------------------

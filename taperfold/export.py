@@ -50,23 +50,19 @@ from torch import nn
 from taperfold import interrupts
 from taperfold.artifacts import artifact_kind, in_build_order
 from taperfold.artifacts.base import ArtifactKind, ArtifactRecord
-from taperfold.artifacts.onnx_graph import ONNX_GRAPH
-from taperfold.environment import package_versions
+from taperfold.artifacts.onnx_graph import ONNX_GRAPH, OnnxDetails
 from taperfold.errors import TaperfoldError
+from taperfold.export_manifest import export_manifest
 from taperfold.exportdir import (
     BASELINE,
     DECOMPOSED_BASELINE,
     DTYPES,
     FOLDED,
-    GRAPHS,
-    INPUT,
     KV_CACHES,
     LOGITS,
-    OUTPUT,
     PREFILL,
     STATIC,
     UNFOLDED,
-    VARIANT_TABLE,
     Graph,
     graph_key,
     onnx_file,
@@ -74,7 +70,7 @@ from taperfold.exportdir import (
 )
 from taperfold.fsutil import Output, atomic_dir, check_outputs
 from taperfold.layer_trace import MIN_LAYERS, few_layer_model, why_trace_every_layer
-from taperfold.manifest import Manifest, is_export_dir, new_manifest, read_manifest
+from taperfold.manifest import Manifest, is_export_dir, read_manifest
 from taperfold.nn import TaperedNorm
 from taperfold.norms import is_norm_module, norm_kinds, tapered_kind
 from taperfold.opsets import (
@@ -92,7 +88,7 @@ from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPa
 from taperfold.passes.ort_fusions import OrtFusionsPass
 from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
 from taperfold.passes.stamp_layers import StampLayersPass, StampRefused
-from taperfold.sources import ModelSource, checkpoint_digest, open_source
+from taperfold.sources import ModelSource, open_source
 from taperfold.taper import TaperedLM
 from taperfold.tracing import (
     GRAPH_SPECS,
@@ -100,10 +96,7 @@ from taperfold.tracing import (
     ExportOptions,
     export_any_attention,
     opset_graph,
-    static_cache_length,
 )
-
-NOTHING_TO_FOLD = "nothing to fold: {path} has no tapered norms (a plain model); wrote the baseline only"
 
 
 @dataclass
@@ -125,12 +118,6 @@ class HowTraced:
 
     eager_attention: str | None = None  # why the trace took the plain MatMul and Softmax form (None: it did not)
     traced_layers: int | None = None  # layers traced, the others stamped out from them (None: every layer traced)
-
-    def details(self) -> dict:
-        return {
-            **({"eager_attention": self.eager_attention} if self.eager_attention else {}),
-            **({"traced_layers": self.traced_layers} if self.traced_layers else {}),
-        }
 
 
 def _trace(
@@ -281,12 +268,12 @@ def export_checkpoint(
         with source.export_context():
             exported = export_graphs(sources, tmp, opts, on_stage)
         on_stage("writing manifest")
-        manifest = _manifest(source, ckpt_path, opts, tmp, exported)
+        manifest = export_manifest(source, ckpt_path, opts, tmp, exported.records, exported.clock.seconds)
         manifest.write()
         for kind, request in opts.artifacts.items():  # in build order (_planned)
             on_stage(f"building {artifact_kind(kind).title}")
             manifest.build(kind, request, on_stage)
-        manifest.record_time("total_s", time.perf_counter() - started)
+        manifest.timings = manifest.timings.with_total(time.perf_counter() - started)
         manifest.write()
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
 
@@ -379,21 +366,24 @@ def graph_details(
     passes: GraphPasses | None,
     projections: dict | None,
     traced: HowTraced | None = None,
-) -> dict:
-    """The manifest's words on one graph (the ONNX kind's fields): its opset and why, the fused norm ops it runs, the
+) -> OnnxDetails:
+    """The manifest's words on one graph (the ONNX kind's details): its opset and why, the fused norm ops it runs, the
     norms export fused, its fused projections (None: not asked for), ONNX Runtime's fusions (where they ran), and how
     it was traced where that differs from the plain trace of every layer."""
     ops = {op: sum(1 for n in model_ir.graph if n.op_type == op) for kind in norm_kinds() for op in kind.fused_ops}
-    return {
-        **choice.to_dict(),
-        "norm_ops": {k: v for k, v in ops.items() if v},
-        "norms_fused_by_taperfold": passes.norms_fused if passes else 0,
-        "projections": projections,
+    return OnnxDetails(
+        opset=choice.opset,
+        opset_source=choice.source,
+        opset_reason=choice.reason,
+        norm_ops={k: v for k, v in ops.items() if v},
+        norms_fused_by_taperfold=passes.norms_fused if passes else 0,
+        projections=projections,
         # only where they ran: a manifest without the option reads as before it existed
-        **({"ort_fusions": passes.ort_fused} if passes and passes.ort_fused is not None else {}),
-        **({"ort_fusions_skipped": passes.ort_fusions_skipped} if passes and passes.ort_fusions_skipped else {}),
-        **(traced.details() if traced else {}),
-    }
+        ort_fusions=passes.ort_fused if passes else None,
+        ort_fusions_skipped=(passes.ort_fusions_skipped or None) if passes else None,
+        eager_attention=(traced.eager_attention or None) if traced else None,
+        traced_layers=(traced.traced_layers or None) if traced else None,
+    )
 
 
 def graph_passes(
@@ -618,41 +608,3 @@ def _check_gate(source: ModelSource, opts: ExportOptions) -> None:
             "statistics, so folding changes the function; train to the end of the taper, or "
             "pass --force-gate0 to export at g = 0 anyway (`taperfold verify` then reports the cost)"
         )
-
-
-def _manifest(
-    source: ModelSource, ckpt_path: Path, opts: ExportOptions, folder: Path, exported: ExportedGraphs
-) -> Manifest:
-    extra = source.manifest_block()
-    if not source.tapered:
-        extra["note"] = NOTHING_TO_FOLD.format(path=ckpt_path)
-    manifest = new_manifest(
-        folder,
-        checkpoint={"path": str(ckpt_path.resolve()), "sha256": checkpoint_digest(ckpt_path), "step": source.step},
-        config=source.config.to_dict(),
-        gate=source.gate,
-        forced_gate0=source.tapered and source.gate != 0.0,
-        export={
-            "logits": opts.logits,
-            "dtype": opts.dtype,
-            "target": opts.target,
-            "opset": opts.opset,  # the --opset override, or None: per graph from the table (see artifacts)
-            "kv_cache": list(opts.decoders),
-            "max_cache": static_cache_length(source.config, opts) if STATIC in opts.decoders else None,
-            "fuse_projections": opts.fuse_projections,
-            "inputs": [INPUT],
-            "outputs": [OUTPUT],
-        },
-        versions=package_versions(),
-        timings=exported.clock.seconds,
-        extra=extra,
-    )
-    for record in sorted(exported.records, key=_artifact_order):
-        manifest.add_artifact(record)
-    return manifest
-
-
-def _artifact_order(record: ArtifactRecord) -> tuple[int, int]:
-    """Graphs in the manifest in the variant table's order, each variant's in GRAPHS order."""
-    variants = [v.name for v in VARIANT_TABLE]
-    return variants.index(record.variant or FOLDED), GRAPHS.index(record.graph or PREFILL)

@@ -1,7 +1,8 @@
 """Reading a report back from its JSON: every value checked as it is read, every problem one line naming the file
 and the key (`bench.json: key 'results[3].synced.stats_ms.median' must be a number, got 'fast'`).
 
-A leaf module (taperfold.errors only): the typed reports of bench and the fold passes read through it.
+A leaf module (taperfold.errors only): the typed reports of bench and the fold passes, and manifest.json's typed parts
+(taperfold.manifest: the source, the timings, each artifact kind's own keys), read through it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Fields:
             raise TaperfoldError(f"{origin}: {where} must be an object, got {_shown(data)}")
         self.data: dict[str, Any] = data
         self.origin, self.path = origin, path
+        self.read: set[str] = (
+            set()
+        )  # the keys asked for: what a reader kept of the object models (the rest it does not)
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
@@ -76,6 +80,7 @@ class Fields:
     def value(self, name: str, check: Callable[[Any], bool], expected: str, default: Any = MISSING) -> Any:
         """The value at `name`, held to `check` (`expected` says what it must be); `default` when it is absent (and
         one is given), else one line saying it is missing."""
+        self.read.add(name)
         if name not in self.data:
             if default is MISSING:
                 raise TaperfoldError(f"{self.origin}: missing key '{self.key(name)}'")
@@ -155,6 +160,7 @@ class Fields:
 
     def optional_child(self, name: str) -> Fields | None:
         """The object at `name`, or None where the key is absent or null."""
+        self.read.add(name)
         if self.data.get(name) is None:
             return None
         return self.child(name)

@@ -5,28 +5,33 @@
     config                                  the model's shape, as the kind of source that wrote it reads it
     gate, exported_gate, forced_gate0
     export: {logits, dtype, target, opset, kv_cache, max_cache, fuse_projections, inputs, outputs}
-    versions, timings
+    versions
+    timings: {STAGE_s..., build_s: {KIND: s}, total_s}         StageTimings
+    source: {format, family, ..., special_tokens, tokenizer_files}   ManifestSource (a Hugging Face source only)
+    note                                    a plain model's: nothing to fold
     artifacts: {KEY: {kind, path, variant, graph, precision, bytes, external_data, external_data_bytes, built_from,
-                      ...the kind's own fields, reports: {NAME: report}}}
+                      ...the kind's own keys (its details_type), reports: {NAME: report}}}
 
 Every artifact is a record of a registered kind (taperfold.artifacts): `add_artifact` records one, `artifact(...)`
 finds one's file, `report(key, name)` reads what a stage reported about it (the fold report sits with the folded
 graph it made). The schema is checked on read, each problem one line naming the file and the key, and every path an
-entry names must stay inside the directory. Keys this module does not model are kept when the manifest is
-rewritten. Manifests of format_version 1 (taperfold before artifact kinds) are read by upgrading them in memory
-(`_upgrade_v1`); one written by a newer taperfold is refused.
+entry names must stay inside the directory. The typed parts (`source`, `timings`, `note`, each artifact's details)
+are read once, when the manifest is read, and written back as the same keys; keys this module does not model are
+kept when the manifest is rewritten. Manifests of format_version 1 (taperfold before artifact kinds) are read by
+upgrading them in memory (`_upgrade_v1`); one written by a newer taperfold is refused.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, is_registered
-from taperfold.artifacts.base import COMMON_KEYS, ArtifactRecord
+from taperfold.artifacts.base import COMMON_KEYS, ArtifactRecord, UnknownDetails
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import (
     BASELINE,
@@ -46,7 +51,7 @@ from taperfold.exportdir import (
     parse_graph_key,
 )
 from taperfold.fsutil import check_inside, read_json_object, write_json_atomic
-from taperfold.jsonfields import is_file_name
+from taperfold.jsonfields import Fields, is_file_name
 
 MANIFEST = "manifest.json"
 FORMAT = "taperfold-export"
@@ -56,16 +61,157 @@ FORMAT = "taperfold-export"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MAX_CACHE = 1 << 24  # a static cache longer than any context a model has
+HUGGINGFACE = "huggingface"  # manifest `source.format` of a Hugging Face directory (taperfold.hf)
+
+
+@dataclass(frozen=True)
+class ManifestSource:
+    """manifest `source`: what the export recorded of a source beyond its checkpoint block (a Hugging Face directory,
+    taperfold.hf), which the folders and builds made later from the export read. None where a key is absent (an
+    older export's); keys this class does not model are kept in `unmodeled` and written back."""
+
+    format: str | None = None  # "huggingface"
+    family: str | None = None  # the family that describes it (taperfold.families)
+    family_traced: bool | None = None  # whether that family was found by tracing the model (no shipped family)
+    model_type: str | None = None  # config.json's
+    taper: str | None = None  # none | internal | all
+    untapered: dict[str, str] | None = None  # norm-like modules the tapering left alone, and why
+    special_tokens: dict[str, int | list[int]] | None = None  # bos/eos/pad token ids, as a runtime's config takes them
+    tokenizer_files: tuple[str, ...] | None = None  # the tokenizer files in the source directory, by name
+    unmodeled: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_huggingface(self) -> bool:
+        return self.format == HUGGINGFACE
+
+    @classmethod
+    def from_json(cls, source: Fields) -> ManifestSource:
+        tokenizer_files = source.value(
+            "tokenizer_files",
+            lambda v: isinstance(v, list) and all(is_file_name(n) for n in v),
+            "a list of file names (no directory part)",
+            None,
+        )
+        read = cls(
+            format=source.optional_text("format"),
+            family=source.optional_text("family"),
+            family_traced=source.optional_flag("family_traced"),
+            model_type=source.optional_text("model_type"),
+            taper=source.optional_text("taper"),
+            untapered=source.value(
+                "untapered",
+                lambda v: isinstance(v, dict) and all(isinstance(why, str) for why in v.values()),
+                "an object of strings",
+                None,
+            ),
+            special_tokens=source.value(
+                "special_tokens",
+                lambda v: isinstance(v, dict) and all(_is_token_ids(ids) for ids in v.values()),
+                "an object of token ids",
+                None,
+            ),
+            tokenizer_files=tuple(tokenizer_files) if tokenizer_files is not None else None,
+        )
+        return replace(read, unmodeled={k: v for k, v in source.data.items() if k not in source.read})
+
+    def to_json(self) -> dict[str, Any]:
+        modeled = {
+            "format": self.format,
+            "family": self.family,
+            "family_traced": self.family_traced,
+            "model_type": self.model_type,
+            "taper": self.taper,
+            "untapered": self.untapered,
+            "special_tokens": self.special_tokens,
+            "tokenizer_files": list(self.tokenizer_files) if self.tokenizer_files is not None else None,
+        }
+        return {**{k: v for k, v in modeled.items() if v is not None}, **self.unmodeled}
+
+
+@dataclass(frozen=True)
+class StageTimings:
+    """manifest `timings`: where an export's time went. `stages`: seconds per stage as export's StageClock measured
+    them, in the order they ran (torch_export_s, passes_s and write_s always; stamp_layers_s and ort_fusions_s where
+    they ran); `build_s`: seconds per artifact kind built (`Manifest.build`); `total_s`: the export's wall time
+    (None until the export ends, and in a manifest from before it was recorded)."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    build_s: dict[str, float] = field(default_factory=dict)
+    total_s: float | None = None
+
+    @property
+    def torch_export_s(self) -> float:
+        return self.stages.get("torch_export_s", 0.0)
+
+    @property
+    def passes_s(self) -> float:
+        return self.stages.get("passes_s", 0.0)
+
+    @property
+    def write_s(self) -> float:
+        return self.stages.get("write_s", 0.0)
+
+    @property
+    def stamp_layers_s(self) -> float | None:
+        """Stamping out the layers not traced (None: every layer was traced)."""
+        return self.stages.get("stamp_layers_s")
+
+    @property
+    def ort_fusions_s(self) -> float | None:
+        """ONNX Runtime's fusions (None: --ort-fusions did not run)."""
+        return self.stages.get("ort_fusions_s")
+
+    @property
+    def counted_s(self) -> float:
+        """The seconds the stages and the builds account for (of `total_s`)."""
+        return sum(self.stages.values()) + sum(self.build_s.values())
+
+    @classmethod
+    def from_clock(cls, seconds: Mapping[str, float]) -> StageTimings:
+        return cls(stages={stage: round(s, 3) for stage, s in seconds.items()})
+
+    def with_build(self, kind: str, seconds: float) -> StageTimings:
+        """These timings with `seconds` more spent building `kind`."""
+        return replace(self, build_s={**self.build_s, kind: round(self.build_s.get(kind, 0.0) + seconds, 3)})
+
+    def with_total(self, seconds: float) -> StageTimings:
+        return replace(self, total_s=round(seconds, 3))
+
+    @classmethod
+    def from_json(cls, timings: Fields | None) -> StageTimings:
+        """Read from `timings` (None: the manifest has none, as version-1 ones may not)."""
+        if timings is None:
+            return cls()
+        stages = {name: timings.number(name) for name in timings.data if name not in ("build_s", "total_s")}
+        return cls(stages, timings.numbers_by_name("build_s", None), timings.optional_number("total_s"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.stages,
+            **({"build_s": self.build_s} if self.build_s else {}),
+            **({"total_s": self.total_s} if self.total_s is not None else {}),
+        }
 
 
 class Manifest:
     """manifest.json of one export directory, checked. Artifacts are `ArtifactRecord`s; everything else is read
-    through the properties below (the JSON object keeps keys this class does not model)."""
+    through the attributes and properties below (the JSON object keeps keys this class does not model)."""
 
-    def __init__(self, directory: Path, data: dict, records: dict[str, ArtifactRecord]):
+    def __init__(
+        self,
+        directory: Path,
+        data: dict,
+        records: dict[str, ArtifactRecord],
+        source: ManifestSource | None = None,
+        timings: StageTimings | None = None,
+        note: str | None = None,
+    ):
         self.directory = directory
-        self._data = data
+        self._data = data  # the JSON object less its artifacts; the typed parts below replace their keys on write
         self._records = records
+        self.source = source  # what the export recorded of its source (None: a taperfold checkpoint's export)
+        self.timings = timings or StageTimings()
+        self.note = note  # what export said of the model (a plain model: nothing to fold)
 
     # ---- what was exported ----
 
@@ -120,10 +266,6 @@ class Manifest:
         except (TypeError, ValueError) as e:
             raise TaperfoldError(f"{self.path}: key 'config': {e}") from None
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A top-level key this class does not model (`note`, `source`, `timings`, ...)."""
-        return self._data.get(key, default)
-
     # ---- artifacts ----
 
     def records(self, kind: str | None = None) -> list[ArtifactRecord]:
@@ -170,10 +312,9 @@ class Manifest:
         return path
 
     def add_artifact(self, record: ArtifactRecord) -> None:
-        """Record `record` (replacing one with its key): its kind must be registered and its entry fit the schema."""
-        entry = record.to_json()
-        _check_entry(self.path, record.key, entry)
-        self._records[record.key] = ArtifactRecord.from_json(record.key, entry)
+        """Record `record` (replacing one with its key): its entry must fit the schema, its details read back as its
+        kind's (a copy: the record given is not kept)."""
+        self._records[record.key] = _record(self.path, record.key, record.to_json())
 
     def build(
         self, kind: str, request: Any = None, on_stage: Callable[[str], None] = lambda s: None
@@ -196,14 +337,9 @@ class Manifest:
         records = artifact.build(self, request, on_stage)
         for record in records:
             self.add_artifact(record)
-        spent = self._data.setdefault("timings", {}).setdefault("build_s", {})
-        spent[kind] = round(spent.get(kind, 0.0) + time.perf_counter() - started, 3)
+        self.timings = self.timings.with_build(kind, time.perf_counter() - started)
         self.write()
         return records
-
-    def record_time(self, stage: str, seconds: float) -> None:
-        """Set `timings.STAGE` to `seconds` (written with the next write())."""
-        self._data.setdefault("timings", {})[stage] = round(seconds, 3)
 
     def report(self, key: str, name: str) -> dict | None:
         """What a stage reported about artifact `key` (e.g. "fold": the passes that made the folded graph)."""
@@ -213,7 +349,15 @@ class Manifest:
     # ---- on disk ----
 
     def to_json(self) -> dict:
-        return {**self._data, "artifacts": {key: r.to_json() for key, r in self._records.items()}}
+        """The manifest as JSON: each typed part where its key was read (or, new, at the end)."""
+        data = dict(self._data)
+        if self.source is not None:
+            data["source"] = self.source.to_json()
+        if "timings" in data or self.timings != StageTimings():
+            data["timings"] = self.timings.to_json()
+        if self.note is not None:
+            data["note"] = self.note
+        return {**data, "artifacts": {key: r.to_json() for key, r in self._records.items()}}
 
     def write(self) -> None:
         """Rewrite manifest.json atomically (at the current format version), in the directory itself: a manifest.json
@@ -233,8 +377,9 @@ def new_manifest(
     forced_gate0: bool,
     export: dict,
     versions: dict,
-    timings: dict,
-    extra: dict | None = None,
+    timings: StageTimings,
+    source: ManifestSource | None = None,
+    note: str | None = None,
 ) -> Manifest:
     """The manifest of a new export, without artifacts yet (export adds them as it writes them)."""
     data = {
@@ -248,11 +393,12 @@ def new_manifest(
         "forced_gate0": forced_gate0,
         "export": export,
         "versions": versions,
-        "timings": {k: round(v, 3) for k, v in timings.items()},
-        **(extra or {}),
+        "timings": timings.to_json(),
+        **({"source": source.to_json()} if source is not None else {}),
+        **({"note": note} if note is not None else {}),
     }
     _check_top(directory / MANIFEST, data)
-    return Manifest(directory, data, {})
+    return Manifest(directory, data, {}, source, timings, note)
 
 
 def is_export_dir(path: Path) -> bool:
@@ -288,14 +434,41 @@ def read_manifest(export_dir: str | Path) -> Manifest:
         _check_v1(path, data)
         data = _upgrade_v1(data)
     _check_top(path, data)
-    artifacts = _mapping(path, data, "artifacts")
-    records = {}
-    for key, entry in artifacts.items():
-        _check_entry(path, key, entry)
-        records[key] = ArtifactRecord.from_json(key, entry)
+    # the typed parts, each read (and so checked) once by its type
+    top = Fields(data, str(path))
+    source = ManifestSource.from_json(top.child("source")) if top.has("source") else None
+    timings = StageTimings.from_json(top.child("timings") if top.has("timings") else None)
+    note = top.optional_text("note")
+    records = {key: _record(path, key, entry) for key, entry in _mapping(path, data, "artifacts").items()}
     if not any(r.kind == ONNX and r.variant in (BASELINE, UNFOLDED, FOLDED) for r in records.values()):
         raise TaperfoldError(f"{path}: key 'artifacts' lists no ONNX graph of the baseline, unfolded or folded model")
-    return Manifest(export_dir, {k: v for k, v in data.items() if k != "artifacts"}, records)
+    data = {k: v for k, v in data.items() if k != "artifacts"}
+    return Manifest(export_dir, data, records, source, timings, note)
+
+
+def _record(path: Path, key: str, entry: Any) -> ArtifactRecord:
+    """The record of manifest entry `key`: the keys every artifact has checked, then its kind's own read by the kind's
+    details_type (one line naming the key where one is wrong), or kept as they are for a kind not registered here."""
+    _check_entry(path, key, entry)
+    kind = entry["kind"]
+    fields = Fields(entry, str(path), f"artifacts.{key}")
+    details = (artifact_kind(kind).details_type if is_registered(kind) else UnknownDetails).from_json(fields)
+    unmodeled = {k: v for k, v in entry.items() if k not in COMMON_KEYS and k not in fields.read}
+    return ArtifactRecord(
+        key=key,
+        kind=kind,
+        path=entry["path"],
+        variant=entry.get("variant"),
+        graph=entry.get("graph"),
+        precision=entry["precision"],
+        bytes=entry.get("bytes", 0),
+        external_data=entry.get("external_data"),
+        external_data_bytes=entry.get("external_data_bytes", 0),
+        built_from=entry.get("built_from"),
+        details=details,
+        reports=dict(entry.get("reports") or {}),
+        unmodeled=unmodeled,
+    )
 
 
 # ---- the schema ----------------------------------------------------------------------------------------------
@@ -381,25 +554,6 @@ def _check_top(path: Path, data: dict) -> None:
         required=False,
     )
     _typed(path, data, "export.fuse_projections", lambda v: isinstance(v, bool), "true or false", required=False)
-    # what the export recorded of its source, which the folders built later from it read
-    _typed(path, data, "source", lambda v: isinstance(v, dict), "an object", required=False)
-    _typed(path, data, "source.format", lambda v: isinstance(v, str), "a string", required=False)
-    _typed(
-        path,
-        data,
-        "source.tokenizer_files",
-        lambda v: isinstance(v, list) and all(is_file_name(n) for n in v),
-        "a list of file names (no directory part)",
-        required=False,
-    )
-    _typed(
-        path,
-        data,
-        "source.special_tokens",
-        lambda v: isinstance(v, dict) and all(_is_token_ids(ids) for ids in v.values()),
-        "an object of token ids",
-        required=False,
-    )
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -424,7 +578,7 @@ def _check_entry(path: Path, key: str, entry: Any) -> None:
     def typed(name: str, check: Callable[[Any], bool], expected: str, required: bool = True):
         return _field(path, entry, name, f"{where}.{name}", check, expected, required)
 
-    kind = typed("kind", lambda v: isinstance(v, str) and v != "", "a kind's name")
+    typed("kind", lambda v: isinstance(v, str) and v != "", "a kind's name")
     typed("path", _inside, "a file name inside the export directory")
     typed(
         "external_data",
@@ -439,8 +593,6 @@ def _check_entry(path: Path, key: str, entry: Any) -> None:
         typed(name, lambda v: _is_int(v) and v >= 0, "a byte count", required=False)
     typed("built_from", lambda v: v is None or isinstance(v, str), "null or an artifact's key", required=False)
     typed("reports", lambda v: isinstance(v, dict), "an object", required=False)
-    if is_registered(kind):
-        artifact_kind(kind).check_fields(entry, str(path), where)
 
 
 # ---- format_version 1 ----------------------------------------------------------------------------------------

@@ -13,12 +13,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from taperfold.artifacts.genai_folder import GenaiDetails
+from taperfold.artifacts.onnx_graph import OnnxDetails
 from taperfold.bench.report import UNIT, speedup_labels
 from taperfold.exportdir import FOLDED
 
 if TYPE_CHECKING:
     from taperfold.bench.report import BenchReport
     from taperfold.compare import Metrics
+    from taperfold.describe import Description
     from taperfold.manifest import Manifest
     from taperfold.passes.check_fold import FoldCheck
     from taperfold.passes.report import FoldReport, ProjectionReport
@@ -100,83 +103,80 @@ def _fmt(x, spec=".4g"):
     return "-" if x is None else format(x, spec)
 
 
-def print_inspect(info: dict) -> None:
-    norm = info["config"].get("norm")
+def print_inspect(info: Description) -> None:
     out.print(
-        f"[bold]{info['path']}[/]: {info['arch']}, taper={info['taper']}, "
-        + (f"norm={norm}, " if norm else "")
-        + f"aux={info['aux']}, "
-        f"{info['parameters']:,} parameters, step {info['step']}, gate {info['gate']:g}"
-        + (f", val loss {info['val_loss']:.4f}" if info.get("val_loss") is not None else "")
+        f"[bold]{info.path}[/]: {info.arch}, taper={info.taper}, "
+        + (f"norm={info.norm}, " if info.norm else "")
+        + f"aux={info.aux}, "
+        f"{info.parameters:,} parameters, step {info.step}, gate {info.gate:g}"
+        + (f", val loss {info.val_loss:.4f}" if info.val_loss is not None else "")
     )
     table = Table(show_lines=False)
     for col in ("norm", "kind", "gate", "c", "γ̃ min", "γ̃ max", "folds into", "foldable"):
         table.add_column(col, no_wrap=col == "norm")
-    for n in info["norms"]:
-        readers = ", ".join(r.rsplit(".", 1)[-1] for r in n["folds_into"]) or "-"
-        verdict = "[green]yes[/]" if n["foldable"] else f"[yellow]no[/]: {n['reason']}"
-        if n["foldable"] and n.get("alpha") is not None:  # DyT: what folds and what stays
-            verdict += f" (γ, β; tanh(αh) stays, α {n['alpha']:.4g})"
+    for n in info.norms:
+        readers = ", ".join(r.rsplit(".", 1)[-1] for r in n.folds_into) or "-"
+        verdict = "[green]yes[/]" if n.foldable else f"[yellow]no[/]: {n.reason}"
+        if n.foldable and n.alpha is not None:  # DyT: what folds and what stays
+            verdict += f" (γ, β; tanh(αh) stays, α {n.alpha:.4g})"
         table.add_row(
-            n["name"],
-            n["kind"],
-            _fmt(n["gate"], "g"),
-            _fmt(n["c"]),
-            _fmt(n["gamma_tilde_min"]),
-            _fmt(n["gamma_tilde_max"]),
+            n.name,
+            n.kind,
+            _fmt(n.gate, "g"),
+            _fmt(n.c),
+            _fmt(n.gamma_tilde_min),
+            _fmt(n.gamma_tilde_max),
             readers,
             verdict,
         )
     out.print(table)
-    out.print(f"{info['foldable']} of {len(info['norms'])} norm layers can be folded")
-    if info.get("how_to_taper"):
-        out.print(f"a plain model: {info['how_to_taper']}; then {info['would_fold']} of them fold", highlight=False)
+    out.print(f"{info.foldable} of {len(info.norms)} norm layers can be folded")
+    if info.how_to_taper:
+        out.print(f"a plain model: {info.how_to_taper}; then {info.would_fold} of them fold", highlight=False)
 
 
 def print_export(manifest: Manifest, out_dir) -> None:
     table = Table(title=f"exported to {out_dir}")
-    fused = any(record.details.get("ort_fusions") is not None for record in manifest.records())
+    graphs = [(record, record.details) for record in manifest.records() if isinstance(record.details, OnnxDetails)]
+    fused = any(details.ort_fusions is not None for _, details in graphs)
     for col in ("variant", "file", "size (MB)", "opset", "norm ops", *(("ONNX Runtime fusions",) if fused else ())):
         table.add_column(col)
     for record in manifest.records():
         size = (record.bytes + record.external_data_bytes) / 1e6
-        details = record.details
-        opset = f"{details['opset']} ({details['opset_source']})" if "opset" in details else ""
-        norms = ", ".join(f"{op} ×{n}" for op, n in (details.get("norm_ops") or {}).items())
-        ort = details.get("ort_fusions")
+        details = record.details if isinstance(record.details, OnnxDetails) else OnnxDetails()  # another kind: none
+        opset = f"{details.opset} ({details.opset_source})" if details.opset is not None else ""
+        norms = ", ".join(f"{op} ×{n}" for op, n in (details.norm_ops or {}).items())
+        ort = details.ort_fusions
         fusions = "–" if ort is None else ", ".join(f"{op} ×{n}" for op, n in ort.items()) or "none matched"
-        if details.get("ort_fusions_skipped"):
-            fusions = f"left as traced: {details['ort_fusions_skipped']}"
+        if details.ort_fusions_skipped:
+            fusions = f"left as traced: {details.ort_fusions_skipped}"
         table.add_row(record.key, record.path, f"{size:.2f}", opset, norms, *((fusions,) if fused else ()))
     out.print(table)
-    if manifest.get("note"):
-        out.print(manifest.get("note"), highlight=False)
-    for declined in dict.fromkeys(
-        r.details["builder_declined"] for r in manifest.records() if "builder_declined" in r.details
-    ):
+    if manifest.note:
+        out.print(manifest.note, highlight=False)
+    folders = [r.details for r in manifest.records() if isinstance(r.details, GenaiDetails)]
+    for declined in dict.fromkeys(d.builder_declined for d in folders if d.builder_declined is not None):
         out.print(
             f"note: onnxruntime-genai folders by the traced route, not the builder's: {declined}", highlight=False
         )
     summary = (manifest.report(FOLDED, "fold") or {}).get("summary", {})
     if summary:
         out.print("fold: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
-    t = manifest.get("timings")
-    built = "".join(f", building {kind} {seconds:.1f} s" for kind, seconds in (t.get("build_s") or {}).items())
-    ort = f", ONNX Runtime fusions {t['ort_fusions_s']:.1f} s" if "ort_fusions_s" in t else ""
-    traced = {n for n in (record.details.get("traced_layers") for record in manifest.records()) if n is not None}
+    t = manifest.timings
+    built = "".join(f", building {kind} {seconds:.1f} s" for kind, seconds in t.build_s.items())
+    fusing = f", ONNX Runtime fusions {t.ort_fusions_s:.1f} s" if t.ort_fusions_s is not None else ""
+    traced = {details.traced_layers for _, details in graphs if details.traced_layers is not None}
     stamped = (
         f" ({'/'.join(map(str, sorted(traced)))} of {manifest.config().n_layers} layers traced, the others stamped out "
-        f"in {t.get('stamp_layers_s', 0.0):.1f} s)"
+        f"in {t.stamp_layers_s or 0.0:.1f} s)"
         if traced
         else ""
     )
-    builds = t.get("build_s") or {}
-    counted = sum(v for k, v in t.items() if k != "total_s" and isinstance(v, (int, float))) + sum(builds.values())
-    total, rest = (f"export {t['total_s']:.1f} s: ", f", the rest {t['total_s'] - counted:.1f} s (reading the model, "
-                   "the manifest)") if "total_s" in t else ("", "")  # fmt: skip
+    total, rest = (f"export {t.total_s:.1f} s: ", f", the rest {t.total_s - t.counted_s:.1f} s (reading the model, "
+                   "the manifest)") if t.total_s is not None else ("", "")  # fmt: skip
     out.print(
-        f"{total}torch export {t['torch_export_s']:.1f} s{stamped}, passes {t['passes_s']:.2f} s{ort}, "
-        f"writing {t['write_s']:.2f} s{built}{rest}"
+        f"{total}torch export {t.torch_export_s:.1f} s{stamped}, passes {t.passes_s:.2f} s{fusing}, "
+        f"writing {t.write_s:.2f} s{built}{rest}"
     )
 
 

@@ -195,6 +195,16 @@ def test_inspect_json(tmp_path, ckpt):
     assert by_name["model.layers.0.input_layernorm"]["foldable"] is False  # calibrated flag never set here
     assert by_name["model.norm"]["kind"] == "RMSNorm" and not by_name["model.norm"]["foldable"]
     assert by_name["model.layers.1.input_layernorm"]["c"] == pytest.approx(0.8)
+    # the same report, typed: what `inspect`'s table reads
+    from taperfold.describe import describe
+    from taperfold.sources import open_source
+
+    described = describe(open_source(path))
+    assert json.loads(json.dumps(described.to_json())) == info
+    assert (described.arch, described.gate, described.norm, described.how_to_taper) == ("llama", 0.0, None, None)
+    assert described.foldable == info["foldable"] and described.kept == len(described.norms) - described.foldable
+    final = next(n for n in described.norms if n.name == "model.norm")
+    assert (final.kind, final.tapered, final.foldable, final.alpha) == ("RMSNorm", False, False, None)
 
 
 def test_a_gate_that_is_a_bool_is_refused(tiny_checkpoint, tmp_path, cli):

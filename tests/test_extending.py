@@ -240,7 +240,13 @@ def test_plugin_artifact_example_exports_reads_back_and_verifies_its_kind():
         ("built_from", "nowhere", "built_from 'nowhere' is neither 'torch', 'export' nor a registered kind"),
         ("name", "Model Card", "name 'Model Card' is not lowercase letters"),
         ("verified", "eyeballed", "verified 'eyeballed' is neither 'logits' nor 'checked'"),
-        ("fields", {"path": None}, "field 'path' is a key every artifact has"),
+        ("details_type", dict, "details_type dict is not a dataclass"),
+        (
+            "details_type",
+            dataclasses.make_dataclass("Clash", [("path", str)], frozen=True),
+            "details_type Clash: field 'path' is a key every artifact has",
+        ),
+        ("details_type", dataclasses.make_dataclass("Open", [("words", int)]), "details_type Open is not frozen"),
     ],
 )
 def test_plugin_artifact_example_fails_on_a_wrong_declaration(registries, capsys, attribute, value, message):

@@ -266,7 +266,7 @@ def test_builder_route_folders_are_the_builders_graph_minus_the_tapered_norms(bu
     out, model = builder_export
     manifest = read_manifest(out)
     records = {r.variant: r for r in manifest.records("genai")}
-    assert set(records) == {"folded", "baseline"} and {r.details["route"] for r in records.values()} == {"builder"}
+    assert set(records) == {"folded", "baseline"} and {r.details.route for r in records.values()} == {"builder"}
     # the builder builds from the source: no traced decoder was exported for it (issue 27's export time)
     assert not [r for r in manifest.records("onnx") if r.graph != "prefill"]
     layers = model.config.num_hidden_layers
@@ -323,7 +323,7 @@ def test_bench_builds_the_unfolded_folder_by_the_builder_too(builder_export, tmp
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     record = read_manifest(copy).find("unfolded", GROWING, "genai")
-    assert record is not None and record.details["route"] == "builder"
+    assert record is not None and record.details.route == "builder"
     unfolded = _op_types(copy / "genai" / "unfolded" / "model.onnx")
     assert unfolded.count("Mul") - _op_types(copy / "genai" / "folded" / "model.onnx").count("Mul") == 2 * (
         model.config.num_hidden_layers
@@ -348,7 +348,7 @@ def test_builder_route_quantizes_with_the_builders_own_int4(builder_export, tmp_
     assert {(r.key, r.path) for r in records} == {
         (f"{v}.decoder.int4.genai", f"genai/{v}-int4/genai_config.json") for v in ("folded", "baseline")
     }
-    assert all(r.details["route"] == "builder" and r.reports["quantize"]["block_size"] == 32 for r in records)
+    assert all(r.details.route == "builder" and r.reports["quantize"]["block_size"] == 32 for r in records)
     folded = _op_types(copy / "genai" / "folded-int4" / "model.onnx")
     assert "MatMulNBits" in folded and "GroupQueryAttention" in folded
     norms = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -477,7 +477,7 @@ def test_builder_route_refuses_a_model_with_a_linear_layer_as_wide_as_the_vocabu
     assert not (tmp_path / "out").exists()
     result = run_cli("export", source, "-o", tmp_path / "out", "--genai", "--no-baseline")
     assert result.exit_code == 0, result.stderr
-    assert {r.details["route"] for r in read_manifest(tmp_path / "out").records("genai")} == {"traced"}
+    assert {r.details.route for r in read_manifest(tmp_path / "out").records("genai")} == {"traced"}
     # nor is the builder's own graph of it a contender: bench --against refuses before any timing
     result = run_cli("bench", tmp_path / "out", "--engine", "genai", "--mode", "decode", "--against", "genai-builder")
     one_line(result, "model.layers.0.self_attn.q_proj has vocab_size outputs", "would be wrong")

@@ -1,7 +1,9 @@
-"""manifest.json through its typed API: artifacts as records of registered kinds, reports kept with the artifact
-they describe, the schema checked on read (one line naming the file and the key, every path kept inside the
-directory, a newer format refused), and manifests of format_version 1 (taperfold before artifact kinds) read by
-upgrading them: a hand-trimmed one, and one the previous version of `taperfold export` wrote."""
+"""manifest.json through its typed API: artifacts as records of registered kinds (each kind's own keys read into its
+details type), reports kept with the artifact they describe, the source, timings and note read as typed fields, the
+schema checked on read (one line naming the file and the key, every path kept inside the directory, a newer format
+refused), a manifest read and written back byte for byte, and manifests of format_version 1 (taperfold before
+artifact kinds) read by upgrading them: a hand-trimmed one, and one the previous version of `taperfold export`
+wrote."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from taperfold.artifacts import ONNX, TENSORRT_PLAN
-from taperfold.artifacts.base import ArtifactRecord
+from taperfold.artifacts.base import ArtifactRecord, UnknownDetails
+from taperfold.artifacts.tensorrt_plan import Profile, TensorrtDetails
 from taperfold.checkpoint import checkpoint_from_model, save_checkpoint
 from taperfold.errors import TaperfoldError
 from taperfold.export import ExportOptions, export_checkpoint
@@ -108,7 +111,8 @@ def test_a_version_1_manifest_reads_as_artifact_records(v1_dir):
     assert manifest.artifact("folded", GROWING) == v1_dir / "model.decoder.onnx"
     assert manifest.artifact("folded", kind=TENSORRT_PLAN) == v1_dir / "model.plan"
     plan = manifest.record("folded.plan")
-    assert plan.built_from == "folded" and plan.details["tensorrt"] == "10.13.3" and "dtype" not in plan.details
+    assert plan.built_from == "folded" and plan.details.tensorrt == "10.13.3" and plan.details.gpu == "Fake GPU"
+    assert plan.details.profile == Profile((1, 1, 8), (1, 64, 64)) and plan.unmodeled == {}  # no `dtype` left over
     # the fold reports sit with the graphs they made
     assert manifest.report("folded", "fold") == MANIFEST_V1["fold_report"]
     assert manifest.report("folded.decoder", "fold") == MANIFEST_V1["decoder_fold_report"]
@@ -122,7 +126,7 @@ def test_rewriting_a_version_1_manifest_writes_version_2_and_keeps_unmodelled_ke
     read_manifest(v1_dir).write()
     written = json.loads((v1_dir / "manifest.json").read_text())
     assert written["format_version"] == FORMAT_VERSION == 2
-    assert written["note"] == "kept" and written["source"] == {"format": "huggingface"}
+    assert written["note"] == "kept" and written["source"] == {"format": "huggingface"}  # absent keys stay absent
     assert not {"fold_report", "decoder_fold_report", "engines"} & set(written)
     assert "engine" not in written["artifacts"] and written["artifacts"]["folded.plan"]["kind"] == TENSORRT_PLAN
     assert read_manifest(v1_dir).to_json() == written  # and reads back as itself
@@ -159,7 +163,7 @@ def test_a_manifest_the_previous_version_wrote_reads_as_this_version_writes_it(e
             record.graph,
             record.precision,
             built_from,
-            sorted(record.details),
+            sorted(record.details.to_json()),
             sorted(record.reports),
         )
 
@@ -169,6 +173,19 @@ def test_a_manifest_the_previous_version_wrote_reads_as_this_version_writes_it(e
     assert old.max_cache == current.max_cache == 64
     for key in ("folded", "folded.decoder", "folded.static"):
         assert old.report(key, "fold")["summary"]["folded"] == current.report(key, "fold")["summary"]["folded"] == 8
+
+
+def test_a_manifest_read_and_written_back_is_the_same_bytes(exported_twice):
+    current = exported_twice[0]
+    before = (current / "manifest.json").read_bytes()
+    manifest = read_manifest(current)
+    assert manifest.source is None and manifest.note is None  # a taperfold checkpoint, tapered
+    timings = manifest.timings
+    assert list(timings.stages)[:3] == ["torch_export_s", "passes_s", "write_s"] and timings.write_s > 0
+    assert timings.total_s is not None and timings.total_s >= timings.counted_s and timings.build_s == {}
+    assert manifest.find("folded").details.opset == 23  # the table's opset for ONNX Runtime
+    manifest.write()
+    assert (current / "manifest.json").read_bytes() == before
 
 
 def test_verify_runs_an_export_the_previous_version_wrote(exported_twice):
@@ -244,8 +261,24 @@ def manifest_v2(**artifacts) -> dict:
         (manifest_v2(folded=entry(graph="decoder")), "key 'artifacts.folded.graph': expected null or one of prefill"),
         (manifest_v2(folded=entry(variant="fast")), "key 'artifacts.folded.variant': expected null or a variant"),
         (manifest_v2(folded=entry(bytes=-1)), "key 'artifacts.folded.bytes': expected a byte count"),
-        (manifest_v2(folded=entry(opset="23")), "key 'artifacts.folded.opset': expected int, got str"),
+        (manifest_v2(folded=entry(opset="23")), "key 'artifacts.folded.opset' must be null or an integer, got '23'"),
+        (manifest_v2(folded=entry(norm_ops={"RMSNormalization": "9"})), "key 'artifacts.folded.norm_ops' must be an"),
         (manifest_v2(folded=entry(kind=TENSORRT_PLAN)), "missing key 'artifacts.folded.tensorrt'"),
+        (manifest_v2(folded=entry(kind=TENSORRT_PLAN, tensorrt="10")), "missing key 'artifacts.folded.profile'"),
+        (
+            manifest_v2(folded=entry(kind=TENSORRT_PLAN, tensorrt="10", profile={"batch": [8, 1, 1], "sequence": [1]})),
+            "key 'artifacts.folded.profile.batch': need 1 <= min <= opt <= max, got min 8",
+        ),
+        (
+            manifest_v2(folded=entry(), g=entry(kind="genai", path="g/genai_config.json", decoder="../model.onnx")),
+            "key 'artifacts.g.decoder' must be a file name in the folder, got '../model.onnx'",
+        ),
+        ({**manifest_v2(), "timings": []}, "key 'timings' must be an object, got a list"),
+        ({**manifest_v2(), "timings": {"passes_s": "fast"}}, "key 'timings.passes_s' must be a number, got 'fast'"),
+        ({**manifest_v2(), "timings": {"build_s": {"onnx": None}}}, "key 'timings.build_s' must be an object of"),
+        ({**manifest_v2(), "note": 3}, "key 'note' must be null or a string, got 3"),
+        ({**manifest_v2(), "source": {"family_traced": "yes"}}, "key 'source.family_traced' must be null, true or"),
+        ({**manifest_v2(), "source": {"untapered": {"model.norm": 3}}}, "key 'source.untapered' must be an object of"),
         (manifest_v2(folded="model.onnx"), "key 'artifacts.folded': expected an object, got str"),
         (
             manifest_v2(model_card=entry(kind="model-card", variant=None, graph=None, path="card.json")),
@@ -285,9 +318,24 @@ def test_an_artifact_of_a_kind_not_registered_here_is_kept_and_named_when_used(t
     card = entry(kind="model-card", variant=None, graph=None, path="card.json", words=120)
     write(tmp_path, manifest_v2(folded=entry(), model_card=card))
     manifest = read_manifest(tmp_path)
-    assert manifest.record("model_card").details == {"words": 120}
+    assert manifest.record("model_card").details == UnknownDetails({"words": 120})
     manifest.write()
     assert json.loads((tmp_path / "manifest.json").read_text())["artifacts"]["model_card"] == card
+
+
+def test_keys_of_an_entry_or_the_source_its_type_does_not_model_are_written_back(tmp_path):
+    graph = entry(opset=23, opset_source="table", norm_ops={}, projections=None, made_by="a newer taperfold")
+    source = {"format": "huggingface", "family": "llama", "revision": "abc"}
+    write(tmp_path, {**manifest_v2(folded=graph), "source": source})
+    manifest = read_manifest(tmp_path)
+    folded = manifest.record("folded")
+    assert (folded.details.opset, folded.details.norm_ops) == (23, {})
+    assert folded.unmodeled == {"made_by": "a newer taperfold"}
+    assert manifest.source.is_huggingface and manifest.source.family == "llama"
+    assert manifest.source.unmodeled == {"revision": "abc"}
+    manifest.write()
+    written = json.loads((tmp_path / "manifest.json").read_text())
+    assert written["artifacts"]["folded"] == graph and written["source"] == source
     with pytest.raises(TaperfoldError, match=r"artifact kind 'model-card' is not registered here"):
         manifest.artifact("folded", kind="model-card")
 
@@ -322,10 +370,11 @@ def test_add_artifact_checks_the_record_against_its_kind(v1_dir):
         precision="fp16",
         bytes=4,
         built_from="baseline",
-        details={"tensorrt": "10.13.3"},
+        details=TensorrtDetails(tensorrt=10, profile=Profile((1, 1, 8), (1, 8, 64))),  # type: ignore[arg-type]
     )
-    with pytest.raises(TaperfoldError, match=r"missing key 'artifacts\.baseline\.plan\.profile'"):
+    with pytest.raises(TaperfoldError, match=r"key 'artifacts\.baseline\.plan\.tensorrt' must be a string"):
         manifest.add_artifact(record)
-    record.details["profile"] = {"batch": [1, 1, 8], "sequence": [1, 8, 64]}
+    record.details = TensorrtDetails(tensorrt="10.13.3", profile=Profile((1, 1, 8), (1, 8, 64)))
     manifest.add_artifact(record)
-    assert manifest.find("baseline", kind=TENSORRT_PLAN) is not None
+    added = manifest.find("baseline", kind=TENSORRT_PLAN)
+    assert added is not None and added.details == record.details and added is not record  # read back, a copy

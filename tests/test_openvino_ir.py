@@ -85,7 +85,7 @@ def test_export_openvino_records_a_stateful_ir_per_variant(builtin_export):
         assert record.path == f"openvino/{record.variant}/openvino_model.xml"
         assert record.external_data == f"openvino/{record.variant}/openvino_model.bin"
         assert (out / record.external_data).stat().st_size == record.external_data_bytes > 0
-        assert record.details["attention"] == model.cfg.n_layers
+        assert record.details.attention == model.cfg.n_layers
         assert record.graph == "growing" and record.precision == "fp32"
 
 

@@ -181,7 +181,7 @@ def test_fused_baseline_has_no_decomposed_rms_norm_left(which, llama_20, llama_t
     assert rms_patterns(plain) == norms  # the decomposed variant keeps every norm as plain ops
     op = "RMSNormalization" if graph_opset(fused) >= 23 else "SimplifiedLayerNormalization"
     assert op_types(fused)[op] == norms
-    assert manifest.find("baseline", graph).details["norm_ops"] == {op: norms}
+    assert manifest.find("baseline", graph).details.norm_ops == {op: norms}
     # the tapered graphs' plain final norm gets the same fused form (folding is all that differs)
     assert op_types(manifest.artifact("folded", graph))[op] == 1
 

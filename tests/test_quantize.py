@@ -155,7 +155,7 @@ def test_genai_quantized_folders_generate_from_the_quantized_decoders(quantized_
         assert record is not None and record.path == f"genai/{variant}-{precision}/genai_config.json"
         assert record.built_from == manifest.find(variant, GROWING, precision=precision).key
         folder = manifest.file(record).parent
-        assert "MatMulNBits" in {n.op_type for n in _nodes(folder / record.details["decoder"])}
+        assert "MatMulNBits" in {n.op_type for n in _nodes(folder / record.details.decoder)}
         model = og.Model(str(folder))
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, batch_size=1, max_length=12)

@@ -221,7 +221,7 @@ def test_auto_exports_a_windowed_mistral_by_the_traced_route_with_a_note_and_it_
     assert result.exit_code == 0, result.stderr
     assert "note: onnxruntime-genai folders by the traced route, not the builder's: the model attends" in result.stdout
     (record,) = read_manifest(tmp_path / "out").records("genai")
-    assert record.details["route"] == "traced" and "window of 8 tokens" in record.details["builder_declined"]
+    assert record.details.route == "traced" and "window of 8 tokens" in record.details.builder_declined
     report = verify_export(tmp_path / "out", threads=1)
     assert report.passed, report.failure_message()
     assert "checkpoint -> folded.decoder.genai" in {p.name for p in report.pairs}

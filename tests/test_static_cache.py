@@ -79,7 +79,7 @@ def test_folded_static_decoder_keeps_no_tapered_norm(static_export):
     assert report["summary"]["folded"] == tapered == growing["summary"]["folded"]
     assert report["summary"]["kept"] == 0 and report["summary"]["not_foldable"] == 0
     record = manifest.record(graph_key("folded", STATIC))
-    assert sum(record.details["norm_ops"].values()) == 1  # the final norm, kept as the scale anchor (Internal-Taper)
+    assert sum(record.details.norm_ops.values()) == 1  # the final norm, kept as the scale anchor (Internal-Taper)
     assert record.path == "model.static.onnx" and record.built_from == "unfolded.static"
 
 

@@ -282,8 +282,8 @@ def test_build_call_sequence(monkeypatch, export_dir, version, flags):
         "folded",
         "fp16",
     )
-    assert engine.details["tensorrt"] == version and engine.details["gpu"] == "Fake GPU"
-    assert engine.details["profile"] == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
+    assert engine.details.tensorrt == version and engine.details.gpu == "Fake GPU"
+    assert engine.details.profile.to_dict() == {"input": "input_ids", "batch": [1, 1, 8], "sequence": [1, 64, 64]}
     written = json.loads((export_dir / "manifest.json").read_text())
     assert written == manifest.to_json() and written["format_version"] == 2  # a version-1 manifest, rewritten
     assert "engines" not in written and "engine" not in written["artifacts"]  # recorded once

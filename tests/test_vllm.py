@@ -125,13 +125,13 @@ def test_the_folded_checkpoint_names_taperfolds_architecture_and_holds_no_folded
     assert "model.norm.weight" in tensors and "lm_head.weight" in tensors  # the real final norm, the untied head
     assert (folder / "tokenizer.json").is_file()  # a byte-level source: its byte tokenizer, which vLLM needs
     record = read_manifest(out).record("folded.vllm")
-    assert (record.kind, record.variant, record.details["architecture"]) == (
+    assert (record.kind, record.variant, record.details.architecture) == (
         "vllm",
         "folded",
         config["architectures"][0],
     )
-    assert record.details["weights"] == ["model.safetensors"] and record.details["folded_norms"] == 4
-    assert record.details["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert record.details.weights == ("model.safetensors",) and record.details.folded_norms == 4
+    assert record.details.tokenizer == ("tokenizer.json", "tokenizer_config.json")
 
 
 def test_stock_transformers_refuses_the_folded_checkpoint(exported):

@@ -5,7 +5,8 @@ and whatever a later stage or a plug-in adds. Each kind says
 
 - what it is built from (`built_from`: the torch variants, the export as a whole, or another kind's artifacts),
 - how it is written (`build`, atomically, into the export directory; the ONNX graphs are written by export itself),
-- what it records in the manifest (`fields`: its own keys beside the ones every artifact has, ArtifactRecord),
+- what it records in the manifest (`details_type`: a frozen dataclass of its own keys beside the ones every artifact
+  has, ArtifactRecord.details; read once when the manifest is read, each wrong key one line naming it),
 - how it is verified (`verified`: LOGITS, run by an engine and held to its variant's torch model, or CHECKED by
   its own `check`),
 - which engines run it (the engines whose `runs` names it: taperfold.engines),
@@ -25,12 +26,14 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import PREFILL, Graph, graph_key
-from taperfold.jsonfields import is_file_name
+from taperfold.jsonfields import Fields, is_file_name
+
+if TYPE_CHECKING:
+    from taperfold.manifest import ManifestSource
 
 # What a kind is built from, besides another kind's artifacts (named by that kind's name)
 TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself
@@ -95,20 +98,44 @@ def _quiet(stage: str) -> None:
     """An on_stage that shows nothing."""
 
 
+class ArtifactDetails(Protocol):
+    """A kind's own keys of a manifest entry, typed (`ArtifactKind.details_type`, a frozen dataclass): made by the
+    kind's `build` (or export), read once when the manifest is read (`from_json(entry)`, a classmethod: each key
+    through `entry`, a taperfold.jsonfields.Fields, so a wrong one is one line naming the file and the key), and
+    written back as the same keys (`to_json`)."""
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> ArtifactDetails: ...
+    def to_json(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
-class Field:
-    """One key of a kind's own in its manifest entries: the JSON types it takes, and whether every entry has it."""
+class NoDetails:
+    """The details of a kind with no keys of its own."""
 
-    types: tuple[type, ...]
-    required: bool = False
-    help: str = ""
-    check: Callable[[Any], bool] | None = None  # what a value of those types must be besides (a file name, ...)
-    expected: str = ""  # what `check` asks, as an error line says it
+    @classmethod
+    def from_json(cls, entry: Fields) -> NoDetails:
+        return cls()
 
-    def accepts(self, value: Any) -> bool:
-        if isinstance(value, bool) and bool not in self.types:  # JSON true is no number
-            return False
-        return isinstance(value, self.types) and (self.check is None or self.check(value))
+    def to_json(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class UnknownDetails:
+    """The own keys of an entry whose kind is not registered here (a plug-in not installed): kept as they were read,
+    by key, and written back unchanged."""
+
+    values: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> UnknownDetails:
+        values = {k: v for k, v in entry.data.items() if k not in COMMON_KEYS}
+        entry.read.update(values)
+        return cls(values)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.values)
 
 
 @dataclass
@@ -125,8 +152,10 @@ class ArtifactRecord:
     external_data: str | None = None  # the weights file beside it (ONNX external data), relative like `path`
     external_data_bytes: int = 0
     built_from: str | None = None  # the key of the artifact it was built from; None: the torch model or the export
-    details: dict = field(default_factory=dict)  # the kind's own fields (ArtifactKind.fields)
+    details: ArtifactDetails = field(default_factory=NoDetails)  # the kind's own keys (ArtifactKind.details_type)
     reports: dict = field(default_factory=dict)  # what the stages that made it reported, by name ("fold")
+    # keys of the entry neither every artifact's nor its kind's (a newer taperfold's): kept as read, written back
+    unmodeled: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         common = {
@@ -140,25 +169,7 @@ class ArtifactRecord:
             "external_data_bytes": self.external_data_bytes,
             "built_from": self.built_from,
         }
-        return {**common, **self.details, "reports": self.reports}
-
-    @classmethod
-    def from_json(cls, key: str, entry: dict) -> ArtifactRecord:
-        """The record of an entry the manifest's schema has checked (taperfold.manifest)."""
-        return cls(
-            key=key,
-            kind=entry["kind"],
-            path=entry["path"],
-            variant=entry.get("variant"),
-            graph=entry.get("graph"),
-            precision=entry["precision"],
-            bytes=entry.get("bytes", 0),
-            external_data=entry.get("external_data"),
-            external_data_bytes=entry.get("external_data_bytes", 0),
-            built_from=entry.get("built_from"),
-            reports=dict(entry.get("reports") or {}),
-            details={k: v for k, v in entry.items() if k not in COMMON_KEYS},
-        )
+        return {**common, **self.details.to_json(), **self.unmodeled, "reports": self.reports}
 
 
 class Export(Protocol):
@@ -180,7 +191,8 @@ class Export(Protocol):
     @property
     def config_data(self) -> dict: ...
     def config(self) -> Any: ...  # the exported model's shape (taperfold.taper.ModelShape)
-    def get(self, key: str, default: Any = None) -> Any: ...  # a top-level key of manifest.json (`source`, ...)
+    @property
+    def source(self) -> ManifestSource | None: ...  # what the export recorded of its source (manifest `source`)
     def records(self, kind: str | None = None) -> list[ArtifactRecord]: ...
     def record(self, key: str) -> ArtifactRecord: ...
     def find(
@@ -210,7 +222,7 @@ class ArtifactKind:
     built_from: ClassVar[str]  # TORCH | EXPORT | another kind's name
     verified: ClassVar[str] = CHECKED  # LOGITS | CHECKED
     suffix: ClassVar[str] = ""  # what its keys add to the graph's key: `folded.plan`; "" only for the ONNX graphs
-    fields: ClassVar[Mapping[str, Field]] = MappingProxyType({})  # its own keys in a manifest entry
+    details_type: ClassVar[type[ArtifactDetails]] = NoDetails  # its own keys in a manifest entry: a frozen dataclass
     needs_graphs: ClassVar[tuple[Graph, ...]] = ()  # decoders an export asked for this kind also writes (--genai)
     # how it is asked for: its `taperfold export` options (shared ones, such as --quantize, are declared once, by the
     # kind that owns them, and read by any kind), and the frozen dataclass `request` makes of their values
@@ -312,11 +324,7 @@ class ArtifactKind:
             errors.append("suffix is empty: an artifact built from another needs a key of its own (e.g. 'plan')")
         if self.suffix and not _NAME.match(self.suffix):
             errors.append(f"suffix {self.suffix!r} is not lowercase letters, digits and '-'")
-        for key, spec in self.fields.items():
-            if key in COMMON_KEYS:
-                errors.append(f"field {key!r} is a key every artifact has")
-            if not isinstance(spec, Field):
-                errors.append(f"field {key!r} is not declared as a Field")
+        errors += _details_errors(self.details_type)
         if built_from != TORCH and type(self).build is ArtifactKind.build:
             errors.append("build() is not implemented: nothing would write its artifacts")
         for option in self.options:
@@ -330,28 +338,42 @@ class ArtifactKind:
             errors.append(f"request_type {self.request_type.__name__} is not frozen (@dataclass(frozen=True))")
         return errors
 
-    def check_fields(self, entry: Mapping[str, Any], origin: str, key: str) -> None:
-        """The kind's own fields of manifest entry `key` (of file `origin`): one line naming the key when one is
-        missing or mistyped."""
-        for name, spec in self.fields.items():
-            if name not in entry:
-                if spec.required:
-                    raise TaperfoldError(f"{origin}: missing key '{key}.{name}'")
-                continue
-            if not spec.accepts(entry[name]):
-                names = spec.expected or " or ".join("null" if t is type(None) else t.__name__ for t in spec.types)
-                raise TaperfoldError(
-                    f"{origin}: key '{key}.{name}': expected {names}, got {type(entry[name]).__name__}"
-                )
+
+def _details_errors(details_type: Any) -> list[str]:
+    """What is wrong with a kind's `details_type`: not a frozen dataclass that reads and writes its keys, or a field
+    named as a key every artifact has."""
+    name = getattr(details_type, "__name__", repr(details_type))
+    if not (isinstance(details_type, type) and dataclasses.is_dataclass(details_type)):
+        return [f"details_type {name} is not a dataclass"]
+    errors = []
+    if not details_type.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        errors.append(f"details_type {name} is not frozen (@dataclass(frozen=True))")
+    for method in ("from_json", "to_json"):
+        if not callable(getattr(details_type, method, None)):
+            errors.append(f"details_type {name} has no {method}()")
+    for spec in dataclasses.fields(details_type):
+        if spec.name in COMMON_KEYS:
+            errors.append(f"details_type {name}: field {spec.name!r} is a key every artifact has")
+    return errors
 
 
-# The source's tokenizer files a folder holds (genai, OpenVINO IR), by name
-TOKENIZER_FIELD = Field(
-    (list,),
-    help="the source's tokenizer files copied into the folder",
-    check=lambda names: all(is_file_name(n) for n in names),
-    expected="a list of file names in the folder",
-)
+D = TypeVar("D")
+
+
+def details_of(record: ArtifactRecord, details_type: type[D]) -> D:
+    """`record`'s details as `details_type`, its kind's (a record the manifest read, or its kind made); one line
+    where the record is of another kind."""
+    if not isinstance(record.details, details_type):
+        raise TaperfoldError(
+            f"artifacts.{record.key}: a {record.kind} artifact, whose details are no {details_type.__name__}"
+        )
+    return record.details
+
+
+def tokenizer_names(entry: Fields) -> tuple[str, ...]:
+    """The `tokenizer` key of a folder's entry (genai, OpenVINO IR, vLLM): the tokenizer files copied into the
+    folder, by name (empty where an older entry has none)."""
+    return tuple(entry.items("tokenizer", is_file_name, "file names in the folder", default=None))
 
 
 def describe_file(folder: Path, name: str) -> tuple[int, str | None, int]:
@@ -364,7 +386,7 @@ def describe_file(folder: Path, name: str) -> tuple[int, str | None, int]:
 def tokenizer_files(manifest: Export) -> list[Path]:
     """The source's tokenizer files the export recorded (manifest `source.tokenizer_files`), read from the source
     directory; one line naming a file that is gone."""
-    names = (manifest.get("source") or {}).get("tokenizer_files") or []
+    names = (manifest.source.tokenizer_files or ()) if manifest.source is not None else ()
     files = [manifest.checkpoint / name for name in names]
     for path in files:
         if not path.is_file():

@@ -23,20 +23,19 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from taperfold.artifacts import GENAI, ONNX, register_kind
 from taperfold.artifacts.base import (
     LOGITS,
-    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
     ExportRequest,
-    Field,
     Option,
+    details_of,
     tokenizer_files,
+    tokenizer_names,
 )
 from taperfold.artifacts.onnx_graph import QUANTIZED_FROM, OnnxRequest
 from taperfold.errors import TaperfoldError
@@ -53,7 +52,7 @@ from taperfold.exportdir import (
 )
 from taperfold.fsutil import atomic_dir
 from taperfold.genai_config import check_genai_folder
-from taperfold.jsonfields import is_file_name
+from taperfold.jsonfields import Fields, is_file_name
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization
 
 if TYPE_CHECKING:
@@ -90,6 +89,29 @@ class GenaiRequest:
         return [Quantization(p, self.block_size) for p in self.precisions if p != dtype]
 
 
+@dataclass(frozen=True)
+class GenaiDetails:
+    """A genai folder's own keys in the manifest."""
+
+    decoder: str  # the decoder's file in the folder, as genai_config.json names it
+    tokenizer: tuple[str, ...] = ()  # the tokenizer files in the folder
+    route: str = TRACED  # traced (the export's decoder) or builder (onnxruntime-genai's); an older entry's: traced
+    builder_declined: str | None = None  # why the auto route took the traced route for a model the builder would read
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> GenaiDetails:
+        return cls(
+            decoder=entry.value("decoder", is_file_name, "a file name in the folder"),
+            tokenizer=tokenizer_names(entry),
+            route=entry.value("route", lambda v: v in (BUILDER, TRACED), f"{BUILDER} or {TRACED}", TRACED),
+            builder_declined=entry.optional_text("builder_declined"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        declined = {"builder_declined": self.builder_declined} if self.builder_declined is not None else {}
+        return {"decoder": self.decoder, "tokenizer": list(self.tokenizer), "route": self.route, **declined}
+
+
 class GenaiFolder(ArtifactKind):
     name = GENAI
     title = "onnxruntime-genai folder"
@@ -115,22 +137,7 @@ class GenaiFolder(ArtifactKind):
         ),
     )
     request_type = GenaiRequest
-    fields = MappingProxyType(
-        {
-            "decoder": Field(
-                (str,),
-                required=True,
-                help="the decoder's file in the folder, as genai_config.json names it",
-                check=is_file_name,
-                expected="a file name in the folder",
-            ),
-            "tokenizer": TOKENIZER_FIELD,
-            "route": Field((str,), help="traced (the export's decoder) or builder (onnxruntime-genai's builder)"),
-            "builder_declined": Field(
-                (str,), help="why the auto route took the traced route for a model the builder would have read"
-            ),
-        }
-    )
+    details_type = GenaiDetails
 
     def request(self, values: Mapping[str, Any], export: ExportRequest) -> GenaiRequest | None:
         """--genai: the export's dtype and --quantize's precisions, by --genai-route."""
@@ -150,7 +157,8 @@ class GenaiFolder(ArtifactKind):
     def plan(self, request: GenaiRequest, source: Any, tapered: Any, dtype: str) -> GenaiRequest:
         """The route decided: builder where `request.route` asks for it (refused here in one line where it cannot
         be) or, auto, where the source, its dtype and its norms allow it; else traced."""
-        hf = source.manifest_block().get("source", {}).get("format") == "huggingface"
+        recorded = source.manifest_source()
+        hf = recorded is not None and recorded.is_huggingface
         return _decide_route(
             request, hf, dtype, tapered is not None, lambda: tapered, Path(source.path), str(source.path)
         )
@@ -261,14 +269,16 @@ class GenaiFolder(ArtifactKind):
                     graph=GROWING,
                     precision=precision,
                     bytes=(folder / CONFIG).stat().st_size,
-                    details={
-                        "decoder": config["model"]["decoder"]["filename"],
+                    details=GenaiDetails(
+                        decoder=config["model"]["decoder"]["filename"],
                         # what the builder saved beside its graph and config: the tokenizer and its processing files
-                        "tokenizer": sorted(
-                            p.name for p in folder.iterdir() if p.name != CONFIG and not p.name.startswith("model.")
+                        tokenizer=tuple(
+                            sorted(
+                                p.name for p in folder.iterdir() if p.name != CONFIG and not p.name.startswith("model.")
+                            )
                         ),
-                        "route": BUILDER,
-                    },
+                        route=BUILDER,
+                    ),
                     reports={"quantize": {**quantization.to_json(), "tool": "onnxruntime-genai builder"}}
                     if quantization
                     else {},
@@ -298,12 +308,12 @@ class GenaiFolder(ArtifactKind):
             precision=decoder.precision,
             bytes=config_path.stat().st_size,
             built_from=decoder.key,
-            details={
-                "decoder": decoder.path,
-                "tokenizer": [p.name for p in tokenizer],
-                "route": TRACED,
-                **({"builder_declined": declined} if declined else {}),
-            },
+            details=GenaiDetails(
+                decoder=decoder.path,
+                tokenizer=tuple(p.name for p in tokenizer),
+                route=TRACED,
+                builder_declined=declined or None,
+            ),
             reports={"quantize": decoder.reports["quantize"]} if "quantize" in decoder.reports else {},
         )
 
@@ -320,7 +330,7 @@ class GenaiFolder(ArtifactKind):
         missing = [v for v in variants if manifest.find(v, GROWING, GENAI, precision) is None]
         if missing:  # built on demand, as TensorRT engines are (bench --engine genai times the unfolded model too), the
             # way the export's folders were: one graph form for every variant timed
-            routes = {r.details.get("route", TRACED) for r in manifest.records(GENAI)}
+            routes = {details_of(r, GenaiDetails).route for r in manifest.records(GENAI)}
             route = routes.pop() if len(routes) == 1 else AUTO
             block_size = _recorded_block_size(manifest, precision)
             manifest.build(GENAI, GenaiRequest(route, (precision,), block_size, variants=tuple(missing)))
@@ -329,7 +339,7 @@ class GenaiFolder(ArtifactKind):
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The config and the decoder are in the folder (genai names a missing weights file itself)."""
         problems = super().check(manifest, record)
-        decoder = Path(record.path).parent / record.details["decoder"]
+        decoder = Path(record.path).parent / details_of(record, GenaiDetails).decoder
         if not (manifest.directory / decoder).is_file():
             problems.append(f"{decoder}: missing")
         return problems
@@ -380,7 +390,7 @@ def _plan_from_export(request: GenaiRequest, manifest: Export) -> GenaiRequest:
     """`GenaiFolder.plan` for a request made after the export (on demand): from the source the manifest records."""
     from taperfold.sources import open_source
 
-    hf = (manifest.get("source") or {}).get("format") == "huggingface"
+    hf = manifest.source is not None and manifest.source.is_huggingface
     tapered = manifest.find(FOLDED) is not None
     return _decide_route(
         request,
@@ -446,7 +456,7 @@ def genai_config(manifest: Export, decoder_file: str) -> dict:
     source's special tokens where it has them (taperfold's byte-level models have none)."""
     shape = manifest_shape(manifest)
     inputs, outputs = decoder_io_names(shape["num_hidden_layers"], GROWING)
-    special = dict((manifest.get("source") or {}).get("special_tokens") or {})
+    special = dict((manifest.source.special_tokens if manifest.source is not None else None) or {})
     return {
         "model": {
             **special,

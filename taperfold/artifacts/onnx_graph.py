@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from taperfold.artifacts import ONNX, register_kind
@@ -25,12 +24,13 @@ from taperfold.artifacts.base import (
     ArtifactRecord,
     Export,
     ExportRequest,
-    Field,
     Option,
     describe_file,
+    details_of,
 )
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import VARIANTS, Graph, canonical_variant, graph_key, onnx_file
+from taperfold.jsonfields import Fields, is_count
 from taperfold.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Quantization, parse_precisions
 
 QUANTIZED_FROM = "fp32"  # the dtype quantized graphs are made from (MatMulNBits takes fp32 activations on the CPU)
@@ -51,6 +51,61 @@ BLOCK_SIZE = Option(
     help=f"--quantize: weights per scale, along the input axis ({', '.join(map(str, BLOCK_SIZES))}); --openvino's "
     "int4 groups are NNCF's 128 unless this is given.",
 )
+
+
+@dataclass(frozen=True)
+class OnnxDetails:
+    """An ONNX graph's own keys in the manifest: how export made it. None where the graph did not get the key (an
+    older export's, an option not given); written back as read, None left out, except `projections`, whose null says
+    the option was not asked for (an older entry without the key gains that null: the same meaning)."""
+
+    opset: int | None = None  # the graph's default-domain opset
+    opset_source: str | None = None  # table (taperfold.opsets) or override (--opset)
+    opset_reason: str | None = None  # why the table chose it
+    norm_ops: dict[str, int] | None = None  # fused norm ops the graph runs, by op type
+    norms_fused_by_taperfold: int | None = None  # decomposed RMSNorms fused into one op by export
+    projections: dict | None = None  # FuseProjectionsPass's report (taperfold.passes.report); None: not asked for
+    ort_fusions: dict[str, int] | None = None  # ONNX Runtime's contrib ops --ort-fusions made, by type; None: not run
+    ort_fusions_skipped: str | None = None  # why --ort-fusions left the graph as traced (a cropped cache)
+    eager_attention: str | None = None  # why it was traced with the model's eager attention (MatMul, Softmax)
+    traced_layers: int | None = None  # layers traced, the others stamped out from them (None: every layer traced)
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> OnnxDetails:
+        def counts(v: Any) -> bool:
+            return isinstance(v, dict) and all(is_count(n) for n in v.values())
+
+        return cls(
+            opset=entry.optional_count("opset"),
+            opset_source=entry.optional_text("opset_source"),
+            opset_reason=entry.optional_text("opset_reason"),
+            norm_ops=entry.value("norm_ops", counts, "an object of op counts", None),
+            norms_fused_by_taperfold=entry.optional_count("norms_fused_by_taperfold"),
+            projections=entry.value(
+                "projections", lambda v: v is None or isinstance(v, dict), "null or an object", None
+            ),
+            ort_fusions=entry.value(
+                "ort_fusions", lambda v: v is None or counts(v), "null or an object of op counts", None
+            ),
+            ort_fusions_skipped=entry.optional_text("ort_fusions_skipped"),
+            eager_attention=entry.optional_text("eager_attention"),
+            traced_layers=entry.optional_count("traced_layers"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        keys = {
+            "opset": self.opset,
+            "opset_source": self.opset_source,
+            "opset_reason": self.opset_reason,
+            "norm_ops": self.norm_ops,
+            "norms_fused_by_taperfold": self.norms_fused_by_taperfold,
+            "projections": self.projections,
+            "ort_fusions": self.ort_fusions,
+            "ort_fusions_skipped": self.ort_fusions_skipped,
+            "eager_attention": self.eager_attention,
+            "traced_layers": self.traced_layers,
+        }
+        return {k: v for k, v in keys.items() if v is not None or k == "projections"}
 
 
 @dataclass(frozen=True)
@@ -79,31 +134,10 @@ class OnnxGraph(ArtifactKind):
     verified = LOGITS
     options = (QUANTIZE, BLOCK_SIZE)
     request_type = OnnxRequest
-    fields = MappingProxyType(
-        {
-            "opset": Field((int,), help="the graph's default-domain opset"),
-            "opset_source": Field((str,), help="table (taperfold.opsets) or override (--opset)"),
-            "opset_reason": Field((str, type(None)), help="why the table chose it"),
-            "norm_ops": Field((dict,), help="fused norm ops the graph runs, by op type"),
-            "norms_fused_by_taperfold": Field((int,), help="decomposed RMSNorms fused into one op by export"),
-            "projections": Field((dict, type(None)), help="FuseProjectionsPass's report; null when not asked for"),
-            "ort_fusions": Field(
-                (dict, type(None)),
-                help="ONNX Runtime's contrib ops --ort-fusions made, by type; absent where they did not run",
-            ),
-            "ort_fusions_skipped": Field(
-                (str,), help="why --ort-fusions left the graph as traced (a cropped cache); absent where it did not"
-            ),
-            "eager_attention": Field(
-                (str,),
-                help="why the graph was traced with the model's eager attention (MatMul, Softmax): torch.onnx's "
-                "failure on its own; absent where it was not",
-            ),
-        }
-    )
+    details_type = OnnxDetails
 
     def write(
-        self, model_ir, folder: Path, variant: str, graph: Graph, precision: str, details: dict
+        self, model_ir, folder: Path, variant: str, graph: Graph, precision: str, details: OnnxDetails
     ) -> ArtifactRecord:
         """Save `model_ir` as `variant`'s `graph` (its weights in FILE.data beside it) into `folder`, which export
         replaces whole once everything is written; the record of it."""
@@ -173,7 +207,7 @@ class OnnxGraph(ArtifactKind):
                         external_data=data,
                         external_data_bytes=data_size,
                         built_from=source.key,
-                        details=dict(source.details),  # the same graph, its MatMuls quantized
+                        details=source.details,  # the same graph, its MatMuls quantized
                         reports={"quantize": report},
                     )
                 )
@@ -181,10 +215,10 @@ class OnnxGraph(ArtifactKind):
 
     def projection_groups(self, manifest: Export, record: ArtifactRecord) -> int:
         """The groups export fused (`projections.summary.groups`; 0 where it fused none)."""
-        projections = record.details.get("projections")
+        projections = details_of(record, OnnxDetails).projections
         if not projections:
             return 0
-        summary = projections.get("summary") if isinstance(projections, dict) else None
+        summary = projections.get("summary")
         groups = summary.get("groups") if isinstance(summary, dict) else None
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 0:
             raise TaperfoldError(

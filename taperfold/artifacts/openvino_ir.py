@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,19 +49,19 @@ from taperfold.artifacts import OPENVINO, register_kind
 from taperfold.artifacts.base import (
     EXPORT,
     LOGITS,
-    TOKENIZER_FIELD,
     ArtifactKind,
     ArtifactRecord,
     Export,
     ExportRequest,
-    Field,
     Option,
     tokenizer_files,
+    tokenizer_names,
 )
 from taperfold.environment import install_hint
 from taperfold.errors import TaperfoldError, first_line
 from taperfold.exportdir import BASELINE, FOLDED, GROWING, OUTPUT, PAST, Graph, canonical_variant
 from taperfold.fsutil import atomic_dir
+from taperfold.jsonfields import Fields
 from taperfold.quantize import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
@@ -132,6 +131,21 @@ class OpenvinoRequest:
     variants: tuple[str, ...] | None = None
 
 
+@dataclass(frozen=True)
+class OpenvinoDetails:
+    """An OpenVINO IR's own keys in the manifest."""
+
+    attention: int  # attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)
+    tokenizer: tuple[str, ...] = ()  # the source's tokenizer files copied into the folder
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> OpenvinoDetails:
+        return cls(attention=entry.count("attention"), tokenizer=tokenizer_names(entry))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attention": self.attention, "tokenizer": list(self.tokenizer)}
+
+
 class OpenVinoIR(ArtifactKind):
     name = OPENVINO
     title = "OpenVINO stateful IR"
@@ -148,16 +162,7 @@ class OpenVinoIR(ArtifactKind):
         ),
     )
     request_type = OpenvinoRequest
-    fields = MappingProxyType(
-        {
-            "attention": Field(
-                (int,),
-                required=True,
-                help="attention layers OpenVINO runs as one ScaledDotProductAttention op (the others decomposed)",
-            ),
-            "tokenizer": TOKENIZER_FIELD,
-        }
-    )
+    details_type = OpenvinoDetails
 
     def request(self, values: Mapping[str, Any], export: ExportRequest) -> OpenvinoRequest | None:
         """--openvino: the export's dtype and --quantize's precisions; NNCF's int4 groups unless --block-size sets
@@ -231,7 +236,7 @@ class OpenVinoIR(ArtifactKind):
                     bytes=(manifest.directory / model).stat().st_size,
                     external_data=weights,
                     external_data_bytes=(manifest.directory / weights).stat().st_size,
-                    details={"attention": attention[variant], "tokenizer": [p.name for p in tokenizer]},
+                    details=OpenvinoDetails(attention[variant], tuple(p.name for p in tokenizer)),
                     reports={"quantize": compression.to_json()} if compression else {},
                 )
             )

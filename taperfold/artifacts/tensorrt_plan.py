@@ -14,15 +14,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from taperfold import trt_support
 from taperfold.artifacts import ONNX, TENSORRT_PLAN, artifact_kind, register_kind
-from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Field, Option
+from taperfold.artifacts.base import LOGITS, ArtifactKind, ArtifactRecord, Export, ExportRequest, Option, details_of
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import ALIASES, FOLDED, INPUT, PREFILL, VARIANTS_BY_NAME, Graph, canonical_variant
 from taperfold.fsutil import atomic_path, check_inside
+from taperfold.jsonfields import Fields
 from taperfold.onnx_files import check_onnx_file
 from taperfold.opsets import TRT_MIN_VERSION
 
@@ -69,6 +69,54 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
         return cls(batch=d["batch"], sequence=d["sequence"])
+
+
+@dataclass(frozen=True)
+class TensorrtDetails:
+    """A TensorRT engine's own keys in the manifest. None where an older entry has no such key; `timing_cache` is
+    written as null where the build shared none."""
+
+    tensorrt: str  # the TensorRT version that built it (a plan runs on no other)
+    profile: Profile  # the optimization profile of input_ids it was built for
+    onnx: str | None = None  # the ONNX graph it was built from
+    gpu: str | None = None  # the GPU it was built on
+    compute_capability: str | None = None
+    strongly_typed: bool | None = None  # the ONNX dtype decides each layer's precision
+    build_seconds: float | None = None
+    timing_cache: str | None = None  # the timing cache file the builds in this folder share
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> TensorrtDetails:
+        version = entry.text("tensorrt")
+        shape = entry.child("profile")
+        try:
+            profile = Profile(_triple(shape.counts("batch"), "batch"), _triple(shape.counts("sequence"), "sequence"))
+        except TaperfoldError as e:  # "batch: need 1 <= min <= opt <= max, ..."
+            what, _, why = str(e).partition(": ")
+            raise TaperfoldError(f"{entry.origin}: key '{shape.key(what)}': {why}") from None
+        return cls(
+            tensorrt=version,
+            profile=profile,
+            onnx=entry.optional_text("onnx"),
+            gpu=entry.optional_text("gpu"),
+            compute_capability=entry.optional_text("compute_capability"),
+            strongly_typed=entry.optional_flag("strongly_typed"),
+            build_seconds=entry.optional_number("build_seconds"),
+            timing_cache=entry.optional_text("timing_cache"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        keys = {
+            "onnx": self.onnx,
+            "tensorrt": self.tensorrt,
+            "gpu": self.gpu,
+            "compute_capability": self.compute_capability,
+            "strongly_typed": self.strongly_typed,
+            "profile": self.profile.to_dict(),
+            "build_seconds": self.build_seconds,
+            "timing_cache": self.timing_cache,
+        }
+        return {k: v for k, v in keys.items() if v is not None or k == "timing_cache"}
 
 
 def make_profile(max_seq_len: int, batch=None, sequence=None) -> Profile:
@@ -141,10 +189,10 @@ def build_engine(
     timing_cache=None,
     on_stage: Callable[[str], None] = lambda s: None,
     within=None,
-) -> dict:
+) -> TensorrtDetails:
     """Parse `onnx_path` (its external data is found beside it), build, write `plan_path` atomically.
     `within`: the export directory the plan and timing cache are files of (a link planted there is refused before the
-    build, never written through). Returns the engine's metadata for the manifest."""
+    build, never written through). Returns what the manifest records of the engine."""
     onnx_path, plan_path = Path(onnx_path), Path(plan_path)
     timing_cache = Path(timing_cache) if timing_cache is not None else None
     if within is not None:
@@ -178,17 +226,17 @@ def build_engine(
     if timing_cache is not None:
         with atomic_path(timing_cache, within=within) as tmp:
             tmp.write_bytes(cache.serialize())
-    return {
-        "path": plan_path.name,
-        "onnx": onnx_path.name,
-        "bytes": plan_path.stat().st_size,
-        "tensorrt": trt.__version__,
-        **(trt_support.gpu() or {}),
-        "strongly_typed": True,
-        "profile": profile.to_dict(),
-        "build_seconds": round(seconds, 3),
-        "timing_cache": timing_cache.name if timing_cache is not None else None,
-    }
+    gpu = trt_support.gpu() or {}
+    return TensorrtDetails(
+        tensorrt=trt.__version__,
+        profile=profile,
+        onnx=onnx_path.name,
+        gpu=gpu.get("gpu"),
+        compute_capability=gpu.get("compute_capability"),
+        strongly_typed=True,
+        build_seconds=round(seconds, 3),
+        timing_cache=timing_cache.name if timing_cache is not None else None,
+    )
 
 
 def _resolve_profile(manifest: Export, profile: Profile | None) -> Profile:
@@ -196,8 +244,8 @@ def _resolve_profile(manifest: Export, profile: Profile | None) -> Profile:
     benchmark compares was built for the same shapes), else the defaults."""
     max_seq_len = manifest.config_data["max_seq_len"]
     if profile is None:
-        earlier = [r.details["profile"] for r in manifest.records(TENSORRT_PLAN) if "profile" in r.details]
-        profile = Profile.from_dict(earlier[0]) if earlier else make_profile(max_seq_len)
+        earlier = [details_of(r, TensorrtDetails).profile for r in manifest.records(TENSORRT_PLAN)]
+        profile = earlier[0] if earlier else make_profile(max_seq_len)
     if profile.sequence[2] > max_seq_len:
         raise TaperfoldError(f"sequence: max {profile.sequence[2]} exceeds the model's max_seq_len {max_seq_len}")
     return profile
@@ -238,20 +286,7 @@ class TensorrtPlan(ArtifactKind):
         ),
     )
     request_type = TensorrtRequest
-    fields = MappingProxyType(
-        {
-            "onnx": Field((str,), help="the ONNX graph it was built from"),
-            "tensorrt": Field(
-                (str,), required=True, help="the TensorRT version that built it (a plan runs on no other)"
-            ),
-            "gpu": Field((str,), help="the GPU it was built on"),
-            "compute_capability": Field((str,)),
-            "strongly_typed": Field((bool,), help="the ONNX dtype decides each layer's precision"),
-            "profile": Field((dict,), required=True, help="the optimization profile of input_ids (Profile.to_dict)"),
-            "build_seconds": Field((int, float)),
-            "timing_cache": Field((str, type(None)), help="the timing cache file the builds in this folder share"),
-        }
-    )
+    details_type = TensorrtDetails
 
     def request(self, values: Mapping[str, Any], export: ExportRequest) -> TensorrtRequest | None:
         """--trt: the folded model's engine, for --trt-batch and --trt-seq."""
@@ -279,7 +314,7 @@ class TensorrtPlan(ArtifactKind):
                     f"{manifest.path}: no ONNX model for variant {variant!r} (engines can be built for: {known})"
                 )
             plan = f"{VARIANTS_BY_NAME[variant].stem}.plan"
-            info = build_engine(
+            details = build_engine(
                 manifest.file(graph),
                 manifest.directory / plan,
                 profile,
@@ -291,13 +326,13 @@ class TensorrtPlan(ArtifactKind):
                 ArtifactRecord(
                     key=self.key(variant, PREFILL),
                     kind=self.name,
-                    path=info.pop("path"),
+                    path=plan,
                     variant=variant,
                     graph=PREFILL,
                     precision=graph.precision,
-                    bytes=info.pop("bytes"),
+                    bytes=(manifest.directory / plan).stat().st_size,
                     built_from=graph.key,
-                    details=info,
+                    details=details,
                 )
             )
         return records
@@ -333,10 +368,10 @@ class TensorrtPlan(ArtifactKind):
 
     def is_fresh(self, manifest: Export, record: ArtifactRecord, profile: Profile, version: str) -> bool:
         """Whether `record`'s engine can be run as it is: its file is there, built by this TensorRT for `profile`."""
-        return (
-            (manifest.directory / record.path).is_file()
-            and record.details.get("tensorrt") == version
-            and record.details.get("profile") == profile.to_dict()
+        details = details_of(record, TensorrtDetails)
+        return (manifest.directory / record.path).is_file() and (details.tensorrt, details.profile) == (
+            version,
+            profile,
         )
 
 

@@ -27,14 +27,23 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from taperfold.artifacts import VLLM, register_kind
-from taperfold.artifacts.base import EXPORT, ArtifactKind, ArtifactRecord, Export, Field, Option, tokenizer_files
+from taperfold.artifacts.base import (
+    EXPORT,
+    ArtifactKind,
+    ArtifactRecord,
+    Export,
+    Option,
+    details_of,
+    tokenizer_files,
+    tokenizer_names,
+)
 from taperfold.errors import TaperfoldError
 from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
+from taperfold.jsonfields import Fields, is_file_name
 from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
 
 if TYPE_CHECKING:
@@ -57,6 +66,34 @@ class VllmRequest:
     shard_bytes: int = SHARD_BYTES
 
 
+@dataclass(frozen=True)
+class VllmDetails:
+    """A vLLM checkpoint folder's own keys in the manifest."""
+
+    architecture: str  # config.json's architecture, taperfold's own class
+    weights: tuple[str, ...]  # the safetensors files (and index) in the folder
+    folded_norms: int | None = None  # the norms folded away (config.json lists their paths)
+    tokenizer: tuple[str, ...] = ()  # the tokenizer files in the folder
+
+    @classmethod
+    def from_json(cls, entry: Fields) -> VllmDetails:
+        return cls(
+            architecture=entry.text("architecture"),
+            weights=tuple(entry.items("weights", is_file_name, "file names in the folder")),
+            folded_norms=entry.optional_count("folded_norms"),
+            tokenizer=tokenizer_names(entry),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        folded = {"folded_norms": self.folded_norms} if self.folded_norms is not None else {}
+        return {
+            "architecture": self.architecture,
+            "weights": list(self.weights),
+            **folded,
+            "tokenizer": list(self.tokenizer),
+        }
+
+
 class VllmCheckpoint(ArtifactKind):
     name = VLLM
     title = "folded checkpoint for vLLM"
@@ -72,14 +109,7 @@ class VllmCheckpoint(ArtifactKind):
         ),
     )
     request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
-    fields = MappingProxyType(
-        {
-            "architecture": Field((str,), required=True, help="config.json's architecture, taperfold's own class"),
-            "weights": Field((list,), required=True, help="the safetensors files (and index) in the folder"),
-            "folded_norms": Field((int,), help="the norms folded away (config.json lists their paths)"),
-            "tokenizer": Field((list,), help="the tokenizer files in the folder"),
-        }
-    )
+    details_type = VllmDetails
 
     def plan(self, request: VllmRequest, source: Any, tapered: Any, dtype: str) -> VllmRequest:
         """A source the plugin cannot serve is refused here, before the export's work."""
@@ -115,7 +145,7 @@ class VllmCheckpoint(ArtifactKind):
                     shutil.copyfile(file, tmp / file.name)
             if not tokenizer and source.config.tokenizer == "bytes":  # what vLLM's tokenizer and server need
                 save_byte_tokenizer(tmp)
-            tokenizer_names = sorted({p.name for p in tmp.iterdir()} - {CONFIG, GENERATION_CONFIG, *files})
+            in_folder = sorted({p.name for p in tmp.iterdir()} - {CONFIG, GENERATION_CONFIG, *files})
         path = f"{FOLDER}/{FOLDED}/{CONFIG}"
         record = ArtifactRecord(
             key=self.key(FOLDED, None),
@@ -125,12 +155,12 @@ class VllmCheckpoint(ArtifactKind):
             graph=None,
             precision=manifest.dtype,
             bytes=(manifest.directory / path).stat().st_size,
-            details={
-                "architecture": served.architecture,
-                "weights": files,
-                "folded_norms": len(weights.folded_norms),
-                "tokenizer": tokenizer_names,
-            },
+            details=VllmDetails(
+                architecture=served.architecture,
+                weights=tuple(files),
+                folded_norms=len(weights.folded_norms),
+                tokenizer=tuple(in_folder),
+            ),
         )
         return [record]
 
@@ -152,7 +182,7 @@ class VllmCheckpoint(ArtifactKind):
     def check(self, manifest: Export, record: ArtifactRecord) -> list[str]:
         """The default's, and each weights file the record names present."""
         folder = Path(record.path).parent.as_posix()
-        names = [f"{folder}/{name}" for name in record.details["weights"]]
+        names = [f"{folder}/{name}" for name in details_of(record, VllmDetails).weights]
         missing = [f"{name}: missing" for name in names if not (manifest.directory / name).is_file()]
         return super().check(manifest, record) + missing
 

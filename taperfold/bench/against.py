@@ -103,7 +103,7 @@ def _built_as_expected(name: str, tool: str, folder: Path, check: Callable[[], A
 
 
 def _plain_huggingface(name: str, manifest: Manifest) -> None:
-    if (manifest.get("source") or {}).get("format") != "huggingface":
+    if manifest.source is None or not manifest.source.is_huggingface:
         raise TaperfoldError(
             f"--against {name} builds from a Hugging Face directory, and {manifest.checkpoint} (the export's "
             "source) is none"

@@ -48,6 +48,7 @@ from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_re
 from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer, save_byte_tokenizer
 from taperfold.hf.trace import check_family_paths, traced_family
 from taperfold.hf.weights import read_weights, to_model_names, weights_file
+from taperfold.manifest import HUGGINGFACE, ManifestSource
 from taperfold.models import assign_weights, parameters_on_meta
 from taperfold.sources.base import ModelSource
 from taperfold.sources.checks import check_state
@@ -191,20 +192,18 @@ class HFCheckpoint(ModelSource):
         if self.config.tokenizer == "bytes":
             save_byte_tokenizer(out)
 
-    def manifest_block(self) -> dict:
-        return {
-            "source": {
-                "format": "huggingface",
-                "family": self.family.name,
-                "family_traced": self.family.traced,
-                "model_type": self.config.arch,
-                "taper": self.config.taper,
-                "untapered": self.untapered,
-                # what a runtime folder written from the export carries (onnxruntime-genai's config, tokenizer)
-                "special_tokens": special_tokens(self.path, self.hf_config_dict, self.config.vocab_size),
-                "tokenizer_files": [name for name in TOKENIZER_FILES if (self.path / name).is_file()],
-            }
-        }
+    def manifest_source(self) -> ManifestSource:
+        return ManifestSource(
+            format=HUGGINGFACE,
+            family=self.family.name,
+            family_traced=self.family.traced,
+            model_type=self.config.arch,
+            taper=self.config.taper,
+            untapered=self.untapered,
+            # what a runtime folder written from the export carries (onnxruntime-genai's config, tokenizer)
+            special_tokens=special_tokens(self.path, self.hf_config_dict, self.config.vocab_size),
+            tokenizer_files=tuple(name for name in TOKENIZER_FILES if (self.path / name).is_file()),
+        )
 
 
 def special_tokens(path: Path, config: dict, vocab_size: int) -> dict:

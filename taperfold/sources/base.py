@@ -20,6 +20,9 @@ from taperfold.families import Family
 from taperfold.fsutil import sha256_file
 from taperfold.taper import ModelShape, TaperedLM
 
+if TYPE_CHECKING:
+    from taperfold.manifest import ManifestSource
+
 
 class ModelSource(abc.ABC):
     """One model, validated, its weights in memory. `config` gives its shape as every tool reads it
@@ -76,9 +79,10 @@ class ModelSource(abc.ABC):
         gives an equal form to trace (taperfold.hf.export_patches); nothing by default."""
         return contextlib.nullcontext()
 
-    def manifest_block(self) -> dict:
-        """Top-level keys a source adds to an export's manifest.json."""
-        return {}
+    def manifest_source(self) -> ManifestSource | None:
+        """What an export's manifest records of this source beyond its checkpoint block (manifest `source`, which the
+        folders and builds made later from the export read); None: nothing."""
+        return None
 
     def write_plain_directory(self, out: Path, replace: dict[str, torch.Tensor] | None = None) -> None:
         """Write the model untapered, in its own format's layout for other tools (onnxruntime-genai's builder reads a
