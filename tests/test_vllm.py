@@ -211,16 +211,29 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32}),
     "smollm3": ("smollm3", {}),  # vLLM serves SmolLM3 and OLMo 2 with its Transformers backend
     "olmo2": ("olmo2", {}),  # post-norms only, folded back into o_proj and down_proj
+    # LayerNorms, parallel residual, partial rotary, vLLM's Transformers backend. β folds into dense_h_to_4h's bias and,
+    # without attention biases, into one query_key_value is given. GPT-NeoX's config has no key/value head count (each
+    # head has its own) and vLLM reads a stray one as the cache's: 2, its head count, not the test shape's 1
+    "gpt_neox": ("gpt_neox", {"num_key_value_heads": 2, "attention_bias": False}),
+    # LayerNorms read by q/k/v and gate/up, none with a bias (use_qkv_bias false): each given one; partial rotary
+    "stablelm": ("stablelm", {}),
 }
 
 
 def tiny_tapered(model_type: str, **changes):
-    """A tiny tapered model at g = 0 of Llama's test shape (head size 32, untied head, larger weights)."""
+    """A tiny tapered model at g = 0 of Llama's test shape (head size 32, untied head, larger weights); a LayerNorm's
+    β away from 0, so that its fold into the readers' biases shows (within ±0.1: at ±0.5 the stream, unnormalized at
+    g = 0, makes tiny StableLM's every greedy token alike)."""
     from hf_models import tapered_tiny_model
 
     shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
                  max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
-    return tapered_tiny_model(model_type, **{**shape, **changes})
+    model = tapered_tiny_model(model_type, **{**shape, **changes})
+    if model.tapering.kind.shift:
+        with torch.no_grad():
+            for norm in model.tapering.norms.values():
+                norm.get_parameter("bias").uniform_(-0.1, 0.1)
+    return model
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -343,12 +356,13 @@ def test_an_unserved_family_is_refused_in_one_line_before_the_work(tmp_path, no_
     assert not (tmp_path / "out").exists()
 
 
-def test_a_family_found_unservable_is_refused_in_one_line_with_the_reason(tmp_path, no_export_work):
+def test_a_layout_vllms_class_does_not_compute_is_refused_in_one_line_before_the_work(tmp_path, no_export_work):
+    """StableLM's parallel residual: vLLM's StableLM adds attention and the MLP in sequence, whatever the config."""
     from taperfold.hf import save_hf_directory
 
-    source = save_hf_directory(tiny_tapered("stablelm"), tmp_path / "stablelm")
+    source = save_hf_directory(tiny_tapered("stablelm", use_parallel_residual=True), tmp_path / "stablelm")
     result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
-    one_line(result, "the stablelm family is not served yet: its LayerNorms' β folds into a bias")
+    one_line(result, "its config sets use_parallel_residual, and vLLM's StableLM adds attention and the MLP one after")
     assert not (tmp_path / "out").exists()
 
 

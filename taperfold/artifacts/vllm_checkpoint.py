@@ -4,7 +4,8 @@ which vLLM serves through taperfold's plugin and transformers loads through tape
 
     vllm/folded/config.json             the source's config, its model type and architecture taperfold's own
                                         (`taperfold_llama`, `TaperfoldLlamaForCausalLM`), the folded norms' paths
-                                        (`taperfold_folded_norms`)
+                                        (`taperfold_folded_norms`), the layers a LayerNorm's β gave a bias they are
+                                        built without (`taperfold_added_biases`)
     vllm/folded/model.safetensors       the folded weights in the export's dtype, or model-0000i-of-0000n.safetensors
                                         and model.safetensors.index.json past 2 GB; no folded norm's weight in them
     vllm/folded/tokenizer.json ...      the source's tokenizer files (a byte-level source: its byte tokenizer)
@@ -16,8 +17,9 @@ vLLM serves the source directory itself.
 The weights are written tensor by tensor, each folded reader (q/k/v, gate/up) folded in float64 from the source's
 weights and cast once just before it is written, so the export holds no second copy of the model (the writer, which
 needs torch, is taperfold.artifacts.vllm_weights, imported by `build`). Served: Hugging Face sources of the families in
-taperfold.serving.SERVED whose tapered norms are RMS norms (TaperNorm): what each leaves in its place is the residual
-add. Anything else is refused in one line before the export's work.
+taperfold.serving.SERVED whose tapered norms are RMS norms (TaperNorm) or LayerNorms (TaperLN, whose centering folds
+into the readers' weights and β into their biases, given to a layer that has none): what each leaves in its place is
+the residual add. Anything else is refused in one line before the export's work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
 from taperfold.jsonfields import Fields, is_file_name
-from taperfold.serving import CONFIG_KEY, ServedFamily, served_family
+from taperfold.serving import BIAS_KEY, CONFIG_KEY, ServedFamily, served_family
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +58,7 @@ FOLDER = "vllm"  # the folders' parent in the export directory
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SHARD_BYTES = 2 * 1024**3  # the largest shard
-SERVED_NORM = "rms"  # the norm kind whose fold leaves nothing but the residual add behind
+SERVED_NORMS = ("rms", "ln")  # the norm kinds whose fold leaves nothing but the residual add behind
 
 
 @dataclass(frozen=True)
@@ -206,11 +208,14 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
             f"itself (python -m vllm.entrypoints.openai.api_server --model {origin})"
         )
     served = served_family(source.family.name, origin)
-    if tapering.kind.name != SERVED_NORM:
+    if tapering.kind.name not in SERVED_NORMS:
         raise TaperfoldError(
             f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
-            "(TaperNorm), which leave only the residual add behind"
+            "and LayerNorms (TaperNorm, TaperLN), which leave only the residual add behind"
         )
+    for key, why in served.refused_config:
+        if source.hf_config_dict.get(key):
+            raise TaperfoldError(f"{origin}: --vllm: its config sets {key}, and {why}; export it without --vllm")
     if served.tied_head:
         head = source.family.head
         if not source.hf_config_dict.get("tie_word_embeddings", True):
@@ -228,7 +233,7 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
 
 def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, dtype: torch.dtype) -> dict:
     """The source's config.json as the folded checkpoint's: taperfold's model type and architecture, the folded
-    norms' paths, the weights' dtype; the head untied where a fold rewrote it."""
+    norms' paths, the layers the fold gave a bias, the weights' dtype; the head untied where a fold rewrote it."""
     from taperfold.hf.taper_block import BLOCK
 
     config = {key: value for key, value in source_config.items() if key not in (BLOCK, "torch_dtype")}
@@ -238,6 +243,8 @@ def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, d
         dtype=str(dtype).removeprefix("torch."),
         **{CONFIG_KEY: weights.folded_norms},
     )
+    if weights.added_biases:
+        config[BIAS_KEY] = weights.added_biases
     if weights.untied:
         config["tie_word_embeddings"] = False
     return config

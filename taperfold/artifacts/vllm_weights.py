@@ -28,7 +28,8 @@ _SAFETENSORS_DTYPES = {
 class FoldedWeights:
     """The folded model's tensors under the source's names, made one at a time: what a reader of a folded norm holds
     after the fold (float64, cast once), every other tensor as the source has it, cast to `dtype`; the folded norms'
-    own tensors and a tied head's copy left out (a head a fold rewrites is written, untied)."""
+    own tensors and a tied head's copy left out (a head a fold rewrites is written, untied); the bias a LayerNorm's β
+    gives a layer without one written beside its weight (`added_biases`: the serving classes give those layers one)."""
 
     def __init__(self, tapered: Any, dtype: torch.dtype):
         self.network, self.dtype = tapered.network, dtype
@@ -45,6 +46,14 @@ class FoldedWeights:
             if not any(name.startswith(f"{norm}.") for norm in self.folded_norms)
             and (name not in tied or name in self.untied)
         }
+        # layers a fold gives a bias they have not got (a LayerNorm's β: b' = β·W), written beside their weight
+        self.added_biases = [
+            target
+            for target, norm in self.norm_of.items()
+            if (tapering.kind.shift or (tapering.kind.centered and norm in tapering.producers))
+            and isinstance(layer := fold_target(self.network, target), nn.Linear)
+            and layer.bias is None
+        ]
         self._pending: dict[str, torch.Tensor] = {}  # a folded layer's tensors not yet asked for
         self._ready: dict[str, torch.Tensor] = {}  # stored tensors made from a model tensor, not yet asked for
         self._model_name: dict[str, str] = {}  # a stored name -> the model's tensor it is (a part of)
@@ -56,6 +65,8 @@ class FoldedWeights:
             for stored, part in self._stored(name, torch.empty(t.shape, device="meta")).items():
                 self._model_name[stored] = name
                 shapes[stored] = (part.shape, self._stored_dtype(t))
+            if (layer := name.removesuffix(".weight")) in self.added_biases:
+                shapes[f"{layer}.bias"] = (torch.Size([t.shape[0]]), self.dtype)  # an nn.Linear's: [out]
         return shapes
 
     def _stored(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -110,7 +121,7 @@ class FoldedWeights:
                 raise TaperfoldError(f"--vllm: {norm_path} cannot be folded into {target} ({reason})")
             write.apply()
         tensors = {f"{target}.{key}": t.to(self.dtype) for key, t in layer.state_dict().items()}
-        if added := sorted(set(tensors) - set(self.source)):  # a bias a LayerNorm's β would add
+        if added := sorted(set(tensors) - set(self.source) - {f"{t}.bias" for t in self.added_biases}):
             raise TaperfoldError(f"--vllm: folding {norm_path} gives {target} tensors it has not got: {added}")
         return tensors
 

@@ -14,8 +14,9 @@ A family is served where both libraries call each folded norm the same simple wa
 transformers as `norm(x)` with the residual added outside it, vLLM as `norm(x)` or `norm(x, residual)` (its fused
 add-and-normalize): pre-norms read by linear layers (Llama's `input_layernorm`, `post_attention_layernorm`; MoE
 routers and experts), and post-norms on a sub-block's output folded back into the projection producing it (Gemma 2/3's
-`post_attention_layernorm`, `post_feedforward_layernorm`, called `norm(x)` before the residual add). Measured, tiny
-models, greedy tokens equal (tests/test_vllm.py).
+`post_attention_layernorm`, `post_feedforward_layernorm`, called `norm(x)` before the residual add). LayerNorms fold
+the same way, β into a bias of each reader (GPT-NeoX's query_key_value and dense_h_to_4h have one; StableLM's q/k/v and
+gate/up are given one, in both libraries). Measured, tiny models, greedy tokens equal (tests/test_vllm.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from taperfold.errors import TaperfoldError
 
 CONFIG_KEY = "taperfold_folded_norms"  # config.json: the module paths of the norms folded away
+BIAS_KEY = "taperfold_added_biases"  # config.json: the linear layers a fold gave a bias the family builds them without
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class ServedFamily:
     model_class: str  # the family's causal LM class, as transformers and vLLM's registry both name it
     config_name: str | None = None  # transformers' config class where it is not the model class's (Gemma 3's text)
     tied_head: bool = False  # vLLM's class reads the logits from the embedding, whatever the config says (Gemma 2)
+    # config.json keys whose true value vLLM's class does not compute (it reads the layer another way), and why
+    refused_config: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_type(self) -> str:
@@ -71,25 +75,24 @@ SERVED = {
         ServedFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
         ServedFamily("smollm3", "SmolLM3ForCausalLM"),
         ServedFamily("olmo2", "Olmo2ForCausalLM"),
+        ServedFamily("gpt_neox", "GPTNeoXForCausalLM"),
+        ServedFamily(
+            "stablelm",
+            "StableLmForCausalLM",
+            refused_config=(
+                ("use_parallel_residual", "vLLM's StableLM adds attention and the MLP one after the other"),
+                ("qk_layernorm", "vLLM's StableLM has no per-head q/k LayerNorms"),
+            ),
+        ),
     )
 }
 
 
-# families looked at and not served, with what was found (docs/deployment.md, Serving with vLLM)
-NOT_SERVED = {
-    "stablelm": "its LayerNorms' β folds into a bias of the MLP's gate/up projections, which vLLM's StableLM has not "
-    "got",
-    "gpt_neox": "vLLM's Transformers backend, which serves it, gives other tokens than the checkpoint's for its "
-    "folded form (measured on a tiny model; stock GPT-NeoX matches)",
-}
-
-
 def served_family(family: str, origin: str) -> ServedFamily:
-    """The served form of taperfold family `family`, or one line saying it is not served yet (and why, where known)."""
+    """The served form of taperfold family `family`, or one line saying it is not served yet."""
     if family not in SERVED:
-        why = f": {NOT_SERVED[family]}" if family in NOT_SERVED else ""
         raise TaperfoldError(
-            f"{origin}: --vllm: the {family} family is not served yet{why} (served: {', '.join(SERVED)}); "
+            f"{origin}: --vllm: the {family} family is not served yet (served: {', '.join(SERVED)}); "
             "export it without --vllm"
         )
     return SERVED[family]
