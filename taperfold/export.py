@@ -82,12 +82,10 @@ from taperfold.opsets import (
     runs_contrib_ops,
     without_fused_rotary,
 )
-from taperfold.passes import FoldReport, FuseProjectionsPass, ProjectionReport, fold_passes
-from taperfold.passes.cleanup import check
-from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, FuseRMSNormPass, count_rms_norms
-from taperfold.passes.ort_fusions import OrtFusionsPass
+from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, count_rms_norms
+from taperfold.passes.pipeline import Pipeline, Step
 from taperfold.passes.restore_norms import RealNorm, RestoreNormsPass
-from taperfold.passes.stamp_layers import StampLayersPass, StampRefused
+from taperfold.passes.stamp_layers import StampLayersPass
 from taperfold.sources import ModelSource, open_source
 from taperfold.taper import TaperedLM
 from taperfold.tracing import (
@@ -132,13 +130,12 @@ def _trace(
         few, layers = few_layer_model(model, scope)
         with clock("torch_export_s"):
             model_ir, eager = export_any_attention(few, opts, graph, opset, name, on_stage)
-        try:
-            with clock("stamp_layers_s"):
-                StampLayersPass(layers)(model_ir)
+        stamp = Pipeline(model_ir, stamp_layers=layers)
+        stamp.run(clock=clock)
+        why = stamp[StampLayersPass].refused
+        if why is None:
             on_stage(f"{name}: traced {layers.in_trace} of {layers.count} layers, the others stamped out from them")
             return model_ir, HowTraced(eager, layers.in_trace)
-        except StampRefused as refused:
-            why = str(refused)
     if model.cfg.n_layers >= MIN_LAYERS:
         on_stage(f"{name}: tracing every layer ({why})")
     with clock("torch_export_s"):
@@ -318,52 +315,20 @@ class ExportedGraphs:
     clock: StageClock = field(default_factory=StageClock)
 
 
-@dataclass
-class GraphPasses:
-    """The passes export runs on one traced graph, built from the options, and what they report."""
-
-    passes: list[ir.passes.PassBase]
-    fold: FoldReport | None = None
-    projections: ProjectionReport | None = None
-    fuse_norms: FuseRMSNormPass | None = None
-    ort_fusions: OrtFusionsPass | None = None
-
-    def run(self, model_ir: ir.Model, clock: StageClock) -> None:
-        if self.passes:
-            with clock("passes_s"):
-                ir.passes.PassManager(self.passes)(model_ir)
-        if self.ort_fusions:  # timed apart: onnxscript's rewriter, not taperfold's passes
-            with clock("ort_fusions_s"):
-                self.ort_fusions(model_ir)
-
-    @property
-    def norms_fused(self) -> int:
-        return self.fuse_norms.fused if self.fuse_norms else 0
-
-    @property
-    def ort_fused(self) -> dict[str, int] | None:
-        """The contrib ops ONNX Runtime's fusions made, by type; None: not asked for."""
-        return dict(self.ort_fusions.fused) if self.ort_fusions else None
-
-    @property
-    def ort_fusions_skipped(self) -> str | None:
-        """Why ONNX Runtime's fusions left the graph as traced, where they chose to."""
-        return self.ort_fusions.skipped if self.ort_fusions else None
-
-    def projections_report(self, prefix: str) -> dict | None:
-        """What FuseProjectionsPass fused (None: not asked for), modules named as paths in the model's network (without
-        what the export wrappers put in front, `prefix`)."""
-        if self.projections is None:
-            return None
-        for group in self.projections.groups:
-            group.modules = [module.removeprefix(prefix) for module in group.modules]
-        return self.projections.to_json()
+def projections_report(pipeline: Pipeline, prefix: str) -> dict | None:
+    """What FuseProjectionsPass fused (None: not asked for), modules named as paths in the model's network (without
+    what the export wrappers put in front, `prefix`)."""
+    if pipeline.projections is None:
+        return None
+    for group in pipeline.projections.groups:
+        group.modules = [module.removeprefix(prefix) for module in group.modules]
+    return pipeline.projections.to_json()
 
 
 def graph_details(
     model_ir: ir.Model,
     choice: OpsetChoice,
-    passes: GraphPasses | None,
+    passes: Pipeline | None,
     projections: dict | None,
     traced: HowTraced | None = None,
 ) -> OnnxDetails:
@@ -386,32 +351,29 @@ def graph_details(
     )
 
 
-def graph_passes(
+def graph_pipeline(
     opts: ExportOptions,
-    *,
-    fold: bool = False,
-    fuse_norms: bool = True,
-    fuse_projections: bool = True,
-    ort_fusions: bool = True,
-    model_ir: ir.Model | None = None,
-) -> GraphPasses:
-    """The pipeline of one graph, as the options ask: the fold (`fold`: the unfolded graph becomes the folded one),
-    fused projections (--fuse-projections), decomposed RMSNorms fused into one op (where the target runs ONNX
-    Runtime's op), ONNX Runtime's LLM fusions (--ort-fusions). A stage is added here, in pipeline order."""
-    pipeline = GraphPasses([])
-    if fold:
-        assert model_ir is not None  # the fold holds the graph to the checker's verdict on it as traced
-        pipeline.fold = FoldReport(nodes_before=len(model_ir.graph), check_input=check(model_ir))
-        pipeline.passes += fold_passes(pipeline.fold)
-    if fuse_projections and opts.fuse_projections:
-        pipeline.projections = ProjectionReport()
-        pipeline.passes.append(FuseProjectionsPass(pipeline.projections))
-    if fuse_norms and fuses_norms(opts.target):
-        pipeline.fuse_norms = FuseRMSNormPass()
-        pipeline.passes.append(pipeline.fuse_norms)
-    if ort_fusions and opts.ort_fusions:
-        pipeline.ort_fusions = OrtFusionsPass()  # last, after `passes`
-    return pipeline
+    variant: str,
+    opset: int,
+    model_ir: ir.Model,
+    restore_norms: dict[str, RealNorm] | None = None,
+) -> Pipeline:
+    """The pipeline of one graph (passes/pipeline.py), as the options ask: for the folded graph the fold (the unfolded
+    trace becomes the folded graph); for every graph fused projections (--fuse-projections), decomposed RMSNorms
+    fused into one op (where the target runs ONNX Runtime's op) and ONNX Runtime's LLM fusions (--ort-fusions); for a
+    baseline made from the unfolded trace its norms restored first (`restore_norms`). A baseline's norms are fused
+    below opset 23 alone: from 23 the exporter wrote them fused, and the decomposed baseline is that graph with each
+    RMSNormalization expanded, last."""
+    baseline = variant == BASELINE
+    return Pipeline(
+        model_ir,
+        restore_norms=restore_norms,
+        fold=variant == FOLDED,
+        fuse_projections=opts.fuse_projections,
+        fuse_norms=fuses_norms(opts.target) and not (baseline and opset >= FUSING_OPSET),
+        ort_fusions=opts.ort_fusions,
+        expand_norms=baseline and opset >= FUSING_OPSET,
+    )
 
 
 def export_graphs(
@@ -443,7 +405,8 @@ def export_graphs(
                 model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
             prefix = _network_prefix(model, graph)
             if variant == BASELINE:
-                out.records += _write_baselines(model_ir, folder, graph, choice, opts, clock, prefix, traced)
+                baseline = graph_pipeline(opts, BASELINE, choice.opset, model_ir)
+                out.records += _write_baselines(baseline, folder, graph, choice, opts, clock, prefix, traced)
                 continue
             # written aside first: the folded graph is made from the unfolded one in place, and the unfolded
             # graph then read back (its weights lazily) for its own passes; two copies are never held
@@ -452,32 +415,32 @@ def export_graphs(
                 _save(model_ir, staged)
             if restorable:
                 baseline_ir = _load(staged)
-                restore = RestoreNormsPass(restorable)
-                with clock("passes_s"):
-                    restore(baseline_ir)
-                if not restore.missing:
+                baseline = graph_pipeline(opts, BASELINE, choice.opset, baseline_ir, restore_norms=restorable)
+                baseline.run(until=Step.RESTORE_NORMS, clock=clock)
+                missing = baseline[RestoreNormsPass].missing
+                if not missing:
                     on_stage(f"{graph_key(BASELINE, graph)}: made from {name}, its norms restored (no trace)")
-                    records = _write_baselines(baseline_ir, folder, graph, choice, opts, clock, prefix, traced)
+                    records = _write_baselines(baseline, folder, graph, choice, opts, clock, prefix, traced)
                     for record in records:
                         record.built_from = name
                     out.records += records
                     derived = True
                 else:  # traced in its turn; say why, as the stage it adds shows
-                    on_stage(f"{graph_key(BASELINE, graph)}: traced ({restore.missing[0]}: not found as its map)")
-                del baseline_ir
+                    on_stage(f"{graph_key(BASELINE, graph)}: traced ({missing[0]}: not found as its map)")
+                del baseline_ir, baseline
             on_stage(f"folding {name}")
-            folding = graph_passes(opts, fold=True, model_ir=model_ir)
-            folding.run(model_ir, clock)
+            folding = graph_pipeline(opts, FOLDED, choice.opset, model_ir)
+            folding.run(clock=clock)
             assert folding.fold is not None
             report = _network_names(folding.fold.to_json(), prefix)
-            details = graph_details(model_ir, choice, folding, folding.projections_report(prefix), traced)
+            details = graph_details(model_ir, choice, folding, projections_report(folding, prefix), traced)
             with clock("write_s"):
                 folded = ONNX_GRAPH.write(model_ir, folder, FOLDED, graph, opts.dtype, details)
             folded.built_from, folded.reports["fold"] = name, report
             unfolded_ir = _load(staged)
-            passes = graph_passes(opts)
-            passes.run(unfolded_ir, clock)
-            details = graph_details(unfolded_ir, choice, passes, passes.projections_report(prefix), traced)
+            passes = graph_pipeline(opts, UNFOLDED, choice.opset, unfolded_ir)
+            passes.run(clock=clock)
+            details = graph_details(unfolded_ir, choice, passes, projections_report(passes, prefix), traced)
             with clock("write_s"):
                 unfolded = ONNX_GRAPH.write(unfolded_ir, folder, UNFOLDED, graph, opts.dtype, details)
                 for path in (staged, staged.with_name(staged.name + ".data")):
@@ -557,7 +520,7 @@ def _network_names(report: dict, prefix: str) -> dict:
 
 
 def _write_baselines(
-    model_ir,
+    pipeline: Pipeline,
     folder: Path,
     graph: Graph,
     choice: OpsetChoice,
@@ -567,7 +530,8 @@ def _write_baselines(
     traced: HowTraced,
 ) -> list[ArtifactRecord]:
     """baseline.onnx in its fused form and, when its norms export as plain ops (RMSNorm),
-    baseline.decomposed.onnx with those (`traced`: how the graph was traced).
+    baseline.decomposed.onnx with those: the baseline's graph `pipeline.model` run through its `pipeline`
+    (graph_pipeline), written where it holds each (`traced`: how the graph was traced).
 
     Below opset 23 the export holds RMSNorm as plain ops, fused afterwards (for ONNX Runtime; TensorRT's parser
     takes no ONNX Runtime op, so there it stays decomposed and is written once); at 23 the exporter fused it,
@@ -575,27 +539,23 @@ def _write_baselines(
     LayerNormalization at every opset: nothing to fuse or expand.
     """
     records = []
-    shared = graph_passes(opts, fuse_norms=False, ort_fusions=False)  # fused projections, as in every graph
-    shared.run(model_ir, clock)
-    projections = shared.projections_report(prefix)
+    model_ir = pipeline.model
+    pipeline.run(until=Step.FUSE_PROJECTIONS, clock=clock)  # fused projections, as in every graph
+    projections = projections_report(pipeline, prefix)
 
-    def write(variant: str, passes: GraphPasses | None = None) -> None:
+    def write(variant: str, passes: Pipeline | None = None) -> None:
         details = graph_details(model_ir, choice, passes, projections, traced)
         with clock("write_s"):
             records.append(ONNX_GRAPH.write(model_ir, folder, variant, graph, opts.dtype, details))
 
-    fuse_after_export = choice.opset < FUSING_OPSET and fuses_norms(opts.target) and count_rms_norms(model_ir) > 0
-    if fuse_after_export:
+    if Step.FUSE_NORMS in pipeline.steps and count_rms_norms(model_ir) > 0:
         write(DECOMPOSED_BASELINE)  # before ONNX Runtime's fusions too: they would fuse its norms
-    fusing = graph_passes(opts, fuse_projections=False, fuse_norms=fuse_after_export)
-    fusing.run(model_ir, clock)
-    write(BASELINE, fusing)
-    if choice.opset >= FUSING_OPSET:  # ONNX Runtime's fusions leave an opset-23 graph as it is
-        expand = ExpandRMSNormalizationPass()
-        with clock("passes_s"):
-            expand(model_ir)
-        if expand.expanded:
-            write(DECOMPOSED_BASELINE)
+    pipeline.run(until=Step.ORT_FUSIONS, clock=clock)
+    write(BASELINE, pipeline)
+    pipeline.run(clock=clock)
+    expand = pipeline.get(ExpandRMSNormalizationPass)  # ONNX Runtime's fusions leave an opset-23 graph as it is
+    if expand and expand.expanded:
+        write(DECOMPOSED_BASELINE)
     return records
 
 

@@ -2,6 +2,7 @@
 passes/stamp_layers.py), checked against the torch model, a trace of every layer, and the models it must not serve."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from taperfold.export import ExportOptions, StageClock, _trace, export_checkpoin
 from taperfold.exportdir import GROWING, PREFILL, STATIC
 from taperfold.hf import save_hf_directory
 from taperfold.layer_trace import few_layer_model, why_trace_every_layer
-from taperfold.passes.stamp_layers import StampLayersPass, StampRefused
+from taperfold.passes.stamp_layers import StampLayersPass
 from taperfold.sources import open_source
 from taperfold.verify import verify_export
 
@@ -134,8 +135,9 @@ def test_a_trace_whose_layers_differ_is_refused_and_left_as_it_was(tmp_path):
     )
     softmax.attributes["axis"] = ir.Attr("axis", ir.AttributeType.INT, 0)
     before = [n.name for n in traced.graph]
-    with pytest.raises(StampRefused, match=r"\(Softmax\) differs"):
-        StampLayersPass(layers)(traced)
+    stamp = StampLayersPass(layers)
+    assert not stamp(traced).modified
+    assert re.search(r"\(Softmax\) differs", stamp.refused or ""), stamp.refused
     assert [n.name for n in traced.graph] == before
 
 
@@ -159,8 +161,9 @@ def test_a_constant_made_from_a_weight_other_than_by_adding_a_number_is_refused(
     array = gain.const_value.numpy()
     gain.const_value = ir.tensor(array * np.linspace(1, 2, array.size, dtype=array.dtype).reshape(array.shape))
     before = [n.name for n in traced.graph]
-    with pytest.raises(StampRefused, match=rf"constant {gain.name} is .* changed in a way not stamped"):
-        StampLayersPass(layers)(traced)
+    stamp = StampLayersPass(layers)
+    assert not stamp(traced).modified
+    assert re.search(rf"constant {gain.name} is .* changed in a way not stamped", stamp.refused or ""), stamp.refused
     assert [n.name for n in traced.graph] == before
 
 

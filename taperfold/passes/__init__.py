@@ -5,7 +5,9 @@
 
 Forwards first (into the layers that read a norm, else the embedding table it normalizes), then backwards
 (a post-norm into the layer that produces its input). FuseProjectionsPass is no fold: it concatenates the
-linear layers that read one tensor (q/k/v, gate/up) into one, after the folds so that they see each layer.
+linear layers that read one tensor (q/k/v, gate/up) into one, after the folds so that they see each layer, and
+before the cleanup, whose checker then holds it too. That is the fold's part of a graph's pipeline
+(passes/pipeline.py: the one order of every pass taperfold runs on a graph, export's too).
 
 Each pass finds its own work with `detect_norms` (a pure analysis) and records what it did in an
 optional `FoldReport`, which only observes. `fold_model` composes them; nothing else is needed to run one.
@@ -21,7 +23,7 @@ import onnx_ir as ir
 
 from taperfold.fsutil import write_json_atomic
 from taperfold.onnx_io import load_model, save_model
-from taperfold.passes.cleanup import CleanupPass, check
+from taperfold.passes.cleanup import CleanupPass
 from taperfold.passes.constants import FoldConstantsPass
 from taperfold.passes.detect import NormAnalysis, detect_norms
 from taperfold.passes.fold_embedding import FoldIntoEmbeddingPass
@@ -29,6 +31,7 @@ from taperfold.passes.fold_producer import FoldIntoProducerPass
 from taperfold.passes.fold_readers import FoldIntoReadersPass
 from taperfold.passes.fuse_projections import FuseProjectionsPass
 from taperfold.passes.merge_norm_weights import MergeNormWeightsPass
+from taperfold.passes.pipeline import Pipeline, Step
 from taperfold.passes.report import FoldReport, NormEntry, NormStatus, ObserveNormsPass, ProjectionReport
 
 __all__ = [
@@ -44,30 +47,15 @@ __all__ = [
     "NormEntry",
     "NormStatus",
     "ObserveNormsPass",
+    "Pipeline",
     "ProjectionReport",
+    "Step",
     "detect_norms",
     "fold_model",
     "fold_onnx_file",
-    "fold_passes",
     "load_model",
     "save_model",
 ]
-
-
-def fold_passes(report: FoldReport, merge_norm_weights: bool = False) -> list[ir.passes.PassBase]:
-    """The fold as a list of passes, ending with the cleanup (which holds the model to the checker's verdict on it as
-    given, `report.check_input`): forwards into readers and embedding, then backwards into producers; with
-    `merge_norm_weights`, real norms' gains moved into their readers too. Pipelines put later passes behind these."""
-    passes: list[ir.passes.PassBase] = [
-        FoldConstantsPass(report),
-        ObserveNormsPass(report),
-        FoldIntoReadersPass(report),
-        FoldIntoEmbeddingPass(report),
-        FoldIntoProducerPass(report),
-    ]
-    if merge_norm_weights:
-        passes.append(MergeNormWeightsPass(report))
-    return [*passes, CleanupPass(report, input_check=report.check_input)]
 
 
 def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projections: bool = False) -> FoldReport:
@@ -77,13 +65,11 @@ def fold_model(model: ir.Model, merge_norm_weights: bool = False, fuse_projectio
     them (reported as "weights_merged"); the norms themselves stay. With `fuse_projections`, the linear layers
     that read one tensor then become one (`report.projections` says which).
     """
-    report = FoldReport(nodes_before=len(model.graph), check_input=check(model))
-    passes = fold_passes(report, merge_norm_weights)
-    if fuse_projections:
-        report.projections = ProjectionReport()
-        passes.insert(-1, FuseProjectionsPass(report.projections))
-    ir.passes.PassManager(passes)(model)
-    return report
+    pipeline = Pipeline(model, fold=True, merge_norm_weights=merge_norm_weights, fuse_projections=fuse_projections)
+    pipeline.run()
+    assert pipeline.fold is not None  # made with the fold
+    pipeline.fold.projections = pipeline.projections
+    return pipeline.fold
 
 
 def fold_onnx_file(

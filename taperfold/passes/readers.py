@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import NameFixPass, ShapeInferencePass
 
 from taperfold.passes._graph import (
     FLOAT_TYPES,
@@ -416,7 +419,11 @@ def linear_layer(node: ir.Node, index: int, match: NormMatch, channels: Channels
 
 def _last_element(value: ir.Value | None, depth: int = 8) -> int | ir.Value | None:
     """The last element of a shape tensor: an int, or a Value meaning "the last dimension of that value"
-    (legacy exports build `view(-1, x.size(-1))`'s shape as Concat(-1, Shape(x)[-1:]) at run time)."""
+    (legacy exports build `view(-1, x.size(-1))`'s shape as Concat(-1, Shape(x)[-1:]) at run time).
+
+    Kept by hand: onnx's shape inference gives the shapes of values, not what a shape tensor holds, and this reads
+    through to the value whose last dimension it copies, which is the norm's width even where no dimension of it is
+    recorded or inferred (a graph input of no recorded shape)."""
     for _ in range(depth):
         if value is None:
             return None
@@ -455,143 +462,64 @@ def _last_element(value: ir.Value | None, depth: int = 8) -> int | ir.Value | No
     return None
 
 
-_SAME_RANK = {
-    "Identity",
-    "Cast",
-    "Neg",
-    "Sqrt",
-    "Reciprocal",
-    "Relu",
-    "Sigmoid",
-    "Tanh",
-    "Erf",
-    "Softmax",
-    "Exp",
-    "Log",
-    "Abs",
-    "Not",
-    "Slice",
-    "Tile",
-    "Transpose",
-    "CumSum",
-    "Trilu",
-    "TopK",
-    "Dropout",
-    "Concat",
-    "LayerNormalization",
-    "Gelu",
-    "Softplus",
-    "IsNaN",
-    "IsInf",
-}
-_BROADCAST = {
-    "Add",
-    "Sub",
-    "Mul",
-    "Div",
-    "Pow",
-    "Where",
-    "Equal",
-    "Less",
-    "Greater",
-    "LessOrEqual",
-    "GreaterOrEqual",
-    "And",
-    "Or",
-    "Max",
-    "Min",
-    "Mod",
-}
-_RANKS: weakref.WeakKeyDictionary[ir.Graph, dict[ir.Value, int]] = weakref.WeakKeyDictionary()
+_INFERRED: weakref.WeakKeyDictionary[ir.Graph, dict[ir.Value, ir.Shape]] = weakref.WeakKeyDictionary()
 
 
-def _rank_of(value: ir.Value | None) -> int | None:
-    """The rank of `value`: recorded by the exporter, or worked out once per graph from its inputs' ranks through
-    the graph's ops (legacy exports record no shapes)."""
+def _shape_of(value: ir.Value | None) -> ir.Shape | None:
+    """The shape of `value`: recorded by the exporter, a constant's, or else onnx's shape inference's (legacy exports
+    record no shapes), run once per graph (`_inferred_shapes`)."""
     if value is None:
         return None
     if value.shape is not None:
-        return len(value.shape)
+        return value.shape
     array = const_array(value)
     if array is not None:
-        return array.ndim
+        return ir.Shape(array.shape)
     graph = value.graph
     if graph is None:
         return None
-    if graph not in _RANKS:
-        _RANKS[graph] = _infer_ranks(graph)
-    return _RANKS[graph].get(value)
+    if graph not in _INFERRED:
+        _INFERRED[graph] = _inferred_shapes(graph)
+    return _INFERRED[graph].get(value)
 
 
-def _infer_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
-    """The rank of each node's first output, in graph (topological) order, where the op's rule and its inputs'
-    ranks give it."""
-    ranks: dict[ir.Value, int] = {}
-
-    def rank(v: ir.Value | None) -> int | None:
-        if v is None:
-            return None
-        if v.shape is not None:
-            return len(v.shape)
-        return len(v.const_value.shape) if v.const_value is not None else ranks.get(v)
-
-    for node in graph:
-        if node.domain != "" or not node.outputs:
-            continue
-        op, inputs = node.op_type, [rank(v) for v in node.inputs]
-        first = inputs[0] if inputs else None
-        second = inputs[1] if len(inputs) > 1 else None
-        known = [r for r in inputs if r is not None]
-        out = None
-        if op == "Constant":
-            tensor = ir.convenience.get_const_tensor(node.outputs[0])
-            out = None if tensor is None else len(tensor.shape)
-        elif op in ("Shape", "Range"):
-            out = 1
-        elif (op.startswith("Reduce") or op in ("ArgMax", "ArgMin")) and node.attributes.get_int("keepdims", 1) != 0:
-            out = first  # a norm's own mean keeps its input's rank: the residual stream's rank goes on past it
-        elif op == "Gather" and first is not None and second is not None:
-            out = first - 1 + second
-        elif op in ("Unsqueeze", "Squeeze") and first is not None and (axes := _axes(node)) is not None:
-            out = first + len(axes) if op == "Unsqueeze" else first - len(axes)
-        elif op in ("Reshape", "Expand", "ConstantOfShape"):
-            length = _length(node.inputs[1 if op != "ConstantOfShape" else 0], rank)
-            out = length if op != "Expand" or length is None or first is None else max(first, length)
-        elif op in ("Flatten", "Gemm"):
-            out = 2
-        elif op in _SAME_RANK:
-            out = first
-        elif op in _BROADCAST and inputs and len(known) == len(inputs):
-            out = max(known)
-        elif op == "MatMul" and first is not None and second is not None and min(first, second) >= 2:
-            out = max(first, second)
-        if out is not None:
-            ranks[node.outputs[0]] = out
-    return ranks
+def _inferred_shapes(graph: ir.Graph) -> dict[ir.Value, ir.Shape]:
+    """The shape onnx's shape inference (onnx-ir's ShapeInferencePass, not strict: an op it does not know leaves its
+    outputs unknown) gives each node output of `graph`, by value. It runs on a copy, so that the graph written keeps the
+    shapes it records and no others. The copy takes a graph in topological order whose values are its own: a subgraph
+    (it reads its parent's values) or an unsorted graph gets none."""
+    try:
+        copy = ir.Model(graph.clone(), ir_version=onnx.IR_VERSION)
+    except ValueError:  # a value read before it is made: from a graph around it, or further down
+        return {}
+    NameFixPass()(copy)  # values the passes made have no name, which the inference's graph needs
+    # a graph the inference rejects (its types disagree) keeps the copy as it was: no shapes, which is an answer here
+    # (the readers keep what needs one), not a warning for the user
+    inference_log = logging.getLogger(ShapeInferencePass.__module__)
+    level = inference_log.level
+    inference_log.setLevel(logging.ERROR)
+    try:
+        ShapeInferencePass(check_type=False, strict_mode=False)(copy)
+    finally:
+        inference_log.setLevel(level)
+    shapes = {}
+    for node, twin in zip(graph, copy.graph, strict=True):
+        for value, inferred in zip(node.outputs, twin.outputs, strict=True):
+            if inferred.shape is not None:
+                shapes[value] = inferred.shape
+    return shapes
 
 
-def _length(
-    value: ir.Value | None, rank: Callable[[ir.Value | None], int | None] | None = None, depth: int = 8
-) -> int | None:
-    """The number of elements of a 1-D shape tensor (Concat's parts: constants and unsqueezed scalars); `rank`
-    gives values' ranks (`_rank_of` by default)."""
-    if value is None:
-        return None
-    if value.shape is not None and len(value.shape) == 1 and isinstance(value.shape[0], int):
-        return value.shape[0]
-    array = const_array(value)
-    if array is not None:
-        return array.size
-    node = value.producer()
-    if depth == 0 or node is None or node.domain != "":
-        return None
-    if node.op_type == "Concat":
-        parts = [_length(v, rank, depth - 1) for v in node.inputs]
-        known = [part for part in parts if part is not None]
-        return sum(known) if len(known) == len(parts) else None
-    if node.op_type == "Unsqueeze" and (rank or _rank_of)(node.inputs[0]) == 0:
-        return 1
-    return None
+def _rank_of(value: ir.Value | None) -> int | None:
+    """The rank of `value` (`_shape_of`)."""
+    shape = _shape_of(value)
+    return None if shape is None else len(shape)
+
+
+def _length(value: ir.Value | None) -> int | None:
+    """The number of elements of a 1-D shape tensor (`_shape_of`)."""
+    shape = _shape_of(value)
+    return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
 
 
 def _axes(node: ir.Node) -> list[int] | None:

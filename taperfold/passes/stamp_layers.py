@@ -18,8 +18,8 @@ MoE ones) has those traced as they are too, and the two after them are the patte
 - the layers after `template` are copies of it on their own weights, what follows the layers reads the last one,
   and `first` and `template` get their real weights back.
 
-Anything else (a layer reading two layers back, a constant made of two weights, layers that differ) raises
-StampRefused, with why, before the graph is touched; export then traces every layer.
+Anything else (a layer reading two layers back, a constant made of two weights, layers that differ) is refused before
+the graph is touched, the pass's `refused` saying why; export then traces every layer.
 """
 
 from __future__ import annotations
@@ -343,15 +343,22 @@ def _per_layer(values, traced: int) -> dict[ir.Value, int]:
 
 
 class StampLayersPass(ir.passes.InPlacePass):
-    """The whole model's graph from a trace of its first layers (see the module docstring)."""
+    """The whole model's graph from a trace of its first layers (see the module docstring); or, where the trace's
+    layers are not alike in a way it stamps out, the graph as it was and `refused` saying why."""
 
     def __init__(self, layers: LayerWeights):
         super().__init__()
         self.layers = layers
+        self.refused: str | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, layers = model.graph, self.layers
-        plan = _Plan(graph, layers)  # raises StampRefused with the graph untouched
+        try:
+            plan = _Plan(graph, layers)  # reads the graph, changes nothing
+        except StampRefused as refused:
+            self.refused = str(refused)
+            return ir.passes.PassResult(model, modified=False)
+        self.refused = None
         made: dict[tuple[int, _Weight], ir.Value] = {}
 
         def weight(layer: int, w: _Weight) -> ir.Value:

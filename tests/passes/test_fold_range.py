@@ -15,7 +15,7 @@ import pytest
 from _graphs import F16, I64, D, V, build, n, run
 from onnx import TensorProto
 
-from taperfold.passes import FoldReport, NormStatus, fold_passes
+from taperfold.passes import FoldReport, NormStatus, fold_model
 
 BIG, SMALL = 300.0, 0.5  # 300 · 300 = 90000 > 65504; 300 · 0.5 fits
 
@@ -62,9 +62,7 @@ FEEDS = {
 
 
 def _fold(model: ir.Model) -> FoldReport:
-    report = FoldReport()
-    ir.passes.PassManager(fold_passes(report))(model)
-    return report
+    return fold_model(model)
 
 
 @pytest.mark.parametrize("make", list(FEEDS), ids=lambda f: f.__name__)

@@ -381,6 +381,33 @@ def test_slice_of_positions_keeps_rows_but_a_slice_of_channels_blocks(axis):
     assert report.norms[0].status == expected, report.norms[0].reason
 
 
+def test_a_graph_that_records_no_shapes_takes_the_norms_rank_from_onnx_shape_inference():
+    # a legacy export records no shapes: the Slice of positions needs the norm's rank, which onnx's shape inference
+    # carries through any op it knows (here a Clip in front of the norm)
+    model = build(
+        [
+            n("Clip", ["x", "low", "high"], ["clipped"]),
+            n("Mul", ["clipped", "w"], ["h"]),
+            n("Slice", ["h", "start", "end", "axes"], ["hs"]),
+            n("MatMul", ["hs", "W"], ["y"]),
+        ],
+        [X],
+        [("y", F32, None)],
+        {
+            "low": np.array(-1.0, np.float32),
+            "high": np.array(1.0, np.float32),
+            "w": rand(D),
+            "W": rand(D, N),
+            "start": np.array([-1]),
+            "end": np.array([2**63 - 1]),
+            "axes": np.array([1]),
+        },
+    )
+    report, *_ = fold_checked(model, x3())
+    assert report.norms[0].status == NormStatus.FOLDED, report.norms[0].reason
+    assert all(value.shape is None for node in model.graph for value in node.outputs if not value.is_graph_output())
+
+
 def test_fold_passes_leave_a_real_norm_bit_identical():
     model = real_rms_model()
     before = run(model, x3_fixed := x3())
