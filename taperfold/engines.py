@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import GROWING, KV_CACHES, PREFILL, Graph
+from taperfold.exportdir import GROWING, KV_CACHES, PREFILL, VARIANTS, Graph
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -104,6 +104,21 @@ class Engine:
     @property
     def runs_models(self) -> bool:
         return self.runs == MODELS
+
+    @property
+    def only_variants(self) -> tuple[str, ...] | None:
+        """The only variants this engine has anything to run of (its artifact kind's `variants`: vLLM's checkpoint is
+        the folded model's alone); None: any variant."""
+        if self.runs_models:
+            return None
+        from taperfold.artifacts import artifact_kind
+
+        return artifact_kind(self.runs).variants
+
+    @property
+    def default_variants(self) -> tuple[str, ...]:
+        """What bench times when --variants is not given: the only variants it runs, else all of VARIANTS."""
+        return self.only_variants or VARIANTS
 
     def files(
         self, manifest: Manifest, variants: list[str], graph: Graph, precision: str | None = None

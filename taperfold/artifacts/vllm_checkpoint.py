@@ -72,6 +72,7 @@ class VllmCheckpoint(ArtifactKind):
         ),
     )
     request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
+    variants = (FOLDED,)  # the untapered model needs no checkpoint: stock vLLM serves its source (bench --against vllm)
     fields = MappingProxyType(
         {
             "architecture": Field((str,), required=True, help="config.json's architecture, taperfold's own class"),
