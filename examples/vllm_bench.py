@@ -8,8 +8,7 @@ c and γ̃ (nothing downloaded), then runs, each in a fresh process and printed 
     taperfold export DIR -o OUT --vllm --no-baseline --overwrite --dtype DTYPE
     taperfold verify OUT --engine vllm
     taperfold bench OUT --engine vllm --mode serve --concurrency 1,8,32 --against vllm --prompt 128 --new-tokens 64
-    taperfold bench OUT --engine vllm --mode decode --batch 1,4 --variants folded --against vllm --prompt 128 \
-        --new-tokens 64
+    taperfold bench OUT --engine vllm --mode decode --batch 1,4 --against vllm --prompt 128 --new-tokens 64
 
 `--against vllm` is stock vLLM serving the source's untapered weights (its norms real) at the same dtype, in the same
 rounds, its order alternated with the folded checkpoint's. The reports (OUT/bench-serve.json, OUT/bench-decode.json,
@@ -65,10 +64,10 @@ def main() -> None:
         *taperfold, "bench", str(out), "--engine", "vllm", "--mode", "serve", "--concurrency", args.concurrency,
         "--against", "vllm", *lengths,
     )  # fmt: skip
-    if not args.skip_decode:  # vLLM serves the folded checkpoint only: the other variants have none
+    if not args.skip_decode:  # the folded checkpoint (vLLM's only variant) against stock vLLM
         run(
-            *taperfold, "bench", str(out), "--engine", "vllm", "--mode", "decode", "--batch", "1,4", "--variants",
-            "folded", "--against", "vllm", *lengths,
+            *taperfold, "bench", str(out), "--engine", "vllm", "--mode", "decode", "--batch", "1,4", "--against",
+            "vllm", *lengths,
         )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import GROWING, KV_CACHES, PREFILL, Graph
+from taperfold.exportdir import GROWING, KV_CACHES, PREFILL, VARIANTS, Graph
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -112,6 +112,21 @@ class Engine:
         """Its decoders take the KV cache as host arrays at every step (the ONNX graphs' engines); torch models and
         whole-generation engines (onnxruntime-genai, OpenVINO's stateful IR, vLLM) keep their own."""
         return not self.runs_models and self.prefills
+
+    @property
+    def only_variants(self) -> tuple[str, ...] | None:
+        """The only variants this engine has anything to run of (its artifact kind's `variants`: vLLM's checkpoint is
+        the folded model's alone); None: any variant."""
+        if self.runs_models:
+            return None
+        from taperfold.artifacts import artifact_kind
+
+        return artifact_kind(self.runs).variants
+
+    @property
+    def default_variants(self) -> tuple[str, ...]:
+        """What bench times when --variants is not given: the only variants it runs, else all of VARIANTS."""
+        return self.only_variants or VARIANTS
 
     def files(
         self, manifest: Manifest, variants: list[str], graph: Graph, precision: str | None = None

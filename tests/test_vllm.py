@@ -548,6 +548,34 @@ def test_no_vllm_environment_is_one_line(exported, tmp_path, monkeypatch):
     assert not (exported[1] / "against").exists()
 
 
+def test_bench_engine_vllm_times_the_folded_checkpoint_by_default_and_refuses_other_variants(
+    exported, tmp_path, monkeypatch
+):
+    """vLLM has a checkpoint of the folded model alone, and an export --no-baseline no baseline: bench --engine vllm
+    times folded without --variants (here it gets as far as looking for vLLM's environment, which is absent), and a
+    --variants naming another variant is one line naming what it runs, before anything else."""
+    from taperfold.bench.request import BenchRequest
+    from taperfold.exportdir import VARIANTS
+
+    out = tmp_path / "out"
+    result = run_cli("export", exported[0], "-o", out, "--vllm", "--no-baseline")
+    assert result.exit_code == 0, result.stderr
+    assert BenchRequest(export_dir=str(out), engine="vllm").options().variants == ["folded"]
+    assert BenchRequest(export_dir=str(out), engine="ort").options().variants == list(VARIANTS)
+    missing = tmp_path / "no-such-env" / "bin" / "python"
+    monkeypatch.setenv("TAPERFOLD_VLLM_PYTHON", str(missing))
+    decode = ["bench", out, "--engine", "vllm", "--mode", "decode"]
+    one_line(run_cli(*decode), f"TAPERFOLD_VLLM_PYTHON={missing}: no such file")
+    for variants, refused in (("baseline", "baseline"), ("unfolded,folded", "unfolded")):
+        one_line(
+            run_cli(*decode, "--variants", variants),
+            f"--variants {refused}: --engine vllm runs an export's folded checkpoint for vLLM",
+            "exists of folded only",
+            "--against vllm",
+        )
+    assert not (out / "bench-decode.json").exists() and not (out / "against").exists()
+
+
 @needs_vllm
 def test_bench_mode_serve_drives_vllms_server_on_the_folded_and_the_stock_model(exported, vllm_env, tmp_path):
     """One round: the folded checkpoint's server, then stock vLLM's on the plain directory, each driven by

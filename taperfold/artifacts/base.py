@@ -230,6 +230,9 @@ class ArtifactKind:
     request_type: ClassVar[type] = NoRequest
     # what `taperfold export` traces the graphs for when this kind is asked for and --target is not given (None: ort)
     target: ClassVar[str | None] = None
+    # the only variants an export ever holds of this kind (vLLM's checkpoint: the folded model's), which `bench` times
+    # by default and alone on an engine that runs it; None: any variant the export traced
+    variants: ClassVar[tuple[str, ...] | None] = None
 
     # ---- naming ----
 

@@ -112,6 +112,7 @@ class VllmCheckpoint(ArtifactKind):
     )
     request_type = VllmRequest  # asked for by --vllm (ArtifactKind.request: its flag)
     details_type = VllmDetails
+    variants = (FOLDED,)  # the untapered model needs no checkpoint: stock vLLM serves its source (bench --against vllm)
 
     def plan(self, request: VllmRequest, source: Any, tapered: Any, dtype: str) -> VllmRequest:
         """A source the plugin cannot serve is refused here, before the export's work."""

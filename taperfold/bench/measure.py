@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from taperfold.bench.against import check_contenders, contender, prepare_contender
+from taperfold.bench.against import CONTENDERS, check_contenders, contender, prepare_contender
 from taperfold.bench.harness import CellSamples, Job, Schedule, run_rounds
 from taperfold.bench.report import GENERATION, BenchReport, BenchRow, BenchSettings, Timing
 from taperfold.bench.source import Source
@@ -145,9 +145,28 @@ def _check_mode(chosen: Engine, opts: BenchOptions) -> None:
 def _check_request(chosen: Engine, source: Source, opts: BenchOptions) -> None:
     """What the engine, the source and the options cannot do together, in one line, before any note or work."""
     _check_mode(chosen, opts)
+    _check_variants(chosen, opts)
     _check_precision(chosen, source, opts)
     dtype = source.manifest.dtype if source.manifest is not None else "fp32"
     check_contenders(opts.against, source.manifest, opts.mode, opts.precision or dtype)
+
+
+def _check_variants(chosen: Engine, opts: BenchOptions) -> None:
+    """Variants the engine has nothing to run of (Engine.only_variants: vLLM's checkpoint is the folded model's
+    alone), refused in one line naming what it runs."""
+    only = chosen.only_variants
+    if only is None:
+        return
+    other = [v for v in opts.variants if v not in only]
+    if not other:
+        return
+    from taperfold.artifacts import artifact_kind
+
+    stock = f"; the untapered model: --against {chosen.name}" if chosen.name in CONTENDERS else ""
+    raise TaperfoldError(
+        f"--variants {','.join(other)}: --engine {chosen.name} runs an export's {artifact_kind(chosen.runs).title}, "
+        f"which exists of {','.join(only)} only: leave --variants out or give --variants {','.join(only)}{stock}"
+    )
 
 
 def _check_precision(chosen: Engine, source: Source, opts: BenchOptions) -> None:

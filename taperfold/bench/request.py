@@ -19,7 +19,7 @@ from taperfold.bench.measure import (
 )
 from taperfold.engines import ENGINES, all_options, changed_options
 from taperfold.errors import TaperfoldError
-from taperfold.exportdir import VARIANTS, canonical_variants
+from taperfold.exportdir import canonical_variants
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class BenchRequest:
     preset: str | None = None
     arch: str = "llama"  # with preset
     engine: str | None = None  # None: ort for an export directory, torch for a checkpoint or preset
-    variants: tuple[str, ...] = VARIANTS  # canonical names
+    variants: tuple[str, ...] | None = None  # canonical names; None: the engine's default (Engine.default_variants)
     batches: str = "1,4"
     seqs: str | None = None
     warmup: int = 10
@@ -66,12 +66,14 @@ class BenchRequest:
         # the engine options the command line offers (those registered before it was built: engines.register)
         engine_options = changed_options({name: given.pop(name) for name in all_options() if name in given})
         spelled = given.pop("variants")
-        try:
-            variants = canonical_variants([v.strip() for v in spelled.split(",") if v.strip()])
-        except TaperfoldError as e:
-            raise TaperfoldError(f"--variants: {e}") from None
+        variants = None
+        if spelled is not None:
+            try:
+                variants = tuple(canonical_variants([v.strip() for v in spelled.split(",") if v.strip()]))
+            except TaperfoldError as e:
+                raise TaperfoldError(f"--variants: {e}") from None
         against = tuple(name.strip() for name in (given.pop("against") or "").split(",") if name.strip())
-        return cls(**given, variants=tuple(variants), against=against, engine_options=engine_options)
+        return cls(**given, variants=variants, against=against, engine_options=engine_options)
 
     @property
     def engine_name(self) -> str:
@@ -81,7 +83,7 @@ class BenchRequest:
         """The prefill or decode run's options, the lengths not given at their defaults (fit_to_context caps them)."""
         return BenchOptions(
             engine=self.engine_name,
-            variants=list(self.variants),
+            variants=list(self.variants if self.variants is not None else ENGINES[self.engine_name].default_variants),
             batches=int_list("--batch", self.batches, MAX_BATCH),
             seqs=int_list("--seq", self.seqs) if self.seqs else list(DEFAULT_SEQS),
             warmup=self.warmup,
