@@ -12,7 +12,7 @@ c and γ̃ (nothing downloaded), then runs, each in a fresh process and printed 
 
 `--against vllm` is stock vLLM serving the source's untapered weights (its norms real) at the same dtype, in the same
 rounds, its order alternated with the folded checkpoint's. The reports (OUT/bench-serve.json, OUT/bench-decode.json,
-OUT/verify.json) are what docs/benchmarks.md records (fp32: serving and decode; bf16: serving).
+OUT/verify.json) are what docs/benchmarks.md records (serving and decode, fp32 and bf16).
 VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) is 1 unless set.
 """
 
