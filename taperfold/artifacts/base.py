@@ -33,7 +33,7 @@ from taperfold.exportdir import PREFILL, Graph, graph_key
 from taperfold.jsonfields import Fields, is_file_name
 
 if TYPE_CHECKING:
-    from taperfold.manifest import ManifestSource
+    from taperfold.manifest_source import ManifestSource
 
 # What a kind is built from, besides another kind's artifacts (named by that kind's name)
 TORCH = "torch"  # the torch variants of the checkpoint: written by `taperfold export` itself

@@ -48,7 +48,7 @@ from taperfold.hf.taper_block import BLOCK, TaperBlock, parse_block, taper_as_re
 from taperfold.hf.tokenizer import has_tokenizer, load_tokenizer, save_byte_tokenizer
 from taperfold.hf.trace import check_family_paths, traced_family
 from taperfold.hf.weights import read_weights, to_model_names, weights_file
-from taperfold.manifest import HUGGINGFACE, ManifestSource
+from taperfold.manifest_source import HUGGINGFACE, ManifestSource
 from taperfold.models import assign_weights, parameters_on_meta
 from taperfold.sources.base import ModelSource
 from taperfold.sources.checks import check_state

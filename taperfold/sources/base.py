@@ -21,7 +21,7 @@ from taperfold.fsutil import sha256_file
 from taperfold.taper import ModelShape, TaperedLM
 
 if TYPE_CHECKING:
-    from taperfold.manifest import ManifestSource
+    from taperfold.manifest_source import ManifestSource
 
 
 class ModelSource(abc.ABC):
