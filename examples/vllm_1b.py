@@ -6,12 +6,16 @@ greedy tokens held to the checkpoint's (docs/benchmarks.md).
 Writes (or reuses) a random-weight Llama of TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads / 4 KV heads,
 SwiGLU 5632, vocab 32000, untied head: 1.10 B parameters, 4.4 GB in fp32; nothing downloaded), tapered
 (Internal-Taper) at g = 0 with random γ̃, as a save_pretrained directory in 2 GB shards with a word-level tokenizer.
-Its context is 256 (no parameters) so that verify's longest prompts stay quick on a CPU. Random c alone overflows fp32
-at this depth (at g = 0 nothing rescales an untrained residual stream), so each norm's c is set along one forward
-pass over random tokens to give its output a random RMS in [0.5, 2], as a calibrated taper keeps the stream near
-unit RMS. The directory is written by a process of its own that holds the model once (save_pretrained writes shard
-by shard). Then, each in a fresh process whose peak resident memory comes from os.wait4 (the process's own, or the
-largest of the children it waited for: verify's vLLM child), printed as it runs:
+Its context is 256 (no parameters) so that verify's longest prompts stay quick on a CPU. At g = 0 every norm is a
+scale (c · γ̃), so the random model is a polynomial of its embeddings of high degree (SwiGLU squares what it reads):
+with random c it overflows fp32, and with c set on one sequence a token whose stream is a little larger than that
+sequence's grows layer after layer to Inf (it did on one of verify's inputs). So along one forward pass over a batch
+of random tokens each residual branch's output projection (o_proj, down_proj) is scaled to add 1/8 of the
+embeddings' RMS, keeping the stream the tokens' own embeddings plus small terms, and each norm's c is set to give
+its output a random RMS in [0.5, 2], as a calibrated taper keeps the stream near unit RMS. The directory is written
+by a process of its own that holds the model once (save_pretrained writes shard by shard). Then, each in a fresh
+process whose peak resident memory comes from os.wait4 (the process's own, or the largest of the children it waited
+for: verify's vLLM child), printed as it runs:
 
     taperfold export DIR -o OUT --vllm --no-baseline --overwrite     its peak RSS against the weights' bytes on disk
     taperfold verify OUT --engine vllm --json                        vLLM's greedy tokens against the checkpoint's
@@ -49,6 +53,7 @@ SHAPE = dict(  # TinyLlama-1.1B's, its context cut to 256
     bos_token_id=1,
     eos_token_id=2,
 )
+BRANCH = 1 / 8  # each residual branch's output RMS against the embeddings' (make_directory)
 BOUND = 2.0  # the export's peak resident memory / the weights: one copy of the model, and what the writer makes
 SHARD = "2GB"  # the source's shards, as save_pretrained writes a model past 2 GB
 
@@ -68,26 +73,41 @@ def make_directory(folder: Path, seed: int) -> None:
             norm.weight_tilde.uniform_(0.5, 1.5)
             norm.calibrated.fill_(True)
     tapering.set_gate(0.0)
-    scale_the_norms(model, tapering.norms.values(), seed)
+    calibrate(model, tapering.norms.values(), seed)
     tokenizer = write_word_tokenizer(folder.parent / "tokenizer", SHAPE["vocab_size"])
     save_hf_directory(model, folder, tokenizer_from=tokenizer, max_shard_size=SHARD)
 
 
-def scale_the_norms(model, norms, seed: int) -> None:
-    """Each tapered norm's c set, in the order the forward pass reaches it at g = 0, so that its output (c · γ̃ · h)
-    has an RMS drawn from [0.5, 2] on 64 random tokens."""
+def calibrate(model, norms, seed: int) -> None:
+    """Along one forward pass at g = 0 over 4 x 64 random tokens, in the order the pass reaches them: each layer's
+    o_proj and down_proj scaled so that its output's RMS is BRANCH times the embeddings', and each tapered norm's c
+    set so that its output (c · γ̃ · h) has an RMS drawn from [0.5, 2]."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
 
+    def rms(tensor) -> float:
+        return float(tensor.detach().double().pow(2).mean().sqrt())
+
+    branch = BRANCH * rms(model.get_input_embeddings().weight)
+
     def set_c(norm, args) -> None:
         target = float(torch.empty(()).uniform_(0.5, 2.0, generator=generator))
-        rms = float(args[0].double().pow(2).mean().sqrt()) * float(norm.weight_tilde.double().pow(2).mean().sqrt())
-        norm.c.fill_(target / rms)
+        norm.c.fill_(target / (rms(args[0]) * rms(norm.weight_tilde)))
+
+    def scale_branch(projection, args, output):
+        factor = branch / rms(output)
+        projection.weight.mul_(factor)
+        return output * factor
 
     hooks = [norm.register_forward_pre_hook(set_c) for norm in norms]
+    for layer in model.model.layers:
+        hooks += [
+            projection.register_forward_hook(scale_branch)
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj)
+        ]
     with torch.no_grad():
-        model(torch.randint(3, SHAPE["vocab_size"], (1, 64), generator=generator))
+        model(torch.randint(3, SHAPE["vocab_size"], (4, 64), generator=generator))
     for hook in hooks:
         hook.remove()
 
