@@ -6,16 +6,16 @@ greedy tokens held to the checkpoint's (docs/benchmarks.md).
 Writes (or reuses) a random-weight Llama of TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads / 4 KV heads,
 SwiGLU 5632, vocab 32000, untied head: 1.10 B parameters, 4.4 GB in fp32; nothing downloaded), tapered
 (Internal-Taper) at g = 0 with random γ̃, as a save_pretrained directory in 2 GB shards with a word-level tokenizer.
-Its context is 256 (no parameters) so that verify's longest prompts stay quick on a CPU. At g = 0 every norm is a
-scale (c · γ̃), so the random model is a polynomial of its embeddings of high degree (SwiGLU squares what it reads):
-with random c it overflows fp32, and with c set on one sequence a token whose stream is a little larger than that
-sequence's grows layer after layer to Inf (it did on one of verify's inputs). So along one forward pass over a batch
-of random tokens each residual branch's output projection (o_proj, down_proj) is scaled to add 1/8 of the
-embeddings' RMS, keeping the stream the tokens' own embeddings plus small terms, and each norm's c is set to give
-its output a random RMS in [0.5, 2], as a calibrated taper keeps the stream near unit RMS. The directory is written
-by a process of its own that holds the model once (save_pretrained writes shard by shard). Then, each in a fresh
-process whose peak resident memory comes from os.wait4 (the process's own, or the largest of the children it waited
-for: verify's vLLM child), printed as it runs:
+Its context is 256 (no parameters) so that verify's longest prompts stay quick on a CPU. At g = 0 every tapered norm
+is a scale (c · γ̃), so the random model is a polynomial of its embeddings of high degree (SwiGLU squares what it
+reads): with random c it overflows fp32, and with c set on one sequence a token whose stream is a little larger than
+that sequence's grows layer after layer to Inf (it did on one of verify's inputs). So along one forward pass over a
+batch of random tokens each residual branch's output projection (o_proj, down_proj) is scaled to add 1/8 of the
+embeddings' RMS, keeping the stream the tokens' own embeddings plus small terms, and each tapered norm's c is set to
+give its output a random RMS in [0.5, 2], as a calibrated taper keeps the stream near unit RMS. The directory is
+written by a process of its own that holds the model once (save_pretrained writes shard by shard). Then, each in a
+fresh process whose peak resident memory comes from os.wait4 (the process's own, or the largest of the children it
+waited for: verify's vLLM child), printed as it runs:
 
     taperfold export DIR -o OUT --vllm --no-baseline --overwrite     its peak RSS against the weights' bytes on disk
     taperfold verify OUT --engine vllm --json                        vLLM's greedy tokens against the checkpoint's

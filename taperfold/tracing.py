@@ -289,7 +289,8 @@ def trace_call(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL) ->
     return GRAPH_SPECS[graph].call(model, opts)
 
 
-# What a matcher of onnxscript's rewrite rules keeps of the last graph it matched (microsoft/onnxscript#2526)
+# What a matcher of onnxscript's rewrite rules keeps of the last graph it matched (SimplePatternMatcher in
+# onnxscript/rewriter/_matcher.py, 0.7.2)
 _MATCH_STATE = ("_graph", "_current_node", "_match", "_tracer")
 
 
