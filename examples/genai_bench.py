@@ -47,11 +47,21 @@ SHAPE = dict(
 )
 
 
+def write_word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer of `vocab_size` words `<i>` (space-separated ids; bos <1>, eos <2>) saved in `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<1>", eos_token="<2>", unk_token="<0>")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def make_directory(folder: Path) -> None:
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     from taperfold.hf import save_hf_directory, taper_model
 
@@ -64,11 +74,8 @@ def make_directory(folder: Path) -> None:
             norm.c.uniform_(0.5, 2.0)
             norm.calibrated.fill_(True)
     tapering.set_gate(0.0)
-    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(SHAPE["vocab_size"])}, unk_token="<0>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<1>", eos_token="<2>", unk_token="<0>")
-    tokenizer.save_pretrained(folder.parent / "tokenizer")
-    save_hf_directory(model, folder, tokenizer_from=folder.parent / "tokenizer")
+    tokenizer = write_word_tokenizer(folder.parent / "tokenizer", SHAPE["vocab_size"])
+    save_hf_directory(model, folder, tokenizer_from=tokenizer)
 
 
 def run(*args: str) -> None:

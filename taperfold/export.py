@@ -38,6 +38,7 @@ use: inputs `input_ids`, `past_key_values.{i}.key|value`, outputs `logits`, `pre
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -256,8 +257,7 @@ def export_checkpoint(
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
-    for _, model in sources:
-        _check_fits(model, opts.dtype, ckpt_path)
+    _check_fits([model for _, model in sources], opts.dtype, ckpt_path)
     opts = _planned(opts, source, dict(sources).get(UNFOLDED))
     _check_caches(source, sources[0][1], opts)
     out_dir = Path(out_dir)
@@ -267,6 +267,10 @@ def export_checkpoint(
         on_stage("writing manifest")
         manifest = export_manifest(source, ckpt_path, opts, tmp, exported.records, exported.clock.seconds)
         manifest.write()
+        # the models and the source's tensors let go (a tapered model's modules refer to each other: collected now)
+        # before the artifacts are built: a kind that reads the source again (--vllm) would map the model twice
+        del source, sources
+        gc.collect()
         for kind, request in opts.artifacts.items():  # in build order (_planned)
             on_stage(f"building {artifact_kind(kind).title}")
             manifest.build(kind, request, on_stage)
@@ -278,15 +282,18 @@ def export_checkpoint(
 _WIDER_RANGE = {"fp16": "export with --dtype bf16 or fp32", "bf16": "export with --dtype fp32"}
 
 
-def _check_fits(model: nn.Module, dtype: str, ckpt_path: Path) -> None:
+def _check_fits(models: Sequence[nn.Module], dtype: str, ckpt_path: Path) -> None:
     """Every weight still finite once cast to the export's dtype: a value past its range (a DyT alpha of 1e5 in fp16,
     3.4e38 in bf16, a float64 checkpoint's 1e300 in fp32) would be written as Inf, which the checkpoint (checked
     finite when read) did not hold."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            limit = torch.finfo(tensor.dtype).max
-            remedy = _WIDER_RANGE.get(dtype, "no export dtype holds it")
-            raise TaperfoldError(f"{ckpt_path}: '{name}' holds values beyond {dtype}'s range (±{limit:.6g}): {remedy}")
+    for model in models:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                limit = torch.finfo(tensor.dtype).max
+                remedy = _WIDER_RANGE.get(dtype, "no export dtype holds it")
+                raise TaperfoldError(
+                    f"{ckpt_path}: '{name}' holds values beyond {dtype}'s range (±{limit:.6g}): {remedy}"
+                )
 
 
 class StageClock:

@@ -15,6 +15,7 @@ import contextlib
 import io
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -288,6 +289,36 @@ def trace_call(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL) ->
     return GRAPH_SPECS[graph].call(model, opts)
 
 
+# What a matcher of onnxscript's rewrite rules keeps of the last graph it matched (SimplePatternMatcher in
+# onnxscript/rewriter/_matcher.py, 0.7.2)
+_MATCH_STATE = ("_graph", "_current_node", "_match", "_tracer")
+
+
+def _forget_the_matched_graph() -> None:
+    """The exporter's optimizer (program.optimize(): onnxscript's default rewrite rules, and at opset 23 its fusions of
+    RMSNorm, RotaryEmbedding and attention) runs rules that are module-level objects of onnxscript.rewriter, whose
+    matchers keep the last graph they matched until their next match, and through it every weight of the model just
+    exported: the checkpoint's own tensors, memory-mapped from its files. Dropped after each export, so that the model
+    can be let go (a 1.1 B source stayed mapped after its graphs were written, and `--vllm` mapped it a second time)."""
+    from onnxscript.rewriter import RewriteRule, RewriteRuleSet
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("onnxscript.rewriter"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, RewriteRuleSet):
+                rules = value.rules
+            elif isinstance(value, tuple | list):  # the default rules
+                rules = value
+            else:
+                rules = [value]
+            for rule in rules:
+                matcher = getattr(rule, "_matcher", None) if isinstance(rule, RewriteRule) else None
+                for state in _MATCH_STATE:
+                    if hasattr(matcher, state):
+                        setattr(matcher, state, None)
+
+
 def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, opset: int | None = None):
     """torch model → onnx_ir.Model of `graph` (prefill, or a decoder) with dynamic batch and sequence (and past)
     axes, at `opset` (default: the one `opts` chooses for this graph)."""
@@ -318,6 +349,8 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
+        finally:
+            _forget_the_matched_graph()
     _check_dynamic(program.model, call.ids)
     if program.exported_program is not None:  # what torch.export traced, kept by the dynamo exporter
         check_lengths(

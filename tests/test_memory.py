@@ -1,7 +1,15 @@
 """Memory: a model built from a checkpoint holds the checkpoint's tensors (no copy), bench's variants hold one copy of
-the weights between them plus the folded layers, and verify opens one model at a time. The peak of each command on a
-multi-GB model is measured by examples/big_model.py (docs/benchmarks.md)."""
+the weights between them plus the folded layers, export's stamped layers read the model's weights when written and
+export lets its models go before it builds an artifact that reads the source again, and verify opens one model at a
+time. The peak of each command on a multi-GB model is measured by examples/big_model.py and examples/vllm_1b.py
+(docs/benchmarks.md)."""
 
+import re
+import weakref
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
 import pytest
 import torch
 
@@ -82,3 +90,73 @@ def test_verify_opens_one_model_at_a_time(tiny_checkpoint, tmp_path, monkeypatch
     assert len(most) == (6 if not kv_cache else 6 + 2 + 4 * 2) and max(most) == 1 and not loaded
     decoders = [p for p in report.pairs if p.candidate.endswith((".decoder", ".static"))]
     assert len(decoders) == (0 if not kv_cache else 8) and all(p.status == "pass" for p in decoders)
+
+
+def test_stamped_layers_hold_no_copy_of_the_models_weights(tmp_path):
+    """Layer stamping gives each layer after the trace the model's own weights as the graph reads them (a Linear's
+    transposed for its MatMul): either the model's tensor itself or computed from it when read or written, never a
+    copy of every layer at once (which held a 1.1 B model twice, examples/vllm_1b.py)."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import StageClock, _trace
+    from taperfold.exportdir import PREFILL
+    from taperfold.hf import save_hf_directory
+    from taperfold.sources import open_source
+
+    source = open_source(save_hf_directory(tapered_tiny_model("llama", num_hidden_layers=6), tmp_path / "tapered"))
+    model = source.build(gate=0.0)
+    model_ir, how = _trace(model, ExportOptions(), PREFILL, 20, "unfolded", lambda stage: None, StageClock())
+    assert how.traced_layers == 3
+    layers = model.network.model.layers
+    held = [t.detach().numpy() for t in [*model.parameters(), *model.buffers()]]
+    computed = 0
+    for name, value in model_ir.graph.initializers.items():
+        found = re.search(r"\.layers\.(\d+)\.(.+?)(_transposed)?$", name)
+        if found is None or int(found[1]) == 0:  # layer 0 stays as traced
+            continue
+        tensor = value.const_value
+        if isinstance(tensor, ir.LazyTensor):
+            layer = layers[int(found[1])]
+            weight = dict([*layer.named_parameters(), *layer.named_buffers()])[found[2]].detach().numpy()
+            np.testing.assert_array_equal(tensor.numpy(), weight.T if found[3] else weight)
+            computed += 1
+        else:
+            assert any(np.shares_memory(tensor.numpy(), w) for w in held), name
+    assert computed >= 5 * 7  # q, k, v, o, gate, up, down of layers 1 to 5, transposed for their MatMuls
+
+
+def test_export_lets_the_source_go_before_building_an_artifact_that_reads_it_again(tmp_path, monkeypatch):
+    """--vllm reads the source again to write the folded checkpoint: by then export has let go of its own models and
+    of the source's tensors, memory-mapped from its safetensors files, so a model past 2 GB is not mapped twice. (The
+    exporter's optimizer runs onnxscript's rewrite rules, whose matchers kept the last graph they matched: at opset
+    23, tried first, its RMSNorm and RoPE fusions too.)"""
+    from hf_models import tapered_tiny_model
+
+    import taperfold.export as export
+    from taperfold.artifacts.vllm_checkpoint import VllmCheckpoint, VllmRequest
+    from taperfold.hf import save_hf_directory
+
+    models: list[weakref.ref] = []
+    held: list[tuple[bool, ...]] = []  # when the graphs are made, then when the artifact is built
+    maps = Path("/proc/self/maps")
+    export_graphs, build = export.export_graphs, VllmCheckpoint.build
+
+    def note_what_is_held() -> None:
+        held.append((*(model() is not None for model in models), str(source.resolve()) in maps.read_text()))
+
+    def keeping_track(sources, *args, **kwargs):
+        models.extend(weakref.ref(model) for _, model in sources)
+        note_what_is_held()
+        return export_graphs(sources, *args, **kwargs)
+
+    def built_after(self, *args, **kwargs):
+        note_what_is_held()
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(export, "export_graphs", keeping_track)
+    monkeypatch.setattr(VllmCheckpoint, "build", built_after)
+    tapered = tapered_tiny_model("llama", num_hidden_layers=6, tie_word_embeddings=False)
+    source = save_hf_directory(tapered, tmp_path / "tapered", max_shard_size="100KB")  # several files
+    result = export_checkpoint(source, tmp_path / "out", ExportOptions(artifacts={"vllm": VllmRequest()}))
+    assert (result.out_dir / "vllm" / "folded" / "model.safetensors").is_file()
+    assert held == [(True, True, True), (False, False, False)]  # the baseline, the unfolded model, the source's files

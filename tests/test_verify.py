@@ -403,6 +403,43 @@ def test_fold_bound_follows_the_exporters_own_distance(tiny_export, tmp_path):
     assert fold.status == "fail" and fold.tolerance == Tolerance(1e-5, 0.999, 1e-8)
 
 
+def test_a_checkpoint_that_overflows_on_an_input_fails_naming_the_input(tmp_path):
+    """A random model at g = 0 (its norms linear) can overflow fp32 on some tokens: examples/vllm_1b.py's first 1.1 B
+    model gave Inf/NaN logits on one of verify's inputs, which the report gave as `max_rel nan`. Here token 5's
+    embedding is 1e30, past fp32's range once squared in attention: the checkpoint's own logits on an input holding
+    it are not finite. verify fails its pairs in one line saying so and naming the input; the other input is still
+    compared (and passes)."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.export import ExportOptions, export_checkpoint
+    from taperfold.hf import save_hf_directory
+    from taperfold.verify import InputBatch, verify_export
+
+    model = tapered_tiny_model("llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[5] = 1e30
+    source = save_hf_directory(model, tmp_path / "tapered")
+    out = export_checkpoint(source, tmp_path / "out", ExportOptions(baseline=False)).out_dir
+    inputs = [InputBatch("fine", np.array([[3, 4, 6, 7]])), InputBatch("token 5", np.array([[3, 5, 6, 7]]))]
+    report = verify_export(out, inputs=inputs, threads=1)
+    pairs = {p.name: p for p in report.pairs}
+    for name, reference in (("checkpoint -> unfolded", "checkpoint"), ("unfolded -> folded", "unfolded")):
+        pair = pairs[name]
+        assert pair.status == "fail" and pair.worst_input == "token 5"
+        assert pair.reason == (
+            f"the {reference}'s logits on 'token 5' are not finite (Inf/NaN): the model overflows there, "
+            "nothing to compare"
+        )
+        fine, overflowing = pair.per_input
+        assert fine["input"] == "fine" and not fine["violations"] and overflowing["metrics"] is None
+        assert np.isfinite(pair.metrics.max_rel) and not pair.violations  # pooled over the input it could compare
+    assert set(pairs) == {"checkpoint -> unfolded", "checkpoint -> folded", "unfolded -> folded"}
+    assert report.failure_message().startswith(
+        "checkpoint -> unfolded: the checkpoint's logits on 'token 5' are not finite (Inf/NaN)"
+    )
+    assert "(worst input: token 5)" in report.failure_message()
+
+
 def test_between_graphs_widens_only_past_the_fixed_bound():
     from taperfold.compare import between_graphs
 

@@ -75,13 +75,19 @@ class _Weight:
     offset: float = 0.0  # OFFSET's number, added in the weight's dtype as the optimizer folded it
 
     def of(self, weight: ir.TensorProtocol) -> ir.TensorProtocol:
-        """The constant made from `weight` as this one was made from the weight the trace ran with."""
-        array = _array(weight)
+        """The constant made from `weight` as this one was made from the weight the trace ran with, computed each time
+        it is read or written: every layer's weights transposed at once would hold the model twice."""
+        if self.made == AS_IS:
+            return weight
+        shape = list(weight.shape.numpy())
         if self.made == TRANSPOSED:
-            return ir.tensor(np.ascontiguousarray(array.swapaxes(-1, -2)))
-        if self.made == OFFSET:
-            return ir.tensor(array + np.asarray(self.offset, array.dtype))
-        return weight
+            shape[-2:] = shape[-1], shape[-2]
+        return ir.LazyTensor(lambda: ir.tensor(self._made(_array(weight))), dtype=weight.dtype, shape=ir.Shape(shape))
+
+    def _made(self, array: np.ndarray) -> np.ndarray:
+        if self.made == TRANSPOSED:
+            return np.ascontiguousarray(array.swapaxes(-1, -2))
+        return array + np.asarray(self.offset, array.dtype)
 
     @property
     def suffix(self) -> str:

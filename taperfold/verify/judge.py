@@ -106,6 +106,13 @@ def _compare_one(
     next_ids: np.ndarray | None = None,
 ) -> None:
     rtol = pair.tolerance.tie_margin if pair.tolerance else 0.0
+    if not np.isfinite(reference).all():  # every metric would be NaN and say nothing of the candidate
+        why = f"the {pair.reference}'s logits on '{label}' are not finite (Inf/NaN): the model overflows there"
+        pair.reason = f"{why}, nothing to compare"
+        if pair.tolerance is not None:  # a judged pair: verify cannot vouch for its candidate (a cost pair stays info)
+            pair.status = "fail"
+        pair.per_input.append({"input": label, "metrics": None, "violations": [why]})
+        return
     try:
         metrics = compare_logits(reference, candidate, rtol, next_ids)
     except ValueError as e:  # shapes differ: the export is broken for this input
@@ -118,14 +125,21 @@ def _compare_one(
 
 
 def _conclude(pair: PairResult, collected: list[Metrics]) -> None:
-    """Pool the inputs; judge the pooled metrics (top-1 and KL are means over all rows)."""
+    """Pool the inputs; judge the pooled metrics (top-1 and KL are means over all rows). The worst input is one that
+    could not be compared at all (its logits' shapes differ, its reference's are not finite), else the farthest."""
+    unmeasured = [r for r in pair.per_input if r["metrics"] is None]
+    ranked = [r for r in pair.per_input if r["metrics"] is not None]
+    if unmeasured or ranked:
+        worst = unmeasured[0] if unmeasured else max(ranked, key=lambda r: _max_rel_or_inf(r["metrics"]["max_rel"]))
+        pair.worst_input = worst["input"]
     if not collected:
         return
     pair.metrics = Metrics.merge(collected)
-    ranked = [r for r in pair.per_input if r["metrics"] is not None]
-    worst = max(ranked, key=lambda r: math.inf if math.isnan(r["metrics"]["max_rel"]) else r["metrics"]["max_rel"])
-    pair.worst_input = worst["input"]
     if pair.tolerance is not None:
         pair.violations = violations(pair.metrics, pair.tolerance)
         if pair.violations:
             pair.status = "fail"
+
+
+def _max_rel_or_inf(max_rel: float) -> float:
+    return math.inf if math.isnan(max_rel) else max_rel

@@ -116,7 +116,7 @@ class VerifyReport:
             return ""
 
         def excess(p: PairResult) -> float:
-            if p.metrics is None or p.tolerance is None or not math.isfinite(p.metrics.max_rel):
+            if p.reason or p.metrics is None or p.tolerance is None or not math.isfinite(p.metrics.max_rel):
                 return math.inf
             if p.tolerance.rtol is None:  # a quantized pair: how far past its KL bound
                 return p.metrics.kl / p.tolerance.max_kl if p.tolerance.max_kl > 0 else math.inf
@@ -125,9 +125,9 @@ class VerifyReport:
         worst = max(failed, key=excess)
         where = f" (worst input: {worst.worst_input})" if worst.worst_input else ""
         more = f"; {len(failed) - 1} more pair(s) failed" if len(failed) > 1 else ""
-        detail = worst.reason or ", ".join(worst.violations)
-        what = "logits " if worst.kind not in (CHECK, GENERATE) else ""
-        return f"{worst.name}: {what}{detail}{where}{more}"
+        what = "logits " if worst.kind not in (CHECK, GENERATE) else ""  # the violations name a metric of them
+        detail = worst.reason or what + ", ".join(worst.violations)
+        return f"{worst.name}: {detail}{where}{more}"
 
     def closer(self) -> str:
         """Which of unfolded.onnx and model.onnx is closer to the checkpoint (max rel), as one sentence."""
