@@ -24,16 +24,20 @@ def pytest_configure_node(node):
 
 def pytest_configure(config):
     """Every temporary file of the run under one folder that goes when the run ends: pytest's tmp_path folders
-    (kept by default: GBs of exports per run) and torch.compile's cache, for this process and the CLI processes
-    tests start."""
+    (kept by default: GBs of exports per run), torch.compile's cache, and what the processes tests start write to
+    their temporary folder (TMPDIR: vLLM's engine leaves a ZMQ socket and a vllm_dist_ file there per start)."""
     for name, value in getattr(config, "workerinput", {}).get("terminal_size", {}).items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
     if config.option.basetemp is None:
-        config.option.basetemp = tempfile.mkdtemp(prefix="taperfold-tests-")
-        config._taperfold_temp = config.option.basetemp
+        config._taperfold_temp = tempfile.mkdtemp(prefix="taperfold-tests-")
+        # pytest empties the base folder it is given on first use: the children's folder is beside it, not in it
+        config.option.basetemp = os.path.join(config._taperfold_temp, "pytest")
+        children = os.path.join(config._taperfold_temp, "tmp")
+        os.mkdir(children)
+        os.environ["TMPDIR"] = children  # xdist's workers and every child inherit it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config.option.basetemp, "torchinductor"))
 
 

@@ -67,19 +67,42 @@ def test_plan_covers_every_configuration(table3, tmp_path):
 
 
 def _parse_bench(argv):
-    """click's parse of a planned `taperfold bench ...` without running it: a wrong option or value raises."""
+    """A planned `taperfold bench ...` as taperfold takes it, without running it: click's parse (an unknown option or a
+    value of the wrong type raises a click error), then the request's options (a variant, batch or sequence list it
+    refuses, or more rounds than timed calls, raises TaperfoldError or ValueError)."""
+    from taperfold.bench.request import BenchRequest
     from taperfold.cli import cli as taperfold_cli
 
     assert argv[3] == "bench", argv
     command = taperfold_cli.commands["bench"]
     with command.make_context("bench", list(argv[4:]), resilient_parsing=False) as ctx:
-        return ctx.params
+        params = ctx.params
+    assert BenchRequest.from_cli(params).options().schedule.rounds >= 1
+    return params
 
 
 def test_every_planned_command_parses(table3, tmp_path):
     for name, argv in table3.plan(tmp_path, 50, 10, 5):
         params = _parse_bench(argv)
         assert params["device"] == "cuda" and params["json_path"] == str(tmp_path / f"{name}.json"), name
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (["--no-such-option"], "NoSuchOption"),
+        (["--iters", "many"], "BadParameter"),
+        (["--batch", "1,x"], "TaperfoldError"),
+        (["--variants", "folded,nofold"], "TaperfoldError"),
+        (["--iters", "2", "--rounds", "5"], "ValueError"),
+    ],
+)
+def test_a_planned_command_taperfold_would_refuse_does_not_parse(table3, tmp_path, change, error):
+    """What the two tests above rely on: _parse_bench raises for a command `taperfold bench` would refuse."""
+    _, argv = table3.plan(tmp_path, 50, 10, 5)[0]
+    with pytest.raises(Exception) as raised:  # the type is checked by name below
+        _parse_bench([*argv, *change])
+    assert type(raised.value).__name__ == error, raised.value
 
 
 def test_every_device_step_parses_as_it_runs_on_the_gpu(table3, tmp_path):

@@ -84,9 +84,10 @@ def greedy_reference(source: Path) -> list[dict]:
     return result
 
 
-def run_vllm(model: Path, plugins: str | None = None, tensor_parallel: int = 1) -> subprocess.CompletedProcess:
-    """tests/vllm_generate.py on `model` in .venv-vllm (`plugins`: VLLM_PLUGINS, "" loading none), its weights split
-    over `tensor_parallel` worker processes."""
+def run_vllm(*models: Path, plugins: str | None = None, tensor_parallel: int = 1) -> subprocess.CompletedProcess:
+    """tests/vllm_generate.py on each of `models` in turn in one process of .venv-vllm (vLLM imported once, an engine
+    per model), `plugins`: VLLM_PLUGINS ("" loading none), each model's weights split over `tensor_parallel` worker
+    processes."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
@@ -95,16 +96,27 @@ def run_vllm(model: Path, plugins: str | None = None, tensor_parallel: int = 1) 
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(cpu) for cpu in sorted(os.sched_getaffinity(0))[:tensor_parallel]
         )
-    command = [str(VLLM_PYTHON), str(GENERATE), str(model), json.dumps(PROMPTS), str(NEW_TOKENS), str(tensor_parallel)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=model)
+    command = [str(VLLM_PYTHON), str(GENERATE), json.dumps(PROMPTS), str(NEW_TOKENS), str(tensor_parallel)]
+    return subprocess.run(
+        [*command, *map(str, models)], capture_output=True, text=True, env=env, timeout=600 * len(models), cwd=models[0]
+    )
 
 
-def assert_gives_the_reference(run: subprocess.CompletedProcess, reference: list[dict], label: str = "") -> None:
-    """vllm_generate.py's run gave the reference's greedy tokens, each step's logprob within 1e-4."""
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
-    served = json.loads(lines[-1].removeprefix("RESULT "))
-    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference], label
+def vllm_error(run: subprocess.CompletedProcess, model: Path) -> str | None:
+    """What vllm_generate.py's run said when `model` failed to load (None: no such line)."""
+    prefix = f"ERROR: {model}: "
+    return next((line.removeprefix(prefix) for line in run.stdout.splitlines() if line.startswith(prefix)), None)
+
+
+def assert_gives_the_reference(run: subprocess.CompletedProcess, model: Path, reference: list[dict]) -> None:
+    """vllm_generate.py's run served `model` with the reference's greedy tokens, each step's logprob within 1e-4."""
+    lines = run.stdout.splitlines()
+    results = [json.loads(line.removeprefix("RESULT ")) for line in lines if line.startswith("RESULT ")]
+    served = next((r["outputs"] for r in results if r["model"] == str(model)), None)
+    assert served is not None, f"{model}: {vllm_error(run, model)}\n" + run.stdout[-2000:] + run.stderr[-4000:]
+    # exit 0, or 1 where another model of the run failed to load: never a crash after this model's result
+    assert run.returncode == int(any(line.startswith("ERROR: ") for line in lines)), run.stderr[-4000:]
+    assert [s["tokens"] for s in served] == [r["tokens"] for r in reference], model
     for got, want in zip(served, reference):
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
@@ -179,10 +191,10 @@ def test_weights_past_the_shard_size_are_sharded_with_an_index_and_read_back_ali
 
 @needs_vllm
 def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(
-    exported, reference
+    exported, reference, served
 ):
-    run = run_vllm(exported[1] / "vllm" / "folded")
-    assert_gives_the_reference(run, reference)
+    folder = exported[1] / "vllm" / "folded"
+    assert_gives_the_reference(served, folder, reference)
 
 
 @needs_vllm
@@ -190,8 +202,8 @@ def test_vllm_serves_the_folded_checkpoint_through_the_entry_point_with_the_chec
 def test_vllm_serves_the_folded_checkpoint_split_over_two_tensor_parallel_workers(exported, reference):
     """Tensor parallel 2: each worker holds half of every projection (vLLM's own sharded layers, the plugin's class
     unchanged) and the folded checkpoint still gives the checkpoint's greedy tokens."""
-    run = run_vllm(exported[1] / "vllm" / "folded", tensor_parallel=2)
-    assert_gives_the_reference(run, reference)
+    folder = exported[1] / "vllm" / "folded"
+    assert_gives_the_reference(run_vllm(folder, tensor_parallel=2), folder, reference)
 
 
 # each served family but llama (the tests above): the tiny config's model type (tests/hf_models.py) and its changes
@@ -236,26 +248,36 @@ def tiny_tapered(model_type: str, **changes):
     return model
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_exported(request, tmp_path_factory):
-    """(family, tapered source, its folded checkpoint folder) of `taperfold export SOURCE --vllm` for a tiny tapered
+@pytest.fixture(scope="module")
+def families_exported(tmp_path_factory):
+    """family -> (tapered source, its folded checkpoint folder) of `taperfold export SOURCE --vllm` for a tiny tapered
     model of each served family."""
     from taperfold.hf import save_hf_directory
 
-    root = tmp_path_factory.mktemp(f"vllm-{request.param}")
-    model_type, changes = FAMILIES[request.param]
-    source = save_hf_directory(tiny_tapered(model_type, **changes), root / "tapered")
-    result = run_cli("export", source, "-o", root / "out", "--vllm")
-    assert result.exit_code == 0, result.stderr
-    return request.param, source, root / "out" / "vllm" / "folded"
+    exported = {}
+    for family, (model_type, changes) in FAMILIES.items():
+        root = tmp_path_factory.mktemp(f"vllm-{family}")
+        source = save_hf_directory(tiny_tapered(model_type, **changes), root / "tapered")
+        result = run_cli("export", source, "-o", root / "out", "--vllm")
+        assert result.exit_code == 0, f"{family}: {result.stderr}"
+        exported[family] = source, root / "out" / "vllm" / "folded"
+    return exported
 
 
-def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(family_exported):
+@pytest.fixture(scope="module")
+def served(exported, families_exported):
+    """One run of tests/vllm_generate.py over the llama checkpoint and each family's, an engine each in turn (vLLM's
+    start is mostly its import, paid once); each test asserts its own model's greedy tokens."""
+    return run_vllm(exported[1] / "vllm" / "folded", *(folder for _, folder in families_exported.values()))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(families_exported, family):
     from taperfold.serving import SERVED
     from taperfold.serving.transformers_models import register_with_transformers
     from taperfold.sources import open_source
 
-    family, source, folder = family_exported
+    source, folder = families_exported[family]
     register_with_transformers()
     folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(folded).__name__ == SERVED[family].architecture
@@ -268,19 +290,19 @@ def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(fa
 
 
 @needs_vllm
-def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(family_exported):
-    family, source, folder = family_exported
-    reference = greedy_reference(source)
-    run = run_vllm(folder)
-    assert_gives_the_reference(run, reference, family)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(families_exported, served, family):
+    source, folder = families_exported[family]
+    assert_gives_the_reference(served, folder, greedy_reference(source))
 
 
 @needs_vllm
 def test_stock_vllm_refuses_the_folded_checkpoint(exported):
-    run = run_vllm(exported[1] / "vllm" / "folded", plugins="")
+    folder = exported[1] / "vllm" / "folded"
+    run = run_vllm(folder, plugins="")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    error = next(line for line in run.stdout.splitlines() if line.startswith("ERROR:"))
-    assert "taperfold_llama" in error and "does not recognize this architecture" in error, error
+    error = vllm_error(run, folder)
+    assert error and "taperfold_llama" in error and "does not recognize this architecture" in error, run.stdout
 
 
 @needs_vllm
