@@ -332,6 +332,33 @@ def test_transformers_with_taperfolds_registration_gives_a_dyt_checkpoints_logit
         torch.testing.assert_close(folded(ids).logits, checkpoint(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_dyt_read_by_a_moe_router_is_kept_whole_and_transformers_gives_the_checkpoints_logits(tmp_path):
+    """Mixtral with DyT: `post_attention_layernorm` feeds the router and the stacked experts, bare weights that take no
+    bias, so it is kept whole (α, γ, β in the checkpoint); `input_layernorm` folds into q/k/v."""
+    from hf_models import dyt_tiny_model
+
+    from taperfold.hf import save_hf_directory
+    from taperfold.norms.dyt import ServedDyT, ServedTanh
+    from taperfold.serving.transformers_models import register_with_transformers
+    from taperfold.sources import open_source
+
+    source = save_hf_directory(dyt_tiny_model("mixtral", "internal", **SHAPE), tmp_path / "dyt")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "out" / "vllm" / "folded"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["taperfold_folded_norms"] == [f"model.layers.{i}.input_layernorm" for i in range(2)]
+    assert config["taperfold_kept_norms"] == [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
+    register_with_transformers()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(folded.model.layers[0].input_layernorm) is ServedTanh
+    assert type(folded.model.layers[0].post_attention_layernorm) is ServedDyT
+    checkpoint = open_source(source).build(gate=0.0).network.eval()
+    ids = torch.tensor(PROMPTS[2:] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, checkpoint(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @needs_vllm
 def test_vllm_serves_a_dyt_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(dyt_exported):
     source, out = dyt_exported

@@ -213,7 +213,7 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
         )
     served = served_family(source.family.name, origin)
     try:
-        folded, _ = served_split(tapering)
+        folded, _ = served_split(tapering, tapered.network)
     except ValueError as e:
         raise TaperfoldError(f"{origin}: --vllm: {e}; export it without --vllm") from None
     for key, why in served.refused_config:

@@ -39,7 +39,7 @@ class FoldedWeights:
         tapering = tapered.tapering
         self.tapering = tapering
         try:
-            self.folded_norms, self.kept_norms = served_split(tapering)
+            self.folded_norms, self.kept_norms = served_split(tapering, self.network)
         except ValueError as e:
             raise TaperfoldError(f"--vllm: {e}") from None
         self.norm_of = {target: path for path in self.folded_norms for target in tapering.folds_into(path)}

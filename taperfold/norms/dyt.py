@@ -59,8 +59,9 @@ class ServedTanh(ServedNorm):
 
 class ServedDyT(ServedTanh):
     """A whole DyT in a served model: one whose γ, β no layer of the served model takes (the final norm, whose β
-    would be a bias of the head, which vLLM's head has not; a post-norm, whose tanh stands between it and its
-    producer). α, γ, β are loaded from the checkpoint (`<norm>.alpha`, `.weight`, `.bias`)."""
+    would be a bias of the head, which vLLM's heads do not add; one read by a MoE router, a bare weight; a post-norm,
+    whose tanh stands between it and its producer). α, γ, β are loaded from the checkpoint (`<norm>.alpha`, `.weight`,
+    `.bias`)."""
 
     def __init__(self, width: int):
         super().__init__()

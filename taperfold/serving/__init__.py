@@ -106,21 +106,34 @@ def served_family(family: str, origin: str) -> ServedFamily:
     return SERVED[family]
 
 
-def served_split(tapering: Any) -> tuple[list[str], list[str]]:
-    """(folded, kept whole): the tapered norms of `tapering` (taperfold.taper.Tapering, at g = 0) as a served model has
-    them. A norm folds where the served model has a layer for its map: its readers or its producer, but not the head
-    for a kind with a shift (β would be a bias of the head, which vLLM's heads do not add). Any other is kept whole,
-    where its kind has a whole served form (DyT's); ValueError naming the norm where it has not."""
+def served_split(tapering: Any, network: Any) -> tuple[list[str], list[str]]:
+    """(folded, kept whole): the tapered norms of `tapering` (taperfold.taper.Tapering, at g = 0) of `network` as a
+    served model has them. A norm folds where the served model has a layer for its map: its readers or its producer,
+    each able to take the bias a kind with a shift (β) gives it; not the head (vLLM's heads add no bias) nor a bare
+    weight (a MoE router's, stacked experts'). Any other is kept whole, where its kind has a whole served form (DyT's);
+    ValueError naming the norm where it has not."""
+    from torch import nn
+
+    from taperfold.taper import fold_target
+
     kind, head = tapering.kind, tapering.family.head
     folded: list[str] = []
     kept: list[str] = []
     for path, norm in tapering.norms.items():
         targets = tapering.folds_into(path)
-        folds = bool(targets) and not (kind.shift and head in targets)
+        biasless = [t for t in targets if t == head or isinstance(fold_target(network, t), nn.Parameter)]
+        folds = bool(targets) and not (kind.shift and biasless)
         try:
             kind.served(len(norm.get_parameter("weight")), folds)
         except ValueError as e:
-            why = f"its β would be a bias of {head}, which vLLM's head has not" if targets else "no layer takes its map"
+            if folds:
+                raise ValueError(f"{path}: {e}") from None
+            if not targets:
+                why = "no layer takes its map"
+            elif biasless[0] == head:
+                why = f"its β would be a bias of the head {head}, which vLLM's heads do not add"
+            else:
+                why = f"its β would be a bias of {biasless[0]}, a bare weight"
             raise ValueError(f"{path} does not fold in the served model ({why}), and {e}") from None
         (folded if folds else kept).append(path)
     return folded, kept
