@@ -200,6 +200,25 @@ def without_norm(module: nn.Module) -> nn.Module:
     return module.bare() if isinstance(module, TaperedNorm) else nn.Identity()
 
 
+class ServedNorm(nn.Module):
+    """What a served model (taperfold.serving: vLLM's and transformers' classes of a folded checkpoint) has in a norm's
+    place. Both call it `norm(x)` and take `normalize(x)`; vLLM's decoder layers also call it `norm(x, residual)`, its
+    add fused into the norm, and take (normalize(x + residual), x + residual). Here `normalize` is the identity: what
+    a norm whose whole map folded into its readers leaves, the residual add alone; a kind that keeps an op in the norm's
+    place serves a subclass (taperfold.norms.NormKind.served)."""
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.normalize(x)
+        total = x + residual
+        return self.normalize(total), total
+
+
 class GateOnly(nn.Module):
     """A gated norm without its norm: h·act(z). What a fold leaves in its place, since at g = 0 the norm is a
     diagonal map, which commutes with the gate's element-wise product and moves into the next layer."""

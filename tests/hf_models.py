@@ -380,9 +380,9 @@ UNLISTED = (
 )
 
 
-def tapered_tiny_model(model_type: str, **changes):
-    """A tiny Internal-Taper model at g = 0 with norm parameters away from their defaults (no training needed);
-    `changes` set on its tiny config."""
+def tapered_tiny_model(model_type: str, taper: str = "internal", **changes):
+    """A tiny tapered model at g = 0 (Internal-Taper unless `taper` says) with norm parameters away from their
+    defaults (no training needed); `changes` set on its tiny config."""
     import torch
     import transformers
 
@@ -390,11 +390,30 @@ def tapered_tiny_model(model_type: str, **changes):
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **changes)).eval()
-    tapering = taper_model(model, "internal")
+    tapering = taper_model(model, taper)
     with torch.no_grad():
         for norm in tapering.norms.values():
             norm.weight_tilde.uniform_(0.5, 1.5)
             norm.c.fill_(0.7)
             norm.calibrated.fill_(True)
     tapering.set_gate(0.0)
+    return model
+
+
+def dyt_tiny_model(model_type: str, taper: str = "all", **changes):
+    """A tiny model with DyT in its norms' places (`taper_model(..., kind="dyt")`; every norm, the final one too,
+    unless `taper` says), α, γ and β away from where a DyT starts; `changes` set on its tiny config."""
+    import torch
+    import transformers
+
+    from taperfold.hf import taper_model
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **changes)).eval()
+    tapering = taper_model(model, taper, kind="dyt")
+    with torch.no_grad():
+        for norm in tapering.norms.values():
+            norm.alpha.uniform_(0.3, 1.0)
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.1, 0.1)
     return model

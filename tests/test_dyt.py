@@ -194,3 +194,32 @@ def test_a_value_past_bf16s_or_fp32s_range_is_refused_before_any_graph(
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"'model.layers.0.input_layernorm.alpha' holds values beyond {dtype}'s range ({remedy}" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dyt_transformers_model_saves_as_a_directory_that_reopens_exports_and_verifies(cli, tmp_path):
+    """`taper_model(model, kind="dyt")` then save_hf_directory: the block says "norm": "dyt" (no calibration: a DyT
+    has none), taperfold reopens it with the DyTs where they were and the model's logits, and export folds each DyT
+    (γ, β into the readers, the tanh kept) in a graph that verify holds to the directory."""
+    pytest.importorskip("transformers")
+    from hf_models import dyt_tiny_model
+
+    from taperfold.hf import load_hf_directory, save_hf_directory
+
+    model = dyt_tiny_model("llama", "internal")
+    folder = save_hf_directory(model, tmp_path / "dyt")
+    block = json.loads((folder / "config.json").read_text())["taperfold"]
+    assert block["norm"] == "dyt" and "calibration" not in block and block["gate"] == 0.0
+    reopened = load_hf_directory(folder).build()
+    tapering = reopened.tapering
+    assert tapering.kind.name == "dyt" and tapering.norms.keys() == model.tapering.norms.keys()
+    assert all(isinstance(norm, DyT) for norm in tapering.norms.values())
+    ids = torch.tensor([[5, 17, 33, 90, 120, 7, 200, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(reopened.network(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
+    out = tmp_path / "out"
+    r = cli("export", folder, "-o", out)
+    assert r.exit_code == 0, r.stderr
+    report = json.loads((out / "manifest.json").read_text())["artifacts"]["folded"]["reports"]["fold"]
+    assert [(n["kind"], n["status"]) for n in report["norms"] if n["kind"] == "dyt"] == [("dyt", "folded")] * 4
+    r = cli("verify", out)
+    assert r.exit_code == 0, r.stdout + r.stderr

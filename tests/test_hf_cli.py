@@ -133,6 +133,8 @@ def test_gate_not_zero_needs_force_gate0(cli, tmp_path, broken):
         ({"aux": {"weight": 10**400}}, "'taperfold.aux'"),
         ({"calibration": {"momentum": 0.1, "delta": 10**400}}, "'taperfold.calibration.delta'"),
         ({"calibration": {"momentum": 2, "delta": 0}}, "'taperfold.calibration.momentum'"),
+        ({"norm": "rms"}, "'taperfold.norm'"),  # a gated kind is the family's own: never named
+        ({"norm": "dyt"}, "'taperfold.calibration'"),  # a DyT has no calibration
         ({"surprise": 1}, "'taperfold.surprise'"),
     ],
 )

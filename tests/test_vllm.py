@@ -1,6 +1,7 @@
 """`export --vllm` and the vLLM plugin (taperfold.serving): a tiny tapered Hugging Face Llama exported `--vllm` is a
 checkpoint that stock transformers and stock vLLM refuse, that transformers loads through taperfold's registration with
-the checkpoint's logits, and that vLLM serves through taperfold's entry point with the checkpoint's greedy tokens; the
+the checkpoint's logits, and that vLLM serves through taperfold's entry point with the checkpoint's greedy tokens; so
+is each served family's, and a Llama's with DyT in its norms' places (the tanh kept, γ and β folded); the
 engine `vllm`: `verify --engine vllm` (vLLM's generations held to the checkpoint, a broken checkpoint failing) and
 `bench --engine vllm --mode decode --against vllm`. vLLM runs in .venv-vllm (scripts/setup-vllm), in a child process;
 those tests are skipped where it is absent."""
@@ -22,6 +23,8 @@ import pytest
 import torch
 from conftest import one_line, run_cli
 
+from taperfold.nn import ServedNorm
+
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
@@ -36,16 +39,16 @@ NEW_TOKENS = 8
 FOLDED_NORMS = [
     f"model.layers.{i}.{norm}" for i in range(2) for norm in ("input_layernorm", "post_attention_layernorm")
 ]
+# the tiny models' shape: greedy tokens that vary (untied head, larger weights), a head size vLLM's CPU attention takes
+SHAPE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+             max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
 
 
 def tiny_llama(**changes):
-    """A tiny tapered Llama at g = 0 whose greedy tokens vary (untied head, larger weights) and whose head size vLLM's
-    CPU attention takes (32)."""
+    """A tiny tapered Llama at g = 0 of the test shape."""
     from hf_models import tapered_tiny_model
 
-    shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                 max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
-    return tapered_tiny_model("llama", **{**shape, **changes})
+    return tapered_tiny_model("llama", **{**SHAPE, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +149,10 @@ def test_the_folded_checkpoint_names_taperfolds_architecture_and_holds_no_folded
     assert record.details.tokenizer == ("tokenizer.json", "tokenizer_config.json")
 
 
-def test_stock_transformers_refuses_the_folded_checkpoint(exported):
+@pytest.mark.parametrize("export", ["exported", "dyt_exported"])
+def test_stock_transformers_refuses_the_folded_checkpoint(export, request):
     """In a fresh process: this one may hold taperfold's registration from another test."""
-    folder = exported[1] / "vllm" / "folded"
+    folder = request.getfixturevalue(export)[1] / "vllm" / "folded"
     code = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})"
     run = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
@@ -163,7 +167,7 @@ def test_transformers_with_taperfolds_registration_gives_the_checkpoints_logits(
     register_with_transformers()
     folded = transformers.AutoModelForCausalLM.from_pretrained(out / "vllm" / "folded").eval()
     assert type(folded).__name__ == "TaperfoldLlamaForCausalLM"
-    assert all(isinstance(folded.get_submodule(path), torch.nn.Identity) for path in FOLDED_NORMS)
+    assert all(type(folded.get_submodule(path)) is ServedNorm for path in FOLDED_NORMS)  # the residual add alone
     checkpoint = open_source(source).build(gate=0.0).network.eval()
     ids = torch.tensor(PROMPTS[2:] * 2)
     with torch.no_grad():
@@ -238,9 +242,7 @@ def tiny_tapered(model_type: str, **changes):
     g = 0, makes tiny StableLM's every greedy token alike)."""
     from hf_models import tapered_tiny_model
 
-    shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                 max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
-    model = tapered_tiny_model(model_type, **{**shape, **changes})
+    model = tapered_tiny_model(model_type, **{**SHAPE, **changes})
     if model.tapering.kind.shift:
         with torch.no_grad():
             for norm in model.tapering.norms.values():
@@ -282,7 +284,7 @@ def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(fa
     folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(folded).__name__ == SERVED[family].architecture
     folded_norms = json.loads((folder / "config.json").read_text())["taperfold_folded_norms"]
-    assert folded_norms and all(isinstance(folded.get_submodule(p), torch.nn.Identity) for p in folded_norms)
+    assert folded_norms and all(type(folded.get_submodule(p)) is ServedNorm for p in folded_norms)
     checkpoint = open_source(source).build(gate=0.0).network.eval()
     ids = torch.tensor(PROMPTS[2:] * 2)
     with torch.no_grad():
@@ -294,6 +296,107 @@ def test_each_served_family_loads_in_transformers_with_the_checkpoints_logits(fa
 def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(families_exported, served, family):
     source, folder = families_exported[family]
     assert_gives_the_reference(served, folder, greedy_reference(source))
+
+
+@pytest.fixture(scope="module")
+def dyt_exported(tmp_path_factory):
+    """(the source directory, the export directory) of `taperfold export SOURCE --vllm` for a tiny Llama of the test
+    shape with DyT in every norm's place, the final one too."""
+    from hf_models import dyt_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    root = tmp_path_factory.mktemp("vllm-dyt")
+    source = save_hf_directory(dyt_tiny_model("llama", "all", **SHAPE), root / "dyt")
+    result = run_cli("export", source, "-o", root / "out", "--vllm")
+    assert result.exit_code == 0, result.stderr
+    return source, root / "out"
+
+
+def test_a_dyt_llamas_checkpoint_holds_each_tanhs_alpha_and_the_final_dyt_whole(dyt_exported):
+    """Each layer's DyT folds (γ into the readers' weights, β into biases q/k/v and gate/up are given), its α stored
+    under its own path; the final DyT, whose β vLLM's head could not add, is kept whole; the head stays the source's."""
+    from taperfold.hf.weights import read_weights
+    from taperfold.sources import open_source
+
+    source, out = dyt_exported
+    folder = out / "vllm" / "folded"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["taperfold_norm_kind"], config["taperfold_folded_norms"]) == ("dyt", FOLDED_NORMS)
+    assert config["taperfold_kept_norms"] == ["model.norm"]
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    assert sorted(config["taperfold_added_biases"]) == sorted(
+        f"model.layers.{i}.{p}" for i in range(2) for p in projections
+    )
+    tensors, _ = read_weights(folder)
+    assert sorted(n for n in tensors if n.rpartition(".")[0] in FOLDED_NORMS) == [f"{p}.alpha" for p in FOLDED_NORMS]
+    tapered = open_source(source).build(gate=0.0).network
+    for path in [*FOLDED_NORMS, "model.norm"]:
+        assert torch.equal(tensors[f"{path}.alpha"], tapered.get_submodule(path).alpha)
+    assert all(torch.equal(tensors[f"model.norm.{k}"], tapered.model.norm.get_parameter(k)) for k in ("weight", "bias"))
+    assert torch.equal(tensors["lm_head.weight"], tapered.lm_head.weight)
+
+
+def test_transformers_with_taperfolds_registration_gives_a_dyt_checkpoints_logits(dyt_exported):
+    from taperfold.norms.dyt import ServedDyT, ServedTanh
+    from taperfold.serving.transformers_models import register_with_transformers
+    from taperfold.sources import open_source
+
+    source, out = dyt_exported
+    register_with_transformers()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(out / "vllm" / "folded").eval()
+    assert all(type(folded.get_submodule(path)) is ServedTanh for path in FOLDED_NORMS)
+    assert type(folded.model.norm) is ServedDyT
+    checkpoint = open_source(source).build(gate=0.0).network.eval()
+    ids = torch.tensor(PROMPTS[2:] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, checkpoint(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dyt_read_by_a_moe_router_is_kept_whole_and_transformers_gives_the_checkpoints_logits(tmp_path):
+    """Mixtral with DyT: `post_attention_layernorm` feeds the router and the stacked experts, bare weights that take no
+    bias, so it is kept whole (α, γ, β in the checkpoint); `input_layernorm` folds into q/k/v."""
+    from hf_models import dyt_tiny_model
+
+    from taperfold.hf import save_hf_directory
+    from taperfold.norms.dyt import ServedDyT, ServedTanh
+    from taperfold.serving.transformers_models import register_with_transformers
+    from taperfold.sources import open_source
+
+    source = save_hf_directory(dyt_tiny_model("mixtral", "internal", **SHAPE), tmp_path / "dyt")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "out" / "vllm" / "folded"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["taperfold_folded_norms"] == [f"model.layers.{i}.input_layernorm" for i in range(2)]
+    assert config["taperfold_kept_norms"] == [f"model.layers.{i}.post_attention_layernorm" for i in range(2)]
+    register_with_transformers()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(folded.model.layers[0].input_layernorm) is ServedTanh
+    assert type(folded.model.layers[0].post_attention_layernorm) is ServedDyT
+    checkpoint = open_source(source).build(gate=0.0).network.eval()
+    ids = torch.tensor(PROMPTS[2:] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, checkpoint(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_vllm
+def test_vllm_serves_a_dyt_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(dyt_exported):
+    source, out = dyt_exported
+    assert_gives_the_reference(run_vllm(out / "vllm" / "folded"), greedy_reference(source))
+
+
+def test_a_tapered_final_layernorm_vllms_head_cannot_take_is_refused_in_one_line(tmp_path, no_export_work):
+    """GPT-NeoX tapered whole: its final LayerNorm's β would be a bias of the head, which vLLM's head does not add,
+    and a tapered LayerNorm has no form a serving engine computes but folded."""
+    from hf_models import tapered_tiny_model
+
+    from taperfold.hf import save_hf_directory
+
+    source = save_hf_directory(tapered_tiny_model("gpt_neox", "all"), tmp_path / "gpt_neox")
+    result = run_cli("export", source, "-o", tmp_path / "out", "--vllm")
+    one_line(result, "--vllm: gpt_neox.final_layer_norm does not fold in the served model", "served folded only")
+    assert not (tmp_path / "out").exists()
 
 
 @needs_vllm

@@ -4,10 +4,12 @@ which vLLM serves through taperfold's plugin and transformers loads through tape
 
     vllm/folded/config.json             the source's config, its model type and architecture taperfold's own
                                         (`taperfold_llama`, `TaperfoldLlamaForCausalLM`), the folded norms' paths
-                                        (`taperfold_folded_norms`), the layers a LayerNorm's β gave a bias they are
+                                        (`taperfold_folded_norms`) and kind (`taperfold_norm_kind`), those kept whole
+                                        (`taperfold_kept_norms`, DyT's only), the layers a β gave a bias they are
                                         built without (`taperfold_added_biases`)
     vllm/folded/model.safetensors       the folded weights in the export's dtype, or model-0000i-of-0000n.safetensors
-                                        and model.safetensors.index.json past 2 GB; no folded norm's weight in them
+                                        and model.safetensors.index.json past 2 GB; of each folded norm only what its
+                                        served form keeps (a DyT's α), of a norm kept whole all of it
     vllm/folded/tokenizer.json ...      the source's tokenizer files (a byte-level source: its byte tokenizer)
 
 A stock tool must refuse the directory, never build the stock model with the missing norms initialised to ones and
@@ -17,9 +19,11 @@ vLLM serves the source directory itself.
 The weights are written tensor by tensor, each folded reader (q/k/v, gate/up) folded in float64 from the source's
 weights and cast once just before it is written, so the export holds no second copy of the model (the writer, which
 needs torch, is taperfold.artifacts.vllm_weights, imported by `build`). Served: Hugging Face sources of the families in
-taperfold.serving.SERVED whose tapered norms are RMS norms (TaperNorm) or LayerNorms (TaperLN, whose centering folds
-into the readers' weights and β into their biases, given to a layer that has none): what each leaves in its place is
-the residual add. Anything else is refused in one line before the export's work.
+taperfold.serving.SERVED whose norms are tapered RMS norms (TaperNorm) or LayerNorms (TaperLN, whose centering folds
+into the readers' weights and β into their biases, given to a layer that has none), which leave the residual add in
+their place, or DyTs (γ into the readers' weights, β into their biases), which leave tanh(α·h); a DyT whose γ, β no
+layer of the served model takes (the final norm, whose β vLLM's head cannot add) is kept whole
+(taperfold.serving.served_split). Anything else is refused in one line before the export's work.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from taperfold.errors import TaperfoldError
 from taperfold.exportdir import FOLDED, Graph, torch_dtype
 from taperfold.fsutil import atomic_dir
 from taperfold.jsonfields import Fields, is_file_name
-from taperfold.serving import BIAS_KEY, CONFIG_KEY, ServedFamily, served_family
+from taperfold.serving import BIAS_KEY, CONFIG_KEY, KEPT_KEY, KIND_KEY, ServedFamily, served_family, served_split
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +62,6 @@ FOLDER = "vllm"  # the folders' parent in the export directory
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SHARD_BYTES = 2 * 1024**3  # the largest shard
-SERVED_NORMS = ("rms", "ln")  # the norm kinds whose fold leaves nothing but the residual add behind
 
 
 @dataclass(frozen=True)
@@ -209,11 +212,10 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
             f"itself (python -m vllm.entrypoints.openai.api_server --model {origin})"
         )
     served = served_family(source.family.name, origin)
-    if tapering.kind.name not in SERVED_NORMS:
-        raise TaperfoldError(
-            f"{origin}: --vllm: its tapered norms are {tapering.kind.title}s; the plugin serves folded RMS norms "
-            "and LayerNorms (TaperNorm, TaperLN), which leave only the residual add behind"
-        )
+    try:
+        folded, _ = served_split(tapering, tapered.network)
+    except ValueError as e:
+        raise TaperfoldError(f"{origin}: --vllm: {e}; export it without --vllm") from None
     for key, why in served.refused_config:
         if source.hf_config_dict.get(key):
             raise TaperfoldError(f"{origin}: --vllm: its config sets {key}, and {why}; export it without --vllm")
@@ -224,7 +226,7 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
                 f"{origin}: --vllm: its head is untied (tie_word_embeddings false), and vLLM's "
                 f"{served.model_class} reads the logits from the embedding: it would serve the wrong head"
             )
-        if any(head in tapering.folds_into(path) for path in tapering.norms):
+        if any(head in tapering.folds_into(path) for path in folded):
             raise TaperfoldError(
                 f"{origin}: --vllm: the final norm folds into the head, which unties it from the embedding, and "
                 f"vLLM's {served.model_class} reads the logits from the embedding; taper the internal norms only"
@@ -234,7 +236,8 @@ def _served(source: Any, tapered: Any) -> tuple[HFCheckpoint, ServedFamily]:
 
 def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, dtype: torch.dtype) -> dict:
     """The source's config.json as the folded checkpoint's: taperfold's model type and architecture, the folded
-    norms' paths, the layers the fold gave a bias, the weights' dtype; the head untied where a fold rewrote it."""
+    norms' paths and kind, those kept whole, the layers the fold gave a bias, the weights' dtype; the head untied where
+    a fold rewrote it."""
     from taperfold.hf.taper_block import BLOCK
 
     config = {key: value for key, value in source_config.items() if key not in (BLOCK, "torch_dtype")}
@@ -242,8 +245,10 @@ def _config(source_config: dict, served: ServedFamily, weights: FoldedWeights, d
         model_type=served.model_type,
         architectures=[served.architecture],
         dtype=str(dtype).removeprefix("torch."),
-        **{CONFIG_KEY: weights.folded_norms},
+        **{CONFIG_KEY: weights.folded_norms, KIND_KEY: weights.tapering.kind.name},
     )
+    if weights.kept_norms:
+        config[KEPT_KEY] = weights.kept_norms
     if weights.added_biases:
         config[BIAS_KEY] = weights.added_biases
     if weights.untied:

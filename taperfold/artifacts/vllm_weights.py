@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from taperfold.errors import TaperfoldError
+from taperfold.serving import served_split
 from taperfold.taper import fold_target, stored_in_out
 from taperfold.variants import producer_writes, reader_writes
 
@@ -27,26 +28,38 @@ _SAFETENSORS_DTYPES = {
 
 class FoldedWeights:
     """The folded model's tensors under the source's names, made one at a time: what a reader of a folded norm holds
-    after the fold (float64, cast once), every other tensor as the source has it, cast to `dtype`; the folded norms'
-    own tensors and a tied head's copy left out (a head a fold rewrites is written, untied); the bias a LayerNorm's β
-    gives a layer without one written beside its weight (`added_biases`: the serving classes give those layers one)."""
+    after the fold (float64, cast once), every other tensor as the source has it, cast to `dtype`; of each tapered norm
+    only the tensors its served form holds (taperfold.norms.NormKind.served: none for a folded RMS norm or LayerNorm, a
+    folded DyT's α, all of a DyT kept whole), and a tied head's copy left out (a head a fold rewrites is written,
+    untied); the bias a β gives a layer without one written beside its weight (`added_biases`: the serving classes
+    give those layers one)."""
 
     def __init__(self, tapered: Any, dtype: torch.dtype):
         self.network, self.dtype = tapered.network, dtype
         tapering = tapered.tapering
         self.tapering = tapering
-        self.folded_norms = [path for path in tapering.norms if tapering.folds_into(path)]
+        try:
+            self.folded_norms, self.kept_norms = served_split(tapering, self.network)
+        except ValueError as e:
+            raise TaperfoldError(f"--vllm: {e}") from None
         self.norm_of = {target: path for path in self.folded_norms for target in tapering.folds_into(path)}
         state = self.network.state_dict()
+        served = {
+            f"{path}.{key}"
+            for path, norm in tapering.norms.items()
+            for key in tapering.kind.served(len(norm.get_parameter("weight")), path in self.folded_norms).state_dict()
+        }
+        if missing := sorted(served - set(state)):
+            raise TaperfoldError(f"--vllm: the served norms hold tensors the tapered model has not: {missing}")
         tied = set(getattr(self.network, "all_tied_weights_keys", None) or {})
         self.untied = {name for name in tied if name.rpartition(".")[0] in self.norm_of}
         self.source = {
             name: tensor
             for name, tensor in state.items()
-            if not any(name.startswith(f"{norm}.") for norm in self.folded_norms)
+            if (name in served or not any(name.startswith(f"{norm}.") for norm in tapering.norms))
             and (name not in tied or name in self.untied)
         }
-        # layers a fold gives a bias they have not got (a LayerNorm's β: b' = β·W), written beside their weight
+        # layers a fold gives a bias they have not got (a LayerNorm's or a DyT's β: b' = β·W), beside their weight
         self.added_biases = [
             target
             for target, norm in self.norm_of.items()

@@ -2,7 +2,8 @@
 config.json when the model is tapered.
 
     DIR/config.json                      transformers' config + "taperfold": {format_version, gate, taper,
-                                         step, schedule, aux, calibration[, family]}   (taperfold.hf.taper_block)
+                                         step, schedule, aux[, calibration][, norm][, family]}
+                                         (taperfold.hf.taper_block)
     DIR/model.safetensors                or model-0000i-of-0000n.safetensors + model.safetensors.index.json
                                          (taperfold.hf.weights)
     DIR/tokenizer.json ...               optional: the tokenizer, as save_pretrained writes it

@@ -1,12 +1,13 @@
 """The `taperfold` block of a tapered Hugging Face directory's config.json: how the model was tapered.
 
-    "taperfold": {format_version, gate, taper, step, schedule, aux, calibration[, family]}
+    "taperfold": {format_version, gate, taper, step, schedule, aux[, calibration][, norm][, family]}
 
-A directory without it is a plain (untapered) model. `family` is there only when no family is shipped for the
-model_type: the family found by tracing the model, as data (taperfold.families.serialize). The block is read
-(`parse_block`: every key checked, one error naming the file and the key), made from a tapered model for saving
-(`TaperBlock.of`), and applied to a model built from config.json (`taper_as_recorded`). See
-docs/checkpoint-format.md.
+A directory without it is a plain (untapered) model. `norm` is there only when a kind without a gate took the
+norms' places (DyT: "dyt"), which has no `calibration`; without it the family's own norms are tapered. `family` is
+there only when no family is shipped for the model_type: the family found by tracing the model, as data
+(taperfold.families.serialize). The block is read (`parse_block`: every key checked, one error naming the file and the
+key), made from a tapered model for saving (`TaperBlock.of`), and applied to a model built from config.json
+(`taper_as_recorded`). See docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from taperfold.errors import TaperfoldError
 from taperfold.families import Family
 from taperfold.families.serialize import family_from_data, family_to_data
 from taperfold.hf.taper import taper_model
+from taperfold.norms import norm_kinds
 from taperfold.numeric import is_finite_number
 from taperfold.taper import TAPERS, Tapering
 
 BLOCK = "taperfold"
 BLOCK_VERSION = 1
+DEFAULT_CALIBRATION = {"momentum": 0.1, "delta": 1e-8}
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ class TaperBlock:
     step: int = 0
     schedule: dict | None = None  # {"taper_start": int, "taper_end": int}
     aux: dict | None = None  # {"weight": λ, "target": s_tgt or null}
-    calibration: dict = field(default_factory=lambda: {"momentum": 0.1, "delta": 1e-8})
+    # the calibration EMAs' rate and δ; None for a kind without a gate (DyT), which calibrates nothing
+    calibration: dict | None = field(default_factory=lambda: dict(DEFAULT_CALIBRATION))
+    norm: str | None = None  # a kind without a gate in the norms' places (DyT); None: the family's own, tapered
     family: Family | None = None  # a traced family (no shipped one for the model_type), as it was tapered with
     format_version: int = BLOCK_VERSION
 
@@ -44,6 +49,7 @@ class TaperBlock:
         """The block a model tapered by `tapering` is saved with (`schedule`: its GateSchedule, or None)."""
         loss = tapering.scale_loss
         first = next(iter(tapering.norms.values()))
+        gated = tapering.kind.gated
         return cls(
             gate=float(tapering.gate.value),
             taper=tapering.taper,
@@ -54,7 +60,8 @@ class TaperBlock:
             aux=None
             if loss is None
             else {"weight": loss.weight, "target": float(loss.target) if bool(loss.frozen) else None},
-            calibration={"momentum": first.momentum, "delta": first.delta},
+            calibration={"momentum": first.momentum, "delta": first.delta} if gated else None,
+            norm=None if gated else tapering.kind.name,
             family=tapering.family if tapering.family.traced else None,
         )
 
@@ -66,7 +73,8 @@ class TaperBlock:
             "step": self.step,
             "schedule": self.schedule,
             "aux": self.aux,
-            "calibration": self.calibration,
+            **({"calibration": self.calibration} if self.calibration is not None else {}),
+            **({"norm": self.norm} if self.norm is not None else {}),
             **({"family": family_to_data(self.family)} if self.family is not None else {}),
         }
 
@@ -75,7 +83,7 @@ def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-_BLOCK_KEYS = ("format_version", "gate", "taper", "step", "schedule", "aux", "calibration", "family")
+_BLOCK_KEYS = ("format_version", "gate", "taper", "step", "schedule", "aux", "calibration", "norm", "family")
 
 
 def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
@@ -112,7 +120,27 @@ def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
             raise bad("aux", "must be null or an object with a non-negative number 'weight'")
         if aux.get("target") is not None and not is_finite_number(aux["target"]):
             raise bad("aux.target", f"must be a number or null, got {aux['target']!r}")
-    calibration = raw.get("calibration", {"momentum": 0.1, "delta": 1e-8})
+    norm = raw.get("norm")
+    replacing = [kind.name for kind in norm_kinds() if not kind.gated]  # a gated kind is the family's own: no key
+    if "norm" in raw and norm not in replacing:
+        raise bad("norm", f"must be one of {', '.join(replacing)} (or absent: the family's own norms), got {norm!r}")
+    if norm is not None and "calibration" in raw:
+        raise bad("calibration", f"is set, but a {norm} model has no calibration")
+    calibration = None if norm is not None else _calibration(raw.get("calibration", DEFAULT_CALIBRATION), bad)
+    family = family_from_data(raw["family"], model_type, bad) if "family" in raw else None
+    return TaperBlock(
+        float(gate),
+        raw["taper"],
+        step,
+        schedule,
+        aux,
+        calibration,
+        norm,
+        family,
+    )
+
+
+def _calibration(calibration: object, bad) -> dict:
     if not isinstance(calibration, dict):
         raise bad("calibration", "must be an object with 'momentum' and 'delta'")
     for key in ("momentum", "delta"):
@@ -122,8 +150,7 @@ def parse_block(raw, where: Path, model_type: str = "") -> TaperBlock:
                 f"calibration.{key}",
                 f"must be a number in {'(0, 1)' if key == 'momentum' else '[0, ∞)'}, got {value!r}",
             )
-    family = family_from_data(raw["family"], model_type, bad) if "family" in raw else None
-    return TaperBlock(float(gate), raw["taper"], step, schedule, aux, dict(calibration), family)
+    return dict(calibration)
 
 
 def taper_as_recorded(model: nn.Module, block: TaperBlock | None, family: Family, where: str) -> Tapering | None:
@@ -131,14 +158,16 @@ def taper_as_recorded(model: nn.Module, block: TaperBlock | None, family: Family
     if block is None:
         return None
     aux = block.aux or {}
+    calibration = block.calibration or DEFAULT_CALIBRATION  # a kind without a gate does not read it
     tapering = taper_model(
         model,
         block.taper,
+        kind=block.norm,
         family=family,
         aux=block.aux is not None,
         aux_weight=aux.get("weight", 0.1),
-        momentum=block.calibration["momentum"],
-        delta=block.calibration["delta"],
+        momentum=calibration["momentum"],
+        delta=calibration["delta"],
         where=where,
     )
     tapering.set_gate(block.gate)

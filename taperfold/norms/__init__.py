@@ -11,6 +11,8 @@ with s = c·γ̃ (c·(1 + γ̃) for Gemma's gain offset). A kind gives:
   model (LlamaRMSNorm, OlmoLayerNorm, ...);
 - its g = 0 map (`constant_map`): what a fold moves into the linear layers that read the norm, and what stays
   in the norm's place (`residue`: nothing, or DyT's tanh(αh));
+- its served form (`served`): the module a served model (taperfold.serving, `export --vllm`) puts in the norm's place,
+  folded or kept whole, whose parameters are what the served checkpoint holds of the norm;
 - its ONNX pattern, which taperfold.passes.detect reads: at g = 0, [ReduceMean → Sub when `centered`, or the
   `elementwise` op of a scalar multiple of the input] → Muls by constants (c, γ̃) → [Add β when `shift`]; a
   real norm of a kind with statistics divides by a root-mean statistic of its (centred) input, or is one of
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from taperfold.nn import Gating, TaperedNorm, without_norm
+from taperfold.nn import Gating, ServedNorm, TaperedNorm, without_norm
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,18 @@ class NormKind:
         """What stays in the norm's place once its constant map has moved into the layers around it: nothing, or
         a gated norm's gate."""
         return without_norm(norm)
+
+    def served(self, width: int, folded: bool) -> ServedNorm:
+        """The module a served model (taperfold.serving) puts in place of a norm of the kind `width` features wide,
+        made before the checkpoint's weights are loaded into it: its parameters are the tensors the checkpoint holds of
+        the norm, under the norm's path and the tapered module's names. `folded`: the norm's constant map is in the
+        layers reading it; else the norm is kept whole. A gated kind at g = 0 folds whole, leaving the residual add; it
+        is never kept, since no serving engine computes a tapered norm. ValueError: the kind has no such form."""
+        if not folded:
+            raise ValueError(f"a tapered {self.title} is served folded only (no serving engine computes it)")
+        if self.elementwise is not None:
+            raise ValueError(f"taperfold has no served form of a folded {self.title} (it keeps its {self.elementwise})")
+        return ServedNorm()
 
     def new_tapered(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from taperfold.nn import Gating
+from taperfold.nn import Gating, ServedNorm
 from taperfold.norms import ConstantMap, NormKind
 
 ALPHA0 = 0.5  # the paper's default initial α (its Table 10)
@@ -43,6 +43,33 @@ class ScaledTanh(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.alpha * h)
+
+
+class ServedTanh(ServedNorm):
+    """tanh(α·h) in a served model (taperfold.serving): a folded DyT, its γ and β in its readers. α is loaded from the
+    checkpoint (`<norm>.alpha`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((1,), ALPHA0))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * x)
+
+
+class ServedDyT(ServedTanh):
+    """A whole DyT in a served model: one whose γ, β no layer of the served model takes (the final norm, whose β
+    would be a bias of the head, which vLLM's heads do not add; one read by a MoE router, a bare weight; a post-norm,
+    whose tanh stands between it and its producer). α, γ, β are loaded from the checkpoint (`<norm>.alpha`, `.weight`,
+    `.bias`)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return super().normalize(x) * self.weight + self.bias
 
 
 class DyTKind(NormKind):
@@ -96,6 +123,9 @@ class DyTKind(NormKind):
 
     def residue(self, norm: nn.Module) -> nn.Module:
         return ScaledTanh(norm.get_parameter("alpha"))
+
+    def served(self, width: int, folded: bool) -> ServedNorm:
+        return ServedTanh() if folded else ServedDyT(width)
 
 
 KIND = DyTKind(

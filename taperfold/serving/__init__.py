@@ -6,9 +6,13 @@ A folded checkpoint is a Hugging Face directory whose config.json names taperfol
 building the stock model with its norms re-initialised to ones. Two registrations read it:
 
     taperfold.serving.transformers_models   AutoConfig / AutoModelForCausalLM: transformers' own class of the family
-                                            with each folded norm an identity (`register_with_transformers()`)
+                                            with each folded norm its served form (`register_with_transformers()`)
     taperfold.serving.vllm_plugin           vLLM's `vllm.general_plugins` entry point: vLLM's own class of the family
-                                            with each folded norm the residual add alone (taperfold.serving.vllm_models)
+                                            with each folded norm its served form (taperfold.serving.vllm_models)
+
+A norm's served form is its kind's (taperfold.norms.NormKind.served, one module both libraries call): a folded RMS
+norm or LayerNorm leaves the residual add alone; a folded DyT leaves tanh(α·h), α in the checkpoint, γ and β in its
+readers; a DyT whose γ, β no layer of the served model takes is kept whole (`served_split`).
 
 A family is served where both libraries call each folded norm the same simple way, at the same module path:
 transformers as `norm(x)` with the residual added outside it, vLLM as `norm(x)` or `norm(x, residual)` (its fused
@@ -16,16 +20,20 @@ add-and-normalize): pre-norms read by linear layers (Llama's `input_layernorm`, 
 routers and experts), and post-norms on a sub-block's output folded back into the projection producing it (Gemma 2/3's
 `post_attention_layernorm`, `post_feedforward_layernorm`, called `norm(x)` before the residual add). LayerNorms fold
 the same way, β into a bias of each reader (GPT-NeoX's query_key_value and dense_h_to_4h have one; StableLM's q/k/v and
-gate/up are given one, in both libraries). Measured, tiny models, greedy tokens equal (tests/test_vllm.py).
+gate/up are given one, in both libraries), and so does a DyT's β. Measured, tiny models, greedy tokens equal
+(tests/test_vllm.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from taperfold.errors import TaperfoldError
 
 CONFIG_KEY = "taperfold_folded_norms"  # config.json: the module paths of the norms folded away
+KEPT_KEY = "taperfold_kept_norms"  # config.json: the module paths of the norms kept whole (absent: none)
+KIND_KEY = "taperfold_norm_kind"  # config.json: those norms' kind (taperfold.norms), whose served forms they take
 BIAS_KEY = "taperfold_added_biases"  # config.json: the linear layers a fold gave a bias the family builds them without
 
 
@@ -96,3 +104,54 @@ def served_family(family: str, origin: str) -> ServedFamily:
             "export it without --vllm"
         )
     return SERVED[family]
+
+
+def served_split(tapering: Any, network: Any) -> tuple[list[str], list[str]]:
+    """(folded, kept whole): the tapered norms of `tapering` (taperfold.taper.Tapering, at g = 0) of `network` as a
+    served model has them. A norm folds where the served model has a layer for its map: its readers or its producer,
+    each able to take the bias a kind with a shift (β) gives it; not the head (vLLM's heads add no bias) nor a bare
+    weight (a MoE router's, stacked experts'). Any other is kept whole, where its kind has a whole served form (DyT's);
+    ValueError naming the norm where it has not."""
+    from torch import nn
+
+    from taperfold.taper import fold_target
+
+    kind, head = tapering.kind, tapering.family.head
+    folded: list[str] = []
+    kept: list[str] = []
+    for path, norm in tapering.norms.items():
+        targets = tapering.folds_into(path)
+        biasless = [t for t in targets if t == head or isinstance(fold_target(network, t), nn.Parameter)]
+        folds = bool(targets) and not (kind.shift and biasless)
+        try:
+            kind.served(len(norm.get_parameter("weight")), folds)
+        except ValueError as e:
+            if folds:
+                raise ValueError(f"{path}: {e}") from None
+            if not targets:
+                why = "no layer takes its map"
+            elif biasless[0] == head:
+                why = f"its β would be a bias of the head {head}, which vLLM's heads do not add"
+            else:
+                why = f"its β would be a bias of {biasless[0]}, a bare weight"
+            raise ValueError(f"{path} does not fold in the served model ({why}), and {e}") from None
+        (folded if folds else kept).append(path)
+    return folded, kept
+
+
+def served_norms(config: Any) -> list[tuple[str, bool]]:
+    """(module path, folded) of each norm a folded checkpoint's config lists, folded or kept whole."""
+    return [(path, True) for path in getattr(config, CONFIG_KEY)] + [
+        (path, False) for path in getattr(config, KEPT_KEY, [])
+    ]
+
+
+def served_norm(config: Any, replaced: Any, folded: bool) -> Any:
+    """The module a serving class puts in place of its family's norm `replaced` (as wide as `replaced`'s weight, else
+    the hidden size): the served form (taperfold.norms.NormKind.served) of the kind the config names, its parameters
+    loaded from the checkpoint next."""
+    from taperfold.norms import norm_kind
+
+    weight = getattr(replaced, "weight", None)
+    width = weight.shape[-1] if weight is not None else config.hidden_size
+    return norm_kind(getattr(config, KIND_KEY)).served(width, folded)

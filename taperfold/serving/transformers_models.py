@@ -3,10 +3,12 @@
 
 For each served family (taperfold.serving.SERVED), a config class of the family's with taperfold's model type
 (`TaperfoldLlamaConfig`), and the family's own causal LM (`TaperfoldLlamaForCausalLM`) with each norm config.json
-lists as folded (`taperfold_folded_norms`) an identity: transformers' decoder layers add the residual outside the norm,
-and the norm's map is in the weights of the layers reading it (each layer listed in `taperfold_added_biases` given the
-bias a LayerNorm's β folded into). The real norms (the final norm, per-head q/k norms) stay transformers' own. The
-classes are this module's attributes, so that processes that pickle a config (vLLM's engine) find them by name.
+lists as folded (`taperfold_folded_norms`) or kept whole (`taperfold_kept_norms`) its kind's served form
+(taperfold.norms.NormKind.served), called `norm(x)`: transformers' decoder layers add the residual outside the norm.
+A folded RMS norm or LayerNorm is the identity there, a folded DyT tanh(α·h); the norm's map is in the weights of the
+layers reading it (each layer listed in `taperfold_added_biases` given the bias a β folded into). The real norms (the
+final norm, per-head q/k norms) stay transformers' own. The classes are this module's attributes, so that processes
+that pickle a config (vLLM's engine) find them by name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import transformers
 from torch import nn
 
-from taperfold.serving import BIAS_KEY, CONFIG_KEY, SERVED, ServedFamily
+from taperfold.serving import BIAS_KEY, SERVED, ServedFamily, served_norm, served_norms
 
 
 def _folded_classes(served: ServedFamily) -> tuple[type, type]:
@@ -30,8 +32,8 @@ def _folded_classes(served: ServedFamily) -> tuple[type, type]:
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         base_model.__init__(self, config, *args, **kwargs)
-        for path in getattr(config, CONFIG_KEY):
-            self.set_submodule(path, nn.Identity())
+        for path, folded in served_norms(config):
+            self.set_submodule(path, served_norm(config, self.get_submodule(path), folded))
         for path in getattr(config, BIAS_KEY, []):
             give_bias(self.get_submodule(path))
 
@@ -42,8 +44,8 @@ def _folded_classes(served: ServedFamily) -> tuple[type, type]:
 
 
 def give_bias(layer: nn.Module) -> None:
-    """The bias parameter nn.Linear(..., bias=True) would have: a LayerNorm's β folded into a layer built without one
-    (the checkpoint holds it: `taperfold_added_biases`)."""
+    """The bias parameter nn.Linear(..., bias=True) would have: a LayerNorm's or a DyT's β folded into a layer built
+    without one (the checkpoint holds it: `taperfold_added_biases`)."""
     if not isinstance(layer, nn.Linear) or layer.bias is not None:
         raise TypeError(f"{type(layer).__name__}: a fold's bias goes to an nn.Linear without one")
     layer.bias = nn.Parameter(torch.zeros(layer.out_features, dtype=layer.weight.dtype, device=layer.weight.device))

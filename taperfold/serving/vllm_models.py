@@ -4,11 +4,17 @@ plugin registers them by name: taperfold.serving.vllm_plugin).
 Each is vLLM's own class of the family (found in vLLM's registry under the family's architecture: its own model file,
 or for families it has none for, SmolLM3, OLMo 2 and GPT-NeoX, its Transformers backend, which builds transformers'
 model without its head through AutoModel: taperfold.serving.transformers_models registers it), with each norm
-config.json lists as folded (`taperfold_folded_norms`) replaced by `ResidualAdd`, and each linear layer a LayerNorm's
-β gave a bias (`taperfold_added_biases`) given vLLM's own bias parameter; everything else, the real norms (the final
-norm, the scale anchor; per-head q/k norms) included, stays vLLM's: its attention, kernels, weight loading
-(the folded norms' weights are not in the checkpoint, and the model no longer asks for them), tensor and pipeline
-parallel sharding.
+config.json lists as folded (`taperfold_folded_norms`) or kept whole (`taperfold_kept_norms`) replaced by its kind's
+served form (taperfold.norms.NormKind.served: the residual add alone for a folded RMS norm or LayerNorm, tanh(α·h) for
+a folded DyT, the whole DyT for one kept), and each linear layer a β gave a bias (`taperfold_added_biases`) given
+vLLM's own bias parameter; everything else, the real norms (the final norm, the scale anchor; per-head q/k norms)
+included, stays vLLM's: its attention, kernels, weight loading (the checkpoint holds what the served forms hold, a
+DyT's α, and no folded weight the model no longer asks for), tensor and pipeline parallel sharding.
+
+vLLM's decoder layers call a norm `norm(x)` (the first layer's input norm; a post-norm on a sub-block's output; every
+norm of a layer transformers writes, which adds the residual outside) and expect the normalized x, or
+`norm(x, residual)` (its fused add-and-normalize) and expect (normalized sum, sum): the served forms answer both
+(taperfold.nn.ServedNorm).
 """
 
 from __future__ import annotations
@@ -22,36 +28,20 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.model_executor.utils import set_weight_attrs
 
-from taperfold.serving import BIAS_KEY, CONFIG_KEY, SERVED, ServedFamily
-
-
-class ResidualAdd(nn.Module):
-    """What a folded norm leaves in a vLLM decoder layer. vLLM's layers call a norm as `norm(x)` (the first layer's
-    input norm; a post-norm on a sub-block's output; every norm of a layer transformers writes, which adds the
-    residual outside) and expect the normalized x, or as `norm(x, residual)` (its fused add-and-normalize) and expect
-    (normalized sum, sum); the norm's map now lives in the weights of the layers reading (or producing) its input, so
-    x, or the sum twice."""
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return x
-        total = x + residual
-        return total, total
+from taperfold.serving import BIAS_KEY, SERVED, ServedFamily, served_norm, served_norms
 
 
 def _norm_free(served: ServedFamily) -> type[nn.Module]:
-    """vLLM's class of `served`'s family, its folded norms replaced after it is built."""
+    """vLLM's class of `served`'s family, its folded and kept norms replaced after it is built."""
     base = ModelRegistry.models[served.model_class].load_model_cls()
 
     def __init__(self: Any, *, vllm_config: Any, prefix: str = "") -> None:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         hf_config = vllm_config.model_config.hf_config
-        for checkpoint_path in getattr(hf_config, CONFIG_KEY):
+        for checkpoint_path, folded in served_norms(hf_config):
             path = _module_path(self, checkpoint_path)
             if _on_this_rank(self, path):
-                self.set_submodule(path, ResidualAdd())
+                self.set_submodule(path, served_norm(hf_config, self.get_submodule(path), folded))
         for checkpoint_path in getattr(hf_config, BIAS_KEY, []):
             path = _module_path(self, checkpoint_path)  # q_proj -> the fused qkv_proj, gate_proj -> gate_up_proj
             if _on_this_rank(self, path):
@@ -62,8 +52,8 @@ def _norm_free(served: ServedFamily) -> type[nn.Module]:
 
 def _give_bias(layer: nn.Module) -> None:
     """The bias parameter vLLM's linear layer makes with bias=True (this rank's part of the output, loaded by the
-    layer's own weight loader, shard by shard for a fused layer): a LayerNorm's β folded into a layer the family builds
-    without one (`taperfold_added_biases`). A fused layer is listed once per part: given one bias."""
+    layer's own weight loader, shard by shard for a fused layer): a LayerNorm's or a DyT's β folded into a layer the
+    family builds without one (`taperfold_added_biases`). A fused layer is listed once per part: given one bias."""
     if not isinstance(layer, LinearBase):
         raise TypeError(f"{type(layer).__name__}: a fold's bias goes to one of vLLM's linear layers")
     if layer.bias is not None:
