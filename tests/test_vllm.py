@@ -178,6 +178,28 @@ def test_transformers_with_taperfolds_registration_gives_the_checkpoints_logits(
         assert (stock(ids).logits - want).abs().max() > 1e-2
 
 
+def test_a_folded_checkpoint_written_before_the_norm_kind_was_recorded_loads_as_the_residual_add(exported, tmp_path):
+    """Folders exported before `taperfold_norm_kind` existed folded RMS norms or LayerNorms: read without the key,
+    their folded norms are the residual add, with the same logits."""
+    from taperfold.serving import KIND_KEY
+    from taperfold.serving.transformers_models import register_with_transformers
+
+    _, out = exported
+    older = shutil.copytree(out / "vllm" / "folded", tmp_path / "older")
+    config = json.loads((older / "config.json").read_text())
+    assert config.pop(KIND_KEY) == "rms"
+    (older / "config.json").write_text(json.dumps(config))
+    register_with_transformers()
+    ids = torch.tensor(PROMPTS[2:])
+    logits = []
+    for folder in (out / "vllm" / "folded", older):
+        folded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert all(type(folded.get_submodule(path)) is ServedNorm for path in FOLDED_NORMS)
+        with torch.no_grad():
+            logits.append(folded(ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
 def test_weights_past_the_shard_size_are_sharded_with_an_index_and_read_back_alike(exported, tmp_path):
     from taperfold.artifacts.vllm_weights import FoldedWeights, write_safetensors
     from taperfold.hf.weights import read_weights

@@ -154,4 +154,5 @@ def served_norm(config: Any, replaced: Any, folded: bool) -> Any:
 
     weight = getattr(replaced, "weight", None)
     width = weight.shape[-1] if weight is not None else config.hidden_size
-    return norm_kind(getattr(config, KIND_KEY)).served(width, folded)
+    # a checkpoint written before the kind was recorded folded RMS norms or LayerNorms, both served as the residual add
+    return norm_kind(getattr(config, KIND_KEY, "rms")).served(width, folded)
