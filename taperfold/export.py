@@ -94,6 +94,7 @@ from taperfold.tracing import (
     MIN_CONTEXT,
     ExportOptions,
     export_any_attention,
+    forget_matched_graphs,
     opset_graph,
 )
 
@@ -270,6 +271,7 @@ def export_checkpoint(
         # the models and the source's tensors let go (a tapered model's modules refer to each other: collected now)
         # before the artifacts are built: a kind that reads the source again (--vllm) would map the model twice
         del source, sources
+        forget_matched_graphs()  # OrtFusionsPass's rules ran after the last trace
         gc.collect()
         for kind, request in opts.artifacts.items():  # in build order (_planned)
             on_stage(f"building {artifact_kind(kind).title}")

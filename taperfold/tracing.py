@@ -292,22 +292,29 @@ def trace_call(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL) ->
 # What a matcher of onnxscript's rewrite rules keeps of the last graph it matched (SimplePatternMatcher in
 # onnxscript/rewriter/_matcher.py, 0.7.2)
 _MATCH_STATE = ("_graph", "_current_node", "_match", "_tracer")
+# Where module-level rewrite rules live: onnxscript's (the exporter's optimizer, ONNX Runtime's fusions) and taperfold's
+# own (passes/ort_fusions.py, passes/ort_rotary.py)
+_RULE_MODULES = ("onnxscript.rewriter", "taperfold.passes")
 
 
-def _forget_the_matched_graph() -> None:
-    """The exporter's optimizer (program.optimize(): onnxscript's default rewrite rules, and at opset 23 its fusions of
-    RMSNorm, RotaryEmbedding and attention) runs rules that are module-level objects of onnxscript.rewriter, whose
-    matchers keep the last graph they matched until their next match, and through it every weight of the model just
-    exported: the checkpoint's own tensors, memory-mapped from its files. Dropped after each export, so that the model
-    can be let go (a 1.1 B source stayed mapped after its graphs were written, and `--vllm` mapped it a second time)."""
-    from onnxscript.rewriter import RewriteRule, RewriteRuleSet
-
+def forget_matched_graphs() -> None:
+    """The rewrite rules that ran on a graph are module-level objects (the exporter's optimizer, program.optimize(),
+    runs onnxscript's default rules and at opset 23 its fusions of RMSNorm, RotaryEmbedding and attention;
+    OrtFusionsPass runs ONNX Runtime's and taperfold's own), whose matchers keep the last graph they matched until
+    their next match, and through it every weight of the model: the checkpoint's own tensors, memory-mapped from its
+    files. Dropped after each trace and before export builds its artifacts, so that the model can be let go (a 1.1 B
+    source stayed mapped after its graphs were written, and `--vllm` mapped it a second time). Memory only: an
+    onnxscript whose rules look otherwise is left as it is (tests/test_memory.py holds the installed one to this)."""
+    try:
+        from onnxscript.rewriter import RewriteRule, RewriteRuleSet
+    except ImportError:
+        return
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("onnxscript.rewriter"):
+        if module is None or not name.startswith(_RULE_MODULES):
             continue
         for value in list(vars(module).values()):
             if isinstance(value, RewriteRuleSet):
-                rules = value.rules
+                rules = getattr(value, "rules", ())
             elif isinstance(value, tuple | list):  # the default rules
                 rules = value
             else:
@@ -350,7 +357,7 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
             cause = e.__cause__ or e
             raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e
         finally:
-            _forget_the_matched_graph()
+            forget_matched_graphs()
     _check_dynamic(program.model, call.ids)
     if program.exported_program is not None:  # what torch.export traced, kept by the dynamo exporter
         check_lengths(

@@ -209,6 +209,7 @@ def test_a_dyt_transformers_model_saves_as_a_directory_that_reopens_exports_and_
     folder = save_hf_directory(model, tmp_path / "dyt")
     block = json.loads((folder / "config.json").read_text())["taperfold"]
     assert block["norm"] == "dyt" and "calibration" not in block and block["gate"] == 0.0
+    assert load_hf_directory(folder).config.norm_kind == "dyt"  # what the manifest and bench reports record
     reopened = load_hf_directory(folder).build()
     tapering = reopened.tapering
     assert tapering.kind.name == "dyt" and tapering.norms.keys() == model.tapering.norms.keys()

@@ -125,11 +125,15 @@ def test_stamped_layers_hold_no_copy_of_the_models_weights(tmp_path):
     assert computed >= 5 * 7  # q, k, v, o, gate, up, down of layers 1 to 5, transposed for their MatMuls
 
 
-def test_export_lets_the_source_go_before_building_an_artifact_that_reads_it_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("graph_options", [{}, {"opset": 22, "ort_fusions": True}], ids=["default", "ort_fusions"])
+def test_export_lets_the_source_go_before_building_an_artifact_that_reads_it_again(
+    tmp_path, monkeypatch, graph_options
+):
     """--vllm reads the source again to write the folded checkpoint: by then export has let go of its own models and
     of the source's tensors, memory-mapped from its safetensors files, so a model past 2 GB is not mapped twice. (The
     exporter's optimizer runs onnxscript's rewrite rules, whose matchers kept the last graph they matched: at opset
-    23, tried first, its RMSNorm and RoPE fusions too.)"""
+    23, tried first, its RMSNorm and RoPE fusions too; and --ort-fusions runs ONNX Runtime's and taperfold's own
+    rules after the last trace.)"""
     from hf_models import tapered_tiny_model
 
     import taperfold.export as export
@@ -157,6 +161,33 @@ def test_export_lets_the_source_go_before_building_an_artifact_that_reads_it_aga
     monkeypatch.setattr(VllmCheckpoint, "build", built_after)
     tapered = tapered_tiny_model("llama", num_hidden_layers=6, tie_word_embeddings=False)
     source = save_hf_directory(tapered, tmp_path / "tapered", max_shard_size="100KB")  # several files
-    result = export_checkpoint(source, tmp_path / "out", ExportOptions(artifacts={"vllm": VllmRequest()}))
+    options = ExportOptions(artifacts={"vllm": VllmRequest()}, **graph_options)
+    result = export_checkpoint(source, tmp_path / "out", options)
     assert (result.out_dir / "vllm" / "folded" / "model.safetensors").is_file()
     assert held == [(True, True, True), (False, False, False)]  # the baseline, the unfolded model, the source's files
+    assert not _rules_holding_a_graph()
+
+
+def _rules_holding_a_graph() -> list[str]:
+    """The module-level rewrite rules (onnxscript's, taperfold's) whose matcher still holds the last graph it matched,
+    and through it the model's weights."""
+    import sys
+
+    from onnxscript.rewriter import RewriteRule, RewriteRuleSet
+
+    holding = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("onnxscript.rewriter", "taperfold.passes")):
+            continue
+        for key, value in vars(module).items():
+            rules = (
+                value.rules
+                if isinstance(value, RewriteRuleSet)
+                else value
+                if isinstance(value, list | tuple)
+                else [value]
+            )
+            matchers = [rule._matcher for rule in rules if isinstance(rule, RewriteRule)]
+            if any(getattr(matcher, "_graph", None) is not None for matcher in matchers):
+                holding.append(f"{name}.{key}")
+    return holding

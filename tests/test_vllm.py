@@ -289,10 +289,11 @@ def families_exported(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(exported, families_exported):
-    """One run of tests/vllm_generate.py over the llama checkpoint and each family's, an engine each in turn (vLLM's
-    start is mostly its import, paid once); each test asserts its own model's greedy tokens."""
-    return run_vllm(exported[1] / "vllm" / "folded", *(folder for _, folder in families_exported.values()))
+def served(exported, families_exported, dyt_exported):
+    """One run of tests/vllm_generate.py over the llama checkpoint, each family's and the DyT Llama's, an engine each in
+    turn (vLLM's start is mostly its import, paid once); each test asserts its own model's greedy tokens."""
+    folders = [folder for _, folder in families_exported.values()]
+    return run_vllm(exported[1] / "vllm" / "folded", *folders, dyt_exported[1] / "vllm" / "folded")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -403,9 +404,9 @@ def test_a_dyt_read_by_a_moe_router_is_kept_whole_and_transformers_gives_the_che
 
 
 @needs_vllm
-def test_vllm_serves_a_dyt_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(dyt_exported):
+def test_vllm_serves_a_dyt_checkpoint_through_the_entry_point_with_the_checkpoints_greedy_tokens(dyt_exported, served):
     source, out = dyt_exported
-    assert_gives_the_reference(run_vllm(out / "vllm" / "folded"), greedy_reference(source))
+    assert_gives_the_reference(served, out / "vllm" / "folded", greedy_reference(source))
 
 
 def test_a_tapered_final_layernorm_vllms_head_cannot_take_is_refused_in_one_line(tmp_path, no_export_work):

@@ -138,10 +138,12 @@ class HFModelInfo:
         tokenizer: str,
         cache: tuple[int, int] | None = None,
         longest: int | None = None,
+        norm: str | None = None,
     ) -> HFModelInfo:
         """`cache`: the (heads, head dim) of the keys the model caches (`cached_heads`), where measured; else the
         config's key/value heads and head dim. `longest`: the longest input the model takes where it is less than
-        the context its config states (`position_table_context`)."""
+        the context its config states (`position_table_context`). `norm`: the kind in the norms' places where not
+        the family's own (DyT: the taperfold block's `norm`)."""
         language = language_config(config)  # a multimodal model's language model: the sizes of what is exported
         heads, kv_heads, head_dim = (  # lists where layers differ (Gemma 4's head_dim): layer 0's
             layer_zero(config_value(language, name))
@@ -171,7 +173,7 @@ class HFModelInfo:
             head_dim=head_dim,
             max_seq_len=context,
             taper=taper,
-            norm_kind=family.norm,
+            norm_kind=norm or family.norm,
             tie_embeddings=bool(getattr(language, "tie_word_embeddings", False)),
             aux=aux,
             tokenizer=tokenizer,

@@ -277,6 +277,7 @@ def load_hf_directory(path: str | Path) -> HFCheckpoint:
         tokenizer,
         cached_heads(expected_model),
         position_table_context(expected_model),
+        block.norm if block else None,
     )
     return HFCheckpoint(
         path,
