@@ -70,7 +70,8 @@ def test_every_doc_lists_what_it_runs():
     assert (
         shell[:5]
         == [
-            "taperfold train  --preset tiny -o tiny.safetensors         # a real tapered checkpoint, gate exactly 0",
+            "taperfold train  --preset tiny --steps 300 -o tiny.safetensors   "
+            "# a real tapered checkpoint, gate exactly 0",
             *shell[1:5],
         ]
         and len(shell) >= 15

@@ -90,8 +90,12 @@ def greedy_reference(source: Path) -> list[dict]:
 def run_vllm(*models: Path, plugins: str | None = None, tensor_parallel: int = 1) -> subprocess.CompletedProcess:
     """tests/vllm_generate.py on each of `models` in turn in one process of .venv-vllm (vLLM imported once, an engine
     per model), `plugins`: VLLM_PLUGINS ("" loading none), each model's weights split over `tensor_parallel` worker
-    processes."""
+    processes. At 1, vLLM's engine runs in that process: the plugin's path through the processes vLLM spawns, as users
+    serve, is held by the tensor-parallel test (a worker per shard), the OpenAI server test (its engine process) and
+    the engine `vllm` tests (taperfold's runner: an engine process and a worker)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if tensor_parallel == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
@@ -291,7 +295,7 @@ def families_exported(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(exported, families_exported, dyt_exported):
     """One run of tests/vllm_generate.py over the llama checkpoint, each family's and the DyT Llama's, an engine each in
-    turn (vLLM's start is mostly its import, paid once); each test asserts its own model's greedy tokens."""
+    turn in that process (vLLM imported once); each test asserts its own model's greedy tokens."""
     folders = [folder for _, folder in families_exported.values()]
     return run_vllm(exported[1] / "vllm" / "folded", *folders, dyt_exported[1] / "vllm" / "folded")
 

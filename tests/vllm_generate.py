@@ -6,8 +6,11 @@ served all the same, and the exit code is 1 if any failed.
     vllm_generate.py PROMPTS_JSON MAX_TOKENS TENSOR_PARALLEL MODEL [MODEL ...]
 
 Each model gets an engine of its own, shut down before the next starts: several models in one process pay vLLM's
-import once (most of the start on this CPU). The guard is vLLM's requirement: `LLM(...)` spawns its engine process,
-which imports this module again."""
+import once. At TENSOR_PARALLEL 1 the engine and its one worker run in this process (test_vllm.run_vllm sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0, the executor is "uni"): the same model classes and weights, loaded through the same
+plugin entry point (vLLM loads its general plugins in whichever process builds the model), about 4 s an engine, not
+the 20 s of spawning an engine process and a worker process that each import vLLM again. Past 1, "mp" spawns a worker
+per shard. The guard is vLLM's requirement: a spawned process imports this module again."""
 
 import gc
 import json
@@ -29,7 +32,7 @@ if __name__ == "__main__":
                 max_model_len=64,
                 seed=0,
                 tensor_parallel_size=tensor_parallel,
-                distributed_executor_backend="mp" if tensor_parallel > 1 else None,
+                distributed_executor_backend="mp" if tensor_parallel > 1 else "uni",
             )
         except Exception as e:  # noqa: BLE001 - the test reads what vLLM says, whatever its type
             print(f"ERROR: {model}:", type(e).__name__, " ".join(str(e).split()), flush=True)
