@@ -277,7 +277,7 @@ class _KindOptionsCommand(click.Command):
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         own = super().get_params(ctx)
-        at = next(i for i, p in enumerate(own) if p.name == "to_onnx") + 1
+        at = next(i for i, p in enumerate(own) if p.name == "onnx") + 1
         return [*own[:at], *_kind_params(tuple(self.params)), *own[at:]]
 
 
@@ -316,7 +316,14 @@ def _kind_params(own: tuple[click.Parameter, ...]) -> list[click.Parameter]:
 
 @cli.command(cls=_KindOptionsCommand)
 @click.argument("checkpoint", type=click.Path())
-@click.option("--onnx", "to_onnx", is_flag=True, hidden=True)  # ONNX is always written; kept for old scripts
+@click.option(
+    "--onnx/--no-onnx",
+    "onnx",
+    default=True,
+    show_default=True,
+    help="Write the ONNX graphs. --no-onnx traces nothing and writes only the folders converted from the model "
+    "itself (--vllm, --openvino).",
+)
 @click.option(
     "-o",
     "--output",
@@ -393,7 +400,7 @@ def _kind_params(own: tuple[click.Parameter, ...]) -> list[click.Parameter]:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 def export(
     checkpoint,
-    to_onnx,
+    onnx,
     out_dir,
     overwrite,
     logits,
@@ -411,7 +418,8 @@ def export(
     **kind_values,
 ):
     """Export CHECKPOINT to ONNX: folded model.onnx, unfolded.onnx, baseline.onnx and manifest.json;
-    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders."""
+    with --trt, a TensorRT engine of model.onnx too; with --genai / --openvino / --vllm, those runtimes' folders
+    (with --no-onnx, those folders alone that are converted from the model: --vllm, --openvino)."""
     from taperfold.artifacts import default_target, requests
     from taperfold.export import ExportOptions, export_to_dir
     from taperfold.ui import print_export
@@ -428,6 +436,7 @@ def export(
         fuse_projections=fuse_projections,
         ort_fusions=ort_fusions,
         stamp_layers=not trace_every_layer,
+        onnx=onnx,
     )
     artifacts = requests(kind_values, opts)  # each kind's request, made once from the values of every kind's options
     opts = replace(opts, artifacts=artifacts, target=target or default_target(artifacts))

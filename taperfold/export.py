@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from taperfold import interrupts
-from taperfold.artifacts import artifact_kind, in_build_order
+from taperfold.artifacts import all_kinds, artifact_kind, in_build_order, reads_graphs
 from taperfold.artifacts.base import ArtifactKind, ArtifactRecord
 from taperfold.artifacts.onnx_graph import ONNX_GRAPH, OnnxDetails
 from taperfold.errors import TaperfoldError
@@ -170,6 +170,8 @@ def check_options(opts: ExportOptions) -> None:
             raise TaperfoldError(
                 f"--max-cache must be {MIN_CONTEXT} or more (a prompt and a step), got {opts.max_cache}"
             )
+    if not opts.onnx:
+        _check_without_graphs(opts)
     for name, request in opts.artifacts.items():
         kind = artifact_kind(name)
         if type(kind).build is ArtifactKind.build:
@@ -179,6 +181,30 @@ def check_options(opts: ExportOptions) -> None:
                 f"artifact kind {name!r} takes a {kind.request_type.__name__} request, not {type(request).__name__}"
             )
         kind.check_request(request, opts)
+
+
+def _check_without_graphs(opts: ExportOptions) -> None:
+    """--no-onnx: no option that shapes the graphs, no kind made from them, and a kind that is not (else nothing would
+    be written)."""
+    graph_options = {
+        "--kv-cache": bool(opts.decoders),
+        "--opset": opts.opset is not None,
+        "--ort-fusions": opts.ort_fusions,
+        "--trace-every-layer": not opts.stamp_layers,
+    }
+    for flag, given in graph_options.items():
+        if given:
+            raise TaperfoldError(f"{flag} shapes the ONNX graphs, which --no-onnx does not write: drop one of them")
+    for name in opts.artifacts:
+        if reads_graphs(name):
+            kind = artifact_kind(name)
+            asked = kind.options[0].flag if kind.options else f"artifact kind {name!r}"
+            raise TaperfoldError(f"{asked} is made from the ONNX graphs, which --no-onnx does not write")
+    if not opts.artifacts:
+        flags = [kind.options[0].flag for kind in all_kinds() if kind.options and not reads_graphs(kind.name)]
+        raise TaperfoldError(
+            f"--no-onnx leaves nothing to write: ask for a folder converted from the model ({', '.join(flags)})"
+        )
 
 
 def _planned(opts: ExportOptions, source: ModelSource, tapered: TaperedLM | None) -> ExportOptions:
@@ -238,7 +264,8 @@ def export_checkpoint(
     ckpt_path: str | Path, out_dir: str | Path, opts: ExportOptions, on_stage=lambda name: None
 ) -> ExportResult:
     """Write baseline.onnx, unfolded.onnx, model.onnx (folded) and manifest.json into `out_dir`, then build the
-    artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing."""
+    artifacts `opts.artifacts` asks for (a TensorRT engine, a plug-in's kind) from them: all or nothing. Without
+    `opts.onnx`, no graph: the manifest and the artifacts converted from the model itself."""
     started = time.perf_counter()
     check_options(opts)
     ckpt_path = Path(ckpt_path)
@@ -254,17 +281,21 @@ def export_checkpoint(
     sources: list[
         tuple[str, TaperedLM]
     ] = []  # (variant, model); the folded graphs are the unfolded ones after the passes
-    if opts.baseline or not source.tapered:
+    if opts.onnx and (opts.baseline or not source.tapered):
         sources.append((BASELINE, source.build_baseline().to(dtype)))
     if source.tapered:
         sources.append((UNFOLDED, source.build(gate=0.0).to(dtype)))
     _check_fits([model for _, model in sources], opts.dtype, ckpt_path)
     opts = _planned(opts, source, dict(sources).get(UNFOLDED))
-    _check_caches(source, sources[0][1], opts)
+    if sources:
+        _check_caches(source, sources[0][1], opts)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        with source.export_context():
-            exported = export_graphs(sources, tmp, opts, on_stage)
+        if opts.onnx:
+            with source.export_context():
+                exported = export_graphs(sources, tmp, opts, on_stage)
+        else:
+            exported = ExportedGraphs()
         on_stage("writing manifest")
         manifest = export_manifest(source, ckpt_path, opts, tmp, exported.records, exported.clock.seconds)
         manifest.write()

@@ -42,6 +42,7 @@ def export_manifest(
             "fuse_projections": opts.fuse_projections,
             "inputs": [INPUT],
             "outputs": [OUTPUT],
+            **({} if opts.onnx else {"onnx": False}),  # --no-onnx: no graph, the folders alone
         },
         versions=package_versions(),
         timings=StageTimings.from_clock(seconds),

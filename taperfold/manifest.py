@@ -180,6 +180,11 @@ class Manifest:
         return self._data["export"]["dtype"]
 
     @property
+    def onnx(self) -> bool:
+        """Whether the export wrote ONNX graphs (False: `export --no-onnx`, its folders alone)."""
+        return self._data["export"].get("onnx", True)
+
+    @property
     def max_cache(self) -> int | None:
         """The cache length of the static decoders (None: the export has none)."""
         return self._data["export"].get("max_cache")
@@ -210,7 +215,8 @@ class Manifest:
 
     def record(self, key: str) -> ArtifactRecord:
         if key not in self._records:
-            raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}'")
+            hint = "" if self.onnx else f": {NO_GRAPHS_HINT}"
+            raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}'{hint}")
         return self._records[key]
 
     def find(
@@ -237,6 +243,8 @@ class Manifest:
             hint = _MISSING_HINT.get((kind, graph), "")
             if precision not in (None, self.dtype) and self.find(variant, graph, kind) is not None:
                 hint = f"re-export with --quantize {precision}"  # the graph is there, its quantized form is not
+            if kind == ONNX and not self.onnx:
+                hint = NO_GRAPHS_HINT
             raise TaperfoldError(f"{self.path}: missing key 'artifacts.{key}'" + (f": {hint}" if hint else ""))
         return self.file(record)
 
@@ -337,6 +345,9 @@ def new_manifest(
     return Manifest(directory, data, {}, source, timings, note)
 
 
+NO_GRAPHS_HINT = "exported with --no-onnx, it holds no ONNX graph (export again without it, or run its folders)"
+
+
 def is_export_dir(path: Path) -> bool:
     """Whether `path` holds a taperfold export, which a new export may replace whole."""
     try:
@@ -376,10 +387,22 @@ def read_manifest(export_dir: str | Path) -> Manifest:
     timings = StageTimings.from_json(top.child("timings") if top.has("timings") else None)
     note = top.optional_text("note")
     records = {key: _record(path, key, entry) for key, entry in _mapping(path, data, "artifacts").items()}
-    if not any(r.kind == ONNX and r.variant in (BASELINE, UNFOLDED, FOLDED) for r in records.values()):
+    if not _wrote_graphs(path, data):
+        if not records:
+            raise TaperfoldError(f"{path}: key 'artifacts' is empty (an export with 'onnx': false lists its folders)")
+    elif not any(r.kind == ONNX and r.variant in (BASELINE, UNFOLDED, FOLDED) for r in records.values()):
         raise TaperfoldError(f"{path}: key 'artifacts' lists no ONNX graph of the baseline, unfolded or folded model")
     data = {k: v for k, v in data.items() if k != "artifacts"}
     return Manifest(export_dir, data, records, source, timings, note)
+
+
+def _wrote_graphs(path: Path, data: dict) -> bool:
+    """Whether the export wrote ONNX graphs: key 'export.onnx', false for `export --no-onnx` (absent: true)."""
+    export = data.get("export")
+    onnx = export.get("onnx", True) if isinstance(export, dict) else True
+    if not isinstance(onnx, bool):
+        raise TaperfoldError(f"{path}: key 'export.onnx' must be true or false, got {onnx!r}")
+    return onnx
 
 
 def _record(path: Path, key: str, entry: Any) -> ArtifactRecord:

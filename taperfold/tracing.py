@@ -79,6 +79,9 @@ class ExportOptions:
     ort_fusions: bool = False
     # trace the first decoder layers and stamp out the others where those after them are alike (taperfold.layer_trace)
     stamp_layers: bool = True
+    # write the ONNX graphs; False (--no-onnx): only the artifacts converted from the model itself (--vllm, --openvino),
+    # with no trace
+    onnx: bool = True
     # artifacts built from the graphs once they are written: kind name -> that kind's request (an instance of its
     # `request_type`, taperfold.artifacts), e.g. {"tensorrt-plan": TensorrtRequest(batch="1/4/8")} for `export --trt`;
     # built in the registry's order (taperfold.artifacts.in_build_order), whatever this dict's
@@ -242,7 +245,9 @@ def _prefill_call(model: TaperedLM, opts: ExportOptions) -> TraceCall:
 def _growing_call(model: TaperedLM, opts: ExportOptions) -> TraceCall:
     cfg = model.cfg
     batch, seq, ids, past_len = _example(model)
-    past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len)
+    # a past leaves room for one new token at least: torch.export infers past < context, and with a wider range
+    # torch.onnx would trace the whole decoder again with that bound
+    past_dim = torch.export.Dim("past_sequence_length", min=1, max=cfg.max_seq_len - 1)
     kv = torch.zeros(TRACE_SHAPE[0], cfg.kv_heads, past_len, cfg.head_dim, dtype=torch_dtype(opts.dtype))
     past = [kv.clone() for _ in range(2 * cfg.n_layers)]
     inputs, outputs = decoder_io_names(cfg.n_layers, GROWING)

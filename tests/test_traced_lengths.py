@@ -92,3 +92,16 @@ def test_sampled_lengths_hold_each_short_one_and_each_power_of_two_with_its_neig
         4096,
     ]
     assert sample_lengths(10, all_up_to=64) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("graph", ["prefill", "growing", "static"])
+def test_each_graphs_dynamic_axes_are_the_ones_torch_export_infers(graph):
+    """torch.onnx traces a module again, with the bounds torch.export suggests, when the declared ones are wider than
+    what the model's code allows (a past that leaves no room for a new token): each graph is declared so as to be
+    traced once."""
+    from taperfold.models import random_gate0_model
+    from taperfold.tracing import ExportOptions, trace_call
+
+    call = trace_call(random_gate0_model("tiny"), ExportOptions(), graph)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # as torch.onnx's capture runs it
+        torch.export.export(call.module, call.args, kwargs=call.kwargs, dynamic_shapes=call.shapes, strict=False)

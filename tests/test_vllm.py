@@ -278,15 +278,15 @@ def tiny_tapered(model_type: str, **changes):
 
 @pytest.fixture(scope="module")
 def families_exported(tmp_path_factory):
-    """family -> (tapered source, its folded checkpoint folder) of `taperfold export SOURCE --vllm` for a tiny tapered
-    model of each served family."""
+    """family -> (tapered source, its folded checkpoint folder) of `taperfold export SOURCE --vllm --no-onnx` for a
+    tiny tapered model of each served family: the folder alone, no graph traced."""
     from taperfold.hf import save_hf_directory
 
     exported = {}
     for family, (model_type, changes) in FAMILIES.items():
         root = tmp_path_factory.mktemp(f"vllm-{family}")
         source = save_hf_directory(tiny_tapered(model_type, **changes), root / "tapered")
-        result = run_cli("export", source, "-o", root / "out", "--vllm")
+        result = run_cli("export", source, "-o", root / "out", "--vllm", "--no-onnx")
         assert result.exit_code == 0, f"{family}: {result.stderr}"
         exported[family] = source, root / "out" / "vllm" / "folded"
     return exported
@@ -327,17 +327,50 @@ def test_vllm_serves_each_served_family_with_the_checkpoints_greedy_tokens(famil
 
 @pytest.fixture(scope="module")
 def dyt_exported(tmp_path_factory):
-    """(the source directory, the export directory) of `taperfold export SOURCE --vllm` for a tiny Llama of the test
-    shape with DyT in every norm's place, the final one too."""
+    """(the source directory, the export directory) of `taperfold export SOURCE --vllm --no-onnx` for a tiny Llama of
+    the test shape with DyT in every norm's place, the final one too."""
     from hf_models import dyt_tiny_model
 
     from taperfold.hf import save_hf_directory
 
     root = tmp_path_factory.mktemp("vllm-dyt")
     source = save_hf_directory(dyt_tiny_model("llama", "all", **SHAPE), root / "dyt")
-    result = run_cli("export", source, "-o", root / "out", "--vllm")
+    result = run_cli("export", source, "-o", root / "out", "--vllm", "--no-onnx")
     assert result.exit_code == 0, result.stderr
     return source, root / "out"
+
+
+def test_export_no_onnx_writes_the_vllm_folder_alone_and_the_graph_commands_say_so(dyt_exported, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(dyt_exported[1], out)  # verify writes verify.json beside the export
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "vllm"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["export"]["onnx"] is False
+    assert [entry["kind"] for entry in manifest["artifacts"].values()] == ["vllm"]
+    assert manifest["timings"]["torch_export_s"] == 0  # nothing traced
+    verified = run_cli("verify", out, "--json")
+    assert verified.exit_code == 0, verified.stderr
+    report = json.loads(verified.stdout)
+    assert [pair["status"] for pair in report["pairs"]] == ["pass"] and report.get("note") is None
+    one_line(run_cli("bench", out, "--engine", "ort"), "missing key 'artifacts.baseline'", "--no-onnx")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        ((), "--no-onnx leaves nothing to write: ask for a folder converted from the model (--openvino, --vllm)"),
+        (("--quantize", "int4"), "--no-onnx leaves nothing to write"),
+        (("--vllm", "--kv-cache"), "--kv-cache shapes the ONNX graphs, which --no-onnx does not write"),
+        (("--vllm", "--opset", "20"), "--opset shapes the ONNX graphs"),
+        (("--vllm", "--ort-fusions"), "--ort-fusions shapes the ONNX graphs"),
+        (("--genai",), "--genai is made from the ONNX graphs, which --no-onnx does not write"),
+        (("--trt",), "--trt is made from the ONNX graphs"),
+    ],
+)
+def test_export_no_onnx_refuses_what_needs_a_graph_in_one_line_before_any_work(exported, tmp_path, flags, needle):
+    result = run_cli("export", exported[0], "-o", tmp_path / "out", "--no-onnx", *flags)
+    one_line(result, needle)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_dyt_llamas_checkpoint_holds_each_tanhs_alpha_and_the_final_dyt_whole(dyt_exported):

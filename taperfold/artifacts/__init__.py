@@ -32,7 +32,7 @@ import importlib.metadata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from taperfold.artifacts.base import ArtifactKind, ExportRequest, Option
+from taperfold.artifacts.base import EXPORT, TORCH, ArtifactKind, ExportRequest, Option
 from taperfold.errors import TaperfoldError, first_line
 
 PLUGIN_GROUP = "taperfold.artifact_kinds"
@@ -139,6 +139,13 @@ def requests(given: Mapping[str, Any], export: ExportRequest) -> dict[str, Any]:
         if request is not None:
             made[kind.name] = request
     return made
+
+
+def reads_graphs(name: str) -> bool:
+    """Whether kind `name` is made from the export's ONNX graphs: the graphs' own kind (their quantized forms), or a
+    kind built from them, directly or through another kind."""
+    kind = artifact_kind(name)
+    return name == ONNX or (kind.built_from not in (TORCH, EXPORT) and reads_graphs(kind.built_from))
 
 
 def default_target(names: Iterable[str]) -> str:

@@ -183,6 +183,8 @@ class Export(Protocol):
     @property
     def dtype(self) -> str: ...
     @property
+    def onnx(self) -> bool: ...  # the ONNX graphs were written (False: --no-onnx)
+    @property
     def checkpoint(self) -> Path: ...
     @property
     def gate(self) -> float: ...
@@ -211,6 +213,8 @@ class ExportRequest(Protocol):
     def dtype(self) -> str: ...
     @property
     def logits(self) -> str: ...
+    @property
+    def onnx(self) -> bool: ...  # the ONNX graphs are written (False: --no-onnx)
 
 
 class ArtifactKind:

@@ -160,7 +160,10 @@ class OnnxGraph(ArtifactKind):
         )
 
     def request(self, values: Mapping[str, Any], export: ExportRequest) -> OnnxRequest | None:
-        """--quantize's precisions with --block-size; --block-size alone is refused (it sets --quantize's blocks)."""
+        """--quantize's precisions with --block-size; --block-size alone is refused (it sets --quantize's blocks).
+        None under --no-onnx: there is no graph to quantize, and --quantize is the folders' (--openvino's) alone."""
+        if not export.onnx:
+            return None
         if not values["quantize"]:
             if values["block_size"] != DEFAULT_BLOCK_SIZE:
                 raise TaperfoldError("--block-size sets --quantize's blocks: add --quantize int4 or int8")

@@ -95,7 +95,9 @@ class PlanContext:
     @property
     def baseline_only(self) -> bool:
         """An export of a plain (untapered) checkpoint: baseline graphs and nothing tapered or folded."""
-        return not any(self.manifest.has_artifact(v) for v in (UNFOLDED, FOLDED))
+        return self.manifest.has_artifact(BASELINE) and not any(
+            self.manifest.has_artifact(v) for v in (UNFOLDED, FOLDED)
+        )
 
     def tolerance(self, kind: str, precision: str | None = None) -> Tolerance:
         """The bound of a pair of `kind` whose candidate is in `precision` (default: the export's dtype)."""
