@@ -309,6 +309,7 @@ def export_checkpoint(
             manifest.build(kind, request, on_stage)
         manifest.timings = manifest.timings.with_total(time.perf_counter() - started)
         manifest.write()
+        read_manifest(tmp)  # what it lists, checked before the directory takes its place (--no-onnx: a folder)
     return ExportResult(out_dir, read_manifest(out_dir), exported.clock.seconds)
 
 

@@ -89,6 +89,20 @@ def test_export_openvino_records_a_stateful_ir_per_variant(builtin_export):
         assert record.graph == "growing" and record.precision == "fp32"
 
 
+def test_export_openvino_no_onnx_converts_the_folded_model_and_the_baseline_without_a_graph(tmp_path):
+    ckpt = save_checkpoint(checkpoint_from_model(random_gate0_model("tiny", arch="llama"), step=0), tmp_path / "t.pt")
+    result = run_cli("export", ckpt, "-o", tmp_path / "out", "--openvino", "--no-onnx")
+    assert result.exit_code == 0, result.stderr
+    manifest = read_manifest(tmp_path / "out")
+    assert {r.kind for r in manifest.records()} == {"openvino"}
+    assert {r.key for r in manifest.records()} == {"folded.decoder.openvino", "baseline.decoder.openvino"}
+    assert not list((tmp_path / "out").glob("*.onnx"))
+    verified = run_cli("verify", tmp_path / "out", "--threads", "1", "--json")
+    assert verified.exit_code == 0, verified.stderr
+    pairs = {p["candidate"]: p["status"] for p in json.loads(verified.stdout)["pairs"]}
+    assert pairs == {"folded.decoder.openvino": "pass", "baseline.decoder.openvino": "pass"}
+
+
 def test_verify_holds_the_stateful_ir_to_the_checkpoint(builtin_export, tmp_path):
     copy = tmp_path / "out"
     shutil.copytree(builtin_export[0], copy)

@@ -189,14 +189,16 @@ class OpenVinoIR(ArtifactKind):
         from taperfold.sources import open_source
 
         self.check_request(request, manifest)
+        source = open_source(manifest.checkpoint)
         wanted = request.variants
         if wanted:
             variants = [canonical_variant(v) for v in wanted]
-        else:
+        elif manifest.onnx:
             variants = [v for v in DEFAULT_VARIANTS if manifest.find(v) is not None]
+        else:  # export --no-onnx: the variants the source has
+            variants = [v for v in DEFAULT_VARIANTS if v == BASELINE or source.tapered]
         precisions = list(dict.fromkeys(request.precisions or [DTYPE]))
         compressions = {c.precision: c for c in _compressions(request)}
-        source = open_source(manifest.checkpoint)
         models = _torch_variants(source, variants, str(manifest.checkpoint))
         tokenizer = tokenizer_files(manifest)
         names = {(v, p): folder_name(v, p) for v in variants for p in precisions}
