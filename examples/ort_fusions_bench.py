@@ -3,7 +3,8 @@ Runtime's LLM fusions (the pass export runs, taperfold.passes.ort_fusions), time
 
     python examples/ort_fusions_bench.py EXPORT [--variants folded,unfolded] [--batch 1,4] [--rounds 5]
 
-EXPORT: a `taperfold export ... --kv-cache growing` directory made without --ort-fusions. Each variant's decoder is
+EXPORT: a `taperfold export ... --kv-cache growing --opset 20` directory made without --ort-fusions (20: the opset
+--ort-fusions takes, whose plain attention ops the fusions match; docs/opsets.md#ort-fusions). Each variant's decoder is
 fused into a scratch folder; then every contender generates greedily (the prompt through the decoder with an empty
 cache, then one token a step), contenders alternated in rounds, the order rotated each round, ONNX Runtime on the
 CPU with --threads intra-op threads. Decode throughput is the steps' tokens over their time, back to back; prefill

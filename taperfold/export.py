@@ -79,9 +79,7 @@ from taperfold.opsets import (
     OpsetChoice,
     choose_opset,
     fuses_norms,
-    rotary_fallback,
     runs_contrib_ops,
-    without_fused_rotary,
 )
 from taperfold.passes.fuse_norm import ExpandRMSNormalizationPass, count_rms_norms
 from taperfold.passes.pipeline import Pipeline, Step
@@ -426,11 +424,8 @@ def export_graphs(
     out = ExportedGraphs()
     clock = out.clock
     models = dict(sources)
-    rope_fused = False  # a trace fused the model's RoPE: the RoPE is the model's, so every later group's would be
     for graph in (PREFILL, *opts.decoders):
-        choice = choose_opset(opts.target, opset_graph(graph), opts.opset)
-        if rope_fused:
-            choice = rotary_fallback(choice) or choice
+        choice = choose_opset(opts.target, opset_graph(graph), opts.opset, ort_fusions=opts.ort_fusions)
         # the unfolded model first: the baseline's graph is made from its trace where the norms allow
         restorable = _baseline_norms(models, graph, opts)
         derived = False
@@ -440,10 +435,6 @@ def export_graphs(
                 continue
             on_stage(f"exporting {name} (opset {choice.opset})")
             model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
-            if fallback := without_fused_rotary(choice, {n.op_type for n in model_ir.graph}):
-                choice, rope_fused = fallback, True  # for the rest of this group and the groups after it
-                on_stage(f"exporting {name} (opset {choice.opset}: fused RotaryEmbedding avoided)")
-                model_ir, traced = _trace(model, opts, graph, choice.opset, name, on_stage, clock)
             prefix = _network_prefix(model, graph)
             if variant == BASELINE:
                 baseline = graph_pipeline(opts, BASELINE, choice.opset, model_ir)

@@ -6,7 +6,9 @@ Graphs: "prefill" (baseline / unfolded / folded .onnx: the whole prompt, last-to
 parser). `--opset N` overrides the table for every graph; the manifest records, per artifact, the
 opset used and whether it came from the table or the override.
 
-Only at opset 23 does the torch exporter fuse RMSNorm into `RMSNormalization` and SDPA into `Attention`.
+Only at opset 23 are RMSNorm fused into `RMSNormalization` and SDPA into `Attention` (onnxscript's fusions, which
+taperfold's trace runs without the RoPE one: taperfold.tracing). `--ort-fusions` takes opset 20 from the table:
+ONNX Runtime's own fusions match the plain ops written below 23.
 What each target does with the graphs:
 - ort: below 23 taperfold fuses RMSNorm itself (ONNX Runtime's SimplifiedLayerNormalization,
   taperfold.passes.fuse_norm), so every opset gets a one-kernel norm; the opset then decides attention.
@@ -62,8 +64,16 @@ TABLE: dict[tuple[str, str], tuple[int, str]] = {
 }
 
 
-def choose_opset(target: str, graph: str, override: int | None = None) -> OpsetChoice:
-    """The opset for `graph` ("prefill" | "decoder") exported for `target` ("ort" | "trt")."""
+ORT_FUSIONS_OPSET = 20
+ORT_FUSIONS_REASON = (
+    "docs/opsets.md#ort-fusions: --ort-fusions: ONNX Runtime's fusions take attention and RMSNorm as the plain ops "
+    "written below opset 23"
+)
+
+
+def choose_opset(target: str, graph: str, override: int | None = None, ort_fusions: bool = False) -> OpsetChoice:
+    """The opset for `graph` ("prefill" | "decoder") exported for `target` ("ort" | "trt"), and for ONNX Runtime's
+    fusions where `ort_fusions`."""
     if target not in TARGETS:
         raise TaperfoldError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
     if graph not in GRAPHS:
@@ -72,29 +82,10 @@ def choose_opset(target: str, graph: str, override: int | None = None) -> OpsetC
         if not MIN_OPSET <= override <= MAX_OPSET:
             raise TaperfoldError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET}, got {override}")
         return OpsetChoice(override, "override", f"--opset {override}")
+    if ort_fusions and runs_contrib_ops(target):
+        return OpsetChoice(ORT_FUSIONS_OPSET, "table", ORT_FUSIONS_REASON)
     opset, reason = TABLE[(target, graph)]
     return OpsetChoice(opset, "table", reason)
-
-
-ROTARY_FALLBACK_OPSET = 20
-ROTARY_REASON = (
-    "docs/opsets.md#rotary: at opset 23 the exporter fuses this model's RoPE into RotaryEmbedding, which ONNX "
-    "Runtime 1.31 rejects on shapes other than the traced one; exported at opset 20"
-)
-
-
-def without_fused_rotary(choice: OpsetChoice, op_types: set[str]) -> OpsetChoice | None:
-    """The opset to export again at when a graph exported at the table's opset came out with a fused
-    `RotaryEmbedding` (transformers' RoPE; taperfold's own RoPE is never fused), else None."""
-    return rotary_fallback(choice) if "RotaryEmbedding" in op_types else None
-
-
-def rotary_fallback(choice: OpsetChoice) -> OpsetChoice | None:
-    """The opset that keeps RoPE as plain ops in place of `choice`, where `choice` is one at which the exporter fuses
-    it, else None. An --opset override is kept as given: verify then shows whether the graph runs on other shapes."""
-    if choice.source != "table" or choice.opset < FUSING_OPSET:
-        return None
-    return OpsetChoice(ROTARY_FALLBACK_OPSET, "table", ROTARY_REASON)
 
 
 def runs_contrib_ops(target: str) -> bool:

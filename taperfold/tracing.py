@@ -37,7 +37,7 @@ from taperfold.exportdir import (
     decoder_io_names,
     torch_dtype,
 )
-from taperfold.opsets import choose_opset
+from taperfold.opsets import FUSING_OPSET, choose_opset
 from taperfold.taper import TaperedLM
 from taperfold.traced_lengths import check_lengths
 
@@ -212,6 +212,20 @@ def _initializer(graph, name: str, array):
     return value
 
 
+def _optimize(model_ir: ir.Model) -> None:
+    """What torch.onnx's `program.optimize()` runs (onnxscript's optimizer, then at opset 23 its fusions into ONNX's
+    RMSNormalization, RotaryEmbedding and grouped-query Attention), the RoPE fusion left out: ONNX Runtime 1.31 refuses
+    the fused RotaryEmbedding on any shape but the traced one (docs/opsets.md#rotary), and a graph with RoPE as plain
+    ops takes the table's opset at one trace."""
+    from onnxscript import optimizer
+    from onnxscript.rewriter.rules.fusion import _gqa, _rms_normalization  # onnxscript >= 0.5.2, as torch.onnx's own
+
+    optimizer.optimize_ir(model_ir)
+    if model_ir.opset_imports.get("") == FUSING_OPSET:
+        _rms_normalization.fuse_rms_normalization(model_ir)
+        _gqa.fuse_gqa(model_ir)
+
+
 @dataclass
 class TraceCall:
     """What one graph is traced from: the module, its example arguments, the dynamic axes torch.export takes for
@@ -303,8 +317,8 @@ _RULE_MODULES = ("onnxscript.rewriter", "taperfold.passes")
 
 
 def forget_matched_graphs() -> None:
-    """The rewrite rules that ran on a graph are module-level objects (the exporter's optimizer, program.optimize(),
-    runs onnxscript's default rules and at opset 23 its fusions of RMSNorm, RotaryEmbedding and attention;
+    """The rewrite rules that ran on a graph are module-level objects (the exporter's optimizer, _optimize(),
+    runs onnxscript's default rules and at opset 23 its fusions of RMSNorm and attention;
     OrtFusionsPass runs ONNX Runtime's and taperfold's own), whose matchers keep the last graph they matched until
     their next match, and through it every weight of the model: the checkpoint's own tensors, memory-mapped from its
     files. Dropped after each trace and before export builds its artifacts, so that the model can be let go (a 1.1 B
@@ -334,7 +348,7 @@ def forget_matched_graphs() -> None:
 def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, opset: int | None = None):
     """torch model → onnx_ir.Model of `graph` (prefill, or a decoder) with dynamic batch and sequence (and past)
     axes, at `opset` (default: the one `opts` chooses for this graph)."""
-    opset = opset or choose_opset(opts.target, opset_graph(graph), opts.opset).opset
+    opset = opset or choose_opset(opts.target, opset_graph(graph), opts.opset, opts.ort_fusions).opset
     call = trace_call(model, opts, graph)
     with _quiet():
         try:
@@ -357,7 +371,7 @@ def export_to_ir(model: TaperedLM, opts: ExportOptions, graph: Graph = PREFILL, 
             )
             assert program is not None  # dynamo=True always returns the program
             _keep_near_identity_constants(program.model)
-            program.optimize()
+            _optimize(program.model)
         except Exception as e:  # the exporter raises many types and wraps the cause in a long banner
             cause = e.__cause__ or e
             raise ExporterFailed(f"torch.onnx export failed: {type(cause).__name__}: {first_line(cause)}") from e

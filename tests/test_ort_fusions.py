@@ -17,6 +17,7 @@ from hf_models import tapered_tiny_model  # noqa: E402
 from taperfold.export import ExportOptions, export_checkpoint  # noqa: E402
 from taperfold.exportdir import GROWING  # noqa: E402
 from taperfold.hf import save_hf_directory  # noqa: E402
+from taperfold.opsets import ORT_FUSIONS_OPSET  # noqa: E402
 from taperfold.passes.ort_fusions import OrtFusionsPass, contrib_ops  # noqa: E402
 from taperfold.verify import verify_export  # noqa: E402
 
@@ -48,9 +49,9 @@ def test_every_graph_but_the_decomposed_baseline_runs_onnx_runtimes_attention(fu
 
 def _traced_decoder(root, model_type: str, **changes):
     """The folded growing-cache decoder of a tapered tiny `model_type` (`changes` set on its config), exported
-    without the fusions."""
+    without the fusions at the opset --ort-fusions takes."""
     source = save_hf_directory(tapered_tiny_model(model_type, **changes), root / "tapered", step=1)
-    options = ExportOptions(decoders=(GROWING,), baseline=False)
+    options = ExportOptions(decoders=(GROWING,), baseline=False, opset=ORT_FUSIONS_OPSET)
     out = export_checkpoint(source, root / "export", options).out_dir
     return out / json.loads((out / "manifest.json").read_text())["artifacts"]["folded.decoder"]["path"]
 
